@@ -1,0 +1,122 @@
+"""Recognise blocks that a fused op can run, and build the call.
+
+``match(block, args, kwargs)`` returns a zero-argument callable running the fused
+op, or None when the block is not a recognised pattern or the call has
+something the fused op does not model (hooks, autocast, a dtype mismatch, a
+Dropout with p > 0 in training, a BatchNorm in an unusual configuration). None
+means the generic recompute path, which is always correct.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_ACT_MODULES = {nn.ReLU: "relu", nn.SiLU: "silu"}
+
+
+def activation_name(module):
+    """The fused activation name of an activation module, or None."""
+    if type(module) in _ACT_MODULES:
+        return _ACT_MODULES[type(module)]
+    if type(module) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    return None
+
+
+def _has_hooks(module):
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
+        or getattr(module, "_backward_pre_hooks", None)
+    )
+
+
+def _is_noop_dropout(module):
+    return isinstance(module, nn.Dropout) and (module.p == 0 or not module.training)
+
+
+def _plain_linear(m, x):
+    return type(m) is nn.Linear and m.weight.dtype == x.dtype and m.weight.device == x.device
+
+
+def _conv_padding(conv):
+    if isinstance(conv.padding, str):
+        if conv.padding == "valid":
+            return [0, 0]
+        if conv.stride != (1, 1) or any((d * (k - 1)) % 2 for k, d in zip(conv.kernel_size, conv.dilation)):
+            return None  # asymmetric 'same' padding: not modelled
+        return [d * (k - 1) // 2 for k, d in zip(conv.kernel_size, conv.dilation)]
+    return list(conv.padding)
+
+
+def _plain_conv(m, x):
+    return (
+        type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros" and _conv_padding(m) is not None
+        and m.weight.dtype == x.dtype and m.weight.device == x.device and x.dim() == 4
+    )
+
+
+def bn_call_args(bn):
+    """(training, momentum, running_mean, running_var) as nn.BatchNorm2d.forward derives them,
+    incrementing ``num_batches_tracked`` the way it does. Call once per forward."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    use_batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+    track = not bn.training or bn.track_running_stats
+    return use_batch_stats, factor, bn.running_mean if track else None, bn.running_var if track else None
+
+
+def _plain_bn(m, c):
+    return type(m) is nn.BatchNorm2d and m.num_features == c
+
+
+def match(block, args, kwargs):
+    from . import functional as F
+    from . import nn as fnn
+
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    if not x.is_floating_point() or torch.is_autocast_enabled(x.device.type):
+        return None
+    if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.ConvBNReLU)):
+        return None if _has_hooks(block) else (lambda: block(x))
+    if type(block) is not nn.Sequential or _has_hooks(block):
+        return None
+    mods = [m for m in block if not _is_noop_dropout(m)]
+    if any(_has_hooks(m) for m in block):
+        return None
+    if len(mods) == 2 and _plain_linear(mods[0], x) and activation_name(mods[1]):
+        lin, act = mods[0], activation_name(mods[1])
+        return lambda: F.linear_act(x, lin.weight, lin.bias, act)
+    if (
+        len(mods) == 3 and _plain_linear(mods[0], x) and activation_name(mods[1])
+        and _plain_linear(mods[2], x) and mods[2].in_features == mods[0].out_features
+    ):
+        fc1, act, fc2 = mods[0], activation_name(mods[1]), mods[2]
+        return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act)
+    if (
+        len(mods) == 3 and _plain_conv(mods[0], x) and _plain_bn(mods[1], mods[0].out_channels)
+        and type(mods[2]) is nn.ReLU
+    ):
+        conv, bn = mods[0], mods[1]
+        return lambda: conv_bn_relu_call(conv, bn, x)
+    return None
+
+
+def conv_bn_relu_call(conv, bn, x, residual=None):
+    from . import functional as F
+    from ._state import in_recompute
+
+    if in_recompute():
+        # a rerun inside an outer region: normalize as before, touch no buffer
+        training = bn.training or (bn.running_mean is None and bn.running_var is None)
+        factor, rm, rv = 0.0, (None if training else bn.running_mean), (None if training else bn.running_var)
+    else:
+        training, factor, rm, rv = bn_call_args(bn)
+    return F.conv_bn_act(
+        x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
+        stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
+        bias=conv.bias, residual=residual, activation="relu",
+    )

@@ -1,0 +1,192 @@
+"""The fused ops: ``torch.library`` custom ops with registered autograd.
+
+Each op saves only its inputs (and, for conv+BN, the per-channel batch
+statistics); its backward op recomputes the forward chain through the backend
+chosen at forward time (an op argument, so forward and recompute always run the
+same implementation and the same tiles). Ops never mutate their inputs: the
+conv+BN op returns the batch statistics and the caller updates running buffers.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._backend import get_impl
+
+_EMPTY = (0,)
+
+
+def _none_if_empty(t: Tensor, like: Optional[Tensor]) -> Optional[Tensor]:
+    return None if like is None else t
+
+
+def _or_empty(t: Optional[Tensor], ref: Tensor) -> Tensor:
+    # custom ops return Tensors only: a missing gradient travels as an empty tensor
+    return ref.new_empty(_EMPTY) if t is None else t
+
+
+# --------------------------------------------------------------------------- Linear + act
+@torch.library.custom_op("fusedrc::linear_act", mutates_args=())
+def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+    return get_impl(backend, "linear_act", "linear_act_forward")(x, weight, bias, activation)
+
+
+@linear_act_op.register_fake
+def _(x, weight, bias, activation, backend):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("fusedrc::linear_act_backward", mutates_args=())
+def linear_act_backward_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], grad_out: Tensor, activation: str, backend: str
+) -> Tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = get_impl(backend, "linear_act", "linear_act_backward")(x, weight, bias, grad_out, activation)
+    return dx, dw, _or_empty(db, x)
+
+
+@linear_act_backward_op.register_fake
+def _(x, weight, bias, grad_out, activation, backend):
+    db = x.new_empty((weight.shape[0],) if bias is not None else _EMPTY)
+    return torch.empty_like(x), torch.empty_like(weight), db
+
+
+def _linear_act_setup(ctx, inputs, output):
+    x, weight, bias, activation, backend = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _linear_act_backward(ctx, grad_out):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = linear_act_backward_op(x, weight, bias, grad_out.contiguous(), ctx.activation, ctx.backend)
+    return dx, dw, _none_if_empty(db, bias), None, None
+
+
+linear_act_op.register_autograd(_linear_act_backward, setup_context=_linear_act_setup)
+
+
+# --------------------------------------------------------------------------- FFN
+@torch.library.custom_op("fusedrc::fused_mlp", mutates_args=())
+def fused_mlp_op(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str, backend: str
+) -> Tensor:
+    return get_impl(backend, "fused_mlp", "fused_mlp_forward")(x, w1, b1, w2, b2, activation)
+
+
+@fused_mlp_op.register_fake
+def _(x, w1, b1, w2, b2, activation, backend):
+    return x.new_empty((x.shape[0], w2.shape[0]))
+
+
+@torch.library.custom_op("fusedrc::fused_mlp_backward", mutates_args=())
+def fused_mlp_backward_op(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], grad_out: Tensor,
+    activation: str, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dx, dw1, db1, dw2, db2 = get_impl(backend, "fused_mlp", "fused_mlp_backward")(
+        x, w1, b1, w2, b2, grad_out, activation
+    )
+    return dx, dw1, _or_empty(db1, x), dw2, _or_empty(db2, x)
+
+
+@fused_mlp_backward_op.register_fake
+def _(x, w1, b1, w2, b2, grad_out, activation, backend):
+    db1 = x.new_empty((w1.shape[0],) if b1 is not None else _EMPTY)
+    db2 = x.new_empty((w2.shape[0],) if b2 is not None else _EMPTY)
+    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+
+
+def _fused_mlp_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2, activation, backend = inputs
+    ctx.save_for_backward(x, w1, b1, w2, b2)
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _fused_mlp_backward(ctx, grad_out):
+    x, w1, b1, w2, b2 = ctx.saved_tensors
+    dx, dw1, db1, dw2, db2 = fused_mlp_backward_op(
+        x, w1, b1, w2, b2, grad_out.contiguous(), ctx.activation, ctx.backend
+    )
+    return dx, dw1, _none_if_empty(db1, b1), dw2, _none_if_empty(db2, b2), None, None
+
+
+fused_mlp_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup)
+
+
+# --------------------------------------------------------------------------- Conv + BN + act
+@torch.library.custom_op("fusedrc::conv_bn_act", mutates_args=())
+def conv_bn_act_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor], running_var: Optional[Tensor], residual: Optional[Tensor],
+    training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
+    activation: str, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    y, mean, rstd = get_impl(backend, "conv_bn_act", "conv_bn_act_forward")(
+        x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
+        training, eps, stride, padding, dilation, activation,
+    )
+    if not training:
+        # the op must not return views of its inputs (the running buffers)
+        mean, rstd = mean.clone(), rstd.clone()
+    return y, mean, rstd
+
+
+def _conv_out_shape(x, weight, stride, padding, dilation):
+    n, _, h, w = x.shape
+    cout, _, kh, kw = weight.shape
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return n, cout, oh, ow
+
+
+@conv_bn_act_op.register_fake
+def _(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
+      training, eps, stride, padding, dilation, activation, backend):
+    shape = _conv_out_shape(x, weight, stride, padding, dilation)
+    stats = x.new_empty((shape[1],), dtype=torch.float32)
+    return x.new_empty(shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("fusedrc::conv_bn_act_backward", mutates_args=())
+def conv_bn_act_backward_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
+    mean: Tensor, rstd: Tensor, residual: Optional[Tensor], grad_out: Tensor,
+    training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
+    activation: str, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = get_impl(backend, "conv_bn_act", "conv_bn_act_backward")(
+        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
+        training, eps, stride, padding, dilation, activation,
+    )
+    return tuple(_or_empty(g, x) for g in grads)
+
+
+@conv_bn_act_backward_op.register_fake
+def _(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
+      training, eps, stride, padding, dilation, activation, backend):
+    like = (x, weight, bias, bn_weight, bn_bias, residual)
+    return tuple(torch.empty_like(t) if t is not None else x.new_empty(_EMPTY) for t in like)
+
+
+def _conv_bn_act_setup(ctx, inputs, output):
+    (x, weight, bias, bn_weight, bn_bias, _rm, _rv, residual,
+     training, eps, stride, padding, dilation, activation, backend) = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual)
+    ctx.args = (training, eps, stride, padding, dilation, activation, backend)
+
+
+def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    x, weight, bias, bn_weight, bn_bias, mean, rstd, residual = ctx.saved_tensors
+    grads = conv_bn_act_backward_op(
+        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(), *ctx.args
+    )
+    inputs = (x, weight, bias, bn_weight, bn_bias, residual)
+    dx, dw, db, dgamma, dbeta, dres = (_none_if_empty(g, t) for g, t in zip(grads, inputs))
+    return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None
+
+
+conv_bn_act_op.register_autograd(_conv_bn_act_backward, setup_context=_conv_bn_act_setup)

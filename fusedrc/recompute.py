@@ -1,0 +1,501 @@
+"""``recompute``: activation recomputation, a drop-in for non-reentrant
+``torch.utils.checkpoint.checkpoint`` and ``mindspore.recompute``.
+
+A generic region keeps only its inputs. Inside it, a saved-tensors hook swaps
+every tensor autograd would save for a placeholder (a ``_Holder``). The first
+time backward unpacks one, the region is rerun under a second hook that fills
+the placeholders with the rerun's tensors, checking each against the forward's
+shape/dtype/device, and stops as soon as the last one is filled (early stop).
+Every backward pass (graph task) gets its own rerun, so ``retain_graph`` and
+double backward work. Recognised patterns (``Linear+act``, the FFN,
+``Conv2d+BatchNorm2d+ReLU``, fusedrc modules) skip all of this and call a fused
+op whose backward recomputes inside the kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import uuid
+import weakref
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import _patterns, _state
+from .errors import RecomputeError
+
+__all__ = ["recompute", "recompute_sequential", "mark", "unmark"]
+
+
+class _StopRerun(Exception):
+    """Raised inside the rerun once every placeholder is filled (early stop)."""
+
+
+class _Holder:
+    """Stands for one saved tensor; ``handles[gid]`` keys its rerun value per graph task."""
+
+    __slots__ = ("handles", "__weakref__")
+
+    def __init__(self):
+        self.handles = {}
+
+
+class _Handle:
+    __slots__ = ("__weakref__",)
+
+
+def _meta(t):
+    return tuple(t.shape), t.dtype, t.device
+
+
+def _describe(meta):
+    shape, dtype, device = meta
+    return f"shape={shape}, dtype={dtype}, device={device}"
+
+
+# --------------------------------------------------------------------------- RNG and autocast
+class _ForwardState:
+    """RNG and autocast state captured at the region's forward, replayed at rerun."""
+
+    def __init__(self, flat_inputs, preserve_rng_state):
+        self.preserve = preserve_rng_state
+        self.device_type = None
+        self.devices, self.device_states = [], []
+        for t in flat_inputs:
+            if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+                self.device_type = t.device.type
+                break
+        if preserve_rng_state:
+            self.cpu_state = torch.get_rng_state()
+            if self.device_type is not None:
+                mod = getattr(torch, self.device_type)
+                seen = []
+                for t in flat_inputs:
+                    if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                        idx = t.device.index if t.device.index is not None else mod.current_device()
+                        if idx not in seen:
+                            seen.append(idx)
+                self.devices = seen
+                self.device_states = [mod.get_rng_state(i) for i in seen]
+        self.autocast = {
+            dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+            for dev in {"cpu", self.device_type or "cpu"}
+        }
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+
+    @contextlib.contextmanager
+    def replay(self):
+        with torch.random.fork_rng(
+            devices=self.devices, enabled=self.preserve, device_type=self.device_type or "cuda"
+        ):
+            if self.preserve:
+                torch.set_rng_state(self.cpu_state)
+                if self.devices:
+                    mod = getattr(torch, self.device_type)
+                    for i, s in zip(self.devices, self.device_states):
+                        mod.set_rng_state(s, i)
+            with contextlib.ExitStack() as stack:
+                for dev, (enabled, dtype) in self.autocast.items():
+                    stack.enter_context(
+                        torch.autocast(dev, enabled=enabled, dtype=dtype, cache_enabled=self.autocast_cache)
+                    )
+                yield
+
+
+# --------------------------------------------------------------------------- region frame
+class _Frame:
+    def __init__(self, fn, spec, fwd_state, rerun_context, early_stop, check):
+        self.fn = fn
+        self.spec = spec
+        self.fwd_state = fwd_state
+        self.rerun_context = rerun_context
+        self.early_stop = early_stop
+        self.check = check
+        self.input_saver = None
+        self.weak_holders = []
+        self.metas = []
+        self.recomputed = defaultdict(weakref.WeakKeyDictionary)
+        self.counter = defaultdict(int)
+        self.is_recomputed = defaultdict(bool)
+        self.forward_completed = False
+        self.ignore_count_mismatch = False
+
+    def inputs(self):
+        node = self.input_saver.grad_fn
+        return node.get_flat(node.saved_tensors)
+
+    def rerun(self, flat):
+        """Run the block again as in the forward (RNG, autocast, no BatchNorm update)."""
+        args, kwargs = tree_unflatten(list(flat), self.spec)
+        with self.fwd_state.replay(), self.rerun_context, _state.rerunning():
+            return self.fn(*args, **kwargs)
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Keeps the region's tensor inputs through autograd's saved-tensor machinery,
+    so outer hooks (nested regions, offloading, byte counters) see them."""
+
+    @staticmethod
+    def forward(dummy, *flat):
+        return dummy.new_empty((0,))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        flat = inputs[1:]
+        slots, tensors = [], []
+        for v in flat:
+            recipe = _output_recipe(v) if isinstance(v, torch.Tensor) else None
+            if recipe is not None:
+                slots.append(("rerun", recipe, v.requires_grad))
+            elif isinstance(v, torch.Tensor):
+                slots.append(("saved", len(tensors), None))
+                tensors.append(v)
+            else:
+                slots.append(("const", v, None))
+        ctx.save_for_backward(*tensors)
+
+        def get_flat(saved):
+            out = []
+            for kind, value, requires_grad in slots:
+                if kind == "saved":
+                    out.append(saved[value])
+                elif kind == "const":
+                    out.append(value)
+                else:
+                    out.append(_regenerate(value, requires_grad))
+            return out
+
+        ctx.get_flat = get_flat
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fusedrc internal error: the input saver is not part of any graph")
+
+
+class _ForwardHook(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, frame):
+        def pack(x):
+            holder = _Holder()
+            frame.weak_holders.append(weakref.ref(holder))
+            if frame.check:
+                frame.metas.append(_meta(x))
+            return holder
+
+        def unpack(holder):
+            gid = torch._C._current_graph_task_id()
+            if gid == -1:  # unpacked outside backward, e.g. grad_fn._saved_self
+                gid = uuid.uuid4().int
+            if not frame.is_recomputed[gid]:
+                flat = frame.inputs()
+                try:
+                    with _RerunHook(weakref.ref(frame), gid), torch.enable_grad():
+                        frame.rerun(flat)
+                except _StopRerun:
+                    pass
+                frame.is_recomputed[gid] = True
+                filled = frame.counter[gid]
+                if filled < len(frame.weak_holders) and not frame.ignore_count_mismatch:
+                    raise RecomputeError(
+                        f"recompute: the rerun in backward saved {filled} tensors but the forward saved "
+                        f"{len(frame.weak_holders)}; the block must do the same work when rerun "
+                        "(no data-dependent branches on global state)"
+                    )
+            handle = holder.handles.get(gid)
+            if handle is None:
+                raise RecomputeError(
+                    "recompute: a saved tensor was unpacked twice in one backward pass; read "
+                    "ctx.saved_tensors only once per backward"
+                )
+            value = frame.recomputed[gid][handle]
+            holder.handles[gid] = None
+            return value
+
+        super().__init__(pack, unpack)
+
+
+class _RerunHook(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, frame_ref, gid):
+        def pack(x):
+            x = x.detach() if x.requires_grad else x
+            frame = frame_ref()
+            idx = frame.counter[gid]
+            frame.counter[gid] += 1
+            if idx >= len(frame.weak_holders):
+                if not frame.forward_completed:
+                    # backward ran inside the forward (torch.autograd.grad in the block)
+                    frame.ignore_count_mismatch = True
+                    return x
+                raise RecomputeError(
+                    f"recompute: the rerun in backward saved more tensors than the forward "
+                    f"({len(frame.weak_holders)}); the block must do the same work when rerun"
+                )
+            if frame.check and frame.metas[idx] != _meta(x):
+                raise RecomputeError(
+                    f"recompute: tensor #{idx} saved by the rerun differs from the forward's: "
+                    f"forward {_describe(frame.metas[idx])}, rerun {_describe(_meta(x))}. The block "
+                    "must be deterministic in shapes, dtypes and devices (pass determinism_check='none' "
+                    "to skip this check)"
+                )
+            holder = frame.weak_holders[idx]()
+            if holder is not None:  # None: its node was already freed (grad inside forward)
+                handle = _Handle()
+                holder.handles[gid] = handle
+                frame.recomputed[gid][handle] = x
+            if frame.early_stop and frame.counter[gid] == len(frame.weak_holders):
+                raise _StopRerun
+            return x
+
+        super().__init__(pack, lambda x: x)
+
+
+# --------------------------------------------------------------------------- output_recompute
+# tensor -> (frame, index in the flattened output, version at tagging time)
+_OUTPUT_RECIPES: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _tag_outputs(out, frame):
+    for i, leaf in enumerate(tree_flatten(out)[0]):
+        if isinstance(leaf, torch.Tensor):
+            _OUTPUT_RECIPES[leaf] = (frame, i, leaf._version)
+
+
+def _output_recipe(t):
+    entry = _OUTPUT_RECIPES.get(t)
+    if entry is None or entry[2] != t._version:  # modified in place since: keep it
+        return None
+    return entry[:2]
+
+
+def _has_tagged_input(flat):
+    return any(isinstance(v, torch.Tensor) and _output_recipe(v) is not None for v in flat)
+
+
+def _regenerate(recipe, requires_grad):
+    """Rebuild a producing region's output (not stored) from that region's inputs."""
+    frame, index = recipe
+    with torch.no_grad():
+        out = frame.rerun(frame.inputs())
+    value = tree_flatten(out)[0][index].detach()
+    return value.requires_grad_(requires_grad)
+
+
+# --------------------------------------------------------------------------- public API
+_DETERMINISM_CHECKS = ("default", "none")
+
+
+def _check_devices(block, flat):
+    module = block if isinstance(block, nn.Module) else getattr(block, "__self__", None)
+    if not isinstance(module, nn.Module):
+        return
+    devices = {p.device for p in module.parameters()}
+    if len(devices) != 1:
+        return
+    (device,) = devices
+    for i, v in enumerate(flat):
+        if isinstance(v, torch.Tensor) and v.device != device:
+            raise ValueError(
+                f"recompute: input tensor #{i} of block's arguments is on {v.device}, but the block's "
+                f"parameters are on {device}; expected every input on {device}"
+            )
+
+
+def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_fn, determinism_check, early_stop):
+    flat, spec = tree_flatten((args, kwargs))
+    fwd_context, rerun_context = context_fn() if context_fn is not None else (
+        contextlib.nullcontext(), contextlib.nullcontext()
+    )
+    frame = _Frame(
+        fn, spec, _ForwardState(flat, preserve_rng_state), rerun_context, early_stop,
+        check=determinism_check == "default",
+    )
+    dummy = torch.empty((0,), requires_grad=True)
+    frame.input_saver = _SaveInputs.apply(dummy, *flat)
+    with _ForwardHook(frame), fwd_context:
+        out = fn(*args, **kwargs)
+    frame.forward_completed = True
+    if output_recompute:
+        _tag_outputs(out, frame)
+    return out
+
+
+def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recompute=False,
+               context_fn=None, determinism_check="default", early_stop=True):
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(f"determinism_check must be one of {_DETERMINISM_CHECKS}, got {determinism_check!r}")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"context_fn must be a callable returning two context managers, got {context_fn!r}")
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)  # no graph: nothing to save, a plain call
+    flat = tree_flatten((args, kwargs))[0]
+    _check_devices(block, flat)
+    if context_fn is None and not _has_tagged_input(flat):
+        fused = _patterns.match(block, args, kwargs)
+        if fused is not None:
+            return fused()
+    return _generic(
+        fn, args, kwargs, preserve_rng_state=preserve_rng_state, output_recompute=output_recompute,
+        context_fn=context_fn, determinism_check=determinism_check, early_stop=early_stop,
+    )
+
+
+def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use_reentrant=False,
+              context_fn=None, determinism_check="default", early_stop=True, **kwargs):
+    """Run ``block(*args, **kwargs)`` keeping only its inputs; rerun it in backward.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)``
+    and for ``mindspore.recompute(block, *args)``. ``block`` is any callable or
+    ``nn.Module``. When it is a recognised pattern (``nn.Sequential(Linear, act)``,
+    ``nn.Sequential(Linear, act, [Dropout(p=0)], Linear)``,
+    ``nn.Sequential(Conv2d, BatchNorm2d, ReLU)`` or a ``fusedrc.nn`` module) a fused
+    op runs instead: its backward recomputes inside the kernel and never reruns
+    the output op.
+
+    Args:
+        block: the callable to run.
+        *args, **kwargs: its arguments: tensors, non-tensors, nested tuples/lists/dicts.
+        preserve_rng_state: replay the forward's RNG state in the rerun, so dropout
+            masks are identical; the global RNG stream is left where a plain run leaves it.
+        output_recompute: do not store this block's output when the consumer is
+            another (generic) recompute region: the consumer regenerates it from this
+            block's inputs (MindSpore's ``output_recompute``). Without a recomputed
+            consumer it changes nothing.
+        use_reentrant: must be False; the reentrant variant is not supported.
+        context_fn, determinism_check, early_stop: as in ``torch.utils.checkpoint``.
+
+    Under ``torch.no_grad()`` or ``inference_mode()`` the block is simply called.
+    BatchNorm running statistics change once per forward, never in the rerun.
+
+    Example::
+
+        >>> import torch, fusedrc
+        >>> ffn = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> y = fusedrc.recompute(ffn, x)      # keeps only x; 7 GEMMs per step
+        >>> y.sum().backward()
+    """
+    if not callable(block):
+        raise TypeError(f"block must be a callable or nn.Module, got {type(block).__name__}")
+    if use_reentrant:
+        raise ValueError(
+            "use_reentrant=True is not supported: reentrant checkpointing runs the block inside an "
+            "autograd.Function, which breaks torch.autograd.grad, backward(inputs=...), nested "
+            "outputs and inputs that do not require grad, and PyTorch itself deprecates it. "
+            "Use use_reentrant=False (the default)."
+        )
+    return _recompute(
+        block, block, args, kwargs, preserve_rng_state=preserve_rng_state,
+        output_recompute=output_recompute, context_fn=context_fn,
+        determinism_check=determinism_check, early_stop=early_stop,
+    )
+
+
+def _segment(functions, start, end):
+    chunk = functions[start : end + 1]
+    if all(isinstance(f, nn.Module) for f in chunk):
+        return nn.Sequential(*chunk)  # a Sequential can match a fused pattern
+
+    def run(x):
+        for f in chunk:
+            x = f(x)
+        return x
+
+    return run
+
+
+def recompute_sequential(functions, segments, input, *extra, preserve_rng_state=True, **kwargs):
+    """Recompute a sequential model in ``segments`` chunks (``checkpoint_sequential``'s contract).
+
+    ``functions`` is an ``nn.Sequential`` or a list of modules/callables applied in
+    order to the single ``input``; every segment but the last is recomputed.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])
+        >>> y = fusedrc.recompute_sequential(model, 4, torch.randn(4, 32, requires_grad=True))
+    """
+    if extra:
+        raise TypeError(
+            f"recompute_sequential takes one input, got {1 + len(extra)} positional inputs; "
+            "pass several tensors as one tuple and let the first function unpack it"
+        )
+    if kwargs:
+        raise TypeError(f"recompute_sequential got unexpected keyword arguments {sorted(kwargs)}")
+    if isinstance(functions, nn.Sequential):
+        functions = list(functions.children())
+    elif isinstance(functions, (list, tuple)):
+        functions = list(functions)
+        for i, f in enumerate(functions):
+            if not callable(f):
+                raise TypeError(f"functions[{i}] must be callable, got {type(f).__name__}")
+    else:
+        raise TypeError(f"functions must be an nn.Sequential or a list of modules, got {type(functions).__name__}")
+    n = len(functions)
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"segments must be an int, got {type(segments).__name__}")
+    if n == 0 or not 1 <= segments <= n:
+        raise ValueError(f"segments must be between 1 and {n} (the number of functions), got {segments}")
+    size = n // segments
+    end = -1
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        input = recompute(_segment(functions, start, end), input, preserve_rng_state=preserve_rng_state)
+    return _segment(functions, end + 1, n - 1)(input)
+
+
+# --------------------------------------------------------------------------- mark / unmark
+_MARK = "_fusedrc_mark"
+
+
+def _is_marked(module):
+    return _MARK in module.__dict__
+
+
+def mark(module, output_recompute=False):
+    """Recompute every call of ``module`` from now on (MindSpore's ``Cell.recompute()``).
+
+    Returns the module. Marking a module that contains a marked module raises
+    ``RecomputeError``, as does calling a marked module inside another one.
+
+    Example::
+
+        >>> block = fusedrc.mark(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)))
+        >>> block(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules():
+        if sub is not module and _is_marked(sub):
+            raise RecomputeError(
+                f"cannot mark {type(module).__name__}: its submodule {name!r} is already marked; nested "
+                "recomputed modules are not allowed (as in MindSpore). Unmark the inner one first."
+            )
+    original = type(module).forward.__get__(module)
+    options = {"output_recompute": bool(output_recompute)}
+
+    def forward(*args, **kwargs):
+        if _state.marked_depth() > 0 and not _state.in_recompute():
+            raise RecomputeError(
+                f"a marked {type(module).__name__} was called inside another marked module; nested "
+                "recomputed modules are not allowed (as in MindSpore)"
+            )
+
+        def run(*a, **k):
+            with _state.inside_marked():
+                return original(*a, **k)
+
+        return _recompute(module, run, args, kwargs, output_recompute=options["output_recompute"])
+
+    module.__dict__[_MARK] = options
+    module.__dict__["forward"] = forward
+    return module
+
+
+def unmark(module):
+    """Undo :func:`mark`: calls of ``module`` are plain again. Returns the module."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if _is_marked(module):
+        del module.__dict__[_MARK]
+        del module.__dict__["forward"]
+    return module

@@ -1,0 +1,164 @@
+"""Pure-PyTorch reference implementations of the fused patterns.
+
+Each function has the same signature as its Triton launcher in ``fusedrc.kernels``;
+the autograd code calls one or the other without knowing which. They use the
+same aten ops as the plain modules (``F.linear``, ``F.conv2d``, ``native_batch_norm``),
+so on the CPU a fused op's forward is bitwise equal to the unfused modules', and
+the recompute in backward reproduces the forward's pre-activation bit for bit.
+
+Dense patterns take ``x`` as a 2-D ``(M, K)`` tensor; the ops flatten leading dims.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+def _relu2(h):
+    return torch.square(torch.relu(h))
+
+
+# name -> (forward, backward(grad, h) -> grad_h). Backward uses the aten
+# kernels autograd itself uses, so gradients match the unfused modules'.
+ACTIVATIONS = {
+    "relu": (torch.relu, lambda g, h: aten.threshold_backward(g, h, 0)),
+    "relu2": (_relu2, lambda g, h: g * (2 * torch.relu(h))),
+    "gelu": (lambda h: F.gelu(h), lambda g, h: aten.gelu_backward(g, h, approximate="none")),
+    "gelu_tanh": (
+        lambda h: F.gelu(h, approximate="tanh"),
+        lambda g, h: aten.gelu_backward(g, h, approximate="tanh"),
+    ),
+    "silu": (F.silu, lambda g, h: aten.silu_backward(g, h)),
+}
+
+
+def check_activation(activation) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return activation
+
+
+def activation_forward(h, activation):
+    return ACTIVATIONS[activation][0](h)
+
+
+def activation_backward(grad, h, activation):
+    return ACTIVATIONS[activation][1](grad, h)
+
+
+# --------------------------------------------------------------------------- Linear + act
+def linear_act_forward(x, weight, bias, activation):
+    """y = act(x @ weight.T + bias); x is (M, K)."""
+    return activation_forward(F.linear(x, weight, bias), activation)
+
+
+def linear_act_backward(x, weight, bias, grad_out, activation):
+    """Recompute h = x W^T + b, then (dx, dweight, dbias); dbias is None without bias."""
+    h = F.linear(x, weight, bias)
+    grad_h = activation_backward(grad_out, h, activation)
+    del h
+    dx = grad_h.mm(weight)
+    dweight = grad_h.t().mm(x)
+    dbias = grad_h.sum(0) if bias is not None else None
+    return dx, dweight, dbias
+
+
+# --------------------------------------------------------------------------- FFN
+def fused_mlp_forward(x, w1, b1, w2, b2, activation):
+    """out = act(x W1^T + b1) W2^T + b2; x is (M, K)."""
+    return F.linear(activation_forward(F.linear(x, w1, b1), activation), w2, b2)
+
+
+def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation):
+    """5 GEMMs: g_a = g W2, recompute h, dW2 = g^T a, dX = g_h W1, dW1 = g_h^T x.
+
+    The output GEMM is not rerun. Returns (dx, dw1, db1, dw2, db2).
+    """
+    grad_a = grad_out.mm(w2)
+    h = F.linear(x, w1, b1)
+    a = activation_forward(h, activation)
+    dw2 = grad_out.t().mm(a)
+    del a
+    db2 = grad_out.sum(0) if b2 is not None else None
+    grad_h = activation_backward(grad_a, h, activation)
+    del h, grad_a
+    dx = grad_h.mm(w1)
+    dw1 = grad_h.t().mm(x)
+    db1 = grad_h.sum(0) if b1 is not None else None
+    return dx, dw1, db1, dw2, db2
+
+
+# --------------------------------------------------------------------------- Conv + BN + act
+def conv_bn_act_forward(
+    x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
+    training, eps, stride, padding, dilation, activation,
+):
+    """y = act(bn(conv(x)) [+ residual]); returns (y, mean, rstd) per channel (fp32).
+
+    With ``training`` the batch statistics normalize (the running buffers are not
+    touched here: the caller updates them once, outside the op); otherwise the
+    running statistics do.
+    """
+    z = F.conv2d(x, weight, bias, stride, padding, dilation)
+    if training:
+        pre, mean, rstd = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)
+    else:
+        pre = F.batch_norm(z, running_mean, running_var, bn_weight, bn_bias, False, 0.0, eps)
+        mean = running_mean.float()
+        rstd = torch.rsqrt(running_var.float() + eps)
+    del z
+    if residual is not None:
+        pre = pre + residual
+    return activation_forward(pre, activation), mean, rstd
+
+
+def conv_bn_act_backward(
+    x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
+    training, eps, stride, padding, dilation, activation,
+):
+    """Recompute the conv, then the BN/act backward and the conv backward.
+
+    Returns (dx, dweight, dbias, dbn_weight, dbn_bias, dresidual); entries are
+    None where the corresponding input is None.
+    """
+    z = F.conv2d(x, weight, bias, stride, padding, dilation)
+    C = z.shape[1]
+    shape = (1, C, 1, 1)
+    if training:
+        # same kernel as the forward: the pre-activation, hence the mask, is bit-identical
+        pre = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)[0]
+    else:
+        pre = F.batch_norm(z, mean, rstd.pow(-2) - eps, bn_weight, bn_bias, False, 0.0, eps)
+    if residual is not None:
+        pre = pre + residual
+    g = activation_backward(grad_out, pre, activation).float()
+    del pre
+    dresidual = g.to(grad_out.dtype) if residual is not None else None
+    xhat = (z.float() - mean.view(shape)) * rstd.view(shape)
+    del z
+    dims = (0, 2, 3)
+    dbeta = g.sum(dims)
+    dgamma = (g * xhat).sum(dims)
+    gamma = bn_weight.float() if bn_weight is not None else torch.ones_like(rstd)
+    scale = (gamma * rstd).view(shape)
+    if training:
+        n = g.numel() // C
+        dz = scale * (g - (dbeta / n).view(shape) - xhat * (dgamma / n).view(shape))
+    else:
+        dz = scale * g
+    del g, xhat
+    dz = dz.to(x.dtype)
+    dx, dweight, dbias = aten.convolution_backward(
+        dz, x, weight, [C] if bias is not None else None,
+        _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], 1,
+        [True, True, bias is not None],
+    )
+    dbn_weight = dgamma.to(bn_weight.dtype) if bn_weight is not None else None
+    dbn_bias = dbeta.to(bn_bias.dtype) if bn_bias is not None else None
+    return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
+
+
+def _pair(v):
+    return list(v) if isinstance(v, (tuple, list)) else [v, v]

@@ -1,0 +1,389 @@
+"""Shared pieces of the dense kernels: tile table, activations, GEMM main loop.
+
+Two kernels live here and serve every dense launcher:
+
+- ``_gemm_act_kernel``: ``C = act(A @ B + bias)`` with the bias and the
+  activation in the epilogue (``act`` may be ``"none"``). A is (M, K), B is
+  (K, N); both are read through their strides, so ``W^T`` or ``g_h^T`` cost no
+  copy.
+- ``_gemm_act_grad_kernel``: recomputes ``h = A @ B + bias`` tile by tile with
+  the *same* main loop and tile configuration as the forward, then in its
+  epilogue emits ``g_h = act'(h) * G`` (G is the incoming gradient), optionally
+  ``a = act(h)``, and per-tile partial column sums of ``g_h`` (for the bias
+  gradient). ``h`` never reaches global memory.
+
+Bit-identical recompute: both kernels call ``_mainloop`` with the tile
+configuration from ``gemm_config`` (a pure function of M, N, K, dtype and the
+device architecture), so for a given layer the forward and the backward
+recompute run the same BLOCK_K, the same K order, no split-K, and add the bias
+the same way: the pre-activation is equal bit for bit and no value near 0
+changes sides of the ReLU.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu")
+
+
+# --------------------------------------------------------------------------- tile table
+class GemmConfig(NamedTuple):
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by (architecture family, operand class, shape bucket). Operand classes:
+# "16bit" (fp16/bf16, tensor cores), "tf32" (fp32 with tf32 allowed: tensor
+# cores, 4-byte operands), "fp32" (fp32 "ieee": FMA units). Shared memory per
+# stage is (BM + BN) * BK * bytes; every entry fits the family's budget
+# (sm90/sm100: 227 KiB, sm80: 163 KiB, "small_smem" (sm75/86/89/120): ~99 KiB).
+# These are starting points chosen by those budgets and the sm_90 HGMMA rules
+# (BLOCK_M >= 64, num_warps a multiple of 4); retune offline on the GPU and
+# commit the table. Never autotuned at run time: the forward and the backward
+# recompute must read the same entry.
+_TABLE = {
+    # ---- Hopper / datacenter Blackwell
+    ("sm90", "16bit", "small"): GemmConfig(64, 64, 64, 8, 4, 4),
+    ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3),
+    ("sm90", "16bit", "large"): GemmConfig(128, 256, 64, 8, 8, 3),
+    ("sm90", "tf32", "small"): GemmConfig(64, 64, 32, 8, 4, 4),
+    ("sm90", "tf32", "medium"): GemmConfig(128, 128, 32, 8, 8, 3),
+    ("sm90", "tf32", "large"): GemmConfig(128, 128, 32, 8, 8, 4),
+    ("sm90", "fp32", "small"): GemmConfig(32, 64, 32, 8, 4, 3),
+    ("sm90", "fp32", "medium"): GemmConfig(64, 64, 32, 8, 4, 3),
+    ("sm90", "fp32", "large"): GemmConfig(128, 64, 32, 8, 8, 3),
+    # ---- Ampere A100
+    ("sm80", "16bit", "small"): GemmConfig(32, 64, 64, 8, 4, 4),
+    ("sm80", "16bit", "medium"): GemmConfig(128, 64, 64, 8, 4, 4),
+    ("sm80", "16bit", "large"): GemmConfig(128, 128, 32, 8, 4, 4),
+    ("sm80", "tf32", "small"): GemmConfig(32, 64, 32, 8, 4, 4),
+    ("sm80", "tf32", "medium"): GemmConfig(64, 128, 32, 8, 4, 3),
+    ("sm80", "tf32", "large"): GemmConfig(128, 128, 32, 8, 8, 3),
+    ("sm80", "fp32", "small"): GemmConfig(32, 64, 32, 8, 4, 3),
+    ("sm80", "fp32", "medium"): GemmConfig(64, 64, 32, 8, 4, 3),
+    ("sm80", "fp32", "large"): GemmConfig(128, 64, 32, 8, 8, 3),
+    # ---- consumer parts, ~99 KiB of shared memory
+    ("small_smem", "16bit", "small"): GemmConfig(32, 64, 64, 8, 4, 3),
+    ("small_smem", "16bit", "medium"): GemmConfig(64, 128, 32, 8, 4, 3),
+    ("small_smem", "16bit", "large"): GemmConfig(128, 128, 32, 8, 8, 2),
+    ("small_smem", "tf32", "small"): GemmConfig(32, 64, 32, 8, 4, 2),
+    ("small_smem", "tf32", "medium"): GemmConfig(64, 64, 32, 8, 4, 3),
+    ("small_smem", "tf32", "large"): GemmConfig(128, 64, 32, 8, 4, 2),
+    ("small_smem", "fp32", "small"): GemmConfig(32, 64, 32, 8, 4, 2),
+    ("small_smem", "fp32", "medium"): GemmConfig(64, 64, 32, 8, 4, 2),
+    ("small_smem", "fp32", "large"): GemmConfig(64, 64, 32, 8, 4, 3),
+}
+
+# Triton's interpreter (CPU tensors, no GPU): small tiles, so that the small
+# test shapes still cover several tiles in M and N, a K loop and ragged edges.
+_INTERPRETER_CONFIG = GemmConfig(32, 32, 32, 2, 4, 1)
+
+
+def _arch_family(capability) -> str:
+    major, minor = capability
+    if major in (9, 10):
+        return "sm90"
+    if (major, minor) == (8, 0):
+        return "sm80"
+    return "small_smem"
+
+
+def _shape_bucket(M: int, N: int, K: int) -> str:
+    if M <= 64 or N <= 64:
+        return "small"
+    if M >= 2048 and N >= 2048 and K >= 512:
+        return "large"
+    return "medium"
+
+
+def device_capability(t: torch.Tensor):
+    """(major, minor) of the tensor's CUDA device; None on CPU (interpreter)."""
+    if t.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(t.device)
+
+
+def operand_class(dtype: torch.dtype, precision: str) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "16bit"
+    return "tf32" if precision == "tf32" else "fp32"
+
+
+def gemm_config(M: int, N: int, K: int, dtype: torch.dtype, precision: str, capability) -> GemmConfig:
+    """Tile configuration for an (M, K) @ (K, N) GEMM; a pure function of its arguments.
+
+    ``capability`` is the CUDA (major, minor) or None for the interpreter.
+    """
+    if capability is None:
+        return _INTERPRETER_CONFIG
+    return _TABLE[(_arch_family(capability), operand_class(dtype, precision), _shape_bucket(M, N, K))]
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """"tf32" only when torch itself allows tf32 for fp32 matmuls on CUDA, else "ieee"."""
+    if t.dtype == torch.float32 and t.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _upcast_flag(t: torch.Tensor) -> bool:
+    # The interpreter computes bf16 on raw 16-bit patterns: go through fp32 there.
+    return t.dtype == torch.bfloat16 and interpreting()
+
+
+# --------------------------------------------------------------------------- activations
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _act_fwd(h, ACTIVATION: tl.constexpr):
+    """act(h) in fp32. ReLU keeps NaN (a NaN is not < 0), as torch does."""
+    if ACTIVATION == "none":
+        y = h
+    elif ACTIVATION == "relu":
+        y = tl.where(h < 0.0, 0.0, h)
+    elif ACTIVATION == "relu2":
+        r = tl.where(h < 0.0, 0.0, h)
+        y = r * r
+    elif ACTIVATION == "gelu":
+        y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 h (1 + tanh(u)) = h * sigmoid(2u)
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+        y = h * _sigmoid(2.0 * u)
+    else:  # silu
+        y = h * _sigmoid(h)
+    return y
+
+
+@triton.jit
+def _act_grad(h, g, ACTIVATION: tl.constexpr):
+    """act'(h) * g in fp32, with the formulas of torch's backward kernels."""
+    if ACTIVATION == "none":
+        gh = g
+    elif ACTIVATION == "relu":
+        gh = tl.where(h > 0.0, g, 0.0)  # threshold_backward: NaN h gives 0
+    elif ACTIVATION == "relu2":
+        r = tl.where(h < 0.0, 0.0, h)
+        gh = g * (2.0 * r)
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
+        gh = g * (cdf + h * pdf)
+    elif ACTIVATION == "gelu_tanh":
+        # t = tanh(u) = 2s - 1 with s = sigmoid(2u); 1 + t = 2s, 1 - t^2 = 4 s (1 - s)
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+        s = _sigmoid(2.0 * u)
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+        gh = g * (s + h * du * 2.0 * s * (1.0 - s))
+    else:  # silu
+        s = _sigmoid(h)
+        gh = g * (s * (1.0 + h * (1.0 - s)))
+    return gh
+
+
+# --------------------------------------------------------------------------- main loop
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering of the output tiles (GROUP_M row tiles share B in L2)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mainloop(
+    a_ptr, b_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    pid_m, pid_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """fp32 accumulator of one (BLOCK_M, BLOCK_N) tile of A @ B, K in ascending order.
+
+    Rows/columns past M/N wrap around (modulo) so that only K needs a mask; the
+    wrapped rows are never stored.
+    """
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _gemm_act_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    y = _act_fwd(acc, ACTIVATION)
+    mask = (offs_m[:, None] < M) & mask_n[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_act_grad_kernel(
+    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_gm, stride_gn,
+    stride_ghm, stride_ghn, stride_actm, stride_actn,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # recompute the pre-activation exactly as _gemm_act_kernel does
+    acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    cols = offs_n[None, :].to(tl.int64)
+    g = tl.load(g_ptr + rows * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    gh = _act_grad(acc, g, ACTIVATION)
+    tl.store(gh_ptr + rows * stride_ghm + cols * stride_ghn, gh.to(gh_ptr.dtype.element_ty), mask=mask)
+    if STORE_ACT:
+        a_out = _act_fwd(acc, ACTIVATION)
+        tl.store(act_ptr + rows * stride_actm + cols * stride_actn, a_out.to(act_ptr.dtype.element_ty),
+                 mask=mask)
+    if HAS_BIAS:
+        # partial bias gradient of this row tile: part[pid_m, n] = sum_rows g_h
+        col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
+        tl.store(part_ptr + pid_m.to(tl.int64) * N + offs_n, col_sum, mask=mask_n)
+
+
+# --------------------------------------------------------------------------- launchers
+def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
+    precision = dot_precision(a)
+    cfg = gemm_config(M, N, K, a.dtype, precision, device_capability(a))
+    return precision, cfg
+
+
+def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", out_dtype=None,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """act(a @ b + bias) for a (M, K), b (K, N) of any strides; output (M, N) contiguous.
+
+    ``config`` overrides the table (tests only: callers that recompute must not).
+    """
+    assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    M, K = a.shape
+    N = b.shape[1]
+    out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
+    if M == 0 or N == 0:
+        return out
+    precision, cfg = _launch_params(a, M, N, K)
+    cfg = config or cfg
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    _gemm_act_kernel[grid](
+        a, b, bias if bias is not None else a, out,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, ACTIVATION=activation,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
+                  store_act: bool = False, config: GemmConfig | None = None):
+    """Recompute h = a @ b + bias in tiles and return (g_h, act(h) or None, dbias or None).
+
+    g_h = act'(h) * grad, in a's dtype; dbias = sum over rows of g_h (fp32 partial
+    sums per row tile, reduced here), in bias's dtype. Uses the same tile table
+    entry as ``gemm_act`` for the same (a, b), hence the same h bit for bit.
+    """
+    assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    M, K = a.shape
+    N = b.shape[1]
+    assert grad.shape == (M, N)
+    gh = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    act = torch.empty((M, N), device=a.device, dtype=a.dtype) if store_act else None
+    if M == 0 or N == 0:
+        dbias = torch.zeros((N,), device=a.device, dtype=bias.dtype) if bias is not None else None
+        return gh, act, dbias
+    precision, cfg = _launch_params(a, M, N, K)
+    cfg = config or cfg
+    num_pid_m = triton.cdiv(M, cfg.BLOCK_M)
+    part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
+    grid = (num_pid_m * triton.cdiv(N, cfg.BLOCK_N),)
+    act_arg = act if act is not None else gh
+    _gemm_act_grad_kernel[grid](
+        a, b, bias if bias is not None else a, grad, gh, act_arg, part if part is not None else gh,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), grad.stride(0), grad.stride(1),
+        gh.stride(0), gh.stride(1), act_arg.stride(0), act_arg.stride(1),
+        HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
+    dbias = part.sum(0).to(bias.dtype) if bias is not None else None
+    return gh, act, dbias
+
+
+def check_activation(activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return activation
