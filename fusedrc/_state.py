@@ -3,15 +3,18 @@
 While a region is being rerun in backward, BatchNorm modules must not update
 their running statistics a second time (torch.utils.checkpoint does:
 pytorch/pytorch#96136). A global module pre-hook, installed only while some
-thread is rerunning a region, switches ``track_running_stats`` off for
-training-mode BatchNorm modules called by that thread; with it off, a training
-BatchNorm normalizes with the batch statistics exactly as before and touches no
-buffer. The flags are restored when the rerun ends, exception or not.
+thread is rerunning a region, snapshots the buffers of each training-mode
+BatchNorm that thread calls; they are restored bit for bit when the rerun
+ends, exception or not. (Switching ``track_running_stats`` off instead would
+change which tensors batch_norm saves, and the rerun must save exactly what
+the forward saved.)
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+
+import torch
 
 from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -27,10 +30,25 @@ def in_recompute() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 def _bn_pre_hook(module, args):
-    if isinstance(module, _BatchNorm) and in_recompute() and module.training and module.track_running_stats:
-        module.track_running_stats = False
-        _local.flipped.append(module)
+    if (
+        isinstance(module, _BatchNorm) and in_recompute() and module.training
+        and module.track_running_stats and id(module) not in _local.snapshots
+    ):
+        _local.snapshots[id(module)] = (
+            module, [(b, b.clone()) for b in (getattr(module, n) for n in _BUFFERS) if b is not None]
+        )
+
+
+def _restore_snapshots():
+    with torch.no_grad():
+        for _, buffers in _local.snapshots.values():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+    _local.snapshots = {}
 
 
 @contextlib.contextmanager
@@ -43,16 +61,14 @@ def rerunning():
         _hook_users += 1
     depth = getattr(_local, "depth", 0)
     if depth == 0:
-        _local.flipped = []
+        _local.snapshots = {}
     _local.depth = depth + 1
     try:
         yield
     finally:
         _local.depth = depth
         if depth == 0:
-            for m in _local.flipped:
-                m.track_running_stats = True
-            _local.flipped = []
+            _restore_snapshots()
         with _lock:
             _hook_users -= 1
             if _hook_users == 0:

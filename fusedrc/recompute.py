@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _patterns, _state
 from .errors import RecomputeError
@@ -251,7 +252,7 @@ class _RerunHook(torch.autograd.graph.saved_tensors_hooks):
 
 # --------------------------------------------------------------------------- output_recompute
 # tensor -> (frame, index in the flattened output, version at tagging time)
-_OUTPUT_RECIPES: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+_OUTPUT_RECIPES = WeakTensorKeyDictionary()
 
 
 def _tag_outputs(out, frame):

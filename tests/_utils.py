@@ -1,0 +1,59 @@
+"""Measuring helpers shared by the tests."""
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"}
+
+
+class SavedBytes(contextlib.AbstractContextManager):
+    """Bytes autograd keeps through saved tensors, parameters excluded (counted once each)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.count = 0
+        self._seen = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
+
+    def _pack(self, t):
+        if not isinstance(t, torch.nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += t.numel() * t.element_size()
+                self.count += 1
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+class GemmCounter(TorchDispatchMode):
+    """Counts matrix multiplications, looking inside fusedrc's custom ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = 0
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops.append(str(func))
+        if name in GEMM_OPS:
+            self.gemms += 1
+        if func.namespace == "fusedrc":
+            # custom ops are opaque to the mode: run their CPU kernel with the mode on
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

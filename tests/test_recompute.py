@@ -1,0 +1,383 @@
+"""DESIGN.md §3: the recompute contract, each point against a plain run of the same model."""
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import fusedrc
+from _utils import GemmCounter, SavedBytes, rel_err
+
+
+def _generic_block(d=16):
+    return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
+
+
+PATTERNS = {
+    "generic": lambda: (_generic_block(), (4, 16)),
+    "linear_relu": lambda: (nn.Sequential(nn.Linear(16, 24), nn.ReLU()), (5, 16)),
+    "ffn": lambda: (nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 16)), (2, 5, 16)),
+    "ffn_gelu_dropout0": lambda: (
+        nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Dropout(0.0), nn.Linear(48, 16)), (6, 16)),
+    "conv_bn_relu": lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()), (2, 3, 6, 6)),
+}
+
+
+def _params_grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_outputs_bitwise_and_gradients_equal_plain(name):
+    model, shape = PATTERNS[name]()
+    twin = copy.deepcopy(model)
+    x = torch.randn(*shape, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = fusedrc.recompute(model, x)
+    y_plain = twin(x2)
+    assert torch.equal(y, y_plain), "forward must be bitwise equal on the CPU reference path"
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_plain.backward(g)
+    assert rel_err(x.grad, x2.grad) < 1e-6
+    for a, b in zip(_params_grads(model), _params_grads(twin)):
+        # absolute floor: a conv bias before BatchNorm has a gradient of pure rounding noise
+        assert (a - b).norm() <= 1e-6 * max(b.norm(), 10.0)
+    if name == "generic":  # same ops, same order: bitwise
+        assert torch.equal(x.grad, x2.grad)
+
+
+def test_autograd_grad_and_backward_inputs():
+    block = _generic_block()
+    x = torch.randn(3, 16, requires_grad=True)
+    (gx,) = torch.autograd.grad(fusedrc.recompute(block, x).sum(), x)
+    (gx_plain,) = torch.autograd.grad(block(x).sum(), x)
+    assert torch.equal(gx, gx_plain)
+    w = block[1].weight
+    fusedrc.recompute(block, x).sum().backward(inputs=[w])
+    assert x.grad is None and w.grad is not None
+    gw = w.grad.clone()
+    w.grad = None
+    block(x).sum().backward(inputs=[w])
+    assert torch.equal(gw, w.grad)
+
+
+def test_retain_graph_second_backward():
+    block = _generic_block()
+    x = torch.randn(3, 16, requires_grad=True)
+    y = fusedrc.recompute(block, x).sum()
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    y.backward()
+    assert torch.allclose(x.grad, 2 * first)
+
+
+def test_kwargs_nested_and_non_tensor_inputs_outputs():
+    lin = nn.Linear(8, 8)
+
+    def fn(pair, scale, *, extra, mode="sum"):
+        a, b = pair
+        out = {"y": lin(a) * scale + extra["bias"], "z": [torch.tanh(b), mode]}
+        return out, 3
+
+    a = torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    out, k = fusedrc.recompute(fn, (a, b), 0.5, extra={"bias": bias}, mode="max")
+    assert k == 3 and out["z"][1] == "max"
+    (out["y"].sum() + out["z"][0].pow(2).sum()).backward()
+    grads = [t.grad.clone() for t in (a, b, bias)]
+    for t in (a, b, bias):
+        t.grad = None
+    ref, _ = fn((a, b), 0.5, extra={"bias": bias}, mode="max")
+    (ref["y"].sum() + ref["z"][0].pow(2).sum()).backward()
+    for g, t in zip(grads, (a, b, bias)):
+        assert torch.equal(g, t.grad)
+
+
+def test_inputs_without_requires_grad():
+    block = _generic_block()
+    x = torch.randn(3, 16)  # no grad: only the parameters get gradients
+    fusedrc.recompute(block, x).sum().backward()
+    grads = _params_grads(block)
+    block.zero_grad()
+    block(x).sum().backward()
+    for a, b in zip(grads, _params_grads(block)):
+        assert torch.equal(a, b)
+
+
+def test_nested_regions():
+    inner = _generic_block()
+    outer_lin = nn.Linear(16, 16)
+
+    def outer(x):
+        return outer_lin(fusedrc.recompute(inner, torch.sin(x))).tanh()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    fusedrc.recompute(outer, x).sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    outer_lin.zero_grad(), inner.zero_grad()
+    (outer_lin(inner(torch.sin(x))).tanh()).sum().backward()
+    assert torch.allclose(g, x.grad, atol=1e-7, rtol=0)
+
+
+def test_double_backward_through_generic_region():
+    def fn(x):
+        return (x.sin() * x).pow(2)
+
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(fusedrc.recompute(fn, x).sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    (g_ref,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    (gg_ref,) = torch.autograd.grad(g_ref.sum(), x)
+    assert torch.allclose(g, g_ref) and torch.allclose(gg, gg_ref)
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_plain_call_without_grad(ctx):
+    block = _generic_block()
+    x = torch.randn(2, 16)
+    with ctx(), SavedBytes() as s:
+        y = fusedrc.recompute(block, x)
+    assert s.bytes == 0 and not y.requires_grad
+    assert torch.equal(y, block(x))
+
+
+def test_dropout_masks_and_rng_stream():
+    block = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.3))
+    x = torch.randn(16, 32, requires_grad=True)
+    torch.manual_seed(123)
+    y = fusedrc.recompute(block, x)
+    y.sum().backward()
+    after_rc = torch.rand(4)
+    g = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(123)
+    y_plain = block(x)
+    y_plain.sum().backward()
+    after_plain = torch.rand(4)
+    assert torch.equal(y, y_plain)
+    assert torch.equal(g, x.grad), "the rerun must draw the same dropout masks"
+    assert torch.equal(after_rc, after_plain), "the global RNG stream must be where a plain run leaves it"
+
+
+def test_autocast_state_restored_for_rerun():
+    lin = nn.Linear(16, 16)
+    dtypes = []
+
+    def fn(x):
+        h = lin(x)
+        dtypes.append(h.dtype)
+        return h.float().tanh()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fusedrc.recompute(fn, x)
+    y.sum().backward()  # outside autocast: the rerun must still run in bf16
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    g = x.grad.clone()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = fn(x)
+    ref.sum().backward()
+    assert torch.equal(y, ref) and torch.equal(g, x.grad)
+
+
+def _bn_block():
+    # not a fused pattern (Tanh): exercises the generic path
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh())
+
+
+@pytest.mark.parametrize("make", [_bn_block, PATTERNS["conv_bn_relu"]], ids=["generic", "fused"])
+def test_batchnorm_running_stats_change_once_per_forward(make):
+    block = make()
+    block = block[0] if isinstance(block, tuple) else block
+    block[1].momentum = None  # cumulative average: sensitive to num_batches_tracked as well
+    plain, via_torch = copy.deepcopy(block), copy.deepcopy(block)
+    for step in range(3):
+        x = torch.randn(2, 3, 6, 6, requires_grad=True)
+        fusedrc.recompute(block, x).sum().backward()
+        plain(x).sum().backward()
+        checkpoint(via_torch, x, use_reentrant=False).sum().backward()
+    bn, ref, bad = block[1], plain[1], via_torch[1]
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 3
+    assert rel_err(bn.running_mean, ref.running_mean) < 1e-6
+    assert rel_err(bn.running_var, ref.running_var) < 1e-6
+    # the point of the test: torch's checkpoint updates a second time in the rerun
+    assert int(bad.num_batches_tracked) == 6
+
+
+class _Flaky(nn.Module):
+    """Saves a differently shaped tensor when rerun."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.fail_with = None
+
+    def forward(self, x):
+        self.calls += 1
+        if self.fail_with is not None and self.calls > 1:
+            raise self.fail_with
+        n = x.shape[1] if self.calls == 1 else x.shape[1] - 1
+        return (x[:, :n] * x[:, :n]).sum(1)
+
+
+def test_recomputed_tensor_mismatch_raises():
+    x = torch.randn(3, 5, requires_grad=True)
+    y = fusedrc.recompute(_Flaky(), x)
+    with pytest.raises(fusedrc.RecomputeError, match="shape"):
+        y.sum().backward()
+    assert issubclass(fusedrc.RecomputeError, torch.utils.checkpoint.CheckpointError)
+
+
+def test_rerun_saving_fewer_tensors_raises():
+    state = {"first": True}
+
+    def fn(x):
+        y = x.sin()
+        if state.pop("first", False):
+            y = y.exp()  # one more saved tensor in the forward only
+        return y
+
+    x = torch.randn(4, requires_grad=True)
+    y = fusedrc.recompute(fn, x)
+    with pytest.raises(fusedrc.RecomputeError, match="saved 1 tensors but the forward saved 2"):
+        y.sum().backward()
+
+
+def test_exception_inside_rerun_leaves_everything_usable():
+    flaky = _Flaky()
+    flaky.fail_with = KeyError("boom")
+    bn_block = _bn_block()
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+
+    def region(inp):  # BatchNorm runs in the rerun before the failure
+        return flaky(bn_block(inp).flatten(1))
+
+    y = fusedrc.recompute(region, x)
+    stats = [b.clone() for b in bn_block[1].buffers()]
+    with pytest.raises(KeyError, match="boom"):
+        y.sum().backward()
+    assert not fusedrc._state.in_recompute()
+    for before, after in zip(stats, bn_block[1].buffers()):
+        assert torch.equal(before, after), "the failed rerun must not leave BatchNorm updated"
+    # the next step works and matches a plain step
+    flaky.fail_with = None
+    plain = copy.deepcopy(bn_block)
+    x.grad = None
+    fusedrc.recompute(bn_block, x).sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    plain(x).sum().backward()
+    assert rel_err(g, x.grad) < 1e-6
+    for a, b in zip(bn_block[1].buffers(), plain[1].buffers()):
+        assert torch.equal(a, b)
+
+
+def test_no_reference_cycles():
+    block = _generic_block(64)
+    x = torch.randn(32, 64, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        h = x * 2  # non-leaf: only the region's graph keeps it once `h` is deleted
+        y = fusedrc.recompute(block, h)
+        h_ref, out_ref = weakref.ref(h), weakref.ref(y)
+        del h
+        assert h_ref() is not None, "the region must keep its input while the output lives"
+        del y
+        assert out_ref() is None and h_ref() is None, "input freed with the output: no reference cycle"
+    finally:
+        gc.enable()
+
+
+def test_saved_bytes_equal_region_inputs():
+    block = _generic_block(32)
+    x = torch.randn(16, 32, requires_grad=True)
+    y0 = torch.randn(16, 32, requires_grad=True)
+
+    def fn(a, b):
+        return block(a) * torch.sigmoid(b)
+
+    with SavedBytes() as plain:
+        fn(x, y0)
+    with SavedBytes() as rc:
+        fusedrc.recompute(fn, x, y0)
+    assert plain.bytes > 4 * x.numel() * 4
+    assert rc.bytes == (x.numel() + y0.numel()) * 4
+
+
+def test_fused_ffn_runs_seven_gemms():
+    ffn = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    with GemmCounter() as c:
+        fusedrc.recompute(ffn, x).sum().backward()
+    assert c.gemms == 7
+    assert any(op.startswith("fusedrc.fused_mlp") for op in c.ops)
+    with GemmCounter() as c_plain:
+        ffn(x).sum().backward()
+    assert c_plain.gemms == 6
+
+
+def test_generic_block_follows_torch_checkpoint():
+    block = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    with GemmCounter() as ours:
+        fusedrc.recompute(block, x).sum().backward()
+    with GemmCounter() as theirs:
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    with GemmCounter() as full:
+        checkpoint(block, x, use_reentrant=False, early_stop=False).sum().backward()
+    assert ours.gemms == theirs.gemms < full.gemms
+
+
+def test_output_recompute_drops_the_intermediate():
+    a_block, b_block = _generic_block(32), _generic_block(32)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def run(flag):
+        with SavedBytes() as s:
+            h = fusedrc.recompute(a_block, x, output_recompute=flag)
+            y = fusedrc.recompute(b_block, h)
+        y.pow(2).sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in (*a_block.parameters(), *b_block.parameters())]
+        x.grad = None
+        a_block.zero_grad(), b_block.zero_grad()
+        return s.bytes, grads
+
+    kept, g_kept = run(False)
+    merged, g_merged = run(True)
+    assert kept == 2 * x.numel() * 4 and merged == x.numel() * 4
+    for a, b in zip(g_kept, g_merged):
+        assert torch.equal(a, b)
+    # a consumer that is not recomputed: no effect
+    with SavedBytes() as s1:
+        b_block(fusedrc.recompute(a_block, x, output_recompute=True))
+    with SavedBytes() as s2:
+        b_block(fusedrc.recompute(a_block, x))
+    assert s1.bytes == s2.bytes
+
+
+def test_context_fn_is_used():
+    entered = []
+
+    class Ctx:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __enter__(self):
+            entered.append(self.tag)
+
+        def __exit__(self, *a):
+            return False
+
+    x = torch.randn(3, 16, requires_grad=True)
+    y = fusedrc.recompute(_generic_block(), x, context_fn=lambda: (Ctx("fwd"), Ctx("rerun")))
+    assert entered == ["fwd"]
+    y.sum().backward()
+    assert entered == ["fwd", "rerun"]
