@@ -1,0 +1,281 @@
+"""Public API surface: backends, recompute_sequential, mark/unmark, clear errors, packaging."""
+import copy
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fusedrc
+from _utils import SavedBytes
+
+
+def test_public_names():
+    for name in ["recompute", "recompute_sequential", "mark", "unmark", "use_backend", "current_backend",
+                 "RecomputeError"]:
+        assert hasattr(fusedrc, name)
+        assert getattr(fusedrc, name).__doc__, f"{name} needs a docstring"
+    assert issubclass(fusedrc.RecomputeError, RuntimeError)
+
+
+# --------------------------------------------------------------------------- backends
+def test_use_backend_call_and_context_manager():
+    assert fusedrc.current_backend() == "auto"
+    fusedrc.use_backend("reference")
+    assert fusedrc.current_backend() == "reference"
+    with fusedrc.use_backend("triton"):
+        assert fusedrc.current_backend() == "triton"
+    assert fusedrc.current_backend() == "reference"
+    fusedrc.use_backend("auto")
+
+
+def test_use_backend_is_thread_local():
+    seen = {}
+    with fusedrc.use_backend("reference"):
+        t = threading.Thread(target=lambda: seen.setdefault("other", fusedrc.current_backend()))
+        t.start()
+        t.join()
+        assert fusedrc.current_backend() == "reference"
+    assert seen["other"] == "auto"
+
+
+@pytest.mark.parametrize("name", ["cuda", "Triton", "", None, 3])
+def test_unknown_backend_name(name):
+    with pytest.raises(ValueError, match="backend name must be one of"):
+        fusedrc.use_backend(name)
+    assert fusedrc.current_backend() == "auto"
+
+
+def test_triton_on_cpu_outside_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(4, 8)
+    lin = nn.Linear(8, 8)
+    with fusedrc.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        fusedrc.functional.linear_act(x, lin.weight, lin.bias)
+
+
+def test_auto_uses_reference_for_cpu_tensors():
+    from fusedrc._backend import resolve_backend
+
+    assert resolve_backend(torch.device("cpu"), "linear_act", "linear_act_forward") == "reference"
+
+
+def test_import_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, fusedrc\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))\n"
+        "x = torch.randn(2, 4, requires_grad=True)\n"
+        "fusedrc.recompute(m, x).sum().backward()\n"
+        "assert 'triton' not in [k for k, v in sys.modules.items() if v is not None]\n"
+        "print('ok', fusedrc.current_backend())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ok auto" in out.stdout
+
+
+def test_import_does_not_import_triton():
+    code = "import sys, fusedrc; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- recompute_sequential
+def _stack(n=6, d=12):
+    layers = []
+    for i in range(n):
+        layers += [nn.Linear(d, d), nn.Tanh() if i % 2 else nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("segments", [1, 2, 5, 12])
+def test_recompute_sequential_matches_plain(segments):
+    model = _stack()
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 12, requires_grad=True)
+    y = fusedrc.recompute_sequential(model, segments, x)
+    y_plain = twin(x)
+    assert torch.equal(y, y_plain)
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    y_plain.sum().backward()
+    assert torch.allclose(g, x.grad, atol=1e-6, rtol=0)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=0)
+
+
+def test_recompute_sequential_saves_less():
+    model = _stack(8, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    with SavedBytes() as plain:
+        model(x)
+    with SavedBytes() as rc:
+        fusedrc.recompute_sequential(model, 4, x)
+    assert rc.bytes < plain.bytes / 2
+
+
+def test_recompute_sequential_accepts_a_list():
+    fns = [nn.Linear(5, 5), torch.tanh, nn.Linear(5, 5)]
+    x = torch.randn(2, 5, requires_grad=True)
+    y = fusedrc.recompute_sequential(fns, 2, x)
+    assert torch.equal(y, fns[2](torch.tanh(fns[0](x))))
+
+
+@pytest.mark.parametrize("segments", [0, -1, 13])
+def test_recompute_sequential_segments_out_of_range(segments):
+    with pytest.raises(ValueError, match="segments must be between 1 and 12"):
+        fusedrc.recompute_sequential(_stack(), segments, torch.randn(2, 12))
+
+
+def test_recompute_sequential_rejects_second_input():
+    with pytest.raises(TypeError, match="takes one input"):
+        fusedrc.recompute_sequential(_stack(), 2, torch.randn(2, 12), torch.randn(2, 12))
+
+
+def test_recompute_sequential_bad_types():
+    with pytest.raises(TypeError, match="segments must be an int"):
+        fusedrc.recompute_sequential(_stack(), 2.0, torch.randn(2, 12))
+    with pytest.raises(TypeError, match="functions must be"):
+        fusedrc.recompute_sequential(nn.Linear(2, 2), 1, torch.randn(2, 2))
+
+
+# --------------------------------------------------------------------------- mark / unmark
+def test_mark_recomputes_every_call_and_unmark_undoes_it():
+    block = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Tanh())
+    x = torch.randn(8, 32, requires_grad=True)
+    with SavedBytes() as plain:
+        y_plain = block(x)
+    assert fusedrc.mark(block) is block
+    with SavedBytes() as marked:
+        y = block(x)
+    assert marked.bytes == x.numel() * 4 < plain.bytes
+    assert torch.equal(y, y_plain)
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    y_plain.sum().backward()
+    assert torch.equal(g, x.grad)
+    state = block.state_dict()
+    assert fusedrc.unmark(block) is block
+    with SavedBytes() as again:
+        block(x)
+    assert again.bytes == plain.bytes
+    block.load_state_dict(state)
+
+
+def test_mark_takes_the_fused_path_for_patterns():
+    from _utils import GemmCounter
+
+    ffn = fusedrc.mark(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
+    with GemmCounter() as c:
+        ffn(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert c.gemms == 7 and any("fused_mlp" in op for op in c.ops)
+
+
+def test_nested_mark_raises():
+    inner = nn.Linear(4, 4)
+    outer = nn.Sequential(inner, nn.Tanh())
+    fusedrc.mark(inner)
+    with pytest.raises(fusedrc.RecomputeError, match="already marked"):
+        fusedrc.mark(outer)
+    # marked the other way round: caught when called
+    fusedrc.unmark(inner)
+    fusedrc.mark(outer)
+    fusedrc.mark(inner)
+    with pytest.raises(fusedrc.RecomputeError, match="inside another marked module"):
+        outer(torch.randn(2, 4, requires_grad=True))
+
+
+def test_mark_output_recompute_merges_chained_blocks():
+    a = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    b = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    x = torch.randn(8, 16, requires_grad=True)
+    fusedrc.mark(a, output_recompute=True)
+    fusedrc.mark(b)
+    with SavedBytes() as s:
+        y = b(a(x))
+    assert s.bytes == x.numel() * 4
+    y.sum().backward()
+    g = x.grad.clone()
+    fusedrc.unmark(a), fusedrc.unmark(b)
+    x.grad = None
+    b(a(x)).sum().backward()
+    assert torch.equal(g, x.grad)
+
+
+def test_mark_rejects_non_modules():
+    with pytest.raises(TypeError, match="module must be an nn.Module"):
+        fusedrc.mark(lambda x: x)
+
+
+# --------------------------------------------------------------------------- clear errors
+def test_non_callable_block():
+    with pytest.raises(TypeError, match="block must be a callable"):
+        fusedrc.recompute(42, torch.randn(2))
+
+
+def test_use_reentrant_is_rejected_with_a_reason():
+    with pytest.raises(ValueError, match="use_reentrant=True is not supported"):
+        fusedrc.recompute(nn.Linear(2, 2), torch.randn(1, 2), use_reentrant=True)
+
+
+def test_input_on_another_device_than_the_parameters():
+    block = nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="is on cpu, but the block's parameters are on meta"):
+        fusedrc.recompute(block, torch.randn(2, 4, requires_grad=True))
+
+
+def test_bad_determinism_check_and_context_fn():
+    with pytest.raises(ValueError, match="determinism_check"):
+        fusedrc.recompute(torch.sin, torch.randn(2, requires_grad=True), determinism_check="strict")
+    with pytest.raises(TypeError, match="context_fn"):
+        fusedrc.recompute(torch.sin, torch.randn(2, requires_grad=True), context_fn=3)
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: fusedrc.functional.linear_act(torch.randn(2, 3), torch.randn(4, 5)), ValueError, "weight"),
+        (lambda: fusedrc.functional.linear_act(torch.randn(2, 3), torch.randn(4, 3), torch.randn(5)),
+         ValueError, "bias"),
+        (lambda: fusedrc.functional.linear_act(torch.randn(2, 3), torch.randn(4, 3, dtype=torch.float64)),
+         TypeError, "weight has dtype"),
+        (lambda: fusedrc.functional.linear_act(torch.randn(2, 3), torch.randn(4, 3), activation="tanh"),
+         ValueError, "activation"),
+        (lambda: fusedrc.functional.fused_mlp(torch.randn(2, 3), torch.randn(4, 3), None, torch.randn(2, 5), None),
+         ValueError, "w2"),
+        (lambda: fusedrc.functional.conv_bn_act(torch.randn(2, 3, 4), torch.randn(4, 3, 1, 1), None, None, None,
+                                                None), ValueError, "input must be 4-D"),
+        (lambda: fusedrc.functional.conv_bn_act(torch.randn(1, 3, 4, 4), torch.randn(4, 2, 1, 1), None, None, None,
+                                                None), ValueError, "weight must have shape"),
+        (lambda: fusedrc.functional.conv_bn_act(torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), torch.ones(3),
+                                                None, None, None), ValueError, "bn_weight"),
+    ],
+)
+def test_functional_argument_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_fallback_for_unfusable_blocks_is_correct():
+    # Dropout(p>0) between the FFN's layers: the generic path, still correct and minimal
+    ffn = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(5)
+    with SavedBytes() as s:
+        y = fusedrc.recompute(ffn, x)
+    assert s.bytes == x.numel() * 4
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(5)
+    y2 = ffn(x)
+    y2.sum().backward()
+    assert torch.equal(y, y2) and torch.equal(g, x.grad)

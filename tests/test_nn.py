@@ -1,0 +1,104 @@
+"""fusedrc.nn modules against the unfused torch modules (reference backend on CPU)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fusedrc
+from _utils import SavedBytes, rel_err
+
+
+def _check_grads(a_params, b_params, tol=1e-5):
+    for a, b in zip(a_params, b_params):
+        assert (a.grad - b.grad).norm() <= tol * max(b.grad.norm(), 10.0)
+
+
+@pytest.mark.parametrize("activation,act", [("relu", nn.ReLU()), ("gelu_tanh", nn.GELU("tanh")), ("silu", nn.SiLU())])
+def test_linear_relu_state_dict_and_numerics(activation, act):
+    lin = nn.Linear(12, 20)
+    m = fusedrc.nn.LinearReLU(12, 20, activation=activation)
+    m.load_state_dict(lin.state_dict())
+    nn.Linear(12, 20).load_state_dict(m.state_dict())
+    x = torch.randn(3, 4, 12, requires_grad=True)
+    y, ref = m(x), act(lin(x))
+    assert torch.equal(y, ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    gx = x.grad.clone()
+    x.grad = None
+    ref.backward(g)
+    assert rel_err(gx, x.grad) < 1e-6
+    _check_grads(m.parameters(), lin.parameters())
+    shared = fusedrc.nn.LinearReLU.from_modules(lin, act)
+    assert shared.weight is lin.weight and shared.activation == activation
+
+
+def test_fused_mlp_module():
+    ref = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 6))
+    m = fusedrc.nn.FusedMLP(8, 32, 6, activation="gelu")
+    m.load_state_dict({"fc1.weight": ref[0].weight, "fc1.bias": ref[0].bias,
+                       "fc2.weight": ref[2].weight, "fc2.bias": ref[2].bias})
+    x = torch.randn(5, 8, requires_grad=True)
+    with SavedBytes() as s:
+        y = m(x)
+    assert s.bytes == x.numel() * 4
+    assert torch.equal(y, ref(x))
+    y.sum().backward()
+    ref(x.detach()).sum().backward()
+    _check_grads(m.parameters(), ref.parameters())
+    m2 = fusedrc.nn.FusedMLP.from_modules(ref[0], ref[1], ref[2])
+    assert m2.fc1 is ref[0] and m2.activation == "gelu"
+    with pytest.raises(ValueError, match="act must be a supported activation"):
+        fusedrc.nn.FusedMLP.from_modules(ref[0], nn.Tanh(), ref[2])
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_conv_bn_relu_training_and_eval(momentum):
+    conv, bn = nn.Conv2d(3, 6, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(6, momentum=momentum)
+    m = fusedrc.nn.ConvBNReLU(3, 6, 3, stride=2, padding=1, momentum=momentum)
+    m.load_state_dict({"conv." + k: v for k, v in conv.state_dict().items()}
+                      | {"bn." + k: v for k, v in bn.state_dict().items()})
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, requires_grad=True)
+        res = torch.randn(4, 6, 4, 4, requires_grad=True)
+        y = m(x, res)
+        ref = torch.relu(bn(conv(x)) + res)
+        assert torch.equal(y, ref)
+        g = torch.randn_like(y)
+        (gx, gr) = torch.autograd.grad(y, (x, res), g)
+        (rx, rr) = torch.autograd.grad(ref, (x, res), g)
+        assert rel_err(gx, rx) < 1e-5 and torch.equal(gr, rr)
+    assert int(m.bn.num_batches_tracked) == int(bn.num_batches_tracked) == 3
+    assert rel_err(m.bn.running_mean, bn.running_mean) < 1e-6
+    assert rel_err(m.bn.running_var, bn.running_var) < 1e-6
+    m.eval(), bn.eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert rel_err(m(x), torch.relu(bn(conv(x)))) < 1e-6
+    assert int(m.bn.num_batches_tracked) == 3
+
+
+def test_conv_bn_relu_from_modules_shares_parameters():
+    conv, bn = nn.Conv2d(2, 4, 1, bias=False), nn.BatchNorm2d(4)
+    m = fusedrc.nn.ConvBNReLU.from_modules(conv, bn)
+    assert m.conv is conv and m.bn is bn
+    with pytest.raises(ValueError, match="groups=1"):
+        fusedrc.nn.ConvBNReLU.from_modules(nn.Conv2d(4, 4, 1, groups=2), nn.BatchNorm2d(4))
+    with pytest.raises(ValueError, match="num_features"):
+        fusedrc.nn.ConvBNReLU.from_modules(conv, nn.BatchNorm2d(5))
+
+
+def test_conv_bn_relu_inside_a_recompute_region_updates_stats_once():
+    m = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1)
+    plain = copy.deepcopy(m)
+
+    def region(x):
+        return m(x).tanh()
+
+    for _ in range(2):
+        x = torch.randn(2, 3, 5, 5, requires_grad=True)
+        fusedrc.recompute(region, x).sum().backward()
+        plain(x).tanh().sum().backward()
+    assert int(m.bn.num_batches_tracked) == 2
+    assert rel_err(m.bn.running_mean, plain.bn.running_mean) < 1e-6
+    assert rel_err(m.bn.running_var, plain.bn.running_var) < 1e-6
