@@ -18,6 +18,15 @@ from ._backend import get_impl
 _EMPTY = (0,)
 
 
+def _no_double_backward(name):
+    if torch.is_grad_enabled():
+        # create_graph=True: the backward ops have no derivative of their own
+        raise RuntimeError(
+            f"double backward through the fused op fusedrc::{name} is not supported; wrap the block "
+            "in fusedrc.recompute with a non-fused callable (the generic path supports it)"
+        )
+
+
 def _none_if_empty(t: Tensor, like: Optional[Tensor]) -> Optional[Tensor]:
     return None if like is None else t
 
@@ -59,6 +68,7 @@ def _linear_act_setup(ctx, inputs, output):
 
 
 def _linear_act_backward(ctx, grad_out):
+    _no_double_backward("linear_act")
     x, weight, bias = ctx.saved_tensors
     dx, dw, db = linear_act_backward_op(x, weight, bias, grad_out.contiguous(), ctx.activation, ctx.backend)
     return dx, dw, _none_if_empty(db, bias), None, None
@@ -105,6 +115,7 @@ def _fused_mlp_setup(ctx, inputs, output):
 
 
 def _fused_mlp_backward(ctx, grad_out):
+    _no_double_backward("fused_mlp")
     x, w1, b1, w2, b2 = ctx.saved_tensors
     dx, dw1, db1, dw2, db2 = fused_mlp_backward_op(
         x, w1, b1, w2, b2, grad_out.contiguous(), ctx.activation, ctx.backend
@@ -180,6 +191,7 @@ def _conv_bn_act_setup(ctx, inputs, output):
 
 
 def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    _no_double_backward("conv_bn_act")
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual = ctx.saved_tensors
     grads = conv_bn_act_backward_op(
         x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(), *ctx.args

@@ -330,7 +330,9 @@ def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recom
         return fn(*args, **kwargs)  # no graph: nothing to save, a plain call
     flat = tree_flatten((args, kwargs))[0]
     _check_devices(block, flat)
-    if context_fn is None and not _has_tagged_input(flat):
+    # the fused ops keep their own saved state: contexts, output merging and a
+    # merged (not stored) input need the generic region
+    if context_fn is None and not output_recompute and not _has_tagged_input(flat):
         fused = _patterns.match(block, args, kwargs)
         if fused is not None:
             return fused()

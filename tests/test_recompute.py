@@ -381,3 +381,17 @@ def test_context_fn_is_used():
     assert entered == ["fwd"]
     y.sum().backward()
     assert entered == ["fwd", "rerun"]
+
+
+def test_output_recompute_on_a_fused_pattern_producer():
+    producer = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
+    consumer = _generic_block(32)
+    x = torch.randn(16, 32, requires_grad=True)
+    with SavedBytes() as s:
+        y = fusedrc.recompute(consumer, fusedrc.recompute(producer, x, output_recompute=True))
+    assert s.bytes == x.numel() * 4
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    consumer(producer(x)).sum().backward()
+    assert torch.equal(g, x.grad)

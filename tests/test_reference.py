@@ -150,3 +150,11 @@ def test_nan_and_inf_propagate():
     ref = torch.relu(lin(x))
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[0]).all()
     assert torch.allclose(y[2:], ref[2:])
+
+
+def test_double_backward_through_a_fused_op_is_a_clear_error():
+    x = torch.randn(3, 4, requires_grad=True)
+    lin = torch.nn.Linear(4, 5)
+    y = FF.linear_act(x, lin.weight, lin.bias, "gelu")
+    with pytest.raises(RuntimeError, match="double backward through the fused op fusedrc::linear_act"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
