@@ -92,13 +92,17 @@ def has_triton_kernel(op_module: str, fn_name: str) -> bool:
     return mod is not None and hasattr(mod, fn_name)
 
 
-def resolve_backend(device: torch.device, op_module: str, fn_name: str) -> str:
-    """Turn the thread's backend setting into "triton" or "reference" for one op call."""
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def resolve_backend(x: torch.Tensor, op_module: str, fn_name: str) -> str:
+    """Turn the thread's backend setting into "triton" or "reference" for one op call on ``x``."""
     name = current_backend()
+    device = x.device
     if name == "reference":
         return "reference"
     if name == "auto":
-        if device.type == "cuda" and has_triton_kernel(op_module, fn_name):
+        if device.type == "cuda" and x.dtype in TRITON_DTYPES and has_triton_kernel(op_module, fn_name):
             return "triton"
         return "reference"
     runnable = device.type == "cuda" or interpreter_active()
@@ -111,8 +115,9 @@ def resolve_backend(device: torch.device, op_module: str, fn_name: str) -> str:
         )
     if not triton_available():
         raise RuntimeError("backend 'triton' was requested but Triton cannot be imported here")
-    if not has_triton_kernel(op_module, fn_name):
-        # a valid case the kernels do not cover yet: the reference twin is correct
+    if x.dtype not in TRITON_DTYPES or not has_triton_kernel(op_module, fn_name):
+        # a valid case the kernels do not cover (float64, an op without a kernel yet):
+        # the reference twin is correct
         return "reference"
     return "triton"
 

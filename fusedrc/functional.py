@@ -38,7 +38,7 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     check_tensor(x, "input", min_ndim=1)
     _check_linear(x, weight, bias)
     check_activation(activation)
-    backend = resolve_backend(x.device, "linear_act", "linear_act_forward")
+    backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
     y = ops.linear_act_op(x.reshape(-1, x.shape[-1]), weight, bias, activation, backend)
     return y.view(*lead, weight.shape[0])
@@ -57,7 +57,7 @@ def fused_mlp(
     check_tensor(w2, "w2", ndim=2)
     _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0])
     check_activation(activation)
-    backend = resolve_backend(x.device, "fused_mlp", "fused_mlp_forward")
+    backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
     y = ops.fused_mlp_op(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, backend)
     return y.view(*lead, w2.shape[0])
@@ -102,7 +102,7 @@ def conv_bn_act(
         expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
-    backend = resolve_backend(x.device, "conv_bn_act", "conv_bn_act_forward")
+    backend = resolve_backend(x, "conv_bn_act", "conv_bn_act_forward")
     y, mean, rstd = ops.conv_bn_act_op(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
         use_batch_stats, float(eps), stride, padding, dilation, activation, backend,

@@ -21,6 +21,7 @@ changes sides of the ReLU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -54,7 +55,7 @@ _TABLE = {
     # ---- Hopper / datacenter Blackwell
     ("sm90", "16bit", "small"): GemmConfig(64, 64, 64, 8, 4, 4),
     ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3),
-    ("sm90", "16bit", "large"): GemmConfig(128, 256, 64, 8, 8, 3),
+    ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 4),
     ("sm90", "tf32", "small"): GemmConfig(64, 64, 32, 8, 4, 4),
     ("sm90", "tf32", "medium"): GemmConfig(128, 128, 32, 8, 8, 3),
     ("sm90", "tf32", "large"): GemmConfig(128, 128, 32, 8, 8, 4),
@@ -64,7 +65,7 @@ _TABLE = {
     # ---- Ampere A100
     ("sm80", "16bit", "small"): GemmConfig(32, 64, 64, 8, 4, 4),
     ("sm80", "16bit", "medium"): GemmConfig(128, 64, 64, 8, 4, 4),
-    ("sm80", "16bit", "large"): GemmConfig(128, 128, 32, 8, 4, 4),
+    ("sm80", "16bit", "large"): GemmConfig(128, 128, 32, 8, 8, 4),
     ("sm80", "tf32", "small"): GemmConfig(32, 64, 32, 8, 4, 4),
     ("sm80", "tf32", "medium"): GemmConfig(64, 128, 32, 8, 4, 3),
     ("sm80", "tf32", "large"): GemmConfig(128, 128, 32, 8, 8, 3),
@@ -223,14 +224,17 @@ def _mainloop(
 ):
     """fp32 accumulator of one (BLOCK_M, BLOCK_N) tile of A @ B, K in ascending order.
 
-    Rows/columns past M/N wrap around (modulo) so that only K needs a mask; the
-    wrapped rows are never stored.
+    The tile's base offset is 64-bit (no overflow on huge operands); offsets
+    inside the tile are 32-bit. Rows/columns past M/N wrap around (modulo)
+    onto valid ones so that only K needs a mask; those rows are never stored.
     """
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M) % (M - row0)
+    offs_n = tl.arange(0, BLOCK_N) % (N - col0)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = (b_ptr + col0.to(tl.int64) * stride_bn) + (offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -249,12 +253,22 @@ def _mainloop(
     return acc
 
 
+@triton.jit
+def _add_bias(acc, bias_ptr, N, col0, BLOCK_N: tl.constexpr):
+    """acc + bias[col0:col0+BLOCK_N] in fp32 (identical in forward and recompute)."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    return acc + bias[None, :]
+
+
 # --------------------------------------------------------------------------- kernels
+# Outputs (and the incoming gradient of the grad kernel) are contiguous (M, N):
+# one 32-bit in-tile offset tensor serves all of them, from a 64-bit tile base.
 @triton.jit
 def _gemm_act_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -262,24 +276,23 @@ def _gemm_act_kernel(
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
+        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     y = _act_fwd(acc, ACTIVATION)
-    mask = (offs_m[:, None] < M) & mask_n[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
+    base = row0.to(tl.int64) * N + col0
+    tl.store(c_ptr + base + (offs_m[:, None] * N + offs_n[None, :]), y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gemm_act_grad_kernel(
     a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_gm, stride_gn,
-    stride_ghm, stride_ghn, stride_actm, stride_actn,
+    stride_am, stride_ak, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -288,30 +301,33 @@ def _gemm_act_grad_kernel(
     # recompute the pre-activation exactly as _gemm_act_kernel does
     acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    mask = mask_m[:, None] & mask_n[None, :]
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    rows = offs_m[:, None].to(tl.int64)
-    cols = offs_n[None, :].to(tl.int64)
-    g = tl.load(g_ptr + rows * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    gh = _act_grad(acc, g, ACTIVATION)
-    tl.store(gh_ptr + rows * stride_ghm + cols * stride_ghn, gh.to(gh_ptr.dtype.element_ty), mask=mask)
+        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N - col0
+    mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
+    base = row0.to(tl.int64) * N + col0
+    offs = offs_m[:, None] * N + offs_n[None, :]
     if STORE_ACT:
-        a_out = _act_fwd(acc, ACTIVATION)
-        tl.store(act_ptr + rows * stride_actm + cols * stride_actn, a_out.to(act_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(act_ptr + base + offs, _act_fwd(acc, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+    gh = _act_grad(acc, g, ACTIVATION)
+    tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        # partial bias gradient of this row tile: part[pid_m, n] = sum_rows g_h
+        # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
         col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
-        tl.store(part_ptr + pid_m.to(tl.int64) * N + offs_n, col_sum, mask=mask_n)
+        tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
 
 
 # --------------------------------------------------------------------------- launchers
+def _device_guard(t: torch.Tensor):
+    """Launch on the tensor's GPU, not the current one."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
     precision = dot_precision(a)
     cfg = gemm_config(M, N, K, a.dtype, precision, device_capability(a))
@@ -332,16 +348,19 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
         return out
     precision, cfg = _launch_params(a, M, N, K)
     cfg = config or cfg
+    if bias is not None:
+        bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    _gemm_act_kernel[grid](
-        a, b, bias if bias is not None else a, out,
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, ACTIVATION=activation,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with _device_guard(a):
+        _gemm_act_kernel[grid](
+            a, b, bias if bias is not None else a, out,
+            M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            HAS_BIAS=bias is not None, ACTIVATION=activation,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out
 
 
@@ -364,20 +383,23 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
         return gh, act, dbias
     precision, cfg = _launch_params(a, M, N, K)
     cfg = config or cfg
+    if bias is not None:
+        bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     num_pid_m = triton.cdiv(M, cfg.BLOCK_M)
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
     grid = (num_pid_m * triton.cdiv(N, cfg.BLOCK_N),)
-    act_arg = act if act is not None else gh
-    _gemm_act_grad_kernel[grid](
-        a, b, bias if bias is not None else a, grad, gh, act_arg, part if part is not None else gh,
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), grad.stride(0), grad.stride(1),
-        gh.stride(0), gh.stride(1), act_arg.stride(0), act_arg.stride(1),
-        HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grad = grad.contiguous()  # no copy in the usual case
+    with _device_guard(a):
+        _gemm_act_grad_kernel[grid](
+            a, b, bias if bias is not None else a, grad, gh, act if act is not None else gh,
+            part if part is not None else gh,
+            M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
     dbias = part.sum(0).to(bias.dtype) if bias is not None else None
     return gh, act, dbias

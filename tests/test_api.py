@@ -60,7 +60,18 @@ def test_triton_on_cpu_outside_interpreter_is_an_error(monkeypatch):
 def test_auto_uses_reference_for_cpu_tensors():
     from fusedrc._backend import resolve_backend
 
-    assert resolve_backend(torch.device("cpu"), "linear_act", "linear_act_forward") == "reference"
+    assert resolve_backend(torch.randn(2), "linear_act", "linear_act_forward") == "reference"
+
+
+def test_triton_backend_falls_back_for_float64():
+    from fusedrc._backend import resolve_backend
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    lin = nn.Linear(4, 5, dtype=torch.float64)
+    with fusedrc.use_backend("triton"):
+        assert resolve_backend(x, "linear_act", "linear_act_forward") == "reference"
+        y = fusedrc.functional.linear_act(x, lin.weight, lin.bias)
+    assert torch.equal(y, torch.relu(lin(x)))
 
 
 def test_import_without_triton():

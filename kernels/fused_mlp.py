@@ -1,0 +1,45 @@
+"""Transformer FFN: out = act(x W1^T + b1) W2^T + b2, with the recompute fused into backward.
+
+Forward (2 GEMMs): GEMM 1 with bias + activation epilogue writes a = act(h)
+(h never stored); GEMM 2 with bias epilogue writes out. Only x needs saving.
+
+Backward (5 GEMMs, the output GEMM is never rerun):
+  g_a = grad_out W2                                    (GEMM)
+  one kernel recomputes h = x W1^T + b1 tile by tile   (GEMM, same tiles as forward)
+    and emits g_h = act'(h) * g_a, a = act(h), and partial column sums of g_h (db1)
+  dW2 = grad_out^T a                                   (GEMM)
+  dX  = g_h W1                                         (GEMM)
+  dW1 = g_h^T x                                        (GEMM)
+  db2 = grad_out summed over rows (fp32 accumulation).
+"""
+from __future__ import annotations
+
+import torch
+import triton  # noqa: F401  (this module is only imported by the triton backend)
+
+from ._common import check_activation, gemm_act, gemm_act_grad
+
+__all__ = ["fused_mlp_forward", "fused_mlp_backward"]
+
+
+def fused_mlp_forward(x, w1, b1, w2, b2, activation):
+    """out = act(x W1^T + b1) W2^T + b2; x (M, K), w1 (H, K), w2 (N, H)."""
+    assert x.dim() == 2, "fused_mlp_forward expects a 2-D x"
+    check_activation(activation)
+    a = gemm_act(x, w1.t(), b1, activation)
+    return gemm_act(a, w2.t(), b2, "none")
+
+
+def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation):
+    """Returns (dx, dw1, db1, dw2, db2); db1/db2 are None when b1/b2 are None."""
+    assert x.dim() == 2, "fused_mlp_backward expects a 2-D x"
+    check_activation(activation)
+    grad_a = gemm_act(grad_out, w2, None, out_dtype=x.dtype)              # (M, N) @ (N, H)
+    gh, a, db1 = gemm_act_grad(x, w1.t(), b1, grad_a, activation, store_act=True)
+    del grad_a
+    dw2 = gemm_act(grad_out.t(), a, None, out_dtype=w2.dtype)             # (N, M) @ (M, H)
+    del a
+    db2 = grad_out.sum(0, dtype=torch.float32).to(b2.dtype) if b2 is not None else None
+    dx = gemm_act(gh, w1, None, out_dtype=x.dtype)                         # (M, H) @ (H, K)
+    dw1 = gemm_act(gh.t(), x, None, out_dtype=w1.dtype)                    # (H, M) @ (M, K)
+    return dx, dw1, db1, dw2, db2

@@ -1,0 +1,264 @@
+"""Dense Triton kernels (Linear+act, FFN) against the float64 reference.
+
+Without a GPU these run under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), so the shapes are small but awkward: not multiples of the
+tiles, several tiles in M and N, a K loop with a ragged last step.
+"""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from fusedrc import reference as R  # noqa: E402
+from fusedrc.kernels import _common, fused_mlp, linear_act  # noqa: E402
+
+ACTS = ["relu", "relu2", "gelu", "gelu_tanh", "silu"]
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _rel(out, ref):
+    """Relative Frobenius error; NaN anywhere never passes."""
+    assert out is not None and out.shape == ref.shape, (None if out is None else out.shape, ref.shape)
+    out = out.double()
+    assert not torch.isnan(out).any(), "NaN in output"
+    den = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _check(outs, refs, dtype, names):
+    for o, r, n in zip(outs, refs, names):
+        if r is None:
+            assert o is None, f"{n} should be None"
+            continue
+        assert o.dtype == dtype, (n, o.dtype)
+        err = _rel(o, r)
+        assert err < TOL[dtype], f"{n}: rel err {err:.3e} >= {TOL[dtype]:.0e}"
+
+
+def _d(t):
+    return None if t is None else t.double()
+
+
+def _rand(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------- Linear + act
+LIN_SHAPES = [(1, 1, 1), (17, 33, 65), (64, 32, 48)]  # (M, K, N)
+
+
+def _linear_inputs(M, K, N, dtype, device, bias):
+    x = _rand(M, K, dtype=dtype, device=device)
+    w = _rand(N, K, dtype=dtype, device=device, scale=max(K, 1) ** -0.5)
+    b = _rand(N, dtype=dtype, device=device, scale=0.5) if bias else None
+    g = _rand(M, N, dtype=dtype, device=device)
+    return x, w, b, g
+
+
+def _check_linear(x, w, b, g, act, dtype):
+    y = linear_act.linear_act_forward(x, w, b, act)
+    grads = linear_act.linear_act_backward(x, w, b, g, act)
+    y_ref = R.linear_act_forward(_d(x), _d(w), _d(b), act)
+    grads_ref = R.linear_act_backward(_d(x), _d(w), _d(b), _d(g), act)
+    _check([y, *grads], [y_ref, *grads_ref], dtype, ["y", "dx", "dw", "db"])
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", LIN_SHAPES, ids=str)
+def test_linear_act(shape, dtype, act, bias, device):
+    _check_linear(*_linear_inputs(*shape, dtype, device, bias), act, dtype)
+
+
+def test_linear_act_noncontiguous(device):
+    M, K, N = 19, 37, 41
+    dtype = torch.float32
+    x = _rand(K, M, dtype=dtype, device=device).t()                # column-major x
+    w = _rand(K, N, dtype=dtype, device=device, scale=max(K, 1) ** -0.5).t()  # column-major W
+    b = _rand(2 * N, dtype=dtype, device=device)[::2]                # strided bias
+    g = _rand(M, 2 * N, dtype=dtype, device=device)[:, ::2]          # strided grad
+    assert not (x.is_contiguous() or w.is_contiguous() or b.is_contiguous() or g.is_contiguous())
+    _check_linear(x, w, b, g, "gelu", dtype)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 7), (4, 0, 7), (4, 5, 0)], ids=str)
+def test_linear_act_empty(shape, device):
+    M, K, N = shape
+    x, w, b, g = _linear_inputs(M, K, N, torch.float32, device, True)
+    y = linear_act.linear_act_forward(x, w, b, "gelu")
+    torch.testing.assert_close(y, R.linear_act_forward(x, w, b, "gelu"))
+    for o, r in zip(linear_act.linear_act_backward(x, w, b, g, "gelu"), R.linear_act_backward(x, w, b, g, "gelu")):
+        torch.testing.assert_close(o, r)
+
+
+def test_linear_act_bf16_upcast(device):
+    """bf16 goes through fp32 under the interpreter (UPCAST flag); plain bf16 on a GPU."""
+    _check_linear(*_linear_inputs(33, 40, 20, torch.bfloat16, device, True), "silu", torch.bfloat16)
+
+
+def test_relu_propagates_nan(device):
+    M, K, N = 9, 12, 10
+    x, w, b, _ = _linear_inputs(M, K, N, torch.float32, device, True)
+    x[3, 5] = float("nan")
+    w[7, 2] = float("nan")
+    y = linear_act.linear_act_forward(x, w, b, "relu")
+    y_ref = R.linear_act_forward(x, w, b, "relu")
+    assert torch.isnan(y_ref).sum() > 0
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    ok = ~torch.isnan(y_ref)
+    torch.testing.assert_close(y[ok], y_ref[ok], rtol=1e-5, atol=1e-6)
+    for act in ("relu2", "silu", "gelu"):  # the others keep NaN too
+        assert torch.equal(torch.isnan(linear_act.linear_act_forward(x, w, b, act)), torch.isnan(y_ref))
+
+
+def _near_zero_inputs(M, K, N, dtype, device):
+    """h = x W^T + b with most entries within rounding noise of 0.
+
+    Rows of x are one base row plus tiny perturbations, and b cancels the base
+    row's product, so the sign of many h entries is decided by the accumulation
+    order (relative size of h to its terms is ~1e-7).
+    """
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(1, K, generator=gen, dtype=torch.float64)
+    eps = 1e-6 if dtype == torch.float32 else 1e-3  # fp16 cannot hold a smaller perturbation
+    x = base + eps * torch.randn(M, K, generator=gen, dtype=torch.float64)
+    w = torch.randn(N, K, generator=gen, dtype=torch.float64)
+    x, w = x.to(dtype), w.to(dtype)
+    b = -(x[:1].double() @ w.double().t()).squeeze(0)
+    return x.to(device), w.to(device), b.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_recompute_mask_matches_forward_sign(dtype, device):
+    """The backward's ReLU mask equals the sign of the forward's output, bit for bit."""
+    M, K, N = 40, 100, 36  # K loop of several steps with a ragged tail
+    x, w, b = _near_zero_inputs(M, K, N, dtype, device)
+    y = linear_act.linear_act_forward(x, w, b, "relu")
+    h_ref = x.double() @ w.double().t() + b.double()
+    near = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (h_ref.abs() < near).float().mean() > 0.3  # the data really sits on the ReLU's kink
+    assert 0.2 < (y > 0).float().mean() < 0.8
+    ones = torch.ones(M, N, dtype=dtype, device=device)
+    gh, db = linear_act.linear_act_grad_h(x, w, b, ones, "relu")
+    mask = gh != 0
+    if dtype == torch.float32:
+        # y = h where h > 0 else 0, exactly: y > 0 <=> h > 0 <=> mask
+        assert torch.equal(mask, y > 0)
+    else:
+        # fp16 storage may flush a tiny positive h to +0: compare where y is not 0,
+        # and check the mask against the forward's pre-activation sign bit
+        nz = y != 0
+        assert torch.equal(mask[nz], (y > 0)[nz])
+        h_fwd = _common.gemm_act(x, w.t(), b, "none")
+        assert torch.equal(mask, ~torch.signbit(h_fwd) & ((h_fwd != 0) | mask))
+    # the FFN's recompute kernel emits act(h) equal bit for bit to the forward's
+    for act in ACTS:
+        y_act = linear_act.linear_act_forward(x, w, b, act)
+        _, a, _ = _common.gemm_act_grad(x, w.t(), b, ones, act, store_act=True)
+        assert torch.equal(a, y_act), act
+    # the data is adversarial: another BLOCK_K (summation order) flips some signs
+    if device.type == "cpu" and dtype == torch.float32:
+        cfg = _common.gemm_config(M, N, K, dtype, "ieee", None)
+        other = cfg._replace(BLOCK_K=16)
+        h_other = _common.gemm_act(x, w.t(), b, "none", out_dtype=torch.float32, config=other)
+        h_same = _common.gemm_act(x, w.t(), b, "none", out_dtype=torch.float32, config=cfg)
+        assert torch.equal(h_same > 0, mask)
+        assert not torch.equal(h_other > 0, mask), "data not sensitive to the K order"
+
+
+# --------------------------------------------------------------------------- FFN
+MLP_SHAPES = [(1, 1, 1, 1), (17, 33, 65, 20), (40, 24, 48, 37)]  # (M, K, H, N)
+
+
+def _mlp_inputs(M, K, H, N, dtype, device, bias):
+    x = _rand(M, K, dtype=dtype, device=device)
+    w1 = _rand(H, K, dtype=dtype, device=device, scale=max(K, 1) ** -0.5)
+    w2 = _rand(N, H, dtype=dtype, device=device, scale=H ** -0.5)
+    b1 = _rand(H, dtype=dtype, device=device, scale=0.5) if bias else None
+    b2 = _rand(N, dtype=dtype, device=device, scale=0.5) if bias else None
+    g = _rand(M, N, dtype=dtype, device=device)
+    return x, w1, b1, w2, b2, g
+
+
+def _check_mlp(x, w1, b1, w2, b2, g, act, dtype):
+    out = fused_mlp.fused_mlp_forward(x, w1, b1, w2, b2, act)
+    grads = fused_mlp.fused_mlp_backward(x, w1, b1, w2, b2, g, act)
+    out_ref = R.fused_mlp_forward(_d(x), _d(w1), _d(b1), _d(w2), _d(b2), act)
+    grads_ref = R.fused_mlp_backward(_d(x), _d(w1), _d(b1), _d(w2), _d(b2), _d(g), act)
+    _check([out, *grads], [out_ref, *grads_ref], dtype, ["out", "dx", "dw1", "db1", "dw2", "db2"])
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", MLP_SHAPES, ids=str)
+def test_fused_mlp(shape, dtype, act, bias, device):
+    _check_mlp(*_mlp_inputs(*shape, dtype, device, bias), act, dtype)
+
+
+def test_fused_mlp_noncontiguous(device):
+    M, K, H, N = 21, 18, 40, 13
+    dtype = torch.float32
+    x, w1, b1, w2, b2, g = _mlp_inputs(M, K, H, N, dtype, device, True)
+    x = x.t().contiguous().t()
+    w1 = w1.t().contiguous().t()
+    w2 = w2.t().contiguous().t()
+    g = g.t().contiguous().t()
+    _check_mlp(x, w1, b1, w2, b2, g, "relu2", dtype)
+
+
+def test_fused_mlp_gemm_count(device, monkeypatch):
+    """7 GEMMs forward + backward, all in the two kernels; the output GEMM is not rerun."""
+    calls = []
+    real_fwd, real_grad = _common._gemm_act_kernel, _common._gemm_act_grad_kernel
+
+    class _Spy:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            calls.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(_common, "_gemm_act_kernel", _Spy(real_fwd, "gemm"))
+    monkeypatch.setattr(_common, "_gemm_act_grad_kernel", _Spy(real_grad, "recompute"))
+    x, w1, b1, w2, b2, g = _mlp_inputs(8, 8, 16, 8, torch.float32, device, True)
+    fused_mlp.fused_mlp_forward(x, w1, b1, w2, b2, "gelu")
+    assert calls == ["gemm", "gemm"]
+    fused_mlp.fused_mlp_backward(x, w1, b1, w2, b2, g, "gelu")
+    assert calls.count("recompute") == 1 and len(calls) == 7
+    calls.clear()
+    linear_act.linear_act_backward(x, w1, b1, torch.randn(8, 16, device=device), "relu")
+    assert calls == ["recompute", "gemm", "gemm"]
+
+
+# --------------------------------------------------------------------------- GPU tile table
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_table_configs_run(dtype, device, monkeypatch):
+    """The sm_90 table's tiles (BLOCK_K 64, GROUP_M 8, 128x128) give correct results."""
+    if device.type == "cpu" and dtype == torch.float32:
+        monkeypatch.setattr(_common, "device_capability", lambda t: (9, 0))
+    M, K, N = 140, 70, 130  # medium bucket: 2 x 2 tiles of 128, ragged K tail
+    assert _common.gemm_config(M, N, K, dtype, "ieee", (9, 0)).BLOCK_M >= 64
+    _check_linear(*_linear_inputs(M, K, N, dtype, device, True), "relu", dtype)
+
+
+def test_tile_table_rules():
+    smem = {"sm90": 227 * 1024, "sm80": 163 * 1024, "small_smem": 99 * 1024}
+    for (family, cls, bucket), c in _common._TABLE.items():
+        nbytes = 2 if cls == "16bit" else 4
+        assert (c.BLOCK_M + c.BLOCK_N) * c.BLOCK_K * nbytes * c.num_stages <= smem[family], (family, cls, bucket)
+        assert c.num_warps in (4, 8) and c.GROUP_M >= 1
+        if family == "sm90" and cls != "fp32":  # HGMMA
+            assert c.BLOCK_M >= 64 and c.num_warps % 4 == 0
+    for family in smem:
+        for cls in ("16bit", "tf32", "fp32"):
+            for bucket in ("small", "medium", "large"):
+                assert (family, cls, bucket) in _common._TABLE
+    # a pure function: forward and recompute read the same entry
+    a = _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
+    assert a == _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
+    assert _common.dot_precision(torch.empty(1)) == "ieee"  # CPU: never tf32
