@@ -34,8 +34,13 @@ def _is_noop_dropout(module):
     return isinstance(module, nn.Dropout) and (module.p == 0 or not module.training)
 
 
+def _dtype_ok(m, x):
+    # under autocast the functional layer casts both operands, as F.linear/F.conv2d do
+    return m.weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)
+
+
 def _plain_linear(m, x):
-    return type(m) is nn.Linear and m.weight.dtype == x.dtype and m.weight.device == x.device
+    return type(m) is nn.Linear and _dtype_ok(m, x) and m.weight.device == x.device
 
 
 def _conv_padding(conv):
@@ -51,7 +56,7 @@ def _conv_padding(conv):
 def _plain_conv(m, x):
     return (
         type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros" and _conv_padding(m) is not None
-        and m.weight.dtype == x.dtype and m.weight.device == x.device and x.dim() == 4
+        and _dtype_ok(m, x) and m.weight.device == x.device and x.dim() == 4
     )
 
 
@@ -78,7 +83,7 @@ def match(block, args, kwargs):
     if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
         return None
     x = args[0]
-    if not x.is_floating_point() or torch.is_autocast_enabled(x.device.type):
+    if not x.is_floating_point():
         return None
     if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.ConvBNReLU)):
         return None if _has_hooks(block) else (lambda: block(x))

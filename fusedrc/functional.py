@@ -16,6 +16,15 @@ from .reference import check_activation
 __all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
 
 
+def _autocast(*tensors):
+    """Cast floating tensors as ``F.linear``/``F.conv2d`` do under autocast (None passes through)."""
+    x = tensors[0]
+    if not isinstance(x, Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
+
+
 def _check_linear(x, weight, bias, name_w="weight", name_b="bias", name_x="input", in_features=None):
     check_tensor(weight, name_w, ndim=2)
     k = x.shape[-1] if in_features is None else in_features
@@ -36,6 +45,7 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     Only ``x`` and the parameters are kept for backward.
     """
     check_tensor(x, "input", min_ndim=1)
+    x, weight, bias = _autocast(x, weight, bias)
     _check_linear(x, weight, bias)
     check_activation(activation)
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
@@ -53,6 +63,7 @@ def fused_mlp(
     hidden activation: 7 GEMMs a step, like ``torch.utils.checkpoint``.
     """
     check_tensor(x, "input", min_ndim=1)
+    x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_linear(x, w1, b1, "w1", "b1")
     check_tensor(w2, "w2", ndim=2)
     _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0])
@@ -79,6 +90,8 @@ def conv_bn_act(
     """
     check_tensor(x, "input", ndim=4)
     check_tensor(weight, "weight", ndim=4)
+    # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
+    x, weight, bias, residual = _autocast(x, weight, bias, residual)
     if weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"weight must have shape (out_channels, {x.shape[1]}, kh, kw) to match input's {x.shape[1]} "
@@ -87,8 +100,9 @@ def conv_bn_act(
     check_same(x, "input", weight, "weight")
     c = weight.shape[0]
     check_vector(bias, "bias", c, x)
-    check_vector(bn_weight, "bn_weight", c, x)
-    check_vector(bn_bias, "bn_bias", c, x)
+    mixed = x.dtype in (torch.float16, torch.bfloat16)  # fp32 BN parameters with a half input are fine
+    check_vector(bn_weight, "bn_weight", c, x, dtype=not mixed)
+    check_vector(bn_bias, "bn_bias", c, x, dtype=not mixed)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be tensors or both be None")
     check_vector(running_mean, "running_mean", c, x, dtype=False)

@@ -395,3 +395,28 @@ def test_output_recompute_on_a_fused_pattern_producer():
     x.grad = None
     consumer(producer(x)).sum().backward()
     assert torch.equal(g, x.grad)
+
+
+@pytest.mark.parametrize("name", ["ffn", "conv_bn_relu"])
+def test_fused_patterns_under_autocast_match_eager(name):
+    model, shape = PATTERNS[name]()
+    twin = copy.deepcopy(model)
+    x = torch.randn(*shape, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedBytes() as s:
+        y = fusedrc.recompute(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = twin(x)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    # the fused path keeps the bf16 casts of x and of the GEMM/conv weights (as eager does)
+    # and, for conv+BN, the fp32 per-channel mean and rstd
+    casts = [p for n, p in model.named_parameters() if n.startswith(("0.", "2.")) or name == "ffn"]
+    expected = 2 * (x.numel() + sum(p.numel() for p in casts))
+    if name == "conv_bn_relu":
+        expected += 2 * 4 * model[1].num_features
+    assert s.bytes == expected
+    assert rel_err(y, ref) < 1e-2
+    y.float().sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    ref.float().sum().backward()
+    assert rel_err(g, x.grad) < 2e-2
