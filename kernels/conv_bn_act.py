@@ -1,0 +1,848 @@
+"""Conv2d + BatchNorm2d + ReLU (+ residual): implicit-GEMM Triton kernels and launchers.
+
+Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
+(C_out, C_in, KH, KW), groups=1. The convolution is an implicit GEMM:
+M = N*OH*OW output pixels, N = C_out, K = KH*KW*C_in, iterated in one flat loop
+over (tap, C_in block) with tap = (kh, kw) outer and the channel block inner,
+fp32 accumulator, ``tl.dot``. Every tensor is read through its strides.
+
+Forward (training), DESIGN §4:
+  1. ``_conv_bn_fwd_kernel`` (STATS, STORE_Z): conv tile, + conv bias, rounded to
+     x.dtype (z = what torch's conv2d would hand to BatchNorm), stored to a
+     transient z; its epilogue writes per-tile, per-channel partials (tile mean,
+     tile M2 = sum of squared deviations from the tile mean).
+  2. ``_bn_stats_finalize_kernel``: Chan's parallel combination of the partials,
+     M2 = sum_t [M2_t + n_t (mean_t - mean)^2], deterministic (no atomics);
+     mean and rstd = 1/sqrt(var + eps) (biased variance).
+  3. ``_conv_bn_fwd_kernel`` (FROM_Z, APPLY): reads z, normalizes + affine
+     (+ residual) + ReLU, writes y. z is freed on return.
+  ``FWD_RECOMPUTE = True`` instead recomputes the conv in step 3 (no z buffer:
+  two convs, no z traffic); eval mode is always a single conv kernel with the
+  BN/ReLU epilogue (running statistics known up front).
+
+Backward, DESIGN §4 (the conv is recomputed tile by tile with the forward's tile
+configuration and K order, so z, hence the pre-activation and the ReLU mask,
+are bit-identical; the normalization is one explicit ``fma`` in every kernel):
+  ``BWD_RECOMPUTE_TWICE = True`` (default, strictly fused):
+    pass 1 ``_conv_bn_bwd_kernel`` (REDUCE): recompute z, g = relu'(pre) * grad_out,
+      per-tile partial sums of g and g*xhat (-> dbeta, dgamma), dresidual = g;
+    pass 2 ``_conv_bn_bwd_kernel`` (EMIT_DZ): recompute z again, emit
+      dz = gamma*rstd*(g - sum(g)/n - xhat*sum(g*xhat)/n) in x.dtype and per-tile
+      partial sums of dz (-> conv bias gradient).
+    z and xhat never reach memory; dz (an operand of the two conv-backward GEMMs) does.
+  ``BWD_RECOMPUTE_TWICE = False``: pass 1 also stores z (one transient buffer),
+    pass 2 reads z instead of recomputing the conv (elementwise).
+  Eval mode: one pass (dz = gamma*rstd*g does not need the reductions first).
+  Then dX = ``_conv_dx_kernel`` (transposed conv as an implicit GEMM over the input
+  pixels, K = KH*KW*C_out; for stride > 1 the taps that do not land on an output
+  pixel are masked, so (stride_h*stride_w - 1)/(stride_h*stride_w) of its MMA
+  work is on zeros) and dW = ``_conv_dw_kernel`` (implicit GEMM over K = N*OH*OW
+  pixels, split-K into fp32 partials reduced in a fixed order: deterministic).
+  ``CONV_GRAD = "aten"`` switches dX/dW to ``aten.convolution_backward`` (cuDNN)
+  for comparison on a GPU.
+
+All partial reductions go through per-tile buffers reduced in a fixed order: no
+atomics anywhere, results are bitwise repeatable. Tile configurations come from
+the fixed table below (no autotuning). Activations other than "relu", and empty
+tensors, run the reference implementation (fusedrc.reference), which is correct.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
+
+SUPPORTED_ACTIVATIONS = ("relu",)
+
+# Strategy switches (module level: the launchers' signatures are fixed). Both
+# settings give the same results; they exist to be measured on a GPU per shape.
+FWD_RECOMPUTE = False        # training forward: False = transient z buffer, True = run the conv twice
+BWD_RECOMPUTE_TWICE = True   # training backward: True = two recomputes, False = one recompute + transient z
+CONV_GRAD = "triton"         # dX / dW: "triton" or "aten" (aten.convolution_backward)
+
+
+# --------------------------------------------------------------------------- tile table
+class ConvConfig(NamedTuple):
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+
+
+# (arch family, operand class, width bucket) -> config. Operand classes: "16bit"
+# (fp16/bf16), "tf32" (fp32, tf32 allowed), "fp32" (fp32 "ieee", FMA units).
+# Width bucket: the GEMM's N (C_out for the conv) <= 64 -> "narrow". Shared memory
+# per stage (BM + BN) * BK * bytes fits each family (sm90: 227 KiB, sm80: 163 KiB,
+# others ~99 KiB); sm_90 HGMMA wants BLOCK_M >= 64 and num_warps % 4 == 0.
+# Starting points: retune offline on the GPU and commit. Never autotuned at run
+# time: the forward and the backward recompute must read the same entry.
+_TABLE = {
+    ("sm90", "16bit", "narrow"): ConvConfig(128, 64, 64, 8, 4, 4),
+    ("sm90", "16bit", "wide"): ConvConfig(128, 128, 64, 8, 8, 3),
+    ("sm90", "tf32", "narrow"): ConvConfig(128, 64, 32, 8, 4, 3),
+    ("sm90", "tf32", "wide"): ConvConfig(128, 128, 32, 8, 8, 3),
+    ("sm90", "fp32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("sm90", "fp32", "wide"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("sm80", "16bit", "narrow"): ConvConfig(128, 64, 32, 8, 4, 4),
+    ("sm80", "16bit", "wide"): ConvConfig(128, 128, 32, 8, 8, 3),
+    ("sm80", "tf32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
+    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 4, 3),
+    ("sm80", "fp32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("sm80", "fp32", "wide"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("small_smem", "16bit", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
+    ("small_smem", "16bit", "wide"): ConvConfig(128, 64, 32, 8, 4, 3),
+    ("small_smem", "tf32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("small_smem", "tf32", "wide"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("small_smem", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
+    ("small_smem", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
+}
+# Elementwise passes over z (normalize in the forward, dz in the buffered backward).
+_ELEM_CONFIG = ConvConfig(64, 64, 16, 1, 4, 1)
+# Interpreter (CPU): tiny tiles so the tiny test shapes cover several tiles,
+# ragged edges and K loops.
+_INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1)
+_INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _capability(t: torch.Tensor):
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def _arch_family(cap) -> str:
+    if cap[0] in (9, 10):
+        return "sm90"
+    if cap == (8, 0):
+        return "sm80"
+    return "small_smem"
+
+
+def _dot_precision(t: torch.Tensor) -> str:
+    """"tf32" only when torch allows tf32 for fp32 matmuls on CUDA, else "ieee"."""
+    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _operand_class(dtype, precision) -> str:
+    if dtype in (torch.float16, torch.bfloat16):
+        return "16bit"
+    return "tf32" if precision == "tf32" else "fp32"
+
+
+def _clamp_k(block_k: int, k_per_tap: int) -> int:
+    # K per filter tap is a channel count: do not pad 3 channels to a 64-wide step.
+    # tl.dot needs K >= 16.
+    return max(16, min(block_k, triton.next_power_of_2(max(k_per_tap, 1))))
+
+
+def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) -> ConvConfig:
+    """Tile configuration of an implicit-GEMM conv; a pure function of its arguments.
+
+    The forward and the backward recompute call it with the same arguments, hence
+    run the same BLOCK_M/N/K, K order and warps: the recomputed z is bit-identical.
+    """
+    if capability is None:
+        cfg = _INTERPRETER_CONFIG
+    else:
+        bucket = "narrow" if gemm_n <= 64 else "wide"
+        cfg = _TABLE[(_arch_family(capability), _operand_class(dtype, precision), bucket)]
+    return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
+
+
+def _elem_config(capability) -> ConvConfig:
+    return _INTERPRETER_ELEM_CONFIG if capability is None else _ELEM_CONFIG
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    # The interpreter computes bf16 on raw 16-bit patterns: go through fp32 there.
+    return t.dtype == torch.bfloat16 and _interpreting()
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- jit helpers
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row tiles in a row share their B tiles in L2."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % size_m)
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _pix_offsets(offs_m, OH, OW, s_n, s_h, s_w):
+    """64-bit offsets of output pixels m = (n, oh, ow) in a tensor with strides (s_n, ., s_h, s_w)."""
+    ohw = OH * OW
+    n = offs_m // ohw
+    r = offs_m - n * ohw
+    oh = r // OW
+    ow = r - oh * OW
+    return n.to(tl.int64) * s_n + (oh * s_h + ow * s_w)
+
+
+@triton.jit
+def _conv_mainloop(
+    x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+    s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """fp32 tile z[row0:row0+BM, col0:col0+BN] of the conv as an implicit GEMM.
+
+    Rows are output pixels, columns output channels. K runs in one flat loop in a
+    fixed order: taps (kh, kw) row-major, inside each tap C_in in BLOCK_K steps.
+    Padding, ragged rows/channels: masked loads of zeros.
+    """
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ohw = OH * OW
+    n = offs_m // ohw
+    r = offs_m - n * ohw
+    oh = r // OW
+    ow = r - oh * OW
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    x_rows = x_ptr + n.to(tl.int64) * s_xn
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < C_OUT
+    w_cols = w_ptr + offs_n * s_wo
+    offs_k = tl.arange(0, BLOCK_K)
+    n_cblk = tl.cdiv(C_IN, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, KH * KW * n_cblk):
+        tap = it // n_cblk
+        c0 = (it - tap * n_cblk) * BLOCK_K
+        kh = tap // KW
+        kw = tap - kh * KW
+        ih = ih0 + kh * DH
+        iw = iw0 + kw * DW
+        ok_m = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        c = c0 + offs_k
+        ok_c = c < C_IN
+        a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw)[:, None] + c[None, :] * s_xc,
+                    mask=ok_m[:, None] & ok_c[None, :], other=0.0)
+        b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww) + c[:, None] * s_wc,
+                    mask=ok_c[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-channel fp32 mean, rstd, gamma (1 without affine), beta (0 without affine)."""
+    mean = tl.load(mean_ptr + offs_n, mask=mask_n, other=0.0)
+    rstd = tl.load(rstd_ptr + offs_n, mask=mask_n, other=0.0)
+    if HAS_W:
+        gamma = tl.load(gamma_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    else:
+        gamma = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if HAS_B:
+        beta = tl.load(beta_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    else:
+        beta = tl.full((BLOCK_N,), 0.0, tl.float32)
+    return mean, rstd, gamma, beta
+
+
+@triton.jit
+def _bn_pre(zf, mean, rstd, gamma, beta):
+    """BN output (before residual/act): one explicit fma, identical in every kernel.
+
+    (x*1 and fma(a, b, 0) are exact, so the no-affine case needs no other branch.)
+    """
+    return tl.fma(zf - mean[None, :], (rstd * gamma)[None, :], beta[None, :])
+
+
+# --------------------------------------------------------------------------- forward kernels
+@triton.jit
+def _conv_bn_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, z_ptr, y_ptr, res_ptr,
+    mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, pmean_ptr, pm2_ptr,
+    M, C_OUT, C_IN, H, W, OH, OW,
+    s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+    s_on, s_oc, s_oh, s_ow,       # z and y (same layout)
+    s_rn, s_rc, s_rh, s_rw,       # residual
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
+    APPLY: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < C_OUT
+    mask = mask_m[:, None] & mask_n[None, :]
+    o_offs = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)[:, None] + (offs_n * s_oc)[None, :]
+    if FROM_Z:
+        zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+                             s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                             KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        # z as torch's conv2d hands it to BatchNorm: rounded to the input dtype
+        zq = acc.to(x_ptr.dtype.element_ty)
+        if STORE_Z:
+            tl.store(z_ptr + o_offs, zq, mask=mask)
+        zf = zq.to(tl.float32)
+    if STATS:
+        # per-tile mean and sum of squared deviations from it (Chan partials)
+        cnt = tl.minimum(M - row0, BLOCK_M).to(tl.float32)
+        t_mean = tl.sum(tl.where(mask_m[:, None], zf, 0.0), axis=0) / cnt
+        dev = tl.where(mask_m[:, None], zf - t_mean[None, :], 0.0)
+        t_m2 = tl.sum(dev * dev, axis=0)
+        p_offs = pid_m.to(tl.int64) * C_OUT + offs_n
+        tl.store(pmean_ptr + p_offs, t_mean, mask=mask_n)
+        tl.store(pm2_ptr + p_offs, t_m2, mask=mask_n)
+    if APPLY:
+        mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
+                                                  HAS_W, HAS_B, BLOCK_N)
+        pre = _bn_pre(zf, mean, rstd, gamma, beta)
+        if HAS_RES:
+            r_offs = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)[:, None] + (offs_n * s_rc)[None, :]
+            pre = pre + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.where(pre < 0.0, 0.0, pre)  # ReLU; NaN stays NaN like torch.relu
+        tl.store(y_ptr + o_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bn_stats_finalize_kernel(
+    pmean_ptr, pm2_ptr, mean_ptr, rstd_ptr, T, C, M, eps,
+    TILE_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Combine per-tile (mean_t, M2_t) of T row tiles (TILE_M rows each, last ragged).
+
+    mean = sum_t n_t mean_t / M; M2 = sum_t [M2_t + n_t (mean_t - mean)^2]; var = M2 / M.
+    Fixed order, no atomics.
+    """
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    s = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = t < T
+        n_t = tl.minimum(M - t * TILE_M, TILE_M).to(tl.float32)
+        pm = tl.load(pmean_ptr + t.to(tl.int64)[:, None] * C + offs_c[None, :],
+                     mask=mask_t[:, None] & mask_c[None, :], other=0.0)
+        s += tl.sum(tl.where(mask_t[:, None], n_t[:, None] * pm, 0.0), axis=0)
+    mean = s / M
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = t < T
+        n_t = tl.minimum(M - t * TILE_M, TILE_M).to(tl.float32)
+        p_offs = t.to(tl.int64)[:, None] * C + offs_c[None, :]
+        pmask = mask_t[:, None] & mask_c[None, :]
+        pm = tl.load(pmean_ptr + p_offs, mask=pmask, other=0.0)
+        pq = tl.load(pm2_ptr + p_offs, mask=pmask, other=0.0)
+        d = pm - mean[None, :]
+        m2 += tl.sum(tl.where(mask_t[:, None], pq + n_t[:, None] * d * d, 0.0), axis=0)
+    var = m2 / M
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    tl.store(mean_ptr + offs_c, mean, mask=mask_c)
+    tl.store(rstd_ptr + offs_c, rstd, mask=mask_c)
+
+
+# --------------------------------------------------------------------------- backward kernels
+@triton.jit
+def _conv_bn_bwd_kernel(
+    x_ptr, w_ptr, bias_ptr, z_ptr, g_ptr, res_ptr, dz_ptr, dres_ptr,
+    mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+    pg_ptr, pgx_ptr, pdb_ptr,
+    M, C_OUT, C_IN, H, W, OH, OW, inv_count,
+    s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+    s_on, s_oc, s_oh, s_ow,       # z, dz, dresidual (same layout)
+    s_gn, s_gc, s_gh, s_gw,       # grad_out
+    s_rn, s_rc, s_rh, s_rw,       # residual
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    FROM_Z: tl.constexpr, STORE_Z: tl.constexpr, REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr,
+    TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Recompute z (or read it: FROM_Z), the pre-activation and the ReLU mask, then
+
+    REDUCE:  per-tile partials of g and g*xhat per channel (pg, pgx: (tiles_m, C_OUT));
+    EMIT_DZ: dz in x.dtype, and per-tile partials of dz (pdb) for the conv bias;
+    STORE_DRES: dresidual = g; STORE_Z: the rounded z (buffered variant).
+    """
+    pid_m, pid_n = _tile_ids(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < C_OUT
+    mask = mask_m[:, None] & mask_n[None, :]
+    o_offs = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)[:, None] + (offs_n * s_oc)[None, :]
+    if FROM_Z:
+        zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        # exactly the forward's computation of z
+        acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+                             s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                             KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        zq = acc.to(x_ptr.dtype.element_ty)
+        if STORE_Z:
+            tl.store(z_ptr + o_offs, zq, mask=mask)
+        zf = zq.to(tl.float32)
+    mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
+                                              HAS_W, HAS_B, BLOCK_N)
+    pre = _bn_pre(zf, mean, rstd, gamma, beta)
+    if HAS_RES:
+        r_offs = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)[:, None] + (offs_n * s_rc)[None, :]
+        pre = pre + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
+    g_offs = _pix_offsets(offs_m, OH, OW, s_gn, s_gh, s_gw)[:, None] + (offs_n * s_gc)[None, :]
+    gout = tl.load(g_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+    # threshold_backward(grad, pre, 0): pre <= 0 -> 0 (a NaN pre lets grad through, as in torch)
+    g = tl.where(mask & (pre <= 0.0), 0.0, gout)
+    g = tl.where(mask, g, 0.0)
+    xhat = (zf - mean[None, :]) * rstd[None, :]
+    if STORE_DRES:
+        tl.store(dres_ptr + o_offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
+    p_offs = pid_m.to(tl.int64) * C_OUT + offs_n
+    if REDUCE:
+        tl.store(pg_ptr + p_offs, tl.sum(g, axis=0), mask=mask_n)
+        tl.store(pgx_ptr + p_offs, tl.sum(tl.where(mask, g * xhat, 0.0), axis=0), mask=mask_n)
+    if EMIT_DZ:
+        scale = (rstd * gamma)[None, :]
+        if TRAINING:
+            sg = tl.load(sg_ptr + offs_n, mask=mask_n, other=0.0)
+            sgx = tl.load(sgx_ptr + offs_n, mask=mask_n, other=0.0)
+            dz = scale * (g - (sg * inv_count)[None, :] - xhat * (sgx * inv_count)[None, :])
+        else:
+            dz = scale * g
+        dzq = dz.to(dz_ptr.dtype.element_ty)
+        tl.store(dz_ptr + o_offs, dzq, mask=mask)
+        if HAS_BIAS:
+            tl.store(pdb_ptr + p_offs, tl.sum(tl.where(mask, dzq.to(tl.float32), 0.0), axis=0), mask=mask_n)
+
+
+@triton.jit
+def _conv_dx_kernel(
+    dz_ptr, w_ptr, dx_ptr,
+    M, C_IN, C_OUT, H, W, OH, OW,
+    s_dn, s_dc, s_dh, s_dw,       # dz
+    s_wh, s_ww, s_wo, s_wc,       # weight, read as (kh, kw, c_out, c_in)
+    s_xn, s_xc, s_xh, s_xw,       # dx
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dx = conv_transpose(dz, W) as an implicit GEMM: rows = input pixels (n, ih, iw),
+    columns = C_in, K = taps x C_out. Tap (kh, kw) reads dz at oh = (ih + PH - kh*DH) / SH
+    where that division is exact and in range (masked otherwise)."""
+    pid_m, pid_n = _tile_ids(M, C_IN, BLOCK_M, BLOCK_N, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    hw = H * W
+    n = offs_m // hw
+    r = offs_m - n * hw
+    ih = r // W
+    iw = r - ih * W
+    d_rows = dz_ptr + n.to(tl.int64) * s_dn
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < C_IN
+    w_cols = w_ptr + offs_n * s_wc
+    offs_k = tl.arange(0, BLOCK_K)
+    n_cblk = tl.cdiv(C_OUT, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, KH * KW * n_cblk):
+        tap = it // n_cblk
+        c0 = (it - tap * n_cblk) * BLOCK_K
+        kh = tap // KW
+        kw = tap - kh * KW
+        th = ih + (PH - kh * DH)
+        tw = iw + (PW - kw * DW)
+        oh = th // SH
+        ow = tw // SW
+        ok_m = mask_m & (th >= 0) & (tw >= 0) & (oh < OH) & (ow < OW)
+        if SH > 1:
+            ok_m = ok_m & (oh * SH == th)
+        if SW > 1:
+            ok_m = ok_m & (ow * SW == tw)
+        c = c0 + offs_k
+        ok_c = c < C_OUT
+        a = tl.load(d_rows[:, None] + (oh * s_dh + ow * s_dw)[:, None] + c[None, :] * s_dc,
+                    mask=ok_m[:, None] & ok_c[None, :], other=0.0)
+        b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww) + c[:, None] * s_wo,
+                    mask=ok_c[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    x_offs = (n.to(tl.int64) * s_xn + (ih * s_xh + iw * s_xw))[:, None] + (offs_n * s_xc)[None, :]
+    tl.store(dx_ptr + x_offs, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _conv_dw_kernel(
+    dz_ptr, x_ptr, part_ptr,
+    P, C_OUT, C_IN, H, W, OH, OW, iters_per_split,
+    s_dn, s_dc, s_dh, s_dw,       # dz
+    s_xn, s_xc, s_xh, s_xw,       # x
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dW[co, (ci, kh, kw)] = sum over output pixels p of dz[p, co] * x[p shifted by the tap, ci].
+
+    Rows = C_out, columns = C_in*KH*KW in weight order, K = P = N*OH*OW pixels,
+    split into program_id(1) chunks of iters_per_split*BLOCK_K pixels; each chunk
+    writes fp32 partials part[split, co, col] (summed afterwards in a fixed order).
+    """
+    NCOL = C_IN * KH * KW
+    pid_m, pid_n = _tile_ids(C_OUT, NCOL, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < C_OUT
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NCOL
+    ci = offs_n // (KH * KW)
+    tap = offs_n - ci * (KH * KW)
+    kh = tap // KW
+    kw = tap - kh * KW
+    x_cols = ci * s_xc
+    ohw = OH * OW
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p_start = pid_k * iters_per_split * BLOCK_K
+    for it in range(0, iters_per_split):
+        p = p_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok_p = p < P
+        n = p // ohw
+        r = p - n * ohw
+        oh = r // OW
+        ow = r - oh * OW
+        n64 = n.to(tl.int64)
+        a = tl.load(dz_ptr + (n64 * s_dn + (oh * s_dh + ow * s_dw))[None, :] + (offs_m * s_dc)[:, None],
+                    mask=mask_m[:, None] & ok_p[None, :], other=0.0)
+        ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
+        iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
+        ok = ok_p[:, None] & mask_n[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        b = tl.load(x_ptr + (n64 * s_xn)[:, None] + (x_cols[None, :] + ih * s_xh + iw * s_xw),
+                    mask=ok, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    offs = (pid_k.to(tl.int64) * C_OUT + offs_m)[:, None] * NCOL + offs_n[None, :]
+    tl.store(part_ptr + offs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --------------------------------------------------------------------------- launcher helpers
+def _pair(v):
+    return [int(e) for e in v] if isinstance(v, (tuple, list)) else [int(v), int(v)]
+
+
+def _out_hw(H, W, KH, KW, stride, padding, dilation):
+    oh = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
+    ow = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
+    return oh, ow
+
+
+def _memory_format(x: torch.Tensor):
+    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _supported(x, weight, activation, stride, padding, dilation) -> bool:
+    if activation not in SUPPORTED_ACTIVATIONS:
+        return False
+    if x.dim() != 4 or weight.dim() != 4 or weight.shape[1] != x.shape[1]:
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+        return False
+    if not (x.is_cuda or _interpreting()):
+        return False
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0:
+        return False
+    if x.numel() == 0 or weight.numel() == 0:
+        return False
+    oh, ow = _out_hw(x.shape[2], x.shape[3], weight.shape[2], weight.shape[3], stride, padding, dilation)
+    return oh > 0 and ow > 0
+
+
+def _geom_constexprs(KH, KW, stride, padding, dilation):
+    return dict(KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
+                DH=dilation[0], DW=dilation[1])
+
+
+def _vec(t):
+    return None if t is None else t.contiguous()
+
+
+def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
+    mean = torch.empty(C, device=device, dtype=torch.float32)
+    rstd = torch.empty(C, device=device, dtype=torch.float32)
+    T = pmean.shape[0]
+    BLOCK_C = 16 if _interpreting() else 32
+    BLOCK_T = 16 if _interpreting() else 64
+    _bn_stats_finalize_kernel[(triton.cdiv(C, BLOCK_C),)](
+        pmean, pm2, mean, rstd, T, C, M, float(eps),
+        TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
+    )
+    return mean, rstd
+
+
+def _reference():
+    from fusedrc import reference
+
+    return reference
+
+
+# --------------------------------------------------------------------------- forward
+def conv_bn_act_forward(
+    x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
+    training, eps, stride, padding, dilation, activation,
+):
+    """y = act(bn(conv2d(x, weight, bias)) [+ residual]) -> (y, mean, rstd) (fp32, per channel).
+
+    Same contract as ``fusedrc.reference.conv_bn_act_forward``; running buffers are
+    read (eval) but never written.
+    """
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if not _supported(x, weight, activation, stride, padding, dilation):
+        return _reference().conv_bn_act_forward(
+            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
+            training, eps, stride, padding, dilation, activation)
+    N, C_in, H, W = x.shape
+    C_out, _, KH, KW = weight.shape
+    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
+    M = N * OH * OW
+    fmt = _memory_format(x)
+    y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
+    wt = weight.permute(2, 3, 1, 0).contiguous()  # (KH, KW, C_in, C_out): coalesced B tiles
+    precision = _dot_precision(x)
+    cap = _capability(x)
+    cfg = conv_config(C_out, C_in, x.dtype, precision, cap)
+    bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
+    res = residual
+    dummy = y
+
+    def launch(cfg, *, from_z, z, stats, store_z, apply, mean, rstd, pmean, pm2):
+        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(C_out, cfg.BLOCK_N),)
+        zz = z if z is not None else dummy
+        rr = res if res is not None else dummy
+        _conv_bn_fwd_kernel[grid](
+            x, wt, bias_ if bias_ is not None else dummy, zz, y, rr,
+            mean if mean is not None else dummy, rstd if rstd is not None else dummy,
+            gamma if gamma is not None else dummy, beta if beta is not None else dummy,
+            pmean if pmean is not None else dummy, pm2 if pm2 is not None else dummy,
+            M, C_out, C_in, H, W, OH, OW,
+            *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
+            *zz.stride(), *rr.stride(),
+            **_geom_constexprs(KH, KW, stride, padding, dilation),
+            FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
+            HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            PRECISION=precision, UPCAST=_upcast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    with _device_guard(x):
+        if training:
+            T = triton.cdiv(M, cfg.BLOCK_M)
+            pmean = torch.empty((T, C_out), device=x.device, dtype=torch.float32)
+            pm2 = torch.empty_like(pmean)
+            z = None if FWD_RECOMPUTE else torch.empty_like(y)
+            launch(cfg, from_z=False, z=z, stats=True, store_z=z is not None, apply=False,
+                   mean=None, rstd=None, pmean=pmean, pm2=pm2)
+            mean, rstd = _finalize_stats(pmean, pm2, M, C_out, cfg.BLOCK_M, eps, x.device)
+            del pmean, pm2
+            if FWD_RECOMPUTE:
+                launch(cfg, from_z=False, z=None, stats=False, store_z=False, apply=True,
+                       mean=mean, rstd=rstd, pmean=None, pm2=None)
+            else:
+                launch(_elem_config(cap), from_z=True, z=z, stats=False, store_z=False, apply=True,
+                       mean=mean, rstd=rstd, pmean=None, pm2=None)
+                del z  # transient
+        else:
+            mean = running_mean.float()
+            rstd = torch.rsqrt(running_var.float() + eps)
+            launch(cfg, from_z=False, z=None, stats=False, store_z=False, apply=True,
+                   mean=mean.contiguous(), rstd=rstd.contiguous(), pmean=None, pm2=None)
+    return y, mean, rstd
+
+
+# --------------------------------------------------------------------------- backward
+def _dw_split(tiles, iters, cap, device):
+    """Split-K factor of the dW GEMM (K = N*OH*OW is huge, the output small)."""
+    if cap is None:
+        target = 4
+    else:
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    split = max(1, min(target // max(tiles, 1), iters // 8 if cap is not None else iters, 64))
+    return max(split, 1)
+
+
+def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, cap):
+    """dX = conv_transpose(dz, weight) by the Triton implicit GEMM; dz (N, C_out, OH, OW)."""
+    N, C_in, H, W = x_shape
+    C_out, _, KH, KW = weight.shape
+    OH, OW = dz.shape[2], dz.shape[3]
+    dx = torch.empty(x_shape, device=dz.device, dtype=dz.dtype, memory_format=x_fmt)
+    wt = weight.permute(2, 3, 0, 1).contiguous()  # (KH, KW, C_out, C_in)
+    M = N * H * W
+    cfg = conv_config(C_in, C_out, dz.dtype, precision, cap)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(C_in, cfg.BLOCK_N),)
+    _conv_dx_kernel[grid](
+        dz, wt, dx, M, C_in, C_out, H, W, OH, OW,
+        *dz.stride(), *wt.stride(), *dx.stride(),
+        **_geom_constexprs(KH, KW, stride, padding, dilation),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        PRECISION=precision, UPCAST=_upcast(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dx
+
+
+def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
+    """dW by the Triton implicit GEMM over the output pixels, split-K with fp32 partials."""
+    N, C_in, H, W = x.shape
+    C_out, _, KH, KW = weight_shape
+    OH, OW = dz.shape[2], dz.shape[3]
+    P = N * OH * OW
+    NCOL = C_in * KH * KW
+    cfg = conv_config(NCOL, 1 << 30, dz.dtype, precision, cap)  # K = pixels: no per-tap clamp
+    tiles = triton.cdiv(C_out, cfg.BLOCK_M) * triton.cdiv(NCOL, cfg.BLOCK_N)
+    iters = triton.cdiv(P, cfg.BLOCK_K)
+    split = _dw_split(tiles, iters, cap, dz.device)
+    per_split = triton.cdiv(iters, split)
+    split = triton.cdiv(iters, per_split)
+    part = torch.empty((split, C_out, NCOL), device=dz.device, dtype=torch.float32)
+    _conv_dw_kernel[(tiles, split)](
+        dz, x, part, P, C_out, C_in, H, W, OH, OW, per_split,
+        *dz.stride(), *x.stride(),
+        **_geom_constexprs(KH, KW, stride, padding, dilation),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        PRECISION=precision, UPCAST=_upcast(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    dw = part[0] if split == 1 else part.sum(0)
+    return dw.view(C_out, C_in, KH, KW)
+
+
+def conv_bn_act_backward(
+    x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
+    training, eps, stride, padding, dilation, activation,
+):
+    """(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual); None where the input is None.
+
+    Same contract as ``fusedrc.reference.conv_bn_act_backward``; the conv output is
+    recomputed inside the kernels (see the module docstring for the passes).
+    """
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if not _supported(x, weight, activation, stride, padding, dilation):
+        return _reference().conv_bn_act_backward(
+            x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
+            training, eps, stride, padding, dilation, activation)
+    N, C_in, H, W = x.shape
+    C_out, _, KH, KW = weight.shape
+    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
+    M = N * OH * OW
+    fmt = _memory_format(x)
+    dev = x.device
+    wt = weight.permute(2, 3, 1, 0).contiguous()
+    precision = _dot_precision(x)
+    cap = _capability(x)
+    cfg = conv_config(C_out, C_in, x.dtype, precision, cap)  # the forward's entry
+    bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
+    mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
+    dz = torch.empty((N, C_out, OH, OW), device=dev, dtype=x.dtype, memory_format=fmt)
+    dres = torch.empty_like(dz, dtype=grad_out.dtype) if residual is not None else None
+    affine = gamma is not None or beta is not None
+    dummy = dz
+    f32 = dict(device=dev, dtype=torch.float32)
+
+    def launch(cfg, *, from_z, z, store_z, reduce, emit, store_dres, sg=None, sgx=None):
+        T = triton.cdiv(M, cfg.BLOCK_M)
+        pg = torch.empty((T, C_out), **f32) if reduce else None
+        pgx = torch.empty((T, C_out), **f32) if reduce else None
+        pdb = torch.empty((T, C_out), **f32) if (emit and bias_ is not None) else None
+        rr = residual if residual is not None else dummy
+        grid = (T * triton.cdiv(C_out, cfg.BLOCK_N),)
+        _conv_bn_bwd_kernel[grid](
+            x, wt, bias_ if bias_ is not None else dummy, z if z is not None else dummy, grad_out, rr,
+            dz, dres if dres is not None else dummy,
+            mean, rstd, gamma if gamma is not None else dummy, beta if beta is not None else dummy,
+            sg if sg is not None else dummy, sgx if sgx is not None else dummy,
+            pg if pg is not None else dummy, pgx if pgx is not None else dummy, pdb if pdb is not None else dummy,
+            M, C_out, C_in, H, W, OH, OW, 1.0 / M,
+            *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
+            *dz.stride(), *grad_out.stride(), *rr.stride(),
+            **_geom_constexprs(KH, KW, stride, padding, dilation),
+            FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce, EMIT_DZ=emit, TRAINING=bool(training),
+            STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
+            HAS_W=gamma is not None, HAS_B=beta is not None,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            PRECISION=precision, UPCAST=_upcast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        # per-tile partials -> per-channel sums: fixed order, no atomics
+        red = (lambda p: p.sum(0)) if T > 1 else (lambda p: p[0])
+        return (red(pg) if reduce else None, red(pgx) if reduce else None,
+                red(pdb) if pdb is not None else None)
+
+    with _device_guard(x):
+        if training:
+            z = None if BWD_RECOMPUTE_TWICE else torch.empty_like(dz)
+            sg, sgx, _ = launch(cfg, from_z=False, z=z, store_z=z is not None, reduce=True, emit=False,
+                                store_dres=dres is not None)
+            if BWD_RECOMPUTE_TWICE:
+                _, _, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=False, emit=True,
+                                  store_dres=False, sg=sg, sgx=sgx)
+            else:
+                _, _, db = launch(_elem_config(cap), from_z=True, z=z, store_z=False, reduce=False,
+                                  emit=True, store_dres=False, sg=sg, sgx=sgx)
+                del z
+        else:
+            sg, sgx, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=affine, emit=True,
+                                 store_dres=dres is not None)
+        if CONV_GRAD == "aten":
+            dx, dweight, _ = torch.ops.aten.convolution_backward(
+                dz, x, weight, None, stride, padding, dilation, False, [0, 0], 1, [True, True, False])
+        else:
+            dx = conv_dx(dz, weight, x.shape, fmt, stride, padding, dilation, precision, cap)
+            dweight = conv_dw(dz, x, weight.shape, stride, padding, dilation, precision, cap)
+    dweight = dweight.to(weight.dtype)
+    dbias = db.to(bias.dtype) if bias is not None else None
+    dbn_weight = sgx.to(bn_weight.dtype) if bn_weight is not None else None
+    dbn_bias = sg.to(bn_bias.dtype) if bn_bias is not None else None
+    return dx, dweight, dbias, dbn_weight, dbn_bias, dres

@@ -1,0 +1,250 @@
+"""Conv2d + BatchNorm2d + ReLU Triton kernels against the float64 reference.
+
+Without a GPU these run under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), where the tile table is replaced by 16x16x16 tiles: the
+tiny, awkward shapes below still cover several tiles in M and N, ragged edges,
+padding, stride, dilation, K loops over taps and channel blocks, and the split-K
+of the weight gradient.
+"""
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import fusedrc  # noqa: E402
+from fusedrc import reference as R  # noqa: E402
+from fusedrc.kernels import conv_bn_act as K  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+EPS = 1e-5
+NAMES = ("dx", "dweight", "dbias", "dbn_weight", "dbn_bias", "dresidual")
+
+# (N, C_in, H, W, C_out, k, stride, padding, dilation)
+SHAPES = {
+    "3x3s2": (2, 3, 7, 7, 5, 3, 2, 1, 1),
+    "3x3s2d2": (2, 3, 7, 7, 5, 3, 2, 1, 2),
+    "3x3s1": (1, 18, 5, 6, 17, 3, 1, 1, 1),
+    "1x1": (2, 20, 5, 5, 7, 1, 1, 0, 1),
+    "cout1": (2, 3, 6, 5, 1, 3, 1, 1, 1),
+}
+
+
+def _d(t):
+    return None if t is None else t.double()
+
+
+def _rand(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype)
+
+
+def _rel(out, ref, den=None):
+    assert out is not None and tuple(out.shape) == tuple(ref.shape), (None if out is None else out.shape, ref.shape)
+    out = out.double()
+    assert not torch.isnan(out).any(), "NaN in output"
+    den = ref.norm().item() if den is None else den
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _inputs(shape, dtype, *, bias, affine, residual, device):
+    N, C_in, H, W, C_out, k, s, p, d = shape
+    oh = (H + 2 * p - d * (k - 1) - 1) // s + 1
+    ow = (W + 2 * p - d * (k - 1) - 1) // s + 1
+    t = dict(
+        x=_rand(N, C_in, H, W, dtype=dtype),
+        weight=_rand(C_out, C_in, k, k, dtype=dtype, scale=(C_in * k * k) ** -0.5),
+        bias=_rand(C_out, dtype=dtype, scale=0.5) if bias else None,
+        bn_weight=(1 + 0.3 * torch.randn(C_out, dtype=torch.float64)).to(dtype) if affine else None,
+        bn_bias=_rand(C_out, dtype=dtype, scale=0.3) if affine else None,
+        running_mean=_rand(C_out, dtype=torch.float32, scale=0.2),
+        running_var=(0.5 + torch.rand(C_out)).float(),
+        residual=_rand(N, C_out, oh, ow, dtype=dtype) if residual else None,
+        grad_out=_rand(N, C_out, oh, ow, dtype=dtype),
+    )
+    t = {k_: (None if v is None else v.to(device)) for k_, v in t.items()}
+    geom = dict(stride=[s, s], padding=[p, p], dilation=[d, d])
+    return t, geom
+
+
+def _forward(mod, t, geom, training, activation="relu"):
+    return mod.conv_bn_act_forward(
+        t["x"], t["weight"], t["bias"], t["bn_weight"], t["bn_bias"], t["running_mean"], t["running_var"],
+        t["residual"], training, EPS, geom["stride"], geom["padding"], geom["dilation"], activation)
+
+
+def _backward(mod, t, geom, mean, rstd, training, activation="relu"):
+    return mod.conv_bn_act_backward(
+        t["x"], t["weight"], t["bias"], t["bn_weight"], t["bn_bias"], mean, rstd, t["residual"], t["grad_out"],
+        training, EPS, geom["stride"], geom["padding"], geom["dilation"], activation)
+
+
+def _check_all(t, geom, training, dtype, activation="relu"):
+    """Forward and every gradient of the kernels vs the reference run in float64."""
+    td = {k: _d(v) for k, v in t.items()}
+    y, mean, rstd = _forward(K, t, geom, training, activation)
+    y_r, mean_r, rstd_r = _forward(R, td, geom, training, activation)
+    tol = TOL[dtype]
+    assert y.dtype == dtype and mean.dtype == torch.float32 and rstd.dtype == torch.float32
+    assert mean.shape == rstd.shape == (t["weight"].shape[0],)
+    # a mean near 0 is judged against the channel's spread (rounding of z scales with it)
+    mean_den = (mean_r.double().abs() + rstd_r.double().reciprocal()).norm().item()
+    for name, o, r, den in (("y", y, y_r, None), ("mean", mean, mean_r, mean_den), ("rstd", rstd, rstd_r, None)):
+        err = _rel(o, r, den)
+        assert err < tol, f"{name}: rel err {err:.3e}"
+    # the backward gets the kernels' own statistics (as the op does); the reference its own
+    grads = _backward(K, t, geom, mean, rstd, training, activation)
+    grads_r = _backward(R, td, geom, mean_r.double(), rstd_r.double(), training, activation)
+    inputs = (t["x"], t["weight"], t["bias"], t["bn_weight"], t["bn_bias"], t["residual"])
+    for name, o, r, inp in zip(NAMES, grads, grads_r, inputs):
+        if inp is None:
+            assert o is None, f"{name} should be None"
+            continue
+        assert o.dtype == inp.dtype, (name, o.dtype)
+        den = None
+        if name == "dbias" and training:
+            # BN cancels the conv bias: its gradient is ~0, compare against its natural scale
+            gamma = td["bn_weight"] if td["bn_weight"] is not None else torch.ones_like(rstd_r.double())
+            m = y.numel() // y.shape[1]
+            den = (gamma.abs() * rstd_r.double()).norm().item() * math.sqrt(m) * td["grad_out"].std().item()
+        err = _rel(o, r, den)
+        assert err < tol, f"{name}: rel err {err:.3e}"
+    return y, grads
+
+
+# --------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_conv_bn_relu_fp32(shape, training, device):
+    t, geom = _inputs(SHAPES[shape], torch.float32, bias=True, affine=True, residual=False, device=device)
+    _check_all(t, geom, training, torch.float32)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "noaffine"])
+def test_residual_and_affine(training, affine, device):
+    t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=False, affine=affine, residual=True, device=device)
+    _check_all(t, geom, training, torch.float32)
+
+
+@pytest.mark.parametrize("shape", ["3x3s2d2", "1x1"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_fp16(shape, training, device):
+    t, geom = _inputs(SHAPES[shape], torch.float16, bias=True, affine=True, residual=True, device=device)
+    _check_all(t, geom, training, torch.float16)
+
+
+def test_channels_last(device):
+    t, geom = _inputs(SHAPES["3x3s1"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
+    t["residual"] = t["residual"].contiguous(memory_format=torch.channels_last)
+    y, grads = _check_all(t, geom, True, torch.float32)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert grads[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad", [
+    (True, False, "triton"),
+    (False, True, "aten"),
+], ids=["fwd-recompute+bwd-buffer", "aten-conv-grad"])
+def test_strategies(fwd_recompute, bwd_twice, conv_grad, monkeypatch, device):
+    """The measured-on-GPU alternatives give the same results as the defaults."""
+    monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
+    monkeypatch.setattr(K, "BWD_RECOMPUTE_TWICE", bwd_twice)
+    monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
+    t, geom = _inputs(SHAPES["3x3s2d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    _check_all(t, geom, True, torch.float32)
+
+
+def test_running_buffers_untouched_and_deterministic(device):
+    t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    rm, rv = t["running_mean"].clone(), t["running_var"].clone()
+    y1, m1, r1 = _forward(K, t, geom, True)
+    y2, m2, r2 = _forward(K, t, geom, True)
+    assert torch.equal(t["running_mean"], rm) and torch.equal(t["running_var"], rv)
+    assert torch.equal(y1, y2) and torch.equal(m1, m2) and torch.equal(r1, r2)
+    g1 = _backward(K, t, geom, m1, r1, True)
+    g2 = _backward(K, t, geom, m1, r1, True)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_unsupported_activation_falls_back(device):
+    t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=False, device=device)
+    _check_all(t, geom, True, torch.float32, activation="silu")
+
+
+def test_large_mean_stats(device):
+    """Channel means far from 0 relative to the spread: shifted partials keep the variance exact."""
+    t, geom = _inputs(SHAPES["1x1"], torch.float32, bias=True, affine=True, residual=False, device=device)
+    t["bias"] = torch.full_like(t["bias"], 300.0)
+    td = {k: _d(v) for k, v in t.items()}
+    _, mean, rstd = _forward(K, t, geom, True)
+    _, mean_r, rstd_r = _forward(R, td, geom, True)
+    assert _rel(mean, mean_r) < 1e-6
+    assert _rel(rstd, rstd_r) < 1e-4
+
+
+# --------------------------------------------------------------------------- mask and NaN
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_mask_consistency(dtype, training, device):
+    """Pre-activations crowded around 0: the backward's recomputed ReLU mask equals the forward's y > 0."""
+    t, geom = _inputs(SHAPES["3x3s1"], dtype, bias=True, affine=True, residual=True, device=device)
+    td = {k: _d(v) for k, v in t.items()}
+    # residual = -BN(conv(x)) in float64, rounded: pre-activations are rounding noise around 0
+    z = torch.nn.functional.conv2d(td["x"], td["weight"], td["bias"], geom["stride"], geom["padding"],
+                                   geom["dilation"])
+    if training:
+        bn_out = torch.nn.functional.batch_norm(z, None, None, td["bn_weight"], td["bn_bias"], True, 0.0, EPS)
+    else:
+        bn_out = torch.nn.functional.batch_norm(z, td["running_mean"], td["running_var"], td["bn_weight"],
+                                                td["bn_bias"], False, 0.0, EPS)
+    t["residual"] = (-bn_out).to(dtype)
+    t["grad_out"] = torch.ones_like(t["grad_out"])
+    y, mean, rstd = _forward(K, t, geom, training)
+    dres = _backward(K, t, geom, mean, rstd, training)[5]
+    fwd_mask = y > 0
+    assert 0 < fwd_mask.sum() < fwd_mask.numel()  # both sides are populated
+    assert torch.equal(fwd_mask, dres != 0)
+    assert (y[~fwd_mask] == 0).all()
+
+
+def test_nan_propagation(device):
+    t, geom = _inputs(SHAPES["3x3s1"], torch.float32, bias=False, affine=True, residual=True, device=device)
+    t["x"][0, 1, 2, 3] = float("nan")
+    t["residual"][0, 2, 0, 0] = float("nan")
+    td = {k: _d(v) for k, v in t.items()}
+    for training in (False, True):
+        y, _, _ = _forward(K, t, geom, training)
+        y_r, _, _ = _forward(R, td, geom, training)
+        nan = torch.isnan(y)
+        assert nan.any()
+        assert torch.equal(nan, torch.isnan(y_r)), "NaN pattern differs from torch"
+        if (~nan).any():
+            assert torch.allclose(y[~nan].double(), y_r[~nan], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- through the op
+def test_functional_autograd_matches_modules(device):
+    """fusedrc.functional.conv_bn_act on the triton backend vs Conv2d -> BatchNorm2d -> ReLU."""
+    conv = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1, bias=False).to(device)
+    bn = torch.nn.BatchNorm2d(5).to(device)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 3, 7, 7, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+    with fusedrc.use_backend("triton"):
+        y = fusedrc.functional.conv_bn_act(
+            x, conv.weight, bn.weight, bn.bias, rm, rv, training=True, momentum=bn.momentum, eps=bn.eps,
+            stride=2, padding=1)
+    g = torch.randn_like(y)
+    gx, gw, gg, gb = torch.autograd.grad(y, (x, conv.weight, bn.weight, bn.bias), g)
+    y_ref = torch.relu(bn(conv(x_ref)))
+    gx_r, gw_r, gg_r, gb_r = torch.autograd.grad(y_ref, (x_ref, conv.weight, bn.weight, bn.bias), g)
+    for o, r in ((y, y_ref), (gx, gx_r), (gw, gw_r), (gg, gg_r), (gb, gb_r)):
+        assert _rel(o, r.double()) < 1e-5
+    assert torch.allclose(rm, bn.running_mean, atol=1e-6) and torch.allclose(rv, bn.running_var, atol=1e-6)
