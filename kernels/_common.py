@@ -409,3 +409,83 @@ def check_activation(activation: str) -> str:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     return activation
+
+
+# --------------------------------------------------------------------------- ahead-of-time inspection
+# ``python -m fusedrc.inspect`` compiles every spec returned by a kernels
+# module's ``inspect_specs()`` for its GPU target on the CPU and reports
+# registers, shared memory, spills and the matrix instructions. A spec is a
+# plain dict (no import of fusedrc.inspect needed here):
+#   fn, kernel, arch ("sm_90"/"sm_80"), dtype, config, signature (name -> Triton
+#   type or "constexpr"), constexprs, num_warps, num_stages, gemm (bool), and
+#   optionally aligned (argument names given the 16-byte divisibility hint a
+#   real launch gets), source (label shown in the table).
+_INSPECT_ARCH = {"sm90": "sm_90", "sm80": "sm_80"}
+_TRITON_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+
+
+def _inspect_signature(kernel, dtype: torch.dtype):
+    """Argument types of a launch from ``linear_act``'s forward: x (M, K) row-major
+    and weight.t(), so stride_ak == stride_bk == 1 (the JIT specialises an int
+    argument equal to 1 into a constexpr) and the other ints are multiples of 16."""
+    ptr = _TRITON_PTR[dtype]
+    if kernel is _gemm_act_kernel:
+        sig = {"a_ptr": ptr, "b_ptr": ptr, "bias_ptr": ptr, "c_ptr": ptr}
+    else:
+        sig = {"a_ptr": ptr, "b_ptr": ptr, "bias_ptr": ptr, "g_ptr": ptr, "gh_ptr": ptr, "act_ptr": ptr,
+               "part_ptr": "*fp32"}
+    aligned = list(sig)
+    sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
+                "stride_bk": "constexpr", "stride_bn": "i32"})
+    aligned += ["M", "N", "K", "stride_am", "stride_bn"]
+    return sig, aligned
+
+
+def inspect_specs():
+    """One spec per distinct compile of the two dense kernels for the sm90 and
+    sm80 table entries: fp16 and bf16 for "16bit" entries, fp32 with the
+    matching input precision for "tf32"/"fp32" entries; activation "gelu" (the
+    heaviest epilogue), bias on, EVEN_K, and STORE_ACT on for the grad kernel
+    (as ``fused_mlp`` launches it)."""
+    specs = []
+    by_key = {}
+    for (family, opclass, bucket), cfg in _TABLE.items():
+        arch = _INSPECT_ARCH.get(family)
+        if arch is None:
+            continue
+        if opclass == "16bit":
+            variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
+        else:
+            variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
+        for kernel, name in ((_gemm_act_kernel, "_gemm_act_kernel"),
+                             (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")):
+            for dtype, precision in variants:
+                key = (name, arch, dtype, precision, cfg)
+                label = f"{family}/{opclass}/{bucket}"
+                if key in by_key:  # identical compile: one spec, both table entries named
+                    by_key[key]["source"] += "," + label
+                    continue
+                sig, aligned = _inspect_signature(kernel, dtype)
+                constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True}
+                if kernel is _gemm_act_grad_kernel:
+                    constexprs["STORE_ACT"] = True
+                constexprs.update({
+                    "ACTIVATION": "gelu",
+                    "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
+                    "GROUP_M": cfg.GROUP_M, "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
+                })
+                for c in constexprs:
+                    sig[c] = "constexpr"
+                config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
+                          "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+                if dtype == torch.float32:
+                    config["input_precision"] = precision
+                spec = {
+                    "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
+                    "signature": sig, "constexprs": constexprs,
+                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                    "gemm": True, "aligned": aligned, "source": label,
+                }
+                by_key[key] = spec
+                specs.append(spec)
+    return specs
