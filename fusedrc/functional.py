@@ -116,6 +116,13 @@ def conv_bn_act(
         expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
+    if use_batch_stats:
+        oh, ow = ops._conv_out_shape(x, weight, stride, padding, dilation)[2:]
+        if x.shape[0] * oh * ow == 1:  # F.batch_norm's own check, same message
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size "
+                f"{torch.Size((x.shape[0], c, oh, ow))}"
+            )
     backend = resolve_backend(x, "conv_bn_act", "conv_bn_act_forward")
     y, mean, rstd = ops.conv_bn_act_op(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,

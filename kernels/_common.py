@@ -328,6 +328,27 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+_I32_MAX = 2**31 - 1
+
+
+def _tile_safe(t: torch.Tensor, block_rows: int, block_cols: int, name: str) -> torch.Tensor:
+    """An operand whose in-tile offsets (block * stride) would overflow int32.
+
+    The kernels make tile bases 64-bit and keep offsets inside a tile 32-bit (cheaper
+    address math); a view with a huge stride is copied to a contiguous layout first,
+    which only fails for rows of more than ~2**31 / block elements.
+    """
+    def fits(u):
+        return u.stride(0) * block_rows <= _I32_MAX and u.stride(1) * block_cols <= _I32_MAX
+    if fits(t):
+        return t
+    t = t.contiguous()
+    if not fits(t):
+        raise ValueError(f"{name} of shape {tuple(t.shape)} has rows too long for the Triton kernels' "
+                         f"32-bit in-tile offsets; use the reference backend")
+    return t
+
+
 def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
     precision = dot_precision(a)
     cfg = gemm_config(M, N, K, a.dtype, precision, device_capability(a))
@@ -348,6 +369,8 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
         return out
     precision, cfg = _launch_params(a, M, N, K)
     cfg = config or cfg
+    a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
+    b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
     if bias is not None:
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
@@ -383,6 +406,8 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
         return gh, act, dbias
     precision, cfg = _launch_params(a, M, N, K)
     cfg = config or cfg
+    a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
+    b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
     if bias is not None:
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     num_pid_m = triton.cdiv(M, cfg.BLOCK_M)

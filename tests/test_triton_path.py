@@ -1,4 +1,6 @@
 """recompute/functional/nn on the "triton" backend (interpreter on CPU, real kernels on CUDA)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -48,3 +50,222 @@ def test_modules_on_triton(device):
     ref = nn.Sequential(m.fc1, nn.GELU("tanh"), m.fc2)
     x = torch.randn(20, 16, device=device, requires_grad=True)
     assert rel_err(m(x), ref(x)) < 1e-5
+
+
+# --------------------------------------------------------------------------- dense: inputs
+def test_functional_noncontiguous_nd_inputs(device):
+    """Transposed and sliced N-D inputs give the reference's result on the kernels."""
+    w1, b1 = torch.randn(40, 17, device=device), torch.randn(40, device=device)
+    w2, b2 = torch.randn(9, 40, device=device), torch.randn(9, device=device)
+    base = torch.randn(17, 5, 3, device=device)
+    x = base.permute(2, 1, 0)[:, 1:]  # (3, 4, 17), non-contiguous
+    assert not x.is_contiguous()
+    for fn, args in ((fusedrc.functional.linear_act, (w1, b1)), (fusedrc.functional.fused_mlp, (w1, b1, w2, b2))):
+        xt = x.detach().requires_grad_(True)
+        xr = x.detach().requires_grad_(True)
+        y = fn(xt, *args, activation="gelu")
+        with fusedrc.use_backend("reference"):
+            yr = fn(xr, *args, activation="gelu")
+        assert y.shape == yr.shape and rel_err(y, yr) < 1e-5
+        g = torch.randn_like(y)
+        (gx,) = torch.autograd.grad(y, xt, g)
+        (gxr,) = torch.autograd.grad(yr, xr, g)
+        assert rel_err(gx, gxr) < 1e-5
+
+
+def test_deterministic_mode_bitwise_repeatable(device):
+    """Under use_deterministic_algorithms the kernels (no atomics) repeat bit for bit."""
+    block = nn.Sequential(nn.Linear(33, 70), nn.ReLU(), nn.Linear(70, 19)).to(device)
+    conv = nn.Sequential(nn.Conv2d(3, 7, 3, padding=1), nn.BatchNorm2d(7), nn.ReLU()).to(device)
+    x = torch.randn(45, 33, device=device)
+    xc = torch.randn(2, 3, 6, 6, device=device)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            out = []
+            for m, inp in ((block, x), (conv, xc)):
+                m.zero_grad()
+                xi = inp.clone().requires_grad_(True)
+                y = fusedrc.recompute(m, xi)
+                y.backward(torch.ones_like(y))
+                out += [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
+            runs.append(out)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("row_stride,rows", [(2**24, 160), (2**30 + 16, 4)], ids=["bases-past-2^31", "huge-stride"])
+def test_int64_offsets(row_stride, rows):
+    """Operands past 2**31 elements: strided views into a large, lazily committed buffer.
+
+    Row bases past 2**31 elements need 64-bit tile offsets; a stride so large that
+    one tile overflows int32 makes the launcher copy the operand.
+    """
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: relies on the OS committing only the touched pages of a multi-GiB buffer")
+    from fusedrc import reference as R
+    from fusedrc.kernels import linear_act as K
+
+    big = torch.empty(rows * row_stride + 64, dtype=torch.float16)
+    x = big.as_strided((rows, 24), (row_stride, 1))
+    assert x.storage_offset() + (rows - 1) * row_stride > 2**31
+    x.copy_(torch.randn(rows, 24, dtype=torch.float16))
+    w = torch.randn(8, 24, dtype=torch.float16)
+    b = torch.randn(8, dtype=torch.float16)
+    y = K.linear_act_forward(x, w, b, "relu")
+    assert rel_err(y, R.linear_act_forward(x.double(), w.double(), b.double(), "relu")) < 1e-2
+    g = torch.randn(rows, 8, dtype=torch.float16)
+    grads = K.linear_act_backward(x, w, b, g, "relu")
+    grads_ref = R.linear_act_backward(x.double(), w.double(), b.double(), g.double(), "relu")
+    for o, r in zip(grads, grads_ref):
+        assert rel_err(o, r) < 1e-2
+
+
+def test_autocast_on_triton_matches_eager(device):
+    """Under autocast the fused op casts like F.linear and stays on the kernels."""
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).to(device)
+    x = torch.randn(10, 16, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=dtype), GemmCounter() as c:
+        y = fusedrc.recompute(block, x)
+    with torch.autocast(device.type, dtype=dtype):
+        y_ref = block(x)
+    assert y.dtype == y_ref.dtype == dtype
+    assert c.gemms == 0
+    assert rel_err(y, y_ref) < 2e-2
+
+
+# --------------------------------------------------------------------------- conv + BN + ReLU
+_CONV_OPS = ("convolution", "conv2d", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+             "cudnn_batch_norm", "miopen_batch_norm", "convolution_backward", "native_batch_norm_backward")
+
+
+def _conv_ops(counter):
+    return [o for o in counter.ops if any(f"aten.{n}." in o or o.startswith(f"aten.{n}") for n in _CONV_OPS)]
+
+
+def _conv_block(cin, cout, k, stride, padding, bias, device, channels_last=False):
+    block = nn.Sequential(nn.Conv2d(cin, cout, k, stride, padding, bias=bias), nn.BatchNorm2d(cout), nn.ReLU())
+    with torch.no_grad():
+        block[1].weight.uniform_(0.5, 1.5)
+        block[1].bias.uniform_(-0.3, 0.3)
+    block = block.to(device)
+    if channels_last:
+        block = block.to(memory_format=torch.channels_last)
+    return block
+
+
+@pytest.mark.parametrize(
+    "cin,cout,k,stride,padding,bias,hw,batch,channels_last",
+    [
+        (3, 6, 3, 2, 1, True, 9, 2, False),     # 3x3 stride 2, conv bias
+        (5, 7, 1, 1, 0, False, 7, 1, False),    # 1x1, batch 1, 7x7
+        (3, 5, 7, 2, 3, False, 9, 2, True),     # the ResNet stem shape, channels_last
+        (4, 9, 3, 1, 1, False, 15, 1, True),    # 3x3 stride 1, 15x15, channels_last
+    ],
+    ids=["3x3s2-bias", "1x1-batch1", "7x7s2p3-cl", "3x3s1-cl"],
+)
+def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, bias, hw, batch, channels_last,
+                                                  device):
+    """Three training steps: only x and the per-channel vectors kept, no aten conv/BN anywhere,
+    gradients and running statistics equal to Conv2d -> BatchNorm2d -> ReLU's."""
+    torch.manual_seed(1)
+    block = _conv_block(cin, cout, k, stride, padding, bias, device, channels_last)
+    ref = _conv_block(cin, cout, k, stride, padding, bias, device, channels_last)
+    ref.load_state_dict(block.state_dict())
+    for _ in range(3):
+        x = torch.randn(batch, cin, hw, hw, device=device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        xr = x.detach().clone().requires_grad_(True)
+        with SavedBytes() as saved, GemmCounter() as c:
+            y = fusedrc.recompute(block, x)
+            g = torch.randn_like(y)
+            y.backward(g)
+        assert saved.bytes == x.numel() * 4 + 2 * cout * 4, "x, mean and rstd only"
+        assert _conv_ops(c) == [], f"aten conv/BN ran on the triton path: {_conv_ops(c)}"
+        y_ref = ref(xr)
+        y_ref.backward(g)
+        assert rel_err(y, y_ref) < 1e-5
+        assert rel_err(x.grad, xr.grad) < 1e-5
+        for (name, p), pr in zip(block.named_parameters(), ref.parameters()):
+            if name == "0.bias":  # cancelled by BN: ~0, compare on the weight gradient's scale
+                assert (p.grad - pr.grad).abs().max() < 1e-5 * block[0].weight.grad.abs().max()
+            else:
+                assert rel_err(p.grad, pr.grad) < 1e-5, name
+    bn, bn_ref = block[1], ref[1]
+    assert torch.allclose(bn.running_mean, bn_ref.running_mean, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(bn.running_var, bn_ref.running_var, rtol=1e-5, atol=1e-6)
+    assert bn.num_batches_tracked.item() == bn_ref.num_batches_tracked.item() == 3
+
+
+def test_conv_bn_relu_residual_module(device):
+    """relu(bn(conv(x)) + identity): d(identity) right; keeps x, the identity and the vectors."""
+    m = fusedrc.nn.ConvBNReLU(4, 6, 3, padding=1).to(device)
+    conv, bn = nn.Conv2d(4, 6, 3, padding=1, bias=False).to(device), nn.BatchNorm2d(6).to(device)
+    conv.load_state_dict(m.conv.state_dict())
+    bn.load_state_dict(m.bn.state_dict())
+    x = torch.randn(2, 4, 5, 5, device=device, requires_grad=True)
+    idn = torch.randn(2, 6, 5, 5, device=device, requires_grad=True)
+    with SavedBytes() as saved:
+        y = m(x, idn)
+    g = torch.randn_like(y)
+    gx, gi = torch.autograd.grad(y, (x, idn), g)
+    assert saved.bytes == (x.numel() + idn.numel() + 2 * 6) * 4
+    y_ref = torch.relu(bn(conv(x)) + idn)
+    gx_r, gi_r = torch.autograd.grad(y_ref, (x, idn), g)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(gx, gx_r) < 1e-5 and rel_err(gi, gi_r) < 1e-5
+
+
+def test_conv_bn_relu_half_input_fp32_bn(device):
+    """fp16 x and conv weight with fp32 BatchNorm parameters and statistics (as under AMP)."""
+    x = torch.randn(2, 3, 7, 7, device=device).half().requires_grad_(True)
+    w = (torch.randn(5, 3, 3, 3, device=device) * 0.3).half().requires_grad_(True)
+    gamma = torch.rand(5, device=device).add(0.5).requires_grad_(True)
+    beta = torch.randn(5, device=device).mul(0.2).requires_grad_(True)
+    rm, rv = torch.zeros(5, device=device), torch.ones(5, device=device)
+    y = fusedrc.functional.conv_bn_act(x, w, gamma, beta, rm, rv, training=True, padding=1)
+    assert y.dtype == torch.float16
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, gamma, beta), g)
+    assert [t.dtype for t in grads] == [torch.float16, torch.float16, torch.float32, torch.float32]
+    xd, wd, gd, bd = (t.detach().double().requires_grad_(True) for t in (x, w, gamma, beta))
+    rmd, rvd = torch.zeros(5, dtype=torch.float64, device=device), torch.ones(5, dtype=torch.float64, device=device)
+    y_ref = torch.relu(torch.nn.functional.batch_norm(
+        torch.nn.functional.conv2d(xd, wd, padding=1), rmd, rvd, gd, bd, True, 0.1, 1e-5))
+    grads_ref = torch.autograd.grad(y_ref, (xd, wd, gd, bd), g.double())
+    assert rel_err(y, y_ref) < 1e-2
+    for o, r in zip(grads, grads_ref):
+        assert rel_err(o, r) < 1e-2
+    assert torch.allclose(rm.double(), rmd, atol=1e-3) and torch.allclose(rv.double(), rvd, atol=1e-3)
+
+
+def test_conv_grouped_and_float64_take_correct_paths(device):
+    """groups != 1 (generic recompute) and float64 (reference op) are right on the triton backend."""
+    for block, dtype in ((nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.BatchNorm2d(6), nn.ReLU()), torch.float32),
+                         (_conv_block(3, 5, 3, 1, 1, False, "cpu", False), torch.float64)):
+        block = block.to(device=device, dtype=dtype)
+        ref = copy.deepcopy(block)
+        x = torch.randn(2, block[0].in_channels, 6, 6, device=device, dtype=dtype, requires_grad=True)
+        y = fusedrc.recompute(block, x)
+        y.backward(torch.ones_like(y))
+        xr = x.detach().clone().requires_grad_(True)
+        ref(xr).backward(torch.ones_like(y))
+        assert rel_err(x.grad, xr.grad) < 1e-6
+        assert torch.allclose(block[1].running_var, ref[1].running_var)
+
+
+def test_conv_bn_one_value_per_channel_raises_like_torch(device):
+    m = fusedrc.nn.ConvBNReLU(3, 4, 1).to(device)
+    x = torch.randn(1, 3, 1, 1, device=device)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        m(x)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        nn.BatchNorm2d(4)(torch.randn(1, 4, 1, 1))
+    m.eval()
+    assert m(x).shape == (1, 4, 1, 1)  # eval uses the running statistics
