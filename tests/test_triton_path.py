@@ -222,18 +222,20 @@ def test_conv_bn_relu_residual_module(device):
     assert rel_err(y, y_ref) < 1e-5 and rel_err(gx, gx_r) < 1e-5 and rel_err(gi, gi_r) < 1e-5
 
 
-def test_conv_bn_relu_half_input_fp32_bn(device):
-    """fp16 x and conv weight with fp32 BatchNorm parameters and statistics (as under AMP)."""
+@pytest.mark.parametrize("bn_dtype", [torch.float32, torch.float16], ids=["bn-fp32", "bn-fp16"])
+def test_conv_bn_relu_half_input(bn_dtype, device):
+    """fp16 x and conv weight with BatchNorm parameters and statistics in fp32 (as under AMP) or fp16."""
     x = torch.randn(2, 3, 7, 7, device=device).half().requires_grad_(True)
     w = (torch.randn(5, 3, 3, 3, device=device) * 0.3).half().requires_grad_(True)
-    gamma = torch.rand(5, device=device).add(0.5).requires_grad_(True)
-    beta = torch.randn(5, device=device).mul(0.2).requires_grad_(True)
-    rm, rv = torch.zeros(5, device=device), torch.ones(5, device=device)
+    gamma = torch.rand(5, device=device).add(0.5).to(bn_dtype).requires_grad_(True)
+    beta = torch.randn(5, device=device).mul(0.2).to(bn_dtype).requires_grad_(True)
+    rm = torch.zeros(5, device=device, dtype=bn_dtype)
+    rv = torch.ones(5, device=device, dtype=bn_dtype)
     y = fusedrc.functional.conv_bn_act(x, w, gamma, beta, rm, rv, training=True, padding=1)
-    assert y.dtype == torch.float16
+    assert y.dtype == torch.float16 and rm.dtype == rv.dtype == bn_dtype
     g = torch.randn_like(y)
     grads = torch.autograd.grad(y, (x, w, gamma, beta), g)
-    assert [t.dtype for t in grads] == [torch.float16, torch.float16, torch.float32, torch.float32]
+    assert [t.dtype for t in grads] == [torch.float16, torch.float16, bn_dtype, bn_dtype]
     xd, wd, gd, bd = (t.detach().double().requires_grad_(True) for t in (x, w, gamma, beta))
     rmd, rvd = torch.zeros(5, dtype=torch.float64, device=device), torch.ones(5, dtype=torch.float64, device=device)
     y_ref = torch.relu(torch.nn.functional.batch_norm(
@@ -269,3 +271,19 @@ def test_conv_bn_one_value_per_channel_raises_like_torch(device):
         nn.BatchNorm2d(4)(torch.randn(1, 4, 1, 1))
     m.eval()
     assert m(x).shape == (1, 4, 1, 1)  # eval uses the running statistics
+
+
+def test_conv_bn_relu_autocast_on_triton(device):
+    """Under autocast the recognised conv pattern stays on the kernels and matches eager's dtype and values."""
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    block = _conv_block(3, 6, 3, 1, 1, False, device)
+    ref = copy.deepcopy(block)
+    x = torch.randn(2, 3, 6, 6, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=dtype), GemmCounter() as c:
+        y = fusedrc.recompute(block, x)
+    with torch.autocast(device.type, dtype=dtype):
+        y_ref = ref(x)
+    assert y.dtype == y_ref.dtype
+    assert _conv_ops(c) == []
+    assert rel_err(y, y_ref) < 3e-2
+    assert torch.allclose(block[1].running_mean, ref[1].running_mean, rtol=1e-2, atol=1e-3)
