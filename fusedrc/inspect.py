@@ -12,7 +12,19 @@ configuration the report gives
   the cubin's static ``SHARED``,
 - ``spill_bytes``: ``STACK`` + ``LOCAL`` bytes per thread (0 means no spill),
 - ``mma``: ``"HGMMA"`` (sm_90 warpgroup MMA), ``"HMMA"`` (mma.sync) or ``"none"``
-  (FMA units), from the SASS.
+  (FMA units), from the SASS (not disassembled when the PTX has no ``wgmma`` /
+  ``mma.sync`` at all: then ``"none"``).
+
+``--json`` prints a list with one object per compiled configuration and exactly the
+keys ``kernel`` (str), ``arch`` (``"sm_90"``/``"sm_80"``), ``dtype`` (a torch dtype
+name: ``"float16"``, ``"bfloat16"``, ``"float32"``), ``config`` (object: block sizes,
+warps, stages; plus ``input_precision`` for fp32 GEMMs and ``mode``, the launch
+variant, for a kernel launched in several constexpr modes), ``registers``,
+``shared_bytes``, ``spill_bytes`` (ints), ``mma`` (str) and ``gemm`` (bool). The
+text table warns about spills and about shared memory over the target's limit
+(``SHARED_MEMORY_LIMIT``); ``tests/test_inspect.py`` requires neither to happen and
+HGMMA for every fp16/bf16 GEMM on sm_90. Exit status: 0 when everything compiled,
+1 when a compile or a module failed, 2 when ``ptxas``/``cuobjdump`` are missing.
 
 Plug-in convention: any module of ``fusedrc.kernels`` may define
 ``inspect_specs()`` returning a list of dicts, one per compile::
@@ -21,7 +33,7 @@ Plug-in convention: any module of ``fusedrc.kernels`` may define
     kernel      its name (str)
     arch        "sm_90" or "sm_80"
     dtype       torch dtype or its name ("bfloat16", "fp16", ...)
-    config      dict: block sizes, warps, stages (reported as is)
+    config      dict: block sizes, warps, stages (reported as is; JSON-serialisable)
     signature   argument name -> Triton type ("*fp16", "i32", "fp32", ...) or
                 "constexpr"; arguments named in constexprs may be left out
     constexprs  argument name -> value
@@ -66,7 +78,7 @@ if importlib.util.find_spec("triton") is None:  # pragma: no cover - depends on 
 
 __all__ = [
     "ARCHS", "RESULT_KEYS", "SHARED_MEMORY_LIMIT", "InspectionReport",
-    "discover_specs", "compile_spec", "inspect_kernels", "format_table", "main",
+    "discover_specs", "compile_spec", "inspect_kernels", "format_table", "main", "toolchain_problem",
 ]
 
 #: target name -> CUDA compute capability compiled for
@@ -200,25 +212,65 @@ def _cuobjdump() -> str:
     raise RuntimeError("cuobjdump not found (neither in Triton's package nor on PATH)")
 
 
+def _ptxas() -> str:
+    try:
+        from triton import knobs
+        tool = knobs.nvidia.ptxas
+        if tool is not None and getattr(tool, "path", None):
+            return tool.path
+    except Exception:  # noqa: BLE001 - older Triton, or not found there
+        pass
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if os.path.exists(path):
+        return path
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    raise RuntimeError("ptxas not found (neither in Triton's package nor on PATH)")
+
+
+def toolchain_problem() -> str | None:
+    """None when ``ptxas`` and ``cuobjdump`` (shipped in Triton's package) are usable, else why not."""
+    for find in (_ptxas, _cuobjdump):
+        try:
+            path = find()
+        except Exception as e:  # noqa: BLE001 - the reason is the answer
+            return str(e)
+        if not os.access(path, os.X_OK):
+            return f"{path} is not executable"
+    return None
+
+
 _RESOURCE_RE = re.compile(r"Function\s+(\S+?):\s*\n\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
 
-def _read_cubin(cubin: bytes, name: str):
-    """(registers, static shared, stack + local bytes, mma kind) of the named function."""
+# PTX matrix instructions: without any, the SASS cannot hold HGMMA/HMMA either
+_PTX_MMA_RE = re.compile(r"\b(wgmma\.|mma\.sync)")
+
+
+def _read_cubin(cubin: bytes, name: str, ptx: str | None = None):
+    """(registers, static shared, stack + local bytes, mma kind) of the named function.
+
+    The MMA kind comes from the SASS; disassembling is skipped (``"none"``) when the
+    PTX, if given, has no ``wgmma``/``mma.sync`` instruction at all.
+    """
     tool = _cuobjdump()
+    want_sass = ptx is None or _PTX_MMA_RE.search(ptx) is not None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True)
-        sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, check=True)
+        sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True,
+                              check=True).stdout if want_sass else ""
     funcs = {m.group(1): tuple(int(g) for g in m.groups()[1:]) for m in _RESOURCE_RE.finditer(usage.stdout)}
     if not funcs:
         raise RuntimeError(f"cannot parse cuobjdump --dump-resource-usage output:\n{usage.stdout}")
     reg, stack, shared, local = funcs.get(name) or next(iter(funcs.values()))
-    if re.search(r"\bHGMMA\b", sass.stdout):
+    if re.search(r"\bHGMMA\b", sass):
         mma = "HGMMA"
-    elif re.search(r"\bHMMA\b", sass.stdout):
+    elif re.search(r"\bHMMA\b", sass):
         mma = "HMMA"
     else:
         mma = "none"
@@ -262,7 +314,7 @@ def compile_spec(raw: dict, spec_id: str = "") -> dict:
     meta = compiled.metadata
     dynamic = int(meta["shared"] if isinstance(meta, dict) else meta.shared)
     name = meta["name"] if isinstance(meta, dict) else meta.name
-    registers, static, spill, mma = _read_cubin(compiled.asm["cubin"], name)
+    registers, static, spill, mma = _read_cubin(compiled.asm["cubin"], name, compiled.asm.get("ptx"))
     return {
         "kernel": str(raw["kernel"]),
         "arch": raw["arch"],
@@ -454,6 +506,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker_main()
+    problem = toolchain_problem()
+    if problem:
+        print(f"fusedrc.inspect: {problem}", file=sys.stderr)
+        return 2
 
     def progress(done, total, answer):
         if not args.json and sys.stderr.isatty():

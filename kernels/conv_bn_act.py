@@ -85,18 +85,23 @@ class ConvConfig(NamedTuple):
 # Starting points: retune offline on the GPU and commit. Never autotuned at run
 # time: the forward and the backward recompute must read the same entry.
 _TABLE = {
-    ("sm90", "16bit", "narrow"): ConvConfig(128, 64, 64, 8, 4, 4),
-    ("sm90", "16bit", "wide"): ConvConfig(128, 128, 64, 8, 8, 3),
-    ("sm90", "tf32", "narrow"): ConvConfig(128, 64, 32, 8, 4, 3),
-    ("sm90", "tf32", "wide"): ConvConfig(128, 128, 32, 8, 8, 3),
-    ("sm90", "fp32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
-    ("sm90", "fp32", "wide"): ConvConfig(64, 64, 32, 8, 4, 2),
+    # Epilogue register pressure bounds the tile: the backward's epilogue (BN, ReLU mask,
+    # residual, several 64-bit offset tensors) spills beyond ~32 accumulator elements per
+    # thread, so 128x128 on 8 warps (and 128x64 on 4 warps) spills on sm_90, where 16 warps
+    # cap registers at 128. Hence 128x64 on 8 warps (two warpgroups, HGMMA) for both widths.
+    ("sm90", "16bit", "narrow"): ConvConfig(128, 64, 64, 8, 8, 4),
+    ("sm90", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 4),
+    ("sm90", "tf32", "narrow"): ConvConfig(128, 64, 32, 8, 8, 3),
+    ("sm90", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 8, 3),
+    # fp32 on FMA units: BLOCK_K 16 (operands live in registers; 32 spills)
+    ("sm90", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
+    ("sm90", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
     ("sm80", "16bit", "narrow"): ConvConfig(128, 64, 32, 8, 4, 4),
     ("sm80", "16bit", "wide"): ConvConfig(128, 128, 32, 8, 8, 3),
     ("sm80", "tf32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
-    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 4, 3),
-    ("sm80", "fp32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
-    ("sm80", "fp32", "wide"): ConvConfig(64, 64, 32, 8, 4, 2),
+    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 8, 3),
+    ("sm80", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
+    ("sm80", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
     ("small_smem", "16bit", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
     ("small_smem", "16bit", "wide"): ConvConfig(128, 64, 32, 8, 4, 3),
     ("small_smem", "tf32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
@@ -846,3 +851,183 @@ def conv_bn_act_backward(
     dbn_weight = sgx.to(bn_weight.dtype) if bn_weight is not None else None
     dbn_bias = sg.to(bn_bias.dtype) if bn_bias is not None else None
     return dx, dweight, dbias, dbn_weight, dbn_bias, dres
+
+
+# --------------------------------------------------------------------------- ahead-of-time inspection
+# ``python -m fusedrc.inspect`` compiles every spec of ``inspect_specs()`` for its
+# GPU target on the CPU (no GPU needed) and reports registers, shared memory,
+# spills and the matrix instructions; see fusedrc/inspect.py for the spec format.
+_INSPECT_ARCH = {"sm90": "sm_90", "sm80": "sm_80"}
+_INSPECT_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+# The launch the specs stand for: a 3x3 conv, stride 1, padding 1, channels_last
+# activations (the tensor-core layout: the channel stride is 1 and specialised to a
+# constexpr by the JIT, like the weights' unit strides), channel counts and pixel
+# strides multiples of 16 (divisibility hint), spatial sizes not (7x7, 14x14, ...);
+# conv bias, residual and BN affine all on (the heaviest epilogues); BN weight and
+# bias in fp32 (autocast); C_in >= the table's BLOCK_K (no per-tap clamp).
+_INSPECT_GEOM = dict(KH=3, KW=3, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1)
+
+
+def _inspect_args(ptrs: dict, ints: tuple, unit: tuple, aligned_ints: tuple, floats: tuple = ()):
+    """(signature, constexprs, aligned) of one launch: pointer types by name, i32
+    arguments, arguments equal to 1 (constexpr 1), and the ints given the 16-hint."""
+    sig = dict(ptrs)
+    sig.update({n: "i32" for n in ints})
+    sig.update({n: "fp32" for n in floats})
+    constexprs = {n: 1 for n in unit}
+    return sig, constexprs, list(ptrs) + [n for n in aligned_ints if n in ints]
+
+
+def _inspect_config(cfg: ConvConfig, mode: str, dtype, precision: str) -> dict:
+    config = {"mode": mode, "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
+              "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if dtype == torch.float32:
+        config["input_precision"] = precision
+    return config
+
+
+def _inspect_fwd(dtype, mode: str):
+    """_conv_bn_fwd_kernel as conv_bn_act_forward launches it: "stats" (training pass 1,
+    conv + z store + Chan partials), "apply" (eval, or FWD_RECOMPUTE's second pass:
+    conv + BN + residual + ReLU), "from_z" (training pass 2: elementwise over z)."""
+    p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    stats, apply_ = mode == "stats", mode != "stats"
+    ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "z_ptr": p, "y_ptr": p, "res_ptr": p,
+            "mean_ptr": f32 if apply_ else p, "rstd_ptr": f32 if apply_ else p,
+            "gamma_ptr": f32, "beta_ptr": f32,
+            "pmean_ptr": f32 if stats else p, "pm2_ptr": f32 if stats else p}
+    ints = ("M", "C_OUT", "C_IN", "H", "W", "OH", "OW", "s_xn", "s_xh", "s_xw", "s_wh", "s_ww", "s_wc",
+            "s_on", "s_oh", "s_ow", "s_rn", "s_rh", "s_rw")
+    unit = ("s_xc", "s_wo", "s_oc", "s_rc")
+    sig, constexprs, aligned = _inspect_args(ptrs, ints, unit, ints[:3] + ints[7:13] + ("s_on", "s_rn"))
+    # pixel strides of channels_last (N, C, 7, 7): s_n = 49 C, s_h = 7 C, s_w = C, all multiples of 16
+    aligned += ["s_oh", "s_ow", "s_rh", "s_rw"]
+    constexprs.update(_INSPECT_GEOM)
+    constexprs.update(FROM_Z=mode == "from_z", HAS_BIAS=True, STATS=stats, STORE_Z=stats and not FWD_RECOMPUTE,
+                      APPLY=apply_, HAS_RES=True, HAS_W=True, HAS_B=True)
+    return sig, constexprs, aligned
+
+
+def _inspect_bwd(dtype, mode: str):
+    """_conv_bn_bwd_kernel as conv_bn_act_backward launches it: in training
+    (BWD_RECOMPUTE_TWICE) "reduce" (pass 1: recompute, partial sums, dresidual) and
+    "emit_dz" (pass 2: recompute, dz and its per-tile sums for the conv bias); in eval
+    mode "eval" (one pass: recompute, partial sums, dresidual and dz)."""
+    p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    reduce_, emit, training = mode in ("reduce", "eval"), mode in ("emit_dz", "eval"), mode != "eval"
+    ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "z_ptr": p, "g_ptr": p, "res_ptr": p, "dz_ptr": p,
+            "dres_ptr": p, "mean_ptr": f32, "rstd_ptr": f32, "gamma_ptr": f32, "beta_ptr": f32,
+            "sg_ptr": f32 if mode == "emit_dz" else p, "sgx_ptr": f32 if mode == "emit_dz" else p,
+            "pg_ptr": f32 if reduce_ else p, "pgx_ptr": f32 if reduce_ else p, "pdb_ptr": f32 if emit else p}
+    ints = ("M", "C_OUT", "C_IN", "H", "W", "OH", "OW", "s_xn", "s_xh", "s_xw", "s_wh", "s_ww", "s_wc",
+            "s_on", "s_oh", "s_ow", "s_gn", "s_gh", "s_gw", "s_rn", "s_rh", "s_rw")
+    unit = ("s_xc", "s_wo", "s_oc", "s_gc", "s_rc")
+    sig, constexprs, aligned = _inspect_args(ptrs, ints, unit, ints[:3] + ints[7:], floats=("inv_count",))
+    constexprs.update(_INSPECT_GEOM)
+    constexprs.update(FROM_Z=False, STORE_Z=False, REDUCE=reduce_, EMIT_DZ=emit, TRAINING=training,
+                      STORE_DRES=mode != "emit_dz", HAS_BIAS=True, HAS_RES=True, HAS_W=True, HAS_B=True)
+    return sig, constexprs, aligned
+
+
+def _inspect_dx(dtype, mode: str):
+    """_conv_dx_kernel as conv_dx launches it: dz and dx channels_last, weight (KH, KW, C_out, C_in)."""
+    p = _INSPECT_PTR[dtype]
+    ints = ("M", "C_IN", "C_OUT", "H", "W", "OH", "OW", "s_dn", "s_dh", "s_dw", "s_wh", "s_ww", "s_wo",
+            "s_xn", "s_xh", "s_xw")
+    sig, constexprs, aligned = _inspect_args({"dz_ptr": p, "w_ptr": p, "dx_ptr": p}, ints,
+                                             ("s_dc", "s_wc", "s_xc"), ints[:3] + ints[7:])
+    constexprs.update(_INSPECT_GEOM)
+    return sig, constexprs, aligned
+
+
+def _inspect_dw(dtype, mode: str):
+    """_conv_dw_kernel as conv_dw launches it: dz and x channels_last, fp32 split-K partials."""
+    p = _INSPECT_PTR[dtype]
+    ints = ("P", "C_OUT", "C_IN", "H", "W", "OH", "OW", "iters_per_split", "s_dn", "s_dh", "s_dw",
+            "s_xn", "s_xh", "s_xw")
+    sig, constexprs, aligned = _inspect_args({"dz_ptr": p, "x_ptr": p, "part_ptr": "*fp32"}, ints,
+                                             ("s_dc", "s_xc"), ("P", "C_OUT", "C_IN", "s_dn", "s_dh", "s_dw",
+                                                                "s_xn", "s_xh", "s_xw"))
+    constexprs.update(_INSPECT_GEOM)
+    return sig, constexprs, aligned
+
+
+def inspect_specs():
+    """One spec per distinct compile of every kernel of this module, for the sm90 and
+    sm80 table entries (fp16 and bf16 for "16bit", fp32 with tf32/ieee for "tf32"/"fp32"):
+    the GEMM-shaped kernels (forward "stats" and "apply", backward "reduce",
+    "emit_dz" and "eval", dX, dW) at each entry, the elementwise forward pass at ``_ELEM_CONFIG``
+    and the statistics finalize kernel as ``_finalize_stats`` launches it. Entries
+    that compile to the same code share one spec (their labels joined)."""
+    gemm_kernels = (
+        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "stats", _inspect_fwd),
+        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "apply", _inspect_fwd),
+        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "reduce", _inspect_bwd),
+        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "emit_dz", _inspect_bwd),
+        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "eval", _inspect_bwd),
+        (_conv_dx_kernel, "_conv_dx_kernel", "", _inspect_dx),
+        (_conv_dw_kernel, "_conv_dw_kernel", "", _inspect_dw),
+    )
+    specs, by_key = [], {}
+
+    def add(key, label, make):
+        if key in by_key:  # identical compile: one spec, every table entry named
+            if label not in by_key[key]["source"].split(","):
+                by_key[key]["source"] += "," + label
+            return
+        by_key[key] = spec = make()
+        spec["source"] = label
+        specs.append(spec)
+
+    for (family, opclass, bucket), cfg in _TABLE.items():
+        arch = _INSPECT_ARCH.get(family)
+        if arch is None:
+            continue
+        label = f"{family}/{opclass}/{bucket}"
+        if opclass == "16bit":
+            variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
+        else:
+            variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
+        for dtype, precision in variants:
+            for fn, name, mode, build in gemm_kernels:
+                def make(fn=fn, name=name, mode=mode, build=build, dtype=dtype, precision=precision, cfg=cfg):
+                    sig, constexprs, aligned = build(dtype, mode)
+                    constexprs.update(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                                      GROUP_M=cfg.GROUP_M, PRECISION=precision, UPCAST=False)
+                    config = _inspect_config(cfg, mode, dtype, precision)
+                    if not mode:
+                        del config["mode"]
+                    return {"fn": fn, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
+                            "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
+                            "num_stages": cfg.num_stages, "gemm": True, "aligned": aligned}
+                add((name, mode, arch, dtype, precision, cfg), label, make)
+            # elementwise pass over z (training forward, FWD_RECOMPUTE False): no dot, so the
+            # precision does not matter; one compile per (arch, dtype)
+            ecfg = _ELEM_CONFIG
+
+            def make_elem(dtype=dtype, precision=precision):
+                sig, constexprs, aligned = _inspect_fwd(dtype, "from_z")
+                constexprs.update(BLOCK_M=ecfg.BLOCK_M, BLOCK_N=ecfg.BLOCK_N, BLOCK_K=ecfg.BLOCK_K,
+                                  GROUP_M=ecfg.GROUP_M, PRECISION=precision, UPCAST=False)
+                config = {"mode": "from_z", "BLOCK_M": ecfg.BLOCK_M, "BLOCK_N": ecfg.BLOCK_N,
+                          "GROUP_M": ecfg.GROUP_M, "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages}
+                return {"fn": _conv_bn_fwd_kernel, "kernel": "_conv_bn_fwd_kernel", "arch": arch, "dtype": dtype,
+                        "config": config, "signature": sig, "constexprs": constexprs,
+                        "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages, "gemm": False,
+                        "aligned": aligned}
+            add(("_conv_bn_fwd_kernel", "from_z", arch, dtype), f"{family}/elem", make_elem)
+        # statistics finalize (fp32 partials whatever the dtype): TILE_M is the entry's BLOCK_M
+        tile_m = cfg.BLOCK_M
+
+        def make_fin(tile_m=tile_m):
+            sig, constexprs, aligned = _inspect_args(
+                {"pmean_ptr": "*fp32", "pm2_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
+                ("T", "C", "M"), (), ("C", "M"), floats=("eps",))
+            constexprs.update(TILE_M=tile_m, BLOCK_T=64, BLOCK_C=32)
+            return {"fn": _bn_stats_finalize_kernel, "kernel": "_bn_stats_finalize_kernel", "arch": arch,
+                    "dtype": torch.float32,
+                    "config": {"TILE_M": tile_m, "BLOCK_T": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 3},
+                    "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
+                    "gemm": False, "aligned": aligned}
+        add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
+    return specs

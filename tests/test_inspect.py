@@ -1,0 +1,115 @@
+"""``python -m fusedrc.inspect --json``: every kernel of every module compiles ahead of
+time for sm_90 and sm_80 (on the CPU, no GPU), fits shared memory, spills nothing, and
+every fp16/bf16 GEMM uses the warpgroup MMA (HGMMA) on sm_90.
+
+One run of the whole set (a couple of minutes on 2 cores), shared by the tests below.
+"""
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from fusedrc import inspect as fi  # noqa: E402  (needs triton)
+
+RESULT_TYPES = {"kernel": str, "arch": str, "dtype": str, "config": dict, "registers": int,
+                "shared_bytes": int, "spill_bytes": int, "mma": str, "gemm": bool}
+DENSE_KERNELS = {"_gemm_act_kernel", "_gemm_act_grad_kernel"}
+CONV_KERNELS = {"_conv_bn_fwd_kernel", "_bn_stats_finalize_kernel", "_conv_bn_bwd_kernel",
+                "_conv_dx_kernel", "_conv_dw_kernel"}
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+
+
+def _jit_kernels_in_source():
+    """Names of the @triton.jit functions named *_kernel in kernels/*.py (read statically)."""
+    names = set()
+    for path in KERNELS_DIR.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                names.add(node.name)
+    return names
+
+
+def _key(r):
+    return (r["kernel"], r["arch"], r["dtype"], json.dumps(r["config"], sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def inspection():
+    problem = fi.toolchain_problem()
+    if problem:
+        pytest.skip(f"no ptxas/cuobjdump to compile and read cubins: {problem}")
+    specs, failures = fi.discover_specs()
+    assert not failures, failures
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    jobs = max(2, os.cpu_count() or 1)
+    proc = subprocess.run([sys.executable, "-m", "fusedrc.inspect", "--json", "--jobs", str(jobs)],
+                          capture_output=True, text=True, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return specs, json.loads(proc.stdout)
+
+
+def test_every_spec_compiled(inspection):
+    specs, results = inspection
+    assert len(specs) > 0
+    assert len(results) == len(specs)
+    expected = Counter((s.kernel, s.arch, s.dtype, json.dumps(s.config, sort_keys=True)) for s in specs)
+    assert Counter(_key(r) for r in results) == expected
+    assert {r["arch"] for r in results} == {"sm_90", "sm_80"}
+    kernels = {r["kernel"] for r in results}
+    assert DENSE_KERNELS | CONV_KERNELS <= kernels
+    # a new @triton.jit kernel in kernels/ must be added to its module's inspect_specs()
+    assert _jit_kernels_in_source() <= kernels
+    for name in DENSE_KERNELS | CONV_KERNELS:
+        assert {r["arch"] for r in results if r["kernel"] == name} == {"sm_90", "sm_80"}, name
+    for name in ("_gemm_act_kernel", "_conv_bn_fwd_kernel", "_conv_dx_kernel", "_conv_dw_kernel"):
+        assert {r["dtype"] for r in results if r["kernel"] == name} == {"float16", "bfloat16", "float32"}, name
+    # the backward kernel in each of its launch modes
+    assert {r["config"].get("mode") for r in results if r["kernel"] == "_conv_bn_bwd_kernel"} >= {
+        "reduce", "emit_dz"}
+
+
+def test_record_keys_and_types(inspection):
+    _, results = inspection
+    for r in results:
+        assert tuple(r) == fi.RESULT_KEYS
+        for k, t in RESULT_TYPES.items():
+            assert type(r[k]) is t, (k, r)
+        assert r["arch"] in ("sm_90", "sm_80")
+        assert r["dtype"] in ("float16", "bfloat16", "float32"), r
+        assert r["mma"] in ("HGMMA", "HMMA", "none"), r
+        assert {"num_warps", "num_stages"} <= set(r["config"]), r
+        assert r["registers"] > 0 and r["shared_bytes"] >= 0 and r["spill_bytes"] >= 0, r
+
+
+def test_fits_shared_memory(inspection):
+    _, results = inspection
+    limit = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
+    over = [(r["kernel"], r["arch"], r["dtype"], r["config"], r["shared_bytes"]) for r in results
+            if r["shared_bytes"] > limit[r["arch"]]]
+    assert not over
+
+
+def test_no_spills(inspection):
+    _, results = inspection
+    spills = [(r["kernel"], r["arch"], r["dtype"], r["config"], r["spill_bytes"]) for r in results
+              if r["spill_bytes"] != 0]
+    assert not spills
+
+
+def test_hgmma_for_16bit_gemms_on_sm90(inspection):
+    _, results = inspection
+    gemms = [r for r in results if r["gemm"] and r["arch"] == "sm_90" and r["dtype"] in ("float16", "bfloat16")]
+    assert gemms
+    assert not [(r["kernel"], r["dtype"], r["config"], r["mma"]) for r in gemms if r["mma"] != "HGMMA"]
+    # and tensor cores (HMMA) for the same kernels on sm_80
+    assert all(r["mma"] == "HMMA" for r in results
+               if r["gemm"] and r["arch"] == "sm_80" and r["dtype"] in ("float16", "bfloat16"))
