@@ -1,0 +1,293 @@
+"""Command line: ``fusedrc-bench [options]``, ``fusedrc-bench kernels [options]``, ``fusedrc-bench plot FILE``."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+_SUBCOMMANDS = ("kernels", "plot")
+_DTYPES = ("float32", "bfloat16", "float16")
+QUICK_COMPILE_REASON = ("--quick leaves torch.compile out: compiling costs about 10 s per configuration "
+                        "on a small CPU machine")
+
+
+def _batch_sizes(text):
+    out = []
+    for part in text.replace(" ", "").split(","):
+        try:
+            v = int(part)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(
+                f"batch sizes are positive integers separated by commas (e.g. 16,64), got {text!r}")
+        out.append(v)
+    return out
+
+
+def _common(p, quick_help):
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when present, else CPU (default auto)")
+    p.add_argument("--dtype", choices=_DTYPES, default=None,
+                   help="default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration first")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per configuration")
+    p.add_argument("--results-dir", default="benchmarks/results", help="where the JSON and CSV go "
+                   "(default benchmarks/results)")
+    p.add_argument("--plots-dir", default="plots", help="where the PNG plots go (default plots)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def sweep_parser():
+    p = argparse.ArgumentParser(
+        prog="fusedrc-bench",
+        description="Memory-vs-speed curves of activation recomputation: no recompute, torch.utils.checkpoint, "
+                    "fusedrc and torch.compile(activation_memory_budget) on the same model and batch. "
+                    "Knob: the fraction of blocks recomputed (0, 1/4, 1/2, 3/4, 1) and the batch size.",
+        epilog="subcommands: 'fusedrc-bench kernels [options]' (per-kernel microbenchmarks), "
+               "'fusedrc-bench plot RESULTS.json [--plots-dir DIR]' (redraw plots from a result file)")
+    p.add_argument("--workload", choices=("ffn", "resnet", "all"), default="all", help="default all")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=None,
+                   help="comma-separated batch sizes for every workload (default: per workload and device)")
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    _common(p, "tiny shapes, 3 repeats, no torch.compile: under a minute on 2 CPU cores (the CI smoke run)")
+    return p
+
+
+def kernels_parser():
+    p = argparse.ArgumentParser(
+        prog="fusedrc-bench kernels",
+        description="Per-kernel microbenchmarks (forward + backward): fusedrc's fused op vs eager (unfused) vs "
+                    "torch.utils.checkpoint for linear_act, fused_mlp and conv_bn_act; achieved TFLOP/s counts "
+                    "the recompute.")
+    _common(p, "tiny shapes, 3 repeats")
+    return p
+
+
+def plot_parser():
+    p = argparse.ArgumentParser(prog="fusedrc-bench plot", description="Redraw the plots from a result file alone.")
+    p.add_argument("results", metavar="RESULTS.json", help="a JSON file written by fusedrc-bench")
+    p.add_argument("--plots-dir", default="plots", help="default plots")
+    return p
+
+
+def _resolve(p, args):
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available on this machine (torch.cuda.is_available() is False); "
+                "use --device cpu or auto")
+    dev = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                       else "cpu")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if args.warmup is not None and args.warmup < 0:
+        p.error(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.warmup is None:
+        args.warmup = 1 if dev.type == "cpu" else 5
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else (7 if dev.type == "cpu" else 20)
+    return dev, getattr(torch, args.dtype)
+
+
+def _header(kind, args, dev, backend, t_start, notes, skipped):
+    from . import measure
+
+    commit, dirty = measure.git_info()
+    return {
+        "schema": "fusedrc-bench/1", "kind": kind,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["fusedrc-bench", *args.argv]), "elapsed_s": time.perf_counter() - t_start,
+        "quick": bool(args.quick), "git_commit": commit, "git_dirty": dirty,
+        "device": measure.device_info(dev), "versions": measure.versions(),
+        "loadavg": {"start": args.load_start, "end": measure.loadavg()},
+        "dtype": args.dtype, "fusedrc_backend": backend,
+        "timer": "cuda_events" if dev.type == "cuda" else "time.perf_counter",
+        "warmup": args.warmup, "repeats": args.repeats, "notes": notes, "skipped": skipped,
+    }
+
+
+def _finish(doc, args, t_start):
+    from . import plot, results
+
+    doc["elapsed_s"] = time.perf_counter() - t_start
+    js, cs = results.write(doc, args.results_dir)
+    pngs = plot.plot(doc, args.plots_dir)
+    print(f"wrote {js}\nwrote {cs}")
+    for p in pngs:
+        print(f"wrote {p}")
+    load = doc["loadavg"]["end"]
+    if load and load[0] > doc["device"]["torch_threads"] + 0.75:
+        print(f"note: load average {load[0]:.2f}: other processes shared the cores, the timings are noisy")
+    print(f"done in {doc['elapsed_s']:.1f} s")
+    return doc
+
+
+def _fmt_mib(b):
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def run_sweep(argv):
+    p = sweep_parser()
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    dev, dtype = _resolve(p, args)
+    t_start = time.perf_counter()
+    import torch
+
+    import fusedrc
+
+    from . import measure, strategies, sweep, workloads
+
+    args.load_start = measure.loadavg()
+    names = list(workloads.WORKLOADS) if args.workload == "all" else [args.workload]
+    backend = sweep.backend_for(dev)
+    notes, skipped = [], []
+    compile_reason = None
+    if args.no_compile:
+        compile_reason = "--no-compile"
+    elif args.quick:
+        compile_reason = QUICK_COMPILE_REASON
+    if compile_reason:
+        print(f"torch.compile skipped: {compile_reason}", flush=True)
+    settings = {
+        "workloads": names, "quick": args.quick, "warmup": args.warmup, "repeats": args.repeats,
+        "batch_sizes": {n: (args.batch_sizes or workloads.default_batch_sizes(n, dev.type, args.quick))
+                        for n in names},
+        "fractions": list(strategies.FRACTIONS),
+    }
+    plans = {n: strategies.compile_plan(n, dev.type, settings["batch_sizes"][n]) for n in names}
+    settings["compile_budgets"] = {n: (plans[n][0] if not compile_reason else []) for n in names}
+    settings["compile_batch_sizes"] = {n: (plans[n][1] if not compile_reason else []) for n in names}
+    if not compile_reason and dev.type == "cpu":
+        notes.append("CPU: torch.compile runs at the largest batch size only (compiling costs 10-40 s per "
+                     "configuration here), budgets " + "; ".join(f"{n}: {plans[n][0]}" for n in names))
+    if not compile_reason:
+        notes.append("torch.compile configurations run after every eager one: inductor's compiled CPU code "
+                     "brings OpenMP threads that slowed later eager steps several-fold on a 2-core machine")
+    info = measure.device_info(dev)
+    print(f"fusedrc-bench: {', '.join(names)} on {info['name']} ({dev.type}), {args.dtype}, fusedrc backend "
+          f"{backend}, torch {torch.__version__}; warm-up {args.warmup}, repeats {args.repeats}", flush=True)
+    notes.append("step = zero_grad + forward + mean(out^2) + backward + SGD.step; eager configurations of one "
+                 "(workload, batch size) are timed in interleaved rounds, torch.compile ones one after another")
+    notes.append("memory: saved_activation_bytes = distinct tensors autograd saves during the forward "
+                 "(saved-tensor hooks, parameters excluded); peak_allocated_bytes = "
+                 "torch.cuda.max_memory_allocated over one step (CUDA only)")
+    if dev.type == "cpu":
+        notes.append("CPU: fusedrc runs its reference backend (pure PyTorch); its GPU advantage comes from the "
+                     "Triton kernels, so parity with torch.utils.checkpoint is the CPU expectation")
+    with fusedrc.use_backend(backend):  # thread-local, restored afterwards
+        infos, records, compile_reason = sweep.run(settings, dev, dtype, compile_reason,
+                                                   progress=not args.no_progress)
+    if compile_reason:
+        skipped.append({"what": "torch_compile", "reason": compile_reason})
+        if not (args.no_compile or args.quick):
+            print(f"torch.compile skipped: {compile_reason}", flush=True)
+            settings["compile_budgets"] = {n: [] for n in names}
+            settings["compile_batch_sizes"] = {n: [] for n in names}
+    doc = _header("sweep", args, dev, backend, t_start, notes, skipped)
+    doc["settings"] = {k: settings[k] for k in ("workloads", "batch_sizes", "fractions", "compile_budgets",
+                                                 "compile_batch_sizes")}
+    doc["workloads"] = infos
+    doc["configs"] = records
+    doc["ratios"] = sweep.ratios(records)
+    _print_sweep(doc)
+    return _finish(doc, args, t_start)
+
+
+def _print_sweep(doc):
+    from .plot import STYLE
+
+    base = {}
+    for c in doc["configs"]:
+        if c["strategy"] == "no_recompute":
+            base[c["workload"], c["batch_size"]] = c["median_s"]
+    print()
+    print(f"{'workload':>8} {'batch':>6} {'strategy':>24} {'knob':>6} {'median ms':>10} {'p20-p80 ms':>15} "
+          f"{'vs none':>8} {'saved MiB':>10} {'peak MiB':>9}")
+    for c in doc["configs"]:
+        knob = f"{c['knob']:g}" if c["knob_name"] == "recompute_fraction" else f"b={c['knob']:g}"
+        print(f"{c['workload']:>8} {c['batch_size']:>6} {STYLE[c['strategy']][0][:24]:>24} {knob:>6} "
+              f"{c['median_s'] * 1e3:10.1f} {c['p20_s'] * 1e3:7.1f}-{c['p80_s'] * 1e3:<7.1f} "
+              f"{c['median_s'] / base[c['workload'], c['batch_size']]:8.3f} "
+              f"{_fmt_mib(c['saved_activation_bytes']):>10} {_fmt_mib(c['peak_allocated_bytes']):>9}")
+    print()
+    for r in doc["ratios"]:
+        print(f"{r['workload']} batch {r['batch_size']}, all blocks recomputed: step time fusedrc/checkpoint "
+              f"{r['time_fusedrc_over_checkpoint']:.3f}, fusedrc/none {r['time_fusedrc_over_no_recompute']:.3f}, "
+              f"checkpoint/none {r['time_checkpoint_over_no_recompute']:.3f}; activation memory fusedrc/none "
+              f"{r['saved_fusedrc_over_no_recompute']:.3f}, checkpoint/none "
+              f"{r['saved_checkpoint_over_no_recompute']:.3f}")
+
+
+def run_kernels(argv):
+    p = kernels_parser()
+    args = p.parse_args(argv)
+    args.argv = ["kernels", *argv]
+    dev, dtype = _resolve(p, args)
+    t_start = time.perf_counter()
+    import fusedrc
+
+    from . import kernels, measure, sweep
+
+    args.load_start = measure.loadavg()
+    backend = sweep.backend_for(dev)
+    notes, skipped = [], []
+    if dev.type == "cpu":
+        notes.append(kernels.CPU_NOTE)
+        skipped.append({"what": "triton kernels", "reason": kernels.CPU_NOTE})
+        print(f"note: {kernels.CPU_NOTE}")
+    else:
+        notes.append("GPU: fused ops run the Triton kernels; timed with triton.testing.do_bench "
+                     "(warmup/repeats options unused)")
+    with fusedrc.use_backend(backend):
+        records, gemm = kernels.run(dev, dtype, args.quick, args.warmup, args.repeats, backend,
+                                    progress=not args.no_progress)
+    doc = _header("kernels", args, dev, backend, t_start, notes, skipped)
+    if dev.type == "cuda":
+        doc["timer"] = "triton.testing.do_bench"
+    doc["gemm_rate"] = gemm
+    doc["configs"] = records
+    print()
+    print(f"GEMM rate ({'x'.join(map(str, gemm['shape']))} matmul): {gemm['tflops']:.3f} TFLOP/s")
+    print(f"{'pattern':>12} {'strategy':>17} {'median ms':>10} {'p20-p80 ms':>15} {'GEMMs':>6} {'TFLOP/s':>8} "
+          f"{'saved MiB':>10}")
+    for c in records:
+        print(f"{c['pattern']:>12} {c['strategy']:>17} {c['median_s'] * 1e3:10.2f} "
+              f"{c['p20_s'] * 1e3:7.2f}-{c['p80_s'] * 1e3:<7.2f} {c['gemm_units']:>6g} {c['tflops']:8.3f} "
+              f"{_fmt_mib(c['saved_activation_bytes']):>10}")
+    return _finish(doc, args, t_start)
+
+
+def run_plot(argv):
+    p = plot_parser()
+    args = p.parse_args(argv)
+    from . import plot, results, schema
+
+    try:
+        doc = results.load(args.results)
+    except FileNotFoundError as e:
+        p.error(f"RESULTS.json: {e}")
+    except (ValueError, schema.SchemaError) as e:
+        p.error(f"RESULTS.json: {args.results} is not a fusedrc-bench result file: {e}")
+    for path in plot.plot(doc, args.plots_dir):
+        print(f"wrote {path}")
+    return doc
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plot":
+        run_plot(argv[1:])
+    elif argv and argv[0] == "kernels":
+        run_kernels(argv[1:])
+    else:
+        if argv and not argv[0].startswith("-"):
+            sweep_parser().error(f"unknown subcommand {argv[0]!r}: choose from {', '.join(_SUBCOMMANDS)} "
+                                 "(or no subcommand for the sweep)")
+        run_sweep(argv)
+    return 0

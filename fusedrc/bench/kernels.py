@@ -1,0 +1,169 @@
+"""Per-kernel microbenchmarks: a fused op against eager (unfused) and torch.utils.checkpoint.
+
+Each pattern runs forward + backward (``out.backward(grad)``) on inputs that
+require grad. Achieved TFLOP/s counts every GEMM/conv the strategy runs,
+recompute included (DESIGN.md section 4), in units of the layer's GEMM:
+
+* ``linear_act`` (``relu(x Wᵀ + b)``): eager 3, checkpoint 4, fusedrc 4
+* ``fused_mlp`` (``Linear → GELU → Linear``): eager 6, checkpoint 7 (early stop), fusedrc 7
+* ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
+  reference backend; the Triton kernels' count follows their recompute switches.
+
+On a GPU the fused ops run the Triton kernels and are timed with
+``triton.testing.do_bench``; on a CPU they run the reference backend and are timed
+with ``time.perf_counter`` (Triton's interpreter is not representative of a
+kernel's speed, so it is never timed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fusedrc
+
+from . import measure
+from .progress import bar
+
+PATTERNS = ("linear_act", "fused_mlp", "conv_bn_act")
+STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
+CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
+            "Triton's interpreter is not representative and is not timed.")
+
+
+def shapes(device_type: str, quick: bool) -> dict:
+    if quick:
+        return {"linear_act": dict(M=256, K=128, N=512), "fused_mlp": dict(M=256, d=128, h=512),
+                "conv_bn_act": dict(N=4, C=16, K=16, H=16, W=16, k=3)}
+    if device_type == "cuda":
+        return {"linear_act": dict(M=8192, K=4096, N=16384), "fused_mlp": dict(M=8192, d=4096, h=16384),
+                "conv_bn_act": dict(N=64, C=128, K=128, H=56, W=56, k=3)}
+    return {"linear_act": dict(M=1024, K=512, N=2048), "fused_mlp": dict(M=1024, d=512, h=2048),
+            "conv_bn_act": dict(N=16, C=64, K=64, H=32, W=32, k=3)}
+
+
+def _conv_units(backend: str, strategy: str) -> float:
+    if strategy == "eager":
+        return 3
+    if strategy == "torch_checkpoint" or backend != "triton":
+        return 4
+    from fusedrc.kernels import conv_bn_act as k
+
+    return 1 + int(getattr(k, "FWD_RECOMPUTE", False)) + 2 + (2 if getattr(k, "BWD_RECOMPUTE_TWICE", True) else 1)
+
+
+class _Case:
+    """One pattern: its modules, inputs, output gradient and the three ways to run it."""
+
+    def __init__(self, pattern, shape, device, dtype, backend):
+        g = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        self.pattern, self.shape = pattern, shape
+        if pattern == "linear_act":
+            M, K, N = shape["M"], shape["K"], shape["N"]
+            self.block = nn.Sequential(nn.Linear(K, N), nn.ReLU())
+            xs, ys = (M, K), (M, N)
+            self.gemm_flops = 2 * M * K * N
+            self.units = {"eager": 3, "torch_checkpoint": 4, "fusedrc": 4}
+        elif pattern == "fused_mlp":
+            M, d, h = shape["M"], shape["d"], shape["h"]
+            self.block = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+            xs, ys = (M, d), (M, d)
+            self.gemm_flops = 2 * M * d * h  # one of the FFN's two GEMMs
+            self.units = {"eager": 6, "torch_checkpoint": 7, "fusedrc": 7}
+        else:
+            N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
+            self.block = nn.Sequential(nn.Conv2d(C, K, k, 1, k // 2, bias=False), nn.BatchNorm2d(K), nn.ReLU())
+            xs, ys = (N, C, H, W), (N, K, H, W)
+            self.gemm_flops = 2 * N * K * H * W * C * k * k
+            self.units = {s: _conv_units(backend, s) for s in STRATEGIES}
+        self.block.to(device=device, dtype=dtype).train()
+        self.x = torch.randn(xs, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+        self.grad = torch.randn(ys, generator=g).to(device=device, dtype=dtype)
+        self.params = list(self.block.parameters())
+
+    def forward(self, strategy):
+        if strategy == "eager":
+            return self.block(self.x)
+        if strategy == "torch_checkpoint":
+            return checkpoint(self.block, self.x, use_reentrant=False)
+        return fusedrc.recompute(self.block, self.x)  # a recognised pattern: the fused op
+
+    def step(self, strategy):
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+        self.forward(strategy).backward(self.grad)
+
+
+def _gemm_rate(device, dtype, timer, repeats):
+    """TFLOP/s of a plain matmul (the device's measured GEMM rate for the ratios)."""
+    n = 4096 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    ts = [timer(lambda: a @ b) for _ in range(max(repeats, 3))]
+    return {"shape": [n, n, n], "median_s": measure.quantile(ts, 0.5),
+            "tflops": 2 * n ** 3 / measure.quantile(ts, 0.5) / 1e12}
+
+
+def _do_bench_times(fn):
+    from triton.testing import do_bench
+
+    try:
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
+        return [t / 1e3 for t in ms]
+    except TypeError:  # an older triton without return_mode="all"
+        q = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
+        return [t / 1e3 for t in q]
+
+
+def run(device, dtype, quick, warmup, repeats, backend, progress=True):
+    timer = measure.Timer(device)
+    sh = shapes(device.type, quick)
+    cases = {p: _Case(p, sh[p], device, dtype, backend) for p in PATTERNS}
+    pbar = bar(len(PATTERNS) * len(STRATEGIES) * (1 + warmup + repeats), "fusedrc-bench kernels",
+               disable=not progress)
+    saved, times = {}, {}
+    try:
+        for p, c in cases.items():
+            for s in STRATEGIES:
+                counter = measure.SavedBytes(c.params)
+                with counter:
+                    out = c.forward(s)
+                out.backward(c.grad)
+                saved[p, s] = counter.activation_bytes
+                times[p, s] = []
+                pbar.update(1)
+        if device.type == "cuda":
+            for p, c in cases.items():
+                for s in STRATEGIES:
+                    times[p, s] = _do_bench_times(lambda: c.step(s))
+                    pbar.update(warmup + repeats)
+        else:
+            for _ in range(warmup):
+                for p, c in cases.items():
+                    for s in STRATEGIES:
+                        c.step(s)
+                        pbar.update(1)
+            for _ in range(repeats):  # interleaved rounds
+                for p, c in cases.items():
+                    for s in STRATEGIES:
+                        times[p, s].append(timer(lambda: c.step(s)))
+                        pbar.update(1)
+    finally:
+        pbar.close()
+    gemm = _gemm_rate(device, dtype, timer, repeats)
+    records = []
+    for p, c in cases.items():
+        for s in STRATEGIES:
+            st = measure.summarize(times[p, s])
+            flops = c.units[s] * c.gemm_flops
+            records.append({"pattern": p, "strategy": s, "shape": c.shape, "gemm_units": c.units[s],
+                            "flops": flops, "times_s": times[p, s], **st,
+                            "tflops": flops / st["median_s"] / 1e12,
+                            "fraction_of_gemm_rate": flops / st["median_s"] / 1e12 / gemm["tflops"],
+                            "saved_activation_bytes": saved[p, s]})
+    return records, gemm

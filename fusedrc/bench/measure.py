@@ -1,0 +1,171 @@
+"""Timers, the saved-activation-bytes counter and the environment metadata (DESIGN.md section 6)."""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- statistics
+def quantile(values, q):
+    """Linear-interpolated quantile (numpy's default method)."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize(times):
+    return {"median_s": quantile(times, 0.5), "p20_s": quantile(times, 0.2), "p80_s": quantile(times, 0.8)}
+
+
+# --------------------------------------------------------------------------- saved bytes
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct tensors autograd saves while active, parameters excluded.
+
+    Each tensor is counted once, keyed by storage pointer, offset, shape and dtype;
+    tensors sharing storage with a parameter (the parameter, its transposed view)
+    are not activations and are left out.
+    """
+
+    def __init__(self, params):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.seen = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if isinstance(t, nn.Parameter) or ptr in self.param_storages:
+                return t
+            key = (ptr, t.storage_offset(), tuple(t.shape), t.dtype)
+            self.seen.setdefault(key, t.numel() * t.element_size())
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(self.seen.values())
+
+
+# --------------------------------------------------------------------------- timers
+class Timer:
+    """Times one call of ``fn``: ``time.perf_counter`` on CPU, CUDA events on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.name = "cuda_events" if self.cuda else "time.perf_counter"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def peak_allocated(device: torch.device, fn):
+    """``(peak bytes allocated while fn runs, bytes allocated before)``; ``(None, None)`` off CUDA."""
+    if device.type != "cuda":
+        fn()
+        return None, None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device), before
+
+
+# --------------------------------------------------------------------------- environment
+def loadavg():
+    """The 1/5/15-minute load averages: other processes on the cores make timings noisy."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def triton_version():
+    try:
+        import triton
+    except Exception:
+        return None
+    return getattr(triton, "__version__", None)
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"type": device.type, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_bytes=props.total_memory)
+    else:
+        name = None
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        info.update(name=name or platform.processor() or "cpu",
+                    capability=torch.backends.cpu.get_cpu_capability())
+    return info
+
+
+def versions() -> dict:
+    import fusedrc
+
+    return {"torch": torch.__version__, "triton": triton_version(), "fusedrc": fusedrc.__version__,
+            "python": platform.python_version()}
+
+
+def git_info():
+    def run(*args):
+        try:
+            r = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = run("rev-parse", "HEAD")
+    status = run("status", "--porcelain", "--untracked-files=no") if commit else None
+    return commit, (bool(status) if status is not None else None)
+
+
+def compile_support(device: torch.device):
+    """``None`` when ``torch.compile`` can build a tiny function with a backward here, else the reason."""
+    import torch._functorch.config as fc
+
+    if not hasattr(fc, "activation_memory_budget"):
+        return "this torch has no torch._functorch.config.activation_memory_budget"
+    try:
+        import torch._dynamo
+
+        lin = nn.Linear(8, 8).to(device)
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: lin(x).relu().sum())
+        f(torch.randn(4, 8, device=device)).backward()
+        torch._dynamo.reset()
+    except Exception as e:  # no C++ compiler, no Triton for the device, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"torch.compile does not work on this machine: {type(e).__name__}: {first[:200]}"
+    return None

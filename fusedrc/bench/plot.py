@@ -1,0 +1,171 @@
+"""Plots drawn from a result document alone (matplotlib, Agg, PNG)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+STYLE = {  # strategy: (label, color, marker)
+    "no_recompute": ("no recompute", "#444444", "s"),
+    "torch_checkpoint": ("torch.utils.checkpoint", "#1f77b4", "o"),
+    "fusedrc": ("fusedrc", "#d62728", "^"),
+    "torch_compile": ("torch.compile (activation_memory_budget)", "#2ca02c", "D"),
+    "eager": ("eager (unfused)", "#444444", None),
+}
+_FRACTION_LABEL = {0.0: "0", 0.25: "¼", 0.5: "½", 0.75: "¾", 1.0: "1"}
+# label offsets (points) per strategy, so labels of coinciding points go different ways
+_OFFSET = {"no_recompute": (-8, 8), "torch_checkpoint": (-10, 7), "fusedrc": (7, -11), "torch_compile": (7, 6)}
+
+
+def _title_device(doc):
+    d = doc["device"]
+    extra = f", {d['cores']} cores" if d["type"] == "cpu" and d.get("cores") else ""
+    return f"{d['name']} ({d['type']}{extra}), {doc['dtype']}, torch {doc['versions']['torch']}"
+
+
+def _knob_label(c):
+    if c["knob_name"] == "recompute_fraction":
+        return _FRACTION_LABEL.get(c["knob"], f"{c['knob']:g}")
+    return f"b={c['knob']:g}"
+
+
+def _declutter(fig, ax, texts, tries=14):
+    """Nudge annotation labels up/down until their boxes stop overlapping the markers and earlier labels."""
+    from matplotlib.transforms import Bbox
+
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    placed = []
+    for line in ax.get_lines():
+        if line.get_marker() in (None, "None", "", " "):
+            continue
+        for px, py in ax.transData.transform(line.get_xydata()):
+            placed.append(Bbox.from_extents(px - 4, py - 4, px + 4, py + 4))
+    for t in texts:
+        for i in range(tries):
+            bb = t.get_window_extent(r).expanded(1.05, 1.1)
+            if not any(bb.overlaps(p) for p in placed):
+                break
+            dx, dy = t.xyann
+            step = 7 * (i // 2 + 1) * (1 if i % 2 == 0 else -1)
+            t.xyann = (dx, dy + step)
+        placed.append(t.get_window_extent(r))
+
+
+def _memory(doc, c):
+    if doc["device"]["type"] == "cuda" and c.get("peak_allocated_bytes"):
+        return c["peak_allocated_bytes"] / 2**20, "peak allocated memory per step (MiB)"
+    return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
+
+
+def plot_sweep(doc, plots_dir) -> list[Path]:
+    out = []
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    by_wl = {}
+    for c in doc["configs"]:
+        by_wl.setdefault(c["workload"], []).append(c)
+    for wl, cs in by_wl.items():
+        batches = sorted({c["batch_size"] for c in cs})
+        fig, axes = plt.subplots(1, len(batches), figsize=(max(8.0, 6.4 * len(batches)), 5.4), squeeze=False)
+        handles = {}
+        all_texts = []
+        for ax, b in zip(axes[0], batches):
+            rows = [c for c in cs if c["batch_size"] == b]
+            base = [c for c in rows if c["strategy"] == "no_recompute"]
+            texts = []
+            xlabel = None
+            for s in ("no_recompute", "torch_checkpoint", "fusedrc", "torch_compile"):
+                pts = [c for c in rows if c["strategy"] == s]
+                if not pts:
+                    continue
+                pts.sort(key=lambda c: c["knob"])
+                if s in ("torch_checkpoint", "fusedrc"):
+                    pts = base + pts  # fraction 0 is the no-recompute run
+                label, color, marker = STYLE[s]
+                xs, ys, lo, hi = [], [], [], []
+                for c in pts:
+                    m, xlabel = _memory(doc, c)
+                    xs.append(m)
+                    ys.append(c["median_s"] * 1e3)
+                    lo.append((c["median_s"] - c["p20_s"]) * 1e3)
+                    hi.append((c["p80_s"] - c["median_s"]) * 1e3)
+                handles[label] = ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker=marker, ms=7 if s != "no_recompute" else 9,
+                            lw=1.6, capsize=3, label=label, zorder=3 if s == "fusedrc" else 2,
+                            ls="-" if s != "no_recompute" else "none")
+                if s == "no_recompute":
+                    continue
+                for x, y, c in zip(xs, ys, pts):
+                    if c["strategy"] == "no_recompute":
+                        continue
+                    texts.append(ax.annotate(_knob_label(c), (x, y), xytext=_OFFSET[s], textcoords="offset points",
+                                             fontsize=8, color=color, ha="center", va="center"))
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("step time, median (ms), bars p20–p80")
+            unit = "tokens" if wl == "ffn" else "images"
+            ax.set_title(f"batch {b} {unit}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            ax.set_xlim(left=0, right=1.12 * max(_memory(doc, c)[0] for c in rows))
+            # the p20-p80 bars of a noisy step may run off the top: the medians set the scale
+            ax.set_ylim(0, 1.45 * max(c["median_s"] for c in rows) * 1e3)
+            all_texts.append(texts)
+        info = doc["workloads"].get(wl, {})
+        fig.suptitle(f"{wl} ({info.get('blocks', '?')} blocks): memory vs training-step time\n{_title_device(doc)}",
+                     fontsize=11)
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)),
+                   fontsize=8.5, frameon=False, bbox_to_anchor=(0.5, 0.0))
+        fig.text(0.5, 0.065, "point labels: fraction of blocks recomputed (¼ … 1); b = torch.compile "
+                 "activation_memory_budget", ha="center", fontsize=8, color="#555555")
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        for ax, texts in zip(axes[0], all_texts):
+            _declutter(fig, ax, texts)
+        p = plots_dir / f"bench_{wl}{'_quick' if doc['quick'] else ''}_{doc['device']['type']}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        out.append(p)
+    return out
+
+
+def plot_kernels(doc, plots_dir) -> list[Path]:
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    pats = []
+    for c in doc["configs"]:
+        if c["pattern"] not in pats:
+            pats.append(c["pattern"])
+    fig, axes = plt.subplots(1, len(pats), figsize=(4.6 * len(pats), 4.6), squeeze=False)
+    for ax, p in zip(axes[0], pats):
+        rows = [c for c in doc["configs"] if c["pattern"] == p]
+        for i, c in enumerate(rows):
+            label, color, _ = STYLE[c["strategy"]]
+            y = c["median_s"] * 1e3
+            err = [[(c["median_s"] - c["p20_s"]) * 1e3], [(c["p80_s"] - c["median_s"]) * 1e3]]
+            ax.bar(i, y, color=color, yerr=err, capsize=4, label=label, width=0.7)
+            ax.annotate(f"{c['tflops']:.2g} TFLOP/s", (i, c["p80_s"] * 1e3), xytext=(0, 4), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), [STYLE[c["strategy"]][0].replace(" ", "\n", 1) for c in rows], fontsize=8)
+        shape = " ".join(f"{k}={v}" for k, v in rows[0]["shape"].items())
+        ax.set_title(f"{p}\n{shape}", fontsize=9)
+        ax.set_ylabel("forward + backward, median (ms)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.18)
+    backend = doc["fusedrc_backend"]
+    fig.suptitle(f"per-kernel time (fusedrc backend: {backend}; TFLOP/s counts recompute)\n{_title_device(doc)}",
+                 fontsize=10)
+    if doc["device"]["type"] == "cpu":
+        fig.text(0.5, 0.01, "CPU: fusedrc runs its pure-PyTorch reference backend; the Triton kernels are timed "
+                 "only on a GPU", ha="center", fontsize=8, color="#555555")
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+    else:
+        fig.tight_layout()
+    path = plots_dir / f"bench_kernels{'_quick' if doc['quick'] else ''}_{doc['device']['type']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot(doc, plots_dir) -> list[Path]:
+    return plot_sweep(doc, plots_dir) if doc["kind"] == "sweep" else plot_kernels(doc, plots_dir)

@@ -1,0 +1,137 @@
+"""The result file's schema (``fusedrc-bench/1``) and a dependency-free validator.
+
+A spec is a Python type (or tuple of types), ``None`` for JSON null, a list with
+one spec (every element matches it), a dict (required keys and their specs;
+keys ending in ``?`` are optional; other keys are allowed) or ``Enum(...)``.
+``validate(doc)`` raises ``SchemaError`` naming the first offending path.
+"""
+from __future__ import annotations
+
+SCHEMA_ID = "fusedrc-bench/1"
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+OPT_STR = (str, type(None))
+
+
+class SchemaError(ValueError):
+    pass
+
+
+class Enum:
+    def __init__(self, *values):
+        self.values = values
+
+
+COMMON = {
+    "schema": Enum(SCHEMA_ID),
+    "kind": Enum("sweep", "kernels"),
+    "timestamp": str,
+    "command": str,
+    "elapsed_s": NUM,
+    "quick": bool,
+    "git_commit": OPT_STR,
+    "git_dirty": (bool, type(None)),
+    "device": {"type": Enum("cpu", "cuda"), "name": str, "cores": (int, type(None)), "torch_threads": int,
+               "capability": OPT_STR},
+    "versions": {"torch": str, "triton": OPT_STR, "fusedrc": str, "python": str},
+    "loadavg": {"start": ([NUM], type(None)), "end": ([NUM], type(None))},
+    "dtype": Enum("float32", "float16", "bfloat16"),
+    "fusedrc_backend": Enum("reference", "triton"),
+    "timer": str,
+    "warmup": int,
+    "repeats": int,
+    "notes": [str],
+    "skipped": [{"what": str, "reason": str}],
+}
+
+TIMING = {"times_s": [NUM], "median_s": NUM, "p20_s": NUM, "p80_s": NUM}
+
+SWEEP = {
+    **COMMON,
+    "settings": {"workloads": [str], "batch_sizes": dict, "fractions": [NUM], "compile_budgets": dict,
+                 "compile_batch_sizes": dict},
+    "workloads": dict,
+    "configs": [{
+        "workload": str, "strategy": Enum("no_recompute", "torch_checkpoint", "fusedrc", "torch_compile"),
+        "batch_size": int, "knob_name": Enum("recompute_fraction", "activation_memory_budget"), "knob": NUM,
+        "recomputed_blocks": (int, type(None)), "n_blocks": int, **TIMING,
+        "saved_activation_bytes": int, "peak_allocated_bytes": (int, type(None)),
+        "allocated_before_step_bytes": (int, type(None)), "compile_s": OPT_NUM,
+    }],
+    "ratios": [{"workload": str, "batch_size": int, "time_fusedrc_over_checkpoint": NUM,
+                "time_fusedrc_over_no_recompute": NUM, "time_checkpoint_over_no_recompute": NUM,
+                "saved_fusedrc_over_checkpoint": NUM, "saved_fusedrc_over_no_recompute": NUM,
+                "saved_checkpoint_over_no_recompute": NUM}],
+}
+
+KERNELS = {
+    **COMMON,
+    "gemm_rate": {"shape": [int], "median_s": NUM, "tflops": NUM},
+    "configs": [{
+        "pattern": Enum("linear_act", "fused_mlp", "conv_bn_act"),
+        "strategy": Enum("eager", "torch_checkpoint", "fusedrc"), "shape": dict, "gemm_units": NUM,
+        "flops": int, **TIMING, "tflops": NUM, "fraction_of_gemm_rate": NUM, "saved_activation_bytes": int,
+    }],
+}
+
+
+def _check(value, spec, path):
+    if isinstance(spec, Enum):
+        if value not in spec.values:
+            raise SchemaError(f"{path}: {value!r} is not one of {list(spec.values)}")
+        return
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise SchemaError(f"{path}: expected an object, got {type(value).__name__}")
+        for key, sub in spec.items():
+            optional = key.endswith("?")
+            k = key.rstrip("?")
+            if k not in value:
+                if optional:
+                    continue
+                raise SchemaError(f"{path}: missing key {k!r}")
+            _check(value[k], sub, f"{path}.{k}")
+        return
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            raise SchemaError(f"{path}: expected an array, got {type(value).__name__}")
+        for i, v in enumerate(value):
+            _check(v, spec[0], f"{path}[{i}]")
+        return
+    if isinstance(spec, tuple):
+        errors = []
+        for alt in spec:
+            try:
+                _check(value, alt, path)
+                return
+            except SchemaError as e:
+                errors.append(str(e))
+        raise SchemaError(f"{path}: {value!r} matches none of the allowed forms ({'; '.join(errors)})")
+    if spec is None or spec is type(None):
+        if value is not None:
+            raise SchemaError(f"{path}: expected null, got {value!r}")
+        return
+    if spec in (int, float) and isinstance(value, bool):
+        raise SchemaError(f"{path}: expected {spec.__name__}, got a boolean")
+    if spec is float and isinstance(value, int):
+        return
+    if not isinstance(value, spec):
+        raise SchemaError(f"{path}: expected {spec.__name__}, got {type(value).__name__} ({value!r:.60})")
+
+
+def validate(doc) -> None:
+    """Raise ``SchemaError`` unless ``doc`` is a valid ``fusedrc-bench/1`` result (sweep or kernels)."""
+    if not isinstance(doc, dict):
+        raise SchemaError("$: a result file holds a JSON object")
+    kind = doc.get("kind")
+    if kind not in ("sweep", "kernels"):
+        raise SchemaError(f"$.kind: {kind!r} is not one of ['sweep', 'kernels']")
+    _check(doc, SWEEP if kind == "sweep" else KERNELS, "$")
+    if not doc["configs"]:
+        raise SchemaError("$.configs: no configuration")
+    for i, c in enumerate(doc["configs"]):
+        if len(c["times_s"]) < 1:
+            raise SchemaError(f"$.configs[{i}].times_s: no timing")
+        if not c["p20_s"] <= c["median_s"] <= c["p80_s"]:
+            raise SchemaError(f"$.configs[{i}]: expected p20_s <= median_s <= p80_s")

@@ -1,0 +1,176 @@
+"""The sweep: every strategy on the same model and batch, memory and step time per configuration.
+
+Per (workload, batch size): the eager configurations are warmed up, then timed in
+interleaved rounds (one step of each configuration per round), so machine noise
+hits all of them alike. ``torch.compile`` configurations come after every eager
+one and are compiled one at a time (the partitioner reads
+``activation_memory_budget`` when it compiles), each warmed up and timed on its own.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import measure, strategies, workloads
+from .progress import bar
+
+
+def _memory(runner, device):
+    """Activation bytes autograd keeps during one forward, and the peak of one full step (CUDA)."""
+    model = runner.wl.model
+    counter = measure.SavedBytes(model.parameters())
+    runner.opt.zero_grad(set_to_none=True)
+    with counter:
+        out = runner.forward()
+    runner.wl.loss(out).backward()
+    del out
+    runner.opt.zero_grad(set_to_none=True)
+    peak, before = measure.peak_allocated(device, runner.step)
+    return counter.activation_bytes, peak, before
+
+
+def _budgets(settings, name, batch):
+    if batch not in settings["compile_batch_sizes"].get(name, []):
+        return []
+    return settings["compile_budgets"].get(name, [])
+
+
+def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason, progress=True, log=print):
+    """Run the sweep described by ``settings``.
+
+    Returns ``(workload infos, configuration records, compile_reason)``; ``compile_reason`` is None when
+    torch.compile ran, else why it was skipped (the check that it works runs only after the eager phase).
+
+    Two phases: every eager configuration first, then the torch.compile ones. Code compiled by
+    inductor on a CPU brings its own OpenMP threads, whose spin-waiting slowed eager steps measured after
+    it several-fold on a 2-core machine; eager timings are therefore taken before anything is compiled.
+    """
+    timer = measure.Timer(device)
+    warmup, repeats = settings["warmup"], settings["repeats"]
+    groups = [(n, b) for n in settings["workloads"] for b in settings["batch_sizes"][n]]
+    n_eager = 1 + 2 * len(settings["fractions"])
+    n_compile = 0 if compile_reason else sum(len(_budgets(settings, n, b)) for n, b in groups)
+    total = (len(groups) * n_eager + n_compile) * (warmup + repeats + 1)
+    pbar = bar(total, "fusedrc-bench", disable=not progress)
+    infos, records, built, pending = {}, [], {}, []
+    try:
+        for name in settings["workloads"]:
+            wl = built[name] = workloads.build(name, device, dtype, settings["quick"])
+            infos[name] = {"description": wl.description, "blocks": wl.n_blocks, "shapes": wl.shapes,
+                           "input_shape": list(wl.input_shape),
+                           "parameters": sum(p.numel() for p in wl.model.parameters()),
+                           "step": "zero_grad + forward + mean(out^2) + backward + SGD.step"}
+            for batch in settings["batch_sizes"][name]:
+                recs, compiled = _run_group(wl, batch, device, dtype, settings, compile_reason is None, timer,
+                                            pbar, warmup, repeats)
+                records += recs
+                pending += compiled
+        if pending:
+            pbar.set_postfix_str("checking that torch.compile works")
+            compile_reason = measure.compile_support(device)
+            if compile_reason:
+                pbar.update(len(pending) * (warmup + repeats + 1))
+            else:
+                for r in pending:
+                    records.append(_run_compiled(r, device, timer, pbar, warmup, repeats))
+                import torch._dynamo
+
+                torch._dynamo.reset()
+    finally:
+        pbar.close()
+    order = {(n, b): i for i, (n, b) in enumerate(groups)}
+    records.sort(key=lambda r: order[r["workload"], r["batch_size"]])
+    return infos, records, compile_reason
+
+
+def _record(r, m):
+    c = r.cfg
+    return {
+        "workload": c.workload, "strategy": c.strategy, "batch_size": c.batch_size,
+        "knob_name": c.knob_name, "knob": c.knob, "recomputed_blocks": c.recomputed_blocks,
+        "n_blocks": r.wl.n_blocks,
+        "times_s": m["times"], **measure.summarize(m["times"]),
+        "saved_activation_bytes": m["saved"], "peak_allocated_bytes": m["peak"],
+        "allocated_before_step_bytes": m["before"], "compile_s": m["compile_s"],
+    }
+
+
+def _run_group(wl, batch, device, dtype, settings, compile_ok, timer, pbar, warmup, repeats):
+    """Time the eager configurations of one (workload, batch size); return them and the compile runners."""
+    x = wl.make_input(batch, device, dtype)
+    opt = strategies.make_optimizer(wl)
+    cfgs = strategies.configs_for(wl, batch, compile_ok, settings["fractions"], _budgets(settings, wl.name, batch))
+    runners = [strategies.Runner(wl, c, x, opt) for c in cfgs]
+    eager = [r for r in runners if r.cfg.strategy != "torch_compile"]
+    compiled = [r for r in runners if r.cfg.strategy == "torch_compile"]
+    out = {}
+    pbar.set_postfix_str(f"{wl.name} batch {batch}")
+    for r in eager:
+        saved, peak, before = _memory(r, device)
+        out[id(r)] = dict(saved=saved, peak=peak, before=before, times=[], compile_s=None)
+        pbar.update(1)
+    for _ in range(warmup):
+        for r in eager:
+            r.step()
+            pbar.update(1)
+    for _ in range(repeats):  # interleaved rounds
+        for r in eager:
+            out[id(r)]["times"].append(timer(r.step))
+            pbar.update(1)
+    return [_record(r, out[id(r)]) for r in eager], compiled
+
+
+def _run_compiled(r, device, timer, pbar, warmup, repeats):
+    pbar.set_postfix_str(f"{r.wl.name} batch {r.cfg.batch_size} compiling (budget {r.cfg.knob:g})")
+    t0 = time.perf_counter()
+    r.compile()
+    compile_s = time.perf_counter() - t0
+    saved, peak, before = _memory(r, device)
+    m = dict(saved=saved, peak=peak, before=before, times=[], compile_s=compile_s)
+    pbar.update(1)
+    for _ in range(warmup):
+        r.step()
+        pbar.update(1)
+    for _ in range(repeats):
+        m["times"].append(timer(r.step))
+        pbar.update(1)
+    r.compiled = None
+    return _record(r, m)
+
+
+def ratios(records):
+    """Per workload and batch size, at full recompute (fraction 1): step-time and memory ratios."""
+    out = []
+    groups = {}
+    for r in records:
+        groups.setdefault((r["workload"], r["batch_size"]), []).append(r)
+    for (w, b), rs in groups.items():
+        def pick(strategy, knob):
+            for r in rs:
+                if r["strategy"] == strategy and r["knob"] == knob:
+                    return r
+            return None
+
+        none, ck, fr = pick("no_recompute", 0.0), pick("torch_checkpoint", 1.0), pick("fusedrc", 1.0)
+        if not (none and ck and fr):
+            continue
+        row = {"workload": w, "batch_size": b,
+               "time_fusedrc_over_checkpoint": fr["median_s"] / ck["median_s"],
+               "time_fusedrc_over_no_recompute": fr["median_s"] / none["median_s"],
+               "time_checkpoint_over_no_recompute": ck["median_s"] / none["median_s"],
+               "saved_fusedrc_over_checkpoint": fr["saved_activation_bytes"] / max(ck["saved_activation_bytes"], 1),
+               "saved_fusedrc_over_no_recompute":
+                   fr["saved_activation_bytes"] / max(none["saved_activation_bytes"], 1),
+               "saved_checkpoint_over_no_recompute":
+                   ck["saved_activation_bytes"] / max(none["saved_activation_bytes"], 1)}
+        if none["peak_allocated_bytes"]:
+            row["peak_fusedrc_over_checkpoint"] = fr["peak_allocated_bytes"] / ck["peak_allocated_bytes"]
+            row["peak_fusedrc_over_no_recompute"] = fr["peak_allocated_bytes"] / none["peak_allocated_bytes"]
+        out.append(row)
+    return out
+
+
+def backend_for(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "reference"
+
