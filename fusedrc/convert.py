@@ -1,0 +1,1142 @@
+"""``fusedrc.convert``: rewrite a real model so its recompute-friendly chains run fused.
+
+``convert(model)`` finds, without changing what the model computes,
+
+* every ``Conv2d -> BatchNorm2d -> ReLU`` chain and every
+  ``Conv2d -> BatchNorm2d -> (+ identity) -> ReLU`` residual tail (torchvision
+  ``BasicBlock``/``Bottleneck`` and the ResNet stem): they run
+  :func:`fusedrc.functional.conv_bn_act` (``residual=`` for the tail);
+* every FFN ``Linear -> act -> [Dropout(p=0)] -> Linear`` (plain ``nn.Sequential``,
+  Hugging Face ``OPTDecoderLayer`` and ``T5DenseActDense``): it runs
+  :func:`fusedrc.functional.fused_mlp`; a lone ``Linear -> act`` runs ``linear_act``;
+
+and, with ``policy="blocks"`` or a ``memory_budget``, recomputes whole blocks with
+:func:`fusedrc.mark` (MindSpore's ``Cell.recompute()``), fused ops inside.
+
+Parameters and buffers are the original tensors (``inplace=True``) or copies of
+them, and every state_dict key is unchanged: the rewritten blocks are wrapper
+modules that hold the very same submodules under the same names.
+
+How patterns are found
+----------------------
+1. **Rules** for known block classes, looked up by class name (so fusedrc never
+   imports torchvision or transformers): ``BasicBlock``, ``Bottleneck``, ``ResNet``
+   (the stem) from ``torchvision.models.resnet``; ``OPTDecoderLayer`` and
+   ``T5DenseActDense`` / ``T5LayerFF`` from ``transformers``.
+2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
+3. **torch.fx**, for a model that no rule or Sequential matched and that traces:
+   ``call_module`` chains Conv2d -> BatchNorm2d -> ReLU and Linear -> act ->
+   [Dropout] -> Linear become one call of a parameter-free fused module.
+
+Anything that would change semantics is left as it is and reported in the plan
+(a ``Dropout(p>0)`` inside an FFN, an unknown activation, grouped convolutions,
+hooks on the modules, a forward that does not have the expected shape).
+
+How to add a rule
+-----------------
+A rule is a function ``rule(ctx, name, module)`` registered for a class name with
+:func:`register_rule`. It returns the module that replaces ``module`` (or
+``module`` itself) after declaring what can be recomputed:
+
+* ``ctx.unit(name, kind, enable, disable, recompute_modules)`` declares one fused
+  unit: ``enable()``/``disable()`` switch it on and off (convert toggles units to
+  measure them), ``recompute_modules`` are the Linear/Conv2d modules whose
+  forward the fused op reruns in backward (its time cost);
+* ``ctx.block(name, module)`` declares a whole block that ``policy="blocks"`` or a
+  budget may recompute with :func:`fusedrc.mark`;
+* ``ctx.skip(name, reason)`` reports a pattern left unfused.
+
+The usual way to rewrite a block is a :class:`Wrapper` subclass: ``Wrapper.wrap(m)``
+makes a module of the subclass that shares ``m``'s submodules, parameters, buffers
+and attributes, and ``self.plain(*args)`` runs the original class's forward. Its
+forward checks ``self.sites[key]`` (a :class:`Site`) and calls the fused op when the
+site is enabled and the call is one the op models (``_cbr`` below). Example for a
+block ``y = relu(bn(conv(x)))`` held as ``self.conv``/``self.bn``/``self.act``::
+
+    class FusedMyBlock(Wrapper):
+        def forward(self, x):
+            return _cbr(self.sites["conv"], self.conv, self.bn, self.act, x)
+
+    @register_rule("MyBlock")
+    def _my_block(ctx, name, m):
+        new = FusedMyBlock.wrap(m)
+        _declare_cbr(ctx, new, name, "conv", m.conv, m.bn, m.act)
+        ctx.block(name, new)
+        return new
+
+Rules run before the Sequential and fx passes; submodules of a rewritten block
+are still visited (a Sequential inside it is matched as usual).
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import inspect as _inspect
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import functional as F
+from ._patterns import _conv_padding, _has_hooks, _is_noop_dropout, activation_name, conv_bn_relu_call
+from .recompute import _is_marked, mark, unmark
+
+__all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes"]
+
+# --------------------------------------------------------------------------- measuring
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd keeps through saved tensors, parameters excluded, each tensor once."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen = set()
+
+        def pack(t):
+            if not isinstance(t, nn.Parameter):
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += t.numel() * t.element_size()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+class _Frozen:
+    """Run a model without leaving a trace: buffers (BatchNorm statistics) and RNG restored."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.buffers = [(b, b.clone()) for b in self.model.buffers()]
+        self.rng = torch.get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        torch.set_rng_state(self.rng)
+
+
+def saved_bytes(model, example_inputs):
+    """Bytes autograd keeps for one forward of ``model(*example_inputs)`` (parameters excluded).
+
+    The model's buffers and the RNG state are left as they were.
+    """
+    counter = _SavedBytes()
+    with _Frozen(model), torch.enable_grad(), counter:
+        out = model(*example_inputs)
+    del out
+    return counter.bytes
+
+
+def _flops(module, inp, out):
+    if isinstance(module, nn.Conv2d):
+        k = module.kernel_size[0] * module.kernel_size[1] * module.in_channels // module.groups
+        return 2 * out.numel() * k
+    if isinstance(module, nn.Linear):
+        return 2 * out.numel() * module.in_features
+    return 0
+
+
+def _measure_flops(model, example_inputs):
+    flops, handles = {}, []
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            def hook(mod, i, o):
+                if isinstance(o, torch.Tensor):
+                    flops[id(mod)] = flops.get(id(mod), 0) + _flops(mod, i, o)
+            handles.append(m.register_forward_hook(hook))
+    try:
+        with _Frozen(model), torch.no_grad():
+            model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return flops
+
+
+# --------------------------------------------------------------------------- wrappers and sites
+
+
+class Site:
+    """One fusable chain inside a wrapper: ``enabled`` switches the fused op on."""
+
+    __slots__ = ("enabled", "impl")
+
+    def __init__(self):
+        self.enabled = False
+        self.impl = "fused"  # "checkpoint": torch.utils.checkpoint on the same unit (for comparisons)
+
+    def __deepcopy__(self, memo):
+        s = Site()
+        s.enabled, s.impl = self.enabled, self.impl
+        return s
+
+
+class Wrapper(nn.Module):
+    """Base of rewritten blocks: shares the original module's state, keeps its keys."""
+
+    @classmethod
+    def wrap(cls, module):
+        new = cls.__new__(cls)
+        state = {k: (copy.copy(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+        new.__dict__.update(state)
+        new.__dict__["_fusedrc_original_class"] = type(module)
+        new.__dict__["sites"] = {}
+        return new
+
+    def plain(self, *args, **kwargs):
+        """The original class's forward, on this module's (shared) submodules."""
+        return self._fusedrc_original_class.forward(self, *args, **kwargs)
+
+    def _get_name(self):
+        return "Fused" + self._fusedrc_original_class.__name__
+
+
+def _set_impl(model, impl):
+    """Run every fused unit of a converted model as ``impl``: "fused" (default) or "checkpoint"
+    (``torch.utils.checkpoint`` on the same unit; for comparisons)."""
+    for m in model.modules():
+        sites = list(m.__dict__.get("sites", {}).values())
+        if isinstance(m.__dict__.get("site"), Site):
+            sites.append(m.__dict__["site"])
+        for s in sites:
+            s.impl = impl
+    return model
+
+
+def _nohooks(*mods):
+    return not any(m is not None and _has_hooks(m) for m in mods)
+
+
+def _run_site(site, fused, plain, *args):
+    if site is None or not site.enabled:
+        return plain(*args)
+    if site.impl == "checkpoint":
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(plain, *args, use_reentrant=False)
+        return plain(*args)
+    return fused(*args)
+
+
+def _static_conv_ok(conv):
+    return type(conv) is nn.Conv2d and conv.groups == 1 and conv.padding_mode == "zeros" and _conv_padding(conv) is not None
+
+
+def _static_cbr(conv, bn, act):
+    if not _static_conv_ok(conv):
+        return "the Conv2d is not a plain groups=1, zero-padded convolution"
+    if type(bn) is not nn.BatchNorm2d or bn.num_features != conv.out_channels:
+        return "the norm is not an nn.BatchNorm2d over the conv's channels"
+    if type(act) is not nn.ReLU:
+        return f"the activation is {type(act).__name__}, not nn.ReLU"
+    return None
+
+
+def _runtime_cbr_ok(conv, bn, act, x):
+    return (
+        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and x.device == conv.weight.device
+        and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))
+        and _nohooks(conv, bn, act)
+    )
+
+
+def _cbr(site, conv, bn, act, x, residual=None):
+    """``act(bn(conv(x)) [+ residual])``: fused when ``site`` is on and the call is modelled."""
+
+    def plain(x, residual=None):
+        y = bn(conv(x))
+        return act(y if residual is None else y + residual)
+
+    if site is not None and site.enabled and not _runtime_cbr_ok(conv, bn, act, x):
+        site = None
+    if residual is None:
+        return _run_site(site, lambda x: conv_bn_relu_call(conv, bn, x), plain, x)
+    return _run_site(site, lambda x, r: conv_bn_relu_call(conv, bn, x, r), plain, x, residual)
+
+
+class FusedBasicBlock(Wrapper):
+    """torchvision ``BasicBlock``: conv1-bn1-relu fused, conv2-bn2-(+identity)-relu fused."""
+
+    def forward(self, x):
+        if not _nohooks(self):
+            return self.plain(x)
+        s = self.sites
+        out = _cbr(s.get("conv1"), self.conv1, self.bn1, self.relu, x)
+        identity = x if self.downsample is None else self.downsample(x)
+        return _cbr(s.get("conv2"), self.conv2, self.bn2, self.relu, out, identity)
+
+
+class FusedBottleneck(Wrapper):
+    """torchvision ``Bottleneck``: conv1/conv2 chains and the conv3-bn3-(+identity)-relu tail fused."""
+
+    def forward(self, x):
+        if not _nohooks(self):
+            return self.plain(x)
+        s = self.sites
+        out = _cbr(s.get("conv1"), self.conv1, self.bn1, self.relu, x)
+        out = _cbr(s.get("conv2"), self.conv2, self.bn2, self.relu, out)
+        identity = x if self.downsample is None else self.downsample(x)
+        return _cbr(s.get("conv3"), self.conv3, self.bn3, self.relu, out, identity)
+
+
+class FusedResNet(Wrapper):
+    """torchvision ``ResNet`` with the stem conv1-bn1-relu fused."""
+
+    def forward(self, x):
+        if not _nohooks(self):
+            return self.plain(x)
+        x = _cbr(self.sites.get("conv1"), self.conv1, self.bn1, self.relu, x)
+        x = self.maxpool(x)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = torch.flatten(self.avgpool(x), 1)
+        return self.fc(x)
+
+
+def _ffn_runtime_ok(fc1, act_mod, drop, fc2, x):
+    return (
+        isinstance(x, torch.Tensor) and x.is_floating_point()
+        and x.dtype == fc1.weight.dtype == fc2.weight.dtype and x.device == fc1.weight.device
+        and (drop is None or _is_noop_dropout(drop) or (isinstance(drop, nn.Dropout) and drop.p == 0))
+        and _nohooks(fc1, act_mod, drop, fc2)
+    )
+
+
+class FusedT5DenseActDense(Wrapper):
+    """Hugging Face ``T5DenseActDense`` (wi -> act -> dropout -> wo) as one fused FFN."""
+
+    def forward(self, hidden_states):
+        site = self.sites.get("ffn")
+        if (site is None or not site.enabled or not _nohooks(self)
+                or not _ffn_runtime_ok(self.wi, self.act, self.dropout, self.wo, hidden_states)):
+            return self.plain(hidden_states)
+        act = self.__dict__["_fusedrc_act"]
+        return _run_site(
+            site, lambda x: F.fused_mlp(x, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, act),
+            self.plain, hidden_states,
+        )
+
+
+class _FFNHead(nn.Linear):
+    """Stands in for an FFN's first Linear (same parameters, same key) and runs the whole FFN.
+
+    Used where the FFN is inlined in a larger forward (OPT): ``fc1`` computes
+    ``fc2(act(fc1(x)))`` fused, the activation becomes ``Identity`` and ``fc2``
+    an :class:`_FFNTail` that passes its input through.
+    """
+
+    def __init__(self, fc1, act_mod, act_name, fc2):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = fc1.in_features, fc1.out_features
+        self.weight, self.bias = fc1.weight, fc1.bias
+        self.__dict__["_fusedrc_ffn"] = (fc1, act_mod, act_name, fc2)
+        self.__dict__["site"] = Site()
+        self.site.enabled = True
+
+    def forward(self, x):
+        _, act_mod, act, tail = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
+
+        def plain(x):
+            return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
+
+        if not (_nohooks(self) and _ffn_runtime_ok(self, None, None, tail, x)):
+            return plain(x)
+        return _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
+                         plain, x)
+
+    def _get_name(self):
+        return "FusedFFN(fc1)"
+
+
+class _FFNTail(nn.Linear):
+    """Holds the FFN's second Linear (same parameters, same key); its input is already the FFN's output."""
+
+    def __init__(self, fc2):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = fc2.in_features, fc2.out_features
+        self.weight, self.bias = fc2.weight, fc2.bias
+
+    def forward(self, x):
+        return x
+
+    def _get_name(self):
+        return "FusedFFN(fc2, computed in fc1)"
+
+
+class _FusedSequential(nn.Sequential):
+    """An ``nn.Sequential`` (same children, same keys) whose pattern runs are fused."""
+
+    @classmethod
+    def wrap(cls, seq):
+        new = Wrapper.wrap.__func__(cls, seq)
+        new.__dict__["groups"] = {}  # start index -> (end index exclusive, kind, site, activation)
+        return new
+
+    def forward(self, x):
+        mods = list(self._modules.values())
+        i = 0
+        while i < len(mods):
+            g = self.groups.get(i)
+            if g is not None and g[2].enabled and _nohooks(*mods[i:g[0]]):
+                end, kind, site, act = g
+                chain = mods[i:end]
+                if kind == "conv_bn_relu" and _runtime_cbr_ok(chain[0], chain[1], chain[2], x):
+                    x, i = _cbr(site, chain[0], chain[1], chain[2], x), end
+                    continue
+                lin = [m for m in chain if isinstance(m, nn.Linear)]
+                drops = [m for m in chain if isinstance(m, nn.Dropout)]
+                if kind == "ffn" and _ffn_runtime_ok(lin[0], None, drops[0] if drops else None, lin[1], x) \
+                        and all(_is_noop_dropout(d) or d.p == 0 for d in drops):
+                    def plain(x, chain=chain):
+                        for m in chain:
+                            x = m(x)
+                        return x
+                    x = _run_site(site, lambda x, a=lin[0], b=lin[1], act=act:
+                                  F.fused_mlp(x, a.weight, a.bias, b.weight, b.bias, act), plain, x)
+                    i = end
+                    continue
+                if kind == "linear_act" and _ffn_runtime_ok(lin[0], None, None, lin[0], x):
+                    x = _run_site(site, lambda x, a=lin[0], act=act: F.linear_act(x, a.weight, a.bias, act),
+                                  lambda x, c=chain: c[1](c[0](x)), x)
+                    i = end
+                    continue
+            x = mods[i](x)
+            i += 1
+        return x
+
+    def _get_name(self):
+        return "FusedSequential"
+
+
+class _FxFused(nn.Module):
+    """A parameter-free fused call inserted by the fx pass; holds references to the modules."""
+
+    def __init__(self, kind, mods, act):
+        super().__init__()
+        self.__dict__["_fusedrc_mods"] = tuple(mods)
+        self.__dict__["site"] = Site()
+        self.kind, self.act = kind, act
+
+    def forward(self, x):
+        mods = self.__dict__["_fusedrc_mods"]
+        if self.kind == "conv_bn_relu":
+            return _cbr(self.site, mods[0], mods[1], mods[2], x)
+
+        def plain(x):
+            for m in mods:
+                x = m(x)
+            return x
+
+        lin = [m for m in mods if isinstance(m, nn.Linear)]
+        drops = [m for m in mods if isinstance(m, nn.Dropout)]
+        if not (self.site.enabled and _ffn_runtime_ok(lin[0], None, drops[0] if drops else None, lin[-1], x)
+                and _nohooks(*mods)):
+            return plain(x)
+        if self.kind == "ffn":
+            return _run_site(self.site, lambda x: F.fused_mlp(x, lin[0].weight, lin[0].bias, lin[1].weight,
+                                                             lin[1].bias, self.act), plain, x)
+        return _run_site(self.site, lambda x: F.linear_act(x, lin[0].weight, lin[0].bias, self.act), plain, x)
+
+    def extra_repr(self):
+        return f"kind={self.kind!r}"
+
+
+# --------------------------------------------------------------------------- activations
+
+_HF_ACTS = {
+    "ReLU": "relu", "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu", "FastGELUActivation": None,
+}
+
+
+def _act_name(mod):
+    """The fused activation name of an activation module (torch or Hugging Face), or None."""
+    name = activation_name(mod) if isinstance(mod, nn.Module) else None
+    if name is not None:
+        return name
+    cls = type(mod).__name__
+    if cls == "GELUActivation" and getattr(mod, "act", None) is not None:
+        return "gelu"
+    return _HF_ACTS.get(cls)
+
+
+# --------------------------------------------------------------------------- plan and context
+
+
+@dataclass
+class _Unit:
+    name: str
+    kind: str
+    enable: object
+    disable: object
+    recompute_modules: tuple = ()
+    block: str | None = None
+    saved: int = 0
+    cost: int = 0
+    selected: bool = False
+
+
+@dataclass
+class _Block:
+    name: str
+    module: nn.Module
+    units: list = field(default_factory=list)
+    saved: int = 0
+    cost: int = 0
+    selected: bool = False
+
+
+@dataclass
+class ConvertPlan:
+    """What ``convert`` did: fused units, recomputed blocks, skipped patterns, measured bytes."""
+
+    units: list
+    blocks: list
+    skipped: list
+    baseline_bytes: int | None = None
+    final_bytes: int | None = None
+    target_bytes: int | None = None
+
+    @property
+    def fused(self):
+        return [u.name for u in self.units if u.selected]
+
+    @property
+    def recomputed_blocks(self):
+        return [b.name for b in self.blocks if b.selected]
+
+    def __str__(self):
+        lines = ["fusedrc.convert plan"]
+        if self.baseline_bytes is not None:
+            lines.append(f"  activation bytes kept: original {self.baseline_bytes / 2**20:.2f} MiB")
+            if self.final_bytes is not None:
+                r = self.final_bytes / max(self.baseline_bytes, 1)
+                lines.append(f"  after conversion: {self.final_bytes / 2**20:.2f} MiB ({r:.3f} of original)")
+            if self.target_bytes is not None:
+                lines.append(f"  budget: {self.target_bytes / 2**20:.2f} MiB")
+        lines.append(f"  fused units ({len(self.fused)} of {len(self.units)}):")
+        for u in self.units:
+            if u.selected:
+                extra = f"  saves {u.saved / 2**10:.1f} KiB, recompute {u.cost / 1e6:.2f} MFLOP" if u.saved else ""
+                lines.append(f"    {u.name:40s} {u.kind}{extra}")
+        if self.recomputed_blocks:
+            lines.append("  whole blocks recomputed (fusedrc.mark):")
+            for b in self.blocks:
+                if b.selected:
+                    lines.append(f"    {b.name}")
+        if self.skipped:
+            lines.append("  left as they are:")
+            for name, reason in self.skipped:
+                lines.append(f"    {name or '<model>'}: {reason}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class _Context:
+    def __init__(self):
+        self.units, self.blocks, self.skipped = [], [], []
+        self._block_stack = []
+
+    def unit(self, name, kind, enable, disable, recompute_modules=()):
+        self.units.append(_Unit(name, kind, enable, disable, tuple(recompute_modules)))
+
+    def block(self, name, module):
+        self.blocks.append(_Block(name, module))
+
+    def skip(self, name, reason):
+        self.skipped.append((name, reason))
+
+
+def _join(prefix, name):
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _site_unit(ctx, wrapper, name, key, kind, recompute_modules):
+    site = Site()
+    wrapper.sites[key] = site
+
+    def enable():
+        site.enabled = True
+
+    def disable():
+        site.enabled = False
+
+    ctx.unit(name, kind, enable, disable, recompute_modules)
+    return site
+
+
+def _declare_cbr(ctx, wrapper, block_name, key, conv, bn, act, residual=False):
+    name = _join(block_name, key)
+    reason = _static_cbr(conv, bn, act)
+    if reason is not None or not _nohooks(conv, bn, act):
+        ctx.skip(name, reason or "hooks registered on the modules")
+        return
+    _site_unit(ctx, wrapper, name, key, "conv_bn_add_relu" if residual else "conv_bn_relu", (conv,))
+
+
+# --------------------------------------------------------------------------- rule registry
+
+_RULES = {}
+
+
+def register_rule(*class_names):
+    """Register ``rule(ctx, name, module) -> module`` for modules whose class has one of these names."""
+
+    def deco(fn):
+        for c in class_names:
+            _RULES[c] = fn
+        return fn
+
+    return deco
+
+
+def _from_torchvision(m):
+    return type(m).__module__.startswith("torchvision.")
+
+
+@register_rule("BasicBlock")
+def _basic_block(ctx, name, m):
+    if not _from_torchvision(m):
+        return m
+    new = FusedBasicBlock.wrap(m)
+    _declare_cbr(ctx, new, name, "conv1", m.conv1, m.bn1, m.relu)
+    _declare_cbr(ctx, new, name, "conv2", m.conv2, m.bn2, m.relu, residual=True)
+    ctx.block(name, new)
+    return new
+
+
+@register_rule("Bottleneck")
+def _bottleneck(ctx, name, m):
+    if not _from_torchvision(m):
+        return m
+    new = FusedBottleneck.wrap(m)
+    _declare_cbr(ctx, new, name, "conv1", m.conv1, m.bn1, m.relu)
+    _declare_cbr(ctx, new, name, "conv2", m.conv2, m.bn2, m.relu)
+    _declare_cbr(ctx, new, name, "conv3", m.conv3, m.bn3, m.relu, residual=True)
+    ctx.block(name, new)
+    return new
+
+
+@register_rule("ResNet")
+def _resnet(ctx, name, m):
+    if not _from_torchvision(m):
+        return m
+    new = FusedResNet.wrap(m)
+    _declare_cbr(ctx, new, name, "conv1", m.conv1, m.bn1, m.relu)
+    return new
+
+
+@register_rule("T5DenseActDense")
+def _t5_dense(ctx, name, m):
+    act = _act_name(m.act)
+    if act is None:
+        ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
+        return m
+    if isinstance(m.dropout, nn.Dropout) and m.dropout.p > 0:
+        ctx.skip(name, f"Dropout(p={m.dropout.p}) between wi and wo (config dropout_rate): fusing would drop it")
+        return m
+    if not (type(m.wi) is nn.Linear and type(m.wo) is nn.Linear):
+        ctx.skip(name, "wi/wo are not plain nn.Linear")
+        return m
+    new = FusedT5DenseActDense.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, name, "ffn", "ffn", (m.wi,))
+    return new
+
+
+@register_rule("T5LayerFF")
+def _t5_layer_ff(ctx, name, m):
+    ctx.block(name, m)
+    return m
+
+
+def _between(src, first, second):
+    """Code lines strictly between the lines calling ``first`` and ``second`` in ``src``, or None."""
+    lines = [ln.strip() for ln in src.splitlines()]
+    try:
+        i = next(k for k, ln in enumerate(lines) if first in ln)
+        j = next(k for k, ln in enumerate(lines) if second in ln and k > i)
+    except StopIteration:
+        return None
+    return [ln for ln in lines[i + 1:j] if ln and not ln.startswith("#")]
+
+
+@register_rule("OPTDecoderLayer")
+def _opt_layer(ctx, name, m):
+    ctx.block(name, m)
+    unit = _join(name, "fc1")
+    try:
+        src = _inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        ctx.skip(unit, "cannot read OPTDecoderLayer.forward to check the FFN")
+        return m
+    mid = _between(src, "self.fc1(", "self.fc2(")
+    if mid is None or not any("self.activation_fn(" in ln for ln in mid):
+        ctx.skip(unit, "OPTDecoderLayer.forward does not call fc1 -> activation_fn -> fc2")
+        return m
+    for ln in mid:
+        if "self.activation_fn(" in ln:
+            continue
+        if "dropout" in ln and "activation_dropout" in ln:
+            p = getattr(m, "activation_dropout", None)
+            if p is None:
+                p = getattr(getattr(m, "config", None), "activation_dropout", 1.0)
+            if p and p > 0:
+                ctx.skip(unit, f"activation_dropout={p} between fc1 and fc2: fusing would drop it")
+                return m
+            continue
+        ctx.skip(unit, f"unexpected code between fc1 and fc2: {ln!r}")
+        return m
+    act = _act_name(m.activation_fn)
+    if act is None:
+        ctx.skip(unit, f"activation {type(m.activation_fn).__name__} has no fused form")
+        return m
+    if not (type(m.fc1) is nn.Linear and type(m.fc2) is nn.Linear) or not _nohooks(m.fc1, m.fc2, m.activation_fn):
+        ctx.skip(unit, "fc1/fc2 are not plain nn.Linear without hooks")
+        return m
+    fc1, act_mod, fc2 = m.fc1, m.activation_fn, m.fc2
+    head, tail = _FFNHead(fc1, act_mod, act, fc2), _FFNTail(fc2)
+
+    def enable():
+        m.fc1, m.activation_fn, m.fc2 = head, nn.Identity(), tail
+
+    def disable():
+        m.fc1, m.activation_fn, m.fc2 = fc1, act_mod, fc2
+
+    ctx.unit(unit, "ffn", enable, disable, (fc1,))
+    return m
+
+
+# --------------------------------------------------------------------------- Sequential and fx passes
+
+
+def _seq_groups(seq, prefix, ctx):
+    mods = list(seq._modules.values())
+    keys = list(seq._modules.keys())
+    groups, i = [], 0
+    while i < len(mods):
+        m = mods[i]
+        if type(m) is nn.Conv2d and i + 2 < len(mods) and type(mods[i + 1]) is nn.BatchNorm2d \
+                and type(mods[i + 2]) is nn.ReLU:
+            reason = _static_cbr(m, mods[i + 1], mods[i + 2])
+            if reason is None:
+                groups.append((i, i + 3, "conv_bn_relu", None, (m,)))
+                i += 3
+                continue
+            ctx.skip(_join(prefix, keys[i]), reason)
+        if type(m) is nn.Linear and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
+            act = _act_name(mods[i + 1])
+            j = i + 2
+            drops = []
+            while j < len(mods) and isinstance(mods[j], nn.Dropout):
+                drops.append(mods[j])
+                j += 1
+            if j < len(mods) and type(mods[j]) is nn.Linear and mods[j].in_features == m.out_features:
+                if act is None:
+                    ctx.skip(_join(prefix, keys[i]), f"activation {type(mods[i + 1]).__name__} has no fused form")
+                elif any(d.p > 0 for d in drops):
+                    ctx.skip(_join(prefix, keys[i]), "Dropout(p>0) between the FFN's Linears: fusing would drop it")
+                else:
+                    groups.append((i, j + 1, "ffn", act, (m,)))
+                    i = j + 1
+                    continue
+            elif act is not None:
+                groups.append((i, i + 2, "linear_act", act, (m,)))
+                i += 2
+                continue
+        i += 1
+    return groups
+
+
+def _is_act_module(m):
+    return _act_name(m) is not None or type(m).__name__ in _HF_ACTS or isinstance(
+        m, (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish))
+
+
+def _sequential(ctx, name, seq):
+    groups = _seq_groups(seq, name, ctx)
+    if not groups:
+        return seq
+    new = _FusedSequential.wrap(seq)
+    keys = list(seq._modules.keys())
+    for start, end, kind, act, rec in groups:
+        site = _site_unit(ctx, new, _join(name, keys[start]), keys[start], kind, rec)
+        new.groups[start] = (end, kind, site, act)
+    return new
+
+
+def _fx_pass(ctx, model):
+    try:
+        import torch.fx as fx
+        gm = fx.symbolic_trace(model)
+    except Exception as e:  # noqa: BLE001 - any tracing failure means: no fx rewrite
+        ctx.skip("", f"torch.fx cannot trace {type(model).__name__} ({type(e).__name__}); no fx rewrite")
+        return model
+    mods = dict(gm.named_modules())
+
+    def mod(node):
+        return mods.get(node.target) if node.op == "call_module" else None
+
+    def single(node):
+        return len(node.users) == 1 and next(iter(node.users))
+
+    def act_of(node):
+        """(fused activation name, an equivalent module) of an activation node, or (None, None)."""
+        if not node:
+            return None, None
+        if node.op == "call_module":
+            a = mod(node)
+            return (_act_name(a), a) if _act_name(a) is not None else (None, None)
+        if node.op != "call_function" or node.kwargs.get("inplace", False):
+            return None, None
+        if node.target in (torch.relu, nn.functional.relu):
+            return "relu", nn.ReLU()
+        if node.target is nn.functional.silu:
+            return "silu", nn.SiLU()
+        if node.target is nn.functional.gelu:
+            approx = node.kwargs.get("approximate", "none")
+            return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx), nn.GELU(approximate=approx)
+        return None, None
+
+    def plain_args(c):
+        kw = dict(c.kwargs)
+        kw.pop("inplace", None)
+        kw.pop("approximate", None)
+        return len(c.args) == 1 and not kw
+
+    found = 0
+    for node in list(gm.graph.nodes):
+        m = mod(node)
+        chain = None
+        if type(m) is nn.Conv2d and _static_conv_ok(m):
+            n1 = single(node)
+            if n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
+                n2 = single(n1)
+                if n2 and act_of(n2)[0] == "relu" and (n2.op == "call_function" or type(mod(n2)) is nn.ReLU):
+                    chain, kind, act, modules = [node, n1, n2], "conv_bn_relu", "relu", [m, mod(n1), nn.ReLU()]
+        elif type(m) is nn.Linear:
+            n1 = single(node)
+            act, a = act_of(n1)
+            if act is not None:
+                cur, drops = n1, []
+                nxt = single(cur)
+                while nxt and isinstance(mod(nxt), nn.Dropout):
+                    drops.append(nxt)
+                    cur = nxt
+                    nxt = single(cur)
+                if nxt and type(mod(nxt)) is nn.Linear and mod(nxt).in_features == m.out_features:
+                    if any(mod(d).p > 0 for d in drops):
+                        ctx.skip(node.target, "Dropout(p>0) between the FFN's Linears: fusing would drop it")
+                    else:
+                        chain = [node, n1, *drops, nxt]
+                        kind, modules = "ffn", [m, a, *[mod(d) for d in drops], mod(nxt)]
+                elif not drops:
+                    chain, kind, modules = [node, n1], "linear_act", [m, a]
+        if chain is None or not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
+                or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])):
+            continue
+        fused = _FxFused(kind, modules, act)
+        sub = f"_fusedrc_fx_{found}"
+        gm.add_submodule(sub, fused)
+        with gm.graph.inserting_before(chain[-1]):
+            new_node = gm.graph.call_module(sub, (node.args[0],))
+        chain[-1].replace_all_uses_with(new_node)
+        for c in reversed(chain):
+            gm.graph.erase_node(c)
+        site = fused.site
+
+        def enable(site=site):
+            site.enabled = True
+
+        def disable(site=site):
+            site.enabled = False
+
+        ctx.unit(node.target, kind, enable, disable, (m,))
+        found += 1
+    if not found:
+        return model
+    gm.graph.lint()
+    gm.recompile()
+    if set(gm.state_dict().keys()) != set(model.state_dict().keys()):
+        del ctx.units[len(ctx.units) - found:]
+        ctx.skip("", "torch.fx rewrite would change the state_dict keys; not applied")
+        return model
+    return gm
+
+
+def _rewrite(ctx, module, prefix=""):
+    """Apply rules and the Sequential pass top-down; returns the (possibly new) module."""
+    if _is_marked(module):
+        ctx.skip(prefix, "already marked with fusedrc.mark")
+        return module
+    rule = _RULES.get(type(module).__name__)
+    if rule is not None:
+        n_before = len(ctx.units) + len(ctx.blocks)
+        module = rule(ctx, prefix, module)
+        if len(ctx.units) + len(ctx.blocks) > n_before:
+            ctx._block_stack.append(prefix)
+    elif type(module) is nn.Sequential:
+        module = _sequential(ctx, prefix, module)
+    for key, child in list(module._modules.items()):
+        if child is None or isinstance(child, (_FFNHead, _FFNTail, _FxFused)):
+            continue
+        new = _rewrite(ctx, child, _join(prefix, key))
+        if new is not child:
+            module._modules[key] = new
+    return module
+
+
+# --------------------------------------------------------------------------- policy and budget
+
+
+def _matches(policy, name, module):
+    if policy == "all" or policy == "blocks":
+        return True
+    if callable(policy):
+        return bool(policy(name, module))
+    parts = name.split(".")
+    prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+    return any(fnmatch.fnmatchcase(p, pat) for pat in policy for p in prefixes)
+
+
+def _lookup(model, name):
+    try:
+        return model.get_submodule(name) if name else model
+    except AttributeError:
+        return None
+
+
+def _set_block(block, on):
+    if on and not _is_marked(block.module):
+        mark(block.module)
+    elif not on and _is_marked(block.module):
+        unmark(block.module)
+
+
+def _apply(units, blocks):
+    for u in units:
+        (u.enable if u.selected else u.disable)()
+    for b in blocks:
+        _set_block(b, b.selected)
+
+
+def _validate_args(policy, memory_budget, example_inputs):
+    if not (policy in ("all", "blocks") or callable(policy)
+            or (isinstance(policy, (list, tuple)) and all(isinstance(p, str) for p in policy))):
+        raise ValueError(
+            f"policy must be 'all', 'blocks', a list of submodule names or glob patterns, or a callable "
+            f"(name, module) -> bool; got {policy!r}"
+        )
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+            raise TypeError(f"memory_budget must be a float in (0, 1] or an int number of bytes, got {memory_budget!r}")
+        if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
+            raise ValueError(f"memory_budget as a fraction must be in (0, 1], got {memory_budget}")
+        if isinstance(memory_budget, int) and memory_budget <= 0:
+            raise ValueError(f"memory_budget in bytes must be positive, got {memory_budget}")
+        if example_inputs is None:
+            raise ValueError("memory_budget needs example_inputs (a tuple of positional arguments for model)")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError(f"example_inputs must be a tuple of positional arguments, got {type(example_inputs).__name__}")
+
+
+def _block_of(unit_name, blocks):
+    best = None
+    for b in blocks:
+        if unit_name.startswith(b.name + ".") and (best is None or len(b.name) > len(best.name)):
+            best = b
+    return best
+
+
+def _plan_budget(model, example_inputs, units, blocks, target, baseline):
+    flops = _measure_flops(model, example_inputs)
+
+    def measure():
+        return saved_bytes(model, example_inputs)
+
+    for u in units:
+        u.cost = sum(flops.get(id(m), 0) for m in u.recompute_modules)
+        u.selected = True
+        _apply([u], [])
+        u.saved = baseline - measure()
+        u.selected = False
+        _apply([u], [])
+    for b in blocks:
+        b.units = [u for u in units if u.block is b]
+        b.cost = sum(flops.get(id(m), 0) for m in b.module.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+        for u in b.units:
+            u.selected = True
+        b.selected = True
+        _apply(b.units, [b])
+        b.saved = baseline - measure() - sum(u.saved for u in b.units)  # beyond its units
+        b.selected = False
+        for u in b.units:
+            u.selected = False
+        _apply(b.units, [b])
+
+    order = sorted((u for u in units if u.saved > 0), key=lambda u: u.cost / u.saved)
+    border = sorted((b for b in blocks if b.saved > 0), key=lambda b: b.cost / b.saved)
+    queue = [("unit", u) for u in order] + [("block", b) for b in border]
+    current = estimate = baseline
+    for kind, c in queue:
+        if current <= target:
+            break
+        if kind == "unit":
+            if c.selected:
+                continue
+            c.selected = True
+            estimate -= c.saved
+        else:
+            c.selected = True
+            estimate -= c.saved
+            for u in c.units:
+                if not u.selected:
+                    u.selected = True
+                    estimate -= u.saved
+        if estimate <= target:  # the estimate fits: check by measuring
+            _apply(units, blocks)
+            current = estimate = measure()
+    _apply(units, blocks)
+    current = measure()
+    if current > target:
+        for u in units:
+            u.selected = True
+        for b in blocks:
+            b.selected = True
+        _apply(units, blocks)
+        smallest = measure()
+        for u in units:
+            u.selected = False
+        for b in blocks:
+            b.selected = False
+        _apply(units, blocks)
+        raise ValueError(
+            f"memory_budget cannot be met: it asks for at most {target} bytes kept "
+            f"({target / baseline:.3f} of the original's {baseline}); the smallest reachable with the "
+            f"candidates allowed by the policy is {smallest} bytes ({smallest / baseline:.3f} of the original)"
+        )
+    return current
+
+
+def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inplace=False, verbose=False):
+    """Rewrite ``model`` so its Conv-BN-ReLU chains, residual tails and FFNs are fused recompute ops.
+
+    Args:
+        model: an ``nn.Module`` (torchvision ResNet, Hugging Face OPT/T5, anything with
+            ``nn.Sequential`` patterns or that ``torch.fx`` traces).
+        policy: ``"all"`` (every fused unit), ``"blocks"`` (every unit, and every known
+            block recomputed whole with :func:`fusedrc.mark`), a list of submodule names or
+            glob patterns (a unit is chosen when its name or one of its ancestors' matches),
+            or a callable ``(name, module) -> bool`` asked for each unit.
+        memory_budget: a float in (0, 1] (fraction of the original's activation bytes)
+            or an int (bytes). Needs ``example_inputs``. Units are chosen cheapest
+            recompute FLOPs per byte saved first, whole blocks where units are not enough.
+        example_inputs: a tuple of positional arguments for ``model``, to measure bytes.
+        inplace: rewrite ``model`` itself (its parameters and buffers are kept) instead of a copy.
+        verbose: print the plan. The plan is always attached as ``model.fusedrc_plan``.
+
+    Returns:
+        The converted model (same state_dict keys; the original's state_dict loads).
+
+    Raises:
+        ValueError: on a bad argument, or when ``memory_budget`` cannot be met (the message
+        names the smallest reachable).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _validate_args(policy, memory_budget, example_inputs)
+    if not inplace:
+        model = copy.deepcopy(model)
+    ctx = _Context()
+    model = _rewrite(ctx, model)
+    if not ctx.units and not ctx.blocks:
+        model = _fx_pass(ctx, model)
+    for u in ctx.units:
+        u.block = _block_of(u.name, ctx.blocks)
+    candidates = [u for u in ctx.units if _matches(policy, u.name, _lookup(model, u.name))]
+    blocks = list(ctx.blocks) if policy == "blocks" or memory_budget is not None and policy == "all" else []
+    if memory_budget is not None and policy not in ("all", "blocks"):
+        blocks = [b for b in ctx.blocks if _matches(policy, b.name, b.module)]
+    plan = ConvertPlan(ctx.units, ctx.blocks, ctx.skipped)
+    if not ctx.units and not ctx.blocks:
+        warnings.warn(
+            f"fusedrc.convert: no pattern found in {type(model).__name__}; the model is unchanged",
+            stacklevel=2,
+        )
+    elif ctx.skipped:
+        warnings.warn(
+            "fusedrc.convert left these as they are (fusing would change semantics): "
+            + "; ".join(f"{n or '<model>'}: {r}" for n, r in ctx.skipped),
+            stacklevel=2,
+        )
+    if memory_budget is None:
+        for u in candidates:
+            u.selected = True
+        for b in blocks:
+            b.selected = True
+        _apply(ctx.units, ctx.blocks)
+        if example_inputs is not None:
+            for u in ctx.units:
+                u.disable()
+            for b in ctx.blocks:
+                _set_block(b, False)
+            plan.baseline_bytes = saved_bytes(model, example_inputs)
+            _apply(ctx.units, ctx.blocks)
+            plan.final_bytes = saved_bytes(model, example_inputs)
+    else:
+        for u in ctx.units:
+            u.selected = False
+        _apply(ctx.units, ctx.blocks)
+        baseline = saved_bytes(model, example_inputs)
+        target = int(memory_budget * baseline) if isinstance(memory_budget, float) else memory_budget
+        plan.baseline_bytes, plan.target_bytes = baseline, target
+        plan.final_bytes = _plan_budget(model, example_inputs, candidates, blocks, target, baseline)
+    model.__dict__["fusedrc_plan"] = plan
+    if verbose:
+        print(plan)
+    return model
+
+
+# --------------------------------------------------------------------------- environment
+_TV_LIB = None
+
+
+def _import_torchvision():
+    """Import torchvision; where its C++ ops cannot load, import its pure-Python parts anyway.
+
+    PyPI's Linux torchvision wheel is built against CUDA torch. With the CPU build of
+    torch its ``_C`` extension does not load, and torchvision 0.28 then fails at import
+    (``operator torchvision::nms does not exist``: an unguarded fake registration),
+    which also breaks ``import transformers``. The models (ResNet) need none of those
+    ops: declaring the two op schemas that the registration looks for lets the import
+    finish; calling torchvision's detection ops still fails, as it would anyway.
+    """
+    global _TV_LIB
+    import importlib
+    import sys
+
+    try:
+        return importlib.import_module("torchvision")
+    except ImportError:
+        raise
+    except RuntimeError as e:
+        if "torchvision::" not in str(e):
+            raise
+    for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+        del sys.modules[k]
+    if _TV_LIB is None:
+        _TV_LIB = torch.library.Library("torchvision", "FRAGMENT")
+        for op in ("nms", "qnms"):
+            if not hasattr(torch.ops.torchvision, op) or not torch._C._dispatch_has_kernel(f"torchvision::{op}"):
+                try:
+                    _TV_LIB.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+                except RuntimeError:
+                    pass
+    return importlib.import_module("torchvision")

@@ -1,0 +1,398 @@
+"""fusedrc.convert on real models (torchvision ResNet-18/50, Hugging Face OPT and T5) and plain ones.
+
+Tolerance: on the CPU the reference backend computes the fused ops with the same
+aten ops as the modules, in a different order inside conv+BN (batch statistics
+from the recomputed conv), so outputs, gradients and BatchNorm running
+statistics are compared with a relative error (norm of the difference over the
+norm of the reference) of at most 1e-4 in float32; transformer FFNs are bitwise
+equal in practice, still held to the same bound.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fusedrc
+from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
+
+from _utils import rel_err
+
+TOL = 1e-4
+
+
+def _resnet(name):
+    try:
+        _import_torchvision()
+    except ImportError:
+        pytest.skip("torchvision is not installed (test extra)")
+    from torchvision.models import resnet
+
+    return getattr(resnet, name)(num_classes=10)
+
+
+def _transformers():
+    _import_torchvision_quiet()
+    return pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+
+
+def _import_torchvision_quiet():
+    # transformers imports torchvision when it is installed; a CUDA-only wheel would break that import
+    try:
+        _import_torchvision()
+    except ImportError:
+        pass
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close_models(a, b, tol=TOL):
+    ga, gb = _grads(a), _grads(b)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:  # an absolute floor for gradients that are zero in theory (a conv bias before BN)
+        assert (gb[n] - ga[n]).double().norm() <= tol * ga[n].double().norm() + 1e-6, n
+    for (n, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
+        if x.is_floating_point():
+            assert rel_err(y, x) <= tol, n
+        else:
+            assert torch.equal(x, y), n
+
+
+def _checkpoint_bytes(converted, example):
+    """Saved bytes with torch.utils.checkpoint on the very units that convert fused."""
+    ck = _set_impl(copy.deepcopy(converted), "checkpoint")
+    return saved_bytes(ck, example)
+
+
+# --------------------------------------------------------------------------- torchvision ResNet
+@pytest.mark.parametrize("name, ratio", [("resnet18", 0.63), ("resnet50", 0.64)])
+def test_resnet_forward_backward_bytes(name, ratio):
+    torch.manual_seed(0)
+    model = _resnet(name).train()
+    x = torch.randn(2, 3, 64, 64)
+    conv = fusedrc.convert(model, example_inputs=(x,))
+    assert type(conv).__name__ == "FusedResNet"
+    plan = conv.fusedrc_plan
+    n_blocks = 8 if name == "resnet18" else 16
+    per_block = 2 if name == "resnet18" else 3
+    assert len(plan.fused) == 1 + n_blocks * per_block and not plan.skipped
+    # same keys; the original state_dict loads
+    assert list(conv.state_dict()) == list(model.state_dict())
+    conv.load_state_dict(model.state_dict())
+    # bytes kept: no more than torch.utils.checkpoint on the same units (conv+BN keeps 2 floats a channel more)
+    assert plan.final_bytes / plan.baseline_bytes <= ratio
+    channels = sum(m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + 8 * channels
+    assert plan.baseline_bytes == saved_bytes(model, (x,))
+    # forward, backward and BatchNorm statistics match the original's
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert rel_err(xb.grad, xa.grad) <= TOL
+    _assert_close_models(model, conv)
+    model.eval(), conv.eval()
+    with torch.no_grad():
+        assert rel_err(conv(x), model(x)) <= TOL
+
+
+def test_resnet18_training_steps_match():
+    torch.manual_seed(0)
+    model = _resnet("resnet18").train()
+    conv = fusedrc.convert(model)
+    xs = [torch.randn(4, 3, 32, 32) for _ in range(3)]
+    ys = [torch.randint(0, 10, (4,)) for _ in range(3)]
+    losses = []
+    for m in (model, conv):
+        opt = torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)
+        out = []
+        for x, y in zip(xs, ys):
+            loss = nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        losses.append(out)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    # the weights after the steps: float32 rounding differences (1e-7 a step) grow through
+    # BatchNorm over 4-sample batches (layer4 is 1x1 at 32 px) and momentum, hence 5e-3 here;
+    # one step's gradients match to 1e-4 (test_resnet_forward_backward_bytes)
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    assert rel_err(flat(conv), flat(model)) <= 5e-3
+
+
+def test_resnet_inplace_shares_tensors_and_blocks_policy():
+    torch.manual_seed(0)
+    model = _resnet("resnet18").train()
+    params = {n: p for n, p in model.named_parameters()}
+    ref = copy.deepcopy(model)
+    conv = fusedrc.convert(model, inplace=True, policy="blocks")
+    for n, p in conv.named_parameters():
+        assert p is params[n]
+    plan = conv.fusedrc_plan
+    assert len(plan.recomputed_blocks) == 8
+    from fusedrc.recompute import _is_marked
+
+    assert _is_marked(conv.layer1[0])
+    x = torch.randn(2, 3, 32, 32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.sum().backward()
+    yb.sum().backward()
+    _assert_close_models(ref, conv)
+    # whole blocks keep less than fused units alone
+    assert saved_bytes(conv, (x,)) < saved_bytes(fusedrc.convert(ref), (x,))
+
+
+def test_resnet50_memory_budget():
+    torch.manual_seed(0)
+    model = _resnet("resnet50").train()
+    x = torch.randn(2, 3, 64, 64)
+    conv = fusedrc.convert(model, memory_budget=0.35, example_inputs=(x,))
+    plan = conv.fusedrc_plan
+    assert plan.final_bytes <= 0.35 * plan.baseline_bytes
+    assert saved_bytes(conv, (x,)) == plan.final_bytes
+    assert plan.recomputed_blocks  # units alone reach about 0.62: blocks were needed
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    _assert_close_models(model, conv)
+    # an unreachable budget names the smallest reachable
+    with pytest.raises(ValueError, match="smallest reachable"):
+        fusedrc.convert(model, memory_budget=0.01, example_inputs=(x,))
+    # the cheapest units first: a loose budget fuses some units and no block
+    loose = fusedrc.convert(model, memory_budget=0.9, example_inputs=(x,)).fusedrc_plan
+    assert loose.final_bytes <= 0.9 * loose.baseline_bytes
+    assert 0 < len(loose.fused) < len(plan.units) and not loose.recomputed_blocks
+
+
+def test_resnet_policies():
+    model = _resnet("resnet18")
+    only = fusedrc.convert(model, policy=["layer1.*"]).fusedrc_plan.fused
+    assert only and all(n.startswith("layer1.") for n in only)
+    named = fusedrc.convert(model, policy=["conv1", "layer4.1"]).fusedrc_plan.fused
+    assert named == ["conv1", "layer4.1.conv1", "layer4.1.conv2"]
+    tails = fusedrc.convert(model, policy=lambda name, m: name.endswith("conv2")).fusedrc_plan
+    assert tails.fused and all(n.endswith("conv2") for n in tails.fused)
+    assert all(u.kind == "conv_bn_add_relu" for u in tails.units if u.selected)
+
+
+# --------------------------------------------------------------------------- Hugging Face
+def _opt(**kw):
+    tr = _transformers()
+    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
+               max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, use_cache=False)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return tr.OPTForCausalLM(tr.OPTConfig(**cfg)).train()
+
+
+def _t5(**kw):
+    tr = _transformers()
+    cfg = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
+               dropout_rate=0.0, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0,
+               use_cache=False)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return tr.T5ForConditionalGeneration(tr.T5Config(**cfg)).train()
+
+
+def _train_losses(model, batches, call):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for b in batches:
+        loss = call(model, b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def test_opt_forward_backward_bytes_steps():
+    model = _opt()
+    ids = torch.randint(0, 128, (2, 32))
+    conv = fusedrc.convert(model, example_inputs=(ids,))
+    plan = conv.fusedrc_plan
+    assert plan.fused == ["model.decoder.layers.0.fc1", "model.decoder.layers.1.fc1"]
+    assert list(conv.state_dict()) == list(model.state_dict())
+    conv.load_state_dict(model.state_dict())
+    assert plan.final_bytes / plan.baseline_bytes <= 0.65
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (ids,))
+    la, lb = model(ids, labels=ids).loss, conv(ids, labels=ids).loss
+    assert rel_err(lb, la) <= TOL
+    la.backward()
+    lb.backward()
+    _assert_close_models(model, conv)
+    batches = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
+    call = lambda m, b: m(b, labels=b).loss  # noqa: E731
+    ref = _train_losses(copy.deepcopy(model), batches, call)
+    assert _train_losses(copy.deepcopy(conv), batches, call) == pytest.approx(ref, rel=1e-4)
+
+
+def test_opt_blocks_and_dropout_after_fc2():
+    model = _opt(dropout=0.1)  # dropout after fc2 is outside the fused FFN: still fused, same masks
+    ids = torch.randint(0, 128, (2, 16))
+    conv = fusedrc.convert(model, policy="blocks", example_inputs=(ids,))
+    plan = conv.fusedrc_plan
+    assert len(plan.fused) == 2 and len(plan.recomputed_blocks) == 2
+    assert plan.final_bytes < 0.3 * plan.baseline_bytes
+    torch.manual_seed(1)
+    la = model(ids, labels=ids).loss
+    torch.manual_seed(1)
+    lb = conv(ids, labels=ids).loss
+    assert rel_err(lb, la) <= TOL
+    la.backward()
+    lb.backward()
+    _assert_close_models(model, conv)
+
+
+def test_t5_forward_backward_bytes_steps():
+    model = _t5()
+    ids, dec = torch.randint(1, 128, (2, 16)), torch.randint(1, 128, (2, 8))
+    conv = fusedrc.convert(model, example_inputs=(ids, None, dec))
+    plan = conv.fusedrc_plan
+    assert len(plan.fused) == 4 and all(n.endswith("DenseReluDense") for n in plan.fused)
+    assert list(conv.state_dict()) == list(model.state_dict())
+    assert plan.final_bytes / plan.baseline_bytes <= 0.72
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (ids, None, dec))
+    la = model(input_ids=ids, labels=dec).loss
+    lb = conv(input_ids=ids, labels=dec).loss
+    assert rel_err(lb, la) <= TOL
+    la.backward()
+    lb.backward()
+    _assert_close_models(model, conv)
+    batches = [(torch.randint(1, 128, (2, 8)), torch.randint(1, 128, (2, 4))) for _ in range(3)]
+    call = lambda m, b: m(input_ids=b[0], labels=b[1]).loss  # noqa: E731
+    ref = _train_losses(copy.deepcopy(model), batches, call)
+    assert _train_losses(copy.deepcopy(conv), batches, call) == pytest.approx(ref, rel=1e-4)
+
+
+def test_t5_dropout_between_is_left_and_reported():
+    model = _t5(dropout_rate=0.1)
+    with pytest.warns(UserWarning, match=r"Dropout\(p=0.1\) between wi and wo"):
+        conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert not plan.fused and len(plan.skipped) == 4
+    assert type(conv.encoder.block[0].layer[1].DenseReluDense).__name__ == "T5DenseActDense"
+
+
+# --------------------------------------------------------------------------- plain models
+class _Net(nn.Module):
+    """Not a Sequential: found by torch.fx."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.relu(self.bn(self.conv(x)))
+        return self.fc2(self.act(self.fc1(h.mean((2, 3)))))
+
+
+def test_fx_traced_model():
+    torch.manual_seed(0)
+    model = _Net().train()
+    x = torch.randn(4, 3, 8, 8)
+    conv = fusedrc.convert(model, example_inputs=(x,))
+    assert sorted(u.kind for u in conv.fusedrc_plan.units) == ["conv_bn_relu", "ffn"]
+    assert set(conv.state_dict()) == set(model.state_dict())
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    _assert_close_models(model, conv)
+    assert conv.fusedrc_plan.final_bytes < conv.fusedrc_plan.baseline_bytes
+
+
+def test_sequential_patterns_and_dropout_report():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten()),
+        nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.0), nn.Linear(32, 8)),
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 16)),
+    ).train()
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.warns(UserWarning, match=r"Dropout\(p>0\)"):
+        conv = fusedrc.convert(model, example_inputs=(x,), verbose=True)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [("0.0", "conv_bn_relu"), ("1.0", "ffn"), ("2.0", "linear_act")]
+    assert plan.skipped[0][0] == "3.0"
+    assert list(conv.state_dict()) == list(model.state_dict())
+    assert isinstance(conv[0], nn.Sequential) and type(conv[3]) is nn.Sequential  # the dropout FFN is untouched
+    torch.manual_seed(3)
+    xa = x.clone().requires_grad_()
+    ya = model(xa)
+    torch.manual_seed(3)
+    xb = x.clone().requires_grad_()
+    yb = conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    _assert_close_models(model, conv)
+
+
+def test_no_pattern_warns_and_is_unchanged(capsys):
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = fusedrc.convert(model, verbose=True)
+    assert type(conv) is nn.Sequential and not conv.fusedrc_plan.units
+    assert "fusedrc.convert plan" in capsys.readouterr().out
+    x = torch.randn(2, 4)
+    assert torch.equal(conv(x), model(x))
+
+
+def test_argument_errors():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with pytest.raises(ValueError, match="example_inputs"):
+        fusedrc.convert(model, memory_budget=0.5)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        fusedrc.convert(model, memory_budget=1.5, example_inputs=(torch.randn(2, 4),))
+    with pytest.raises(TypeError, match="tuple"):
+        fusedrc.convert(model, memory_budget=0.5, example_inputs=torch.randn(2, 4))
+    with pytest.raises(ValueError, match="policy"):
+        fusedrc.convert(model, policy="some")
+    with pytest.raises(TypeError, match="nn.Module"):
+        fusedrc.convert(lambda x: x)
+    # an int budget is bytes
+    x = torch.randn(2, 4)
+    conv = fusedrc.convert(model, memory_budget=10**9, example_inputs=(x,))
+    assert not conv.fusedrc_plan.fused  # already within budget: nothing recomputed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fusedrc.convert(model)
+
+
+class _FunctionalNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.b, self.l = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 8)
+
+    def forward(self, x):
+        return torch.relu(self.l(nn.functional.relu(self.b(self.c(x))).mean((2, 3))))
+
+
+def test_fx_functional_activations():
+    torch.manual_seed(0)
+    model = _FunctionalNet().train()
+    conv = fusedrc.convert(model)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("c", "conv_bn_relu"), ("l", "linear_act")]
+    x = torch.randn(2, 3, 8, 8)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.sum().backward()
+    yb.sum().backward()
+    _assert_close_models(model, conv)
