@@ -147,6 +147,9 @@ def git_info():
         return r.stdout.strip() if r.returncode == 0 else None
 
     commit = run("rev-parse", "HEAD")
+    if commit is None and os.environ.get("FUSEDRC_GIT_COMMIT"):
+        # a copy of the tree without .git (e.g. shipped to a GPU machine): the caller names the commit
+        return os.environ["FUSEDRC_GIT_COMMIT"], os.environ.get("FUSEDRC_GIT_DIRTY") == "1"
     status = run("status", "--porcelain", "--untracked-files=no") if commit else None
     return commit, (bool(status) if status is not None else None)
 
