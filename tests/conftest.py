@@ -15,8 +15,15 @@ import fusedrc  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed_and_backend():
     torch.manual_seed(0)
-    with fusedrc.use_backend("auto"):
-        yield
+    # cuDNN convs default to tf32 for fp32; the kernels run ieee fp32 unless torch's matmul
+    # flag allows tf32, so the eager oracle must not use tf32 either.
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with fusedrc.use_backend("auto"):
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 @pytest.fixture

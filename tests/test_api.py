@@ -63,11 +63,11 @@ def test_auto_uses_reference_for_cpu_tensors():
     assert resolve_backend(torch.randn(2), "linear_act", "linear_act_forward") == "reference"
 
 
-def test_triton_backend_falls_back_for_float64():
+def test_triton_backend_falls_back_for_float64(device):
     from fusedrc._backend import resolve_backend
 
-    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    lin = nn.Linear(4, 5, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    lin = nn.Linear(4, 5, dtype=torch.float64, device=device)
     with fusedrc.use_backend("triton"):
         assert resolve_backend(x, "linear_act", "linear_act_forward") == "reference"
         y = fusedrc.functional.linear_act(x, lin.weight, lin.bias)

@@ -1,0 +1,60 @@
+"""Where a fused step's time goes on a GPU: torch.profiler over a few steps of each pattern.
+
+Prints, per pattern and strategy, the GPU kernels (self CUDA time) and the CPU-side
+wall time per step, so launch/dispatch overhead shows next to kernel time.
+
+    python benchmarks/gpu_profile.py [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fusedrc
+from fusedrc.bench import kernels as bk
+
+SHAPES = {
+    "linear_act": dict(M=8192, K=4096, N=16384),
+    "fused_mlp": dict(M=8192, d=4096, h=16384),
+    "conv_bn_act": dict(N=32, C=64, K=64, H=56, W=56, k=3),
+    "conv_bn_act_small": dict(N=32, C=512, K=512, H=7, W=7, k=3),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device("cuda")
+    with fusedrc.use_backend("triton"):
+        for name, shape in SHAPES.items():
+            case = bk._Case(name.replace("_small", ""), shape, dev, dtype, "triton")
+            for s in bk.STRATEGIES:
+                for _ in range(3):
+                    case.step(s)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    case.step(s)
+                cpu = (time.perf_counter() - t0) / 5
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) / 5
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        case.step(s)
+                    torch.cuda.synchronize()
+                ka = prof.key_averages()
+                gpu = sum(e.self_device_time_total for e in ka if e.self_device_time_total) / 3 / 1e3
+                print(f"=== {name} {shape} {s}: enqueue {cpu * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
+                      f"GPU kernels {gpu:.3f} ms/step", flush=True)
+                if s != "torch_checkpoint":
+                    print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60),
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
