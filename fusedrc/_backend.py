@@ -92,6 +92,25 @@ def has_triton_kernel(op_module: str, fn_name: str) -> bool:
     return mod is not None and hasattr(mod, fn_name)
 
 
+def _constant_for_dynamo(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo (and,
+    through it, Triton) when fusedrc is imported: the decorator only sets this attribute."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# Fixed for the life of the process, and untraceable (importlib): dynamo calls these
+# at trace time and keeps the answer, so ``resolve_backend`` adds no graph break.
+@_constant_for_dynamo
+def _triton_importable() -> bool:
+    return triton_available()
+
+
+@_constant_for_dynamo
+def _kernel_exists(op_module: str, fn_name: str) -> bool:
+    return has_triton_kernel(op_module, fn_name)
+
+
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -102,7 +121,7 @@ def resolve_backend(x: torch.Tensor, op_module: str, fn_name: str) -> str:
     if name == "reference":
         return "reference"
     if name == "auto":
-        if device.type == "cuda" and x.dtype in TRITON_DTYPES and has_triton_kernel(op_module, fn_name):
+        if device.type == "cuda" and x.dtype in TRITON_DTYPES and _kernel_exists(op_module, fn_name):
             return "triton"
         return "reference"
     runnable = device.type == "cuda" or interpreter_active()
@@ -113,9 +132,9 @@ def resolve_backend(x: torch.Tensor, op_module: str, fn_name: str) -> str:
             "under Triton's interpreter (set TRITON_INTERPRET=1 before importing fusedrc). "
             "Use fusedrc.use_backend('reference') or 'auto' for CPU tensors."
         )
-    if not triton_available():
+    if not _triton_importable():
         raise RuntimeError("backend 'triton' was requested but Triton cannot be imported here")
-    if x.dtype not in TRITON_DTYPES or not has_triton_kernel(op_module, fn_name):
+    if x.dtype not in TRITON_DTYPES or not _kernel_exists(op_module, fn_name):
         # a valid case the kernels do not cover (float64, an op without a kernel yet):
         # the reference twin is correct
         return "reference"

@@ -1,17 +1,23 @@
 """Argument checks shared by the functional layer and the modules.
 
-Every failure names the argument and what was expected, before any kernel runs.
+Every failure names the argument and what was expected, before any kernel runs:
+``TypeError`` for a wrong kind of object or dtype, ``ValueError`` for a wrong
+value, shape or device.
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
 
 def check_tensor(t, name, *, ndim=None, min_ndim=None, floating=True):
+    """``t`` must be a tensor (of ``ndim`` / at least ``min_ndim`` dimensions, floating point)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must be {ndim}-D, got {t.dim()}-D with shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
     if floating and not t.is_floating_point():
@@ -19,17 +25,23 @@ def check_tensor(t, name, *, ndim=None, min_ndim=None, floating=True):
     return t
 
 
+def check_device(x, name_x, t, name):
+    """``t`` (a parameter or another operand) must live on ``x``'s device."""
+    if t is not None and t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but {name_x} is on {x.device}; expected the same device")
+
+
 def check_same(x, name_x, t, name, *, dtype=True):
-    """``t`` (a parameter) must live on x's device and, if ``dtype``, share its dtype."""
+    """``t`` must live on x's device and, if ``dtype``, share its dtype."""
     if t is None:
         return
-    if t.device != x.device:
-        raise ValueError(f"{name} is on {t.device} but {name_x} is on {x.device}; expected the same device")
+    check_device(x, name_x, t, name)
     if dtype and t.dtype != x.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {name_x} has dtype {x.dtype}; expected the same dtype")
 
 
 def check_vector(t, name, size, x, name_x="input", *, dtype=True):
+    """``t`` is None or a 1-D tensor of ``size`` elements on x's device (and of x's dtype)."""
     if t is None:
         return
     check_tensor(t, name, ndim=1)
@@ -38,9 +50,60 @@ def check_vector(t, name, size, x, name_x="input", *, dtype=True):
     check_same(x, name_x, t, name, dtype=dtype)
 
 
-def pair(v, name):
-    if isinstance(v, int):
-        return [v, v]
-    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
-        return list(v)
-    raise TypeError(f"{name} must be an int or a pair of ints, got {v!r}")
+def check_activation(activation, name="activation") -> str:
+    """The name of a fused activation; anything else is a ``ValueError`` listing the choices."""
+    from .reference import ACTIVATIONS
+
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{name} must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return activation
+
+
+def check_int(v, name, *, min_value=0):
+    """``v`` must be an int (not a bool) ``>= min_value``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v < min_value:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(min_value, f"an int >= {min_value}")
+        raise ValueError(f"{name} must be {kind}, got {v}")
+    return int(v)
+
+
+def check_number(v, name, *, min_value=None):
+    """``v`` must be a finite real number (not a bool), ``>= min_value`` if given.
+
+    Symbolic numbers (``torch.SymFloat`` under ``torch.compile``) pass unchecked.
+    """
+    if isinstance(v, (torch.SymFloat, torch.SymInt)):
+        return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__} {v!r}")
+    if torch.compiler.is_compiling():
+        return v  # may be data-dependent while dynamo traces (BatchNorm's 1/num_batches_tracked)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite float, got {v!r}")
+    if min_value is not None and v < min_value:
+        raise ValueError(f"{name} must be >= {min_value}, got {v}")
+    return float(v)
+
+
+def check_module(m, name, cls):
+    """``m`` must be an instance of ``cls`` (a ``torch.nn`` module class)."""
+    if not isinstance(m, cls):
+        raise TypeError(f"{name} must be an nn.{cls.__name__}, got {type(m).__name__}")
+    return m
+
+
+def pair(v, name, *, min_value=None):
+    """An int or a pair of ints as a list of two; each ``>= min_value`` if given."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        out = [int(v), int(v)]
+    elif (isinstance(v, (tuple, list)) and len(v) == 2
+          and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in v)):
+        out = [int(i) for i in v]
+    else:
+        raise TypeError(f"{name} must be an int or a pair of ints, got {v!r}")
+    if min_value is not None and min(out) < min_value:
+        kind = {0: "non-negative", 1: "positive"}.get(min_value, f">= {min_value}")
+        raise ValueError(f"{name} must be {kind}, got {v!r}")
+    return out

@@ -184,6 +184,7 @@ class Wrapper(nn.Module):
 
     @classmethod
     def wrap(cls, module):
+        """A module of this class sharing ``module``'s submodules, parameters, buffers and attributes."""
         new = cls.__new__(cls)
         state = {k: (copy.copy(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
         new.__dict__.update(state)
@@ -232,6 +233,8 @@ def _static_conv_ok(conv):
 def _static_cbr(conv, bn, act):
     if not _static_conv_ok(conv):
         return "the Conv2d is not a plain groups=1, zero-padded convolution"
+    if isinstance(bn, nn.SyncBatchNorm):
+        return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
     if type(bn) is not nn.BatchNorm2d or bn.num_features != conv.out_channels:
         return "the norm is not an nn.BatchNorm2d over the conv's channels"
     if type(act) is not nn.ReLU:
@@ -505,10 +508,12 @@ class ConvertPlan:
 
     @property
     def fused(self):
+        """Names of the fused units switched on."""
         return [u.name for u in self.units if u.selected]
 
     @property
     def recomputed_blocks(self):
+        """Names of the blocks recomputed whole with :func:`fusedrc.mark`."""
         return [b.name for b in self.blocks if b.selected]
 
     def __str__(self):
@@ -587,9 +592,24 @@ _RULES = {}
 
 
 def register_rule(*class_names):
-    """Register ``rule(ctx, name, module) -> module`` for modules whose class has one of these names."""
+    """Register ``rule(ctx, name, module) -> module`` for modules whose class has one of these names.
+
+    Used as a decorator, ``@register_rule("MyBlock", "MyOtherBlock")``; see the module
+    docstring ("How to add a rule") for what a rule declares. A later registration
+    for the same class name replaces the earlier one.
+    """
+    if not class_names:
+        raise TypeError("register_rule needs at least one class name, e.g. @register_rule('MyBlock')")
+    for c in class_names:
+        if not isinstance(c, str):
+            raise TypeError(
+                f"register_rule takes class names (str), got {type(c).__name__} {c!r}; "
+                "use it as @register_rule('MyBlock'), not bare @register_rule"
+            )
 
     def deco(fn):
+        if not callable(fn):
+            raise TypeError(f"rule must be a callable (ctx, name, module) -> module, got {type(fn).__name__}")
         for c in class_names:
             _RULES[c] = fn
         return fn
@@ -702,7 +722,10 @@ def _opt_layer(ctx, name, m):
         ctx.skip(unit, "fc1/fc2 are not plain nn.Linear without hooks")
         return m
     fc1, act_mod, fc2 = m.fc1, m.activation_fn, m.fc2
-    head, tail = _FFNHead(fc1, act_mod, act, fc2), _FFNTail(fc2)
+    # the head reads fc2's parameters from the tail, the module registered in the tree, so that
+    # anything replacing registered parameters (load_state_dict(assign=True), FSDP2) reaches both
+    tail = _FFNTail(fc2)
+    head = _FFNHead(fc1, act_mod, act, tail)
 
     def enable():
         m.fc1, m.activation_fn, m.fc2 = head, nn.Identity(), tail
@@ -723,7 +746,7 @@ def _seq_groups(seq, prefix, ctx):
     groups, i = [], 0
     while i < len(mods):
         m = mods[i]
-        if type(m) is nn.Conv2d and i + 2 < len(mods) and type(mods[i + 1]) is nn.BatchNorm2d \
+        if type(m) is nn.Conv2d and i + 2 < len(mods) and type(mods[i + 1]) in (nn.BatchNorm2d, nn.SyncBatchNorm) \
                 and type(mods[i + 2]) is nn.ReLU:
             reason = _static_cbr(m, mods[i + 1], mods[i + 2])
             if reason is None:

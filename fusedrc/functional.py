@@ -10,29 +10,54 @@ from torch import Tensor
 
 from . import ops
 from ._backend import resolve_backend
-from ._validate import check_same, check_tensor, check_vector, pair
-from .reference import check_activation
+from ._validate import check_activation, check_device, check_number, check_same, check_tensor, check_vector, pair
 
 __all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
+
+
+def _autocast_on(device_type: str) -> bool:
+    # 'meta' and other device types without autocast: is_autocast_enabled would raise
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is not None and not available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
 
 
 def _autocast(*tensors):
     """Cast floating tensors as ``F.linear``/``F.conv2d`` do under autocast (None passes through)."""
     x = tensors[0]
-    if not isinstance(x, Tensor) or not torch.is_autocast_enabled(x.device.type):
+    if not isinstance(x, Tensor) or not _autocast_on(x.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(x.device.type)
-    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
+    # autocast never casts float64 (at::autocast::is_eligible): a float64 model stays float64
+    return tuple(
+        t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
-def _check_linear(x, weight, bias, name_w="weight", name_b="bias", name_x="input", in_features=None):
-    check_tensor(weight, name_w, ndim=2)
+def _unview(y: Tensor, lead, n: int) -> Tensor:
+    """The op's ``(M, n)`` result as ``(*lead, n)`` and not a view, as ``F.linear`` returns it: FSDP2
+    warns about a module output that is a view, and an in-place op on one skips its pre-backward
+    hook (the parameters are then not all-gathered for backward)."""
+    return y if len(lead) == 1 else torch.ops.aten._unsafe_view(y, (*lead, n))
+
+
+def _check_params(x, *named, name_x="input"):
+    """Before autocast: each ``(tensor, name, ndim, optional)`` is a floating tensor of
+    ``ndim`` dimensions on x's device (or None, where ``optional``)."""
+    for t, name, ndim, optional in named:
+        if t is None and optional:
+            continue
+        check_tensor(t, name, ndim=ndim)
+        check_device(x, name_x, t, name)
+
+
+def _check_linear(x, weight, bias, name_w="weight", name_b="bias", name_x="input", in_features=None, what=None):
     k = x.shape[-1] if in_features is None else in_features
     if weight.shape[1] != k:
-        raise ValueError(
-            f"{name_w} must have shape (out_features, {k}) to match {name_x}'s last dimension {k}, "
-            f"got {tuple(weight.shape)}"
-        )
+        what = what or f"{name_x}'s last dimension {k}"
+        raise ValueError(f"{name_w} must have shape (out_features, {k}) to match {what}, got {tuple(weight.shape)}")
     check_same(x, name_x, weight, name_w)
     check_vector(bias, name_b, weight.shape[0], x, name_x)
 
@@ -40,18 +65,39 @@ def _check_linear(x, weight, bias, name_w="weight", name_b="bias", name_x="input
 def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "relu") -> Tensor:
     """``act(x @ weight.T + bias)``, recomputing the pre-activation in backward.
 
-    ``x`` is ``(*, in_features)``; ``weight`` ``(out_features, in_features)`` as in
-    ``nn.Linear``; ``activation`` one of ``relu``, ``relu2``, ``gelu``, ``gelu_tanh``, ``silu``.
-    Only ``x`` and the parameters are kept for backward.
+    Only ``x`` and the parameters are kept for backward; the pre-activation never
+    reaches memory (the backward kernel recomputes it tile by tile).
+
+    Args:
+        x: input of shape ``(*, in_features)``, floating point.
+        weight: ``(out_features, in_features)``, as in ``nn.Linear``; same dtype and device as ``x``.
+        bias: ``(out_features,)`` or None.
+        activation: ``"relu"``, ``"relu2"`` (squared ReLU), ``"gelu"`` (erf),
+            ``"gelu_tanh"`` or ``"silu"``.
+
+    Returns:
+        ``(*, out_features)``, in ``x``'s dtype.
+
+    Raises:
+        TypeError: a non-tensor, non-floating or dtype-mismatched operand.
+        ValueError: a wrong shape, an operand on another device, an unknown activation.
+
+    Example::
+
+        >>> x, lin = torch.randn(4, 16), torch.nn.Linear(16, 32)
+        >>> y = fusedrc.functional.linear_act(x, lin.weight, lin.bias, "gelu")
+        >>> torch.allclose(y, torch.nn.functional.gelu(lin(x)))
+        True
     """
     check_tensor(x, "input", min_ndim=1)
+    _check_params(x, (weight, "weight", 2, False), (bias, "bias", 1, True))
+    check_activation(activation)
     x, weight, bias = _autocast(x, weight, bias)
     _check_linear(x, weight, bias)
-    check_activation(activation)
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
     y = ops.linear_act_op(x.reshape(-1, x.shape[-1]), weight, bias, activation, backend)
-    return y.view(*lead, weight.shape[0])
+    return _unview(y, lead, weight.shape[0])
 
 
 def fused_mlp(
@@ -61,17 +107,36 @@ def fused_mlp(
 
     Backward runs 5 GEMMs (the output GEMM is not rerun) and never stores the
     hidden activation: 7 GEMMs a step, like ``torch.utils.checkpoint``.
+
+    Args:
+        x: ``(*, in_features)``, floating point.
+        w1, b1: first layer, ``(hidden, in_features)`` and ``(hidden,)`` or None.
+        w2, b2: second layer, ``(out_features, hidden)`` and ``(out_features,)`` or None.
+        activation: as in :func:`linear_act`.
+
+    Returns:
+        ``(*, out_features)``, in ``x``'s dtype.
+
+    Example::
+
+        >>> fc1, fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        >>> x = torch.randn(2, 3, 16, requires_grad=True)
+        >>> y = fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, "relu")
+        >>> y.shape
+        torch.Size([2, 3, 16])
+        >>> y.sum().backward()
     """
     check_tensor(x, "input", min_ndim=1)
+    _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w2, "w2", 2, False), (b2, "b2", 1, True))
+    check_activation(activation)
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_linear(x, w1, b1, "w1", "b1")
-    check_tensor(w2, "w2", ndim=2)
-    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0])
-    check_activation(activation)
+    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
+                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
     y = ops.fused_mlp_op(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, backend)
-    return y.view(*lead, w2.shape[0])
+    return _unview(y, lead, w2.shape[0])
 
 
 def conv_bn_act(
@@ -87,9 +152,35 @@ def conv_bn_act(
     ``training``, the running statistics are updated in place once with the
     averaging factor ``momentum`` (unbiased variance). Kept for backward: ``x``,
     the parameters, the per-channel mean and rstd, and ``residual`` if given.
+
+    Args:
+        x: ``(N, C_in, H, W)``, floating point.
+        weight: conv weight ``(C_out, C_in, kh, kw)`` (``groups=1``); ``bias`` ``(C_out,)`` or None.
+        bn_weight, bn_bias, running_mean, running_var: ``(C_out,)`` or None.
+        training: normalize with the batch statistics (and update the running ones).
+        momentum, eps: as in ``F.batch_norm`` (``eps`` must be positive with batch statistics).
+        stride, padding, dilation: ints or pairs of ints, as in ``F.conv2d`` (zero padding).
+        residual: added after BatchNorm, before the activation; the conv output's shape.
+        activation: as in :func:`linear_act`; ``"relu"`` by default.
+
+    Example::
+
+        >>> conv, bn = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        >>> x = torch.randn(2, 3, 8, 8)
+        >>> y = fusedrc.functional.conv_bn_act(x, conv.weight, bn.weight, bn.bias, bn.running_mean,
+        ...                                    bn.running_var, training=True, padding=1)
+        >>> y.shape
+        torch.Size([2, 8, 8, 8])
     """
     check_tensor(x, "input", ndim=4)
-    check_tensor(weight, "weight", ndim=4)
+    _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True), (residual, "residual", 4, True))
+    check_activation(activation)
+    stride, padding, dilation = (
+        pair(stride, "stride", min_value=1), pair(padding, "padding", min_value=0),
+        pair(dilation, "dilation", min_value=1),
+    )
+    eps = check_number(eps, "eps", min_value=0)
+    momentum = check_number(momentum, "momentum")
     # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
     x, weight, bias, residual = _autocast(x, weight, bias, residual)
     if weight.shape[1] != x.shape[1]:
@@ -107,17 +198,24 @@ def conv_bn_act(
         raise ValueError("running_mean and running_var must both be tensors or both be None")
     check_vector(running_mean, "running_mean", c, x, dtype=False)
     check_vector(running_var, "running_var", c, x, dtype=False)
-    check_activation(activation)
-    stride, padding, dilation = pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")
     use_batch_stats = training or running_mean is None
+    if use_batch_stats and eps == 0:
+        raise ValueError("eps must be positive when batch statistics normalize (training, or no running "
+                         "statistics), got 0.0")
+    expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
+    if expected[2] < 1 or expected[3] < 1:
+        kh, kw = weight.shape[2:]
+        raise ValueError(
+            f"weight's kernel ({kh}, {kw}) (dilation {tuple(dilation)}) is larger than input's padded spatial "
+            f"size ({x.shape[2] + 2 * padding[0]}, {x.shape[3] + 2 * padding[1]}); expected kernel extent "
+            "<= padded input size"
+        )
     if residual is not None:
-        check_tensor(residual, "residual", ndim=4)
         check_same(x, "input", residual, "residual")
-        expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
     if use_batch_stats:
-        oh, ow = ops._conv_out_shape(x, weight, stride, padding, dilation)[2:]
+        oh, ow = expected[2:]
         if x.shape[0] * oh * ow == 1:  # F.batch_norm's own check, same message
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size "

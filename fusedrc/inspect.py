@@ -427,6 +427,9 @@ def _run_workers(spec_ids, jobs: int, progress=None):
 # --------------------------------------------------------------------------- driver
 @dataclass
 class InspectionReport:
+    """What :func:`inspect_kernels` found: one result dict per compiled configuration
+    (``RESULT_KEYS``: registers, shared memory, spills, MMA kind), the failures, and timings."""
+
     results: list          # one dict with exactly RESULT_KEYS per compiled configuration, in spec order
     failures: list         # {"kernel", "arch", "dtype", "config", "source", "error"} or {"module", "error"}
     sources: list          # per result: the spec's "source" label
@@ -435,6 +438,7 @@ class InspectionReport:
 
     @property
     def ok(self) -> bool:
+        """True when every configuration compiled."""
         return not self.failures
 
 
@@ -470,6 +474,8 @@ def _config_text(cfg: dict) -> str:
 
 
 def format_table(report: InspectionReport) -> str:
+    """The report as a text table (one row per configuration), with totals and warnings
+    for configurations over a target's shared memory or with register spills."""
     header = ("kernel", "arch", "dtype", "config", "regs", "shared", "spill", "mma", "gemm", "s", "source")
     rows = []
     for r, src, sec in zip(report.results, report.sources, report.seconds):
@@ -497,6 +503,11 @@ def format_table(report: InspectionReport) -> str:
 
 
 def main(argv=None) -> int:
+    """Command line of ``python -m fusedrc.inspect [--arch A] [--kernel S] [--jobs N] [--json]``.
+
+    Returns the exit status: 0 when every configuration compiled, 1 on a failure,
+    2 when the toolchain (``ptxas``/``cuobjdump`` from Triton's package) is missing.
+    """
     ap = argparse.ArgumentParser(prog="python -m fusedrc.inspect", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="all", choices=["all", *ARCHS])
     ap.add_argument("--kernel", default=None, help="only kernels whose name contains SUBSTRING")

@@ -10,33 +10,71 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import activation_name, conv_bn_relu_call
-from .reference import check_activation
+from ._patterns import _conv_padding, activation_name, conv_bn_relu_call
+from ._state import in_recompute
+from ._validate import check_activation, check_int, check_module, check_number, check_tensor, pair
 
 __all__ = ["LinearReLU", "FusedMLP", "ConvBNReLU"]
 
 
+def _act_name(act):
+    name = act if isinstance(act, str) else activation_name(act)
+    if name is None:
+        raise ValueError(
+            f"act must be a supported activation (nn.ReLU, nn.GELU, nn.SiLU or one of the names "
+            f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu'), got {act!r}"
+        )
+    return check_activation(name, "act")
+
+
+def _check_features(x, name, expected, owner):
+    check_tensor(x, "input", min_ndim=1)
+    if x.shape[-1] != expected:
+        raise ValueError(
+            f"input must have last dimension {name}={expected} for {owner}, got shape {tuple(x.shape)}"
+        )
+
+
 class LinearReLU(nn.Linear):
-    """``act(Linear(x))`` keeping only ``x`` for backward; ``activation`` defaults to ReLU."""
+    """``act(Linear(x))`` keeping only ``x`` for backward; ``activation`` defaults to ReLU.
+
+    An ``nn.Linear`` (same parameters, same state_dict keys) whose forward runs
+    :func:`fusedrc.functional.linear_act`: the pre-activation is never stored; the
+    backward recomputes it inside the gradient kernel.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as in ``nn.Linear``.
+        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+
+    Example::
+
+        >>> m = fusedrc.nn.LinearReLU(16, 32, activation="gelu")
+        >>> m(torch.randn(4, 16)).shape
+        torch.Size([4, 32])
+    """
 
     def __init__(self, in_features, out_features, bias=True, activation="relu", device=None, dtype=None):
+        check_int(in_features, "in_features")
+        check_int(out_features, "out_features")
+        check_activation(activation)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.activation = check_activation(activation)
+        self.activation = activation
 
     @classmethod
     def from_modules(cls, linear: nn.Linear, act: nn.Module | str = "relu"):
         """Wrap an ``nn.Linear`` (sharing its parameters) and an activation module or name."""
-        name = act if isinstance(act, str) else activation_name(act)
-        if name is None:
-            raise ValueError(f"act must be a supported activation (ReLU, GELU, SiLU or a name), got {act!r}")
+        check_module(linear, "linear", nn.Linear)
+        name = _act_name(act)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.in_features, m.out_features = linear.in_features, linear.out_features
         m.weight, m.bias = linear.weight, linear.bias
-        m.activation = check_activation(name)
+        m.activation = name
         return m
 
     def forward(self, x):
+        """``act(x @ weight.T + bias)`` for ``x`` of shape ``(*, in_features)``."""
+        _check_features(x, "in_features", self.in_features, type(self).__name__)
         return F.linear_act(x, self.weight, self.bias, self.activation)
 
     def extra_repr(self):
@@ -44,10 +82,32 @@ class LinearReLU(nn.Linear):
 
 
 class FusedMLP(nn.Module):
-    """The transformer FFN ``fc2(act(fc1(x)))``, keeping only ``x`` for backward."""
+    """The transformer FFN ``fc2(act(fc1(x)))``, keeping only ``x`` for backward.
+
+    Holds ``fc1``/``fc2`` as ``nn.Linear`` submodules (state_dicts map to the plain
+    FFN's); its forward runs :func:`fusedrc.functional.fused_mlp`: the hidden
+    activation never reaches memory, and backward runs 5 GEMMs.
+
+    Args:
+        in_features, hidden_features: widths of the input and the hidden layer.
+        out_features: width of the output (default ``in_features``).
+        bias, device, dtype: as in ``nn.Linear``, for both layers.
+        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+
+    Example::
+
+        >>> ffn = fusedrc.nn.FusedMLP(16, 64, activation="gelu_tanh")
+        >>> ffn(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
+    """
 
     def __init__(self, in_features, hidden_features, out_features=None, bias=True, activation="relu",
                  device=None, dtype=None):
+        check_int(in_features, "in_features")
+        check_int(hidden_features, "hidden_features")
+        if out_features is not None:
+            check_int(out_features, "out_features")
+        check_activation(activation)
         super().__init__()
         out_features = in_features if out_features is None else out_features
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
@@ -56,17 +116,20 @@ class FusedMLP(nn.Module):
 
     @classmethod
     def from_modules(cls, fc1: nn.Linear, act: nn.Module | str, fc2: nn.Linear):
-        name = act if isinstance(act, str) else activation_name(act)
-        if name is None:
-            raise ValueError(f"act must be a supported activation (ReLU, GELU, SiLU or a name), got {act!r}")
+        """Wrap two ``nn.Linear`` layers (sharing their parameters) and an activation module or name."""
+        check_module(fc1, "fc1", nn.Linear)
+        check_module(fc2, "fc2", nn.Linear)
+        name = _act_name(act)
         if fc2.in_features != fc1.out_features:
             raise ValueError(f"fc2.in_features ({fc2.in_features}) must equal fc1.out_features ({fc1.out_features})")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.fc1, m.fc2, m.activation = fc1, fc2, check_activation(name)
+        m.fc1, m.fc2, m.activation = fc1, fc2, name
         return m
 
     def forward(self, x):
+        """``fc2(act(fc1(x)))`` for ``x`` of shape ``(*, in_features)``."""
+        _check_features(x, "in_features", self.fc1.in_features, type(self).__name__)
         return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation)
 
     def extra_repr(self):
@@ -79,19 +142,46 @@ class ConvBNReLU(nn.Module):
     Keeps ``x`` and the per-channel batch statistics (and ``residual``) for backward.
     BatchNorm semantics follow ``nn.BatchNorm2d``: ``num_batches_tracked``,
     ``momentum=None`` (cumulative average), eval mode with running statistics.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, bias, device,
+            dtype: as in ``nn.Conv2d`` (``groups=1``, zero padding; ``padding="same"``
+            needs an odd kernel extent).
+        eps, momentum: as in ``nn.BatchNorm2d``.
+
+    Example::
+
+        >>> m = fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1)
+        >>> m(torch.randn(2, 3, 8, 8)).shape
+        torch.Size([2, 8, 8, 8])
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None):
+        check_int(in_channels, "in_channels")
+        check_int(out_channels, "out_channels")
+        pair(kernel_size, "kernel_size", min_value=1)
+        pair(stride, "stride", min_value=1)
+        pair(dilation, "dilation", min_value=1)
+        if not isinstance(padding, str):
+            pair(padding, "padding", min_value=0)
+        check_number(eps, "eps", min_value=0)
+        if momentum is not None:
+            check_number(momentum, "momentum")
         super().__init__()
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
                               bias=bias, device=device, dtype=dtype)
         self.bn = nn.BatchNorm2d(out_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
+        _check_conv(self.conv, "padding")
 
     @classmethod
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d):
+        """Wrap an ``nn.Conv2d`` and an ``nn.BatchNorm2d`` (sharing their parameters and buffers)."""
+        check_module(conv, "conv", nn.Conv2d)
+        check_module(bn, "bn", nn.BatchNorm2d)
         if conv.groups != 1:
             raise ValueError(f"conv must have groups=1, got groups={conv.groups}")
+        _check_conv(conv, "conv.padding")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.out_channels ({conv.out_channels})")
         m = cls.__new__(cls)
@@ -100,4 +190,30 @@ class ConvBNReLU(nn.Module):
         return m
 
     def forward(self, x, residual=None):
-        return conv_bn_relu_call(self.conv, self.bn, x, residual)
+        """``relu(bn(conv(x)) [+ residual])`` for ``x`` of shape ``(N, in_channels, H, W)``."""
+        check_tensor(x, "input", ndim=4)
+        if x.shape[1] != self.conv.in_channels:
+            raise ValueError(
+                f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
+                f"for {type(self).__name__}, got shape {tuple(x.shape)}"
+            )
+        bn = self.bn
+        counts = bn.training and bn.track_running_stats and bn.num_batches_tracked is not None and not in_recompute()
+        try:
+            return conv_bn_relu_call(self.conv, bn, x, residual)
+        except (TypeError, ValueError):
+            # rejected arguments (checked before anything runs): the call did not happen
+            if counts:
+                with torch.no_grad():
+                    bn.num_batches_tracked.sub_(1)
+            raise
+
+
+def _check_conv(conv, name):
+    if conv.padding_mode != "zeros":
+        raise ValueError(f"conv.padding_mode must be 'zeros', got {conv.padding_mode!r}")
+    if _conv_padding(conv) is None:
+        raise ValueError(
+            f"{name}='same' needs an odd kernel extent dilation*(kernel_size-1)+1 (symmetric padding), got "
+            f"kernel_size={tuple(conv.kernel_size)}, dilation={tuple(conv.dilation)}"
+        )

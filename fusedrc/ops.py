@@ -36,15 +36,55 @@ def _or_empty(t: Optional[Tensor], ref: Tensor) -> Tensor:
     return ref.new_empty(_EMPTY) if t is None else t
 
 
+# --------------------------------------------------------------------------- output layouts
+# Under torch.compile the fake implementations stand for the ops, and inductor checks
+# the real outputs' strides against them. So every output has one documented layout,
+# whatever the backend and the inputs' strides: dense row-major, except 4-D
+# activations and their gradients, which follow the conv's memory format of ``x``
+# (channels_last when x is channels_last and not also contiguous, like the kernels).
+# A real output already laid out so (the usual case) is returned as is, never copied.
+def _channels_last(x: Tensor) -> bool:
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _dense_strides(shape, channels_last: bool = False):
+    if channels_last:
+        n, c, h, w = shape
+        return (h * w * c, 1, w * c, c)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _empty(shape, like: Tensor, dtype=None, channels_last: bool = False) -> Tensor:
+    return torch.empty_strided(tuple(shape), _dense_strides(tuple(shape), channels_last),
+                               dtype=dtype or like.dtype, device=like.device)
+
+
+def _laid_out(t: Tensor, channels_last: bool = False, dtype=None) -> Tensor:
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if tuple(t.stride()) == _dense_strides(tuple(t.shape), channels_last):
+        return t
+    return _empty(t.shape, t, channels_last=channels_last).copy_(t)
+
+
+def _stats_dtype(x: Tensor):
+    # fp32 batch statistics (fp64 for a float64 input: the reference path)
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 # --------------------------------------------------------------------------- Linear + act
 @torch.library.custom_op("fusedrc::linear_act", mutates_args=())
 def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
-    return get_impl(backend, "linear_act", "linear_act_forward")(x, weight, bias, activation)
+    return _laid_out(get_impl(backend, "linear_act", "linear_act_forward")(x, weight, bias, activation))
 
 
 @linear_act_op.register_fake
 def _(x, weight, bias, activation, backend):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return _empty((x.shape[0], weight.shape[0]), x)
 
 
 @torch.library.custom_op("fusedrc::linear_act_backward", mutates_args=())
@@ -52,13 +92,13 @@ def linear_act_backward_op(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], grad_out: Tensor, activation: str, backend: str
 ) -> Tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = get_impl(backend, "linear_act", "linear_act_backward")(x, weight, bias, grad_out, activation)
-    return dx, dw, _or_empty(db, x)
+    return _laid_out(dx), _laid_out(dw), _laid_out(_or_empty(db, x))
 
 
 @linear_act_backward_op.register_fake
 def _(x, weight, bias, grad_out, activation, backend):
-    db = x.new_empty((weight.shape[0],) if bias is not None else _EMPTY)
-    return torch.empty_like(x), torch.empty_like(weight), db
+    db = _empty((weight.shape[0],) if bias is not None else _EMPTY, x)
+    return _empty(x.shape, x), _empty(weight.shape, weight), db
 
 
 def _linear_act_setup(ctx, inputs, output):
@@ -82,12 +122,12 @@ linear_act_op.register_autograd(_linear_act_backward, setup_context=_linear_act_
 def fused_mlp_op(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str, backend: str
 ) -> Tensor:
-    return get_impl(backend, "fused_mlp", "fused_mlp_forward")(x, w1, b1, w2, b2, activation)
+    return _laid_out(get_impl(backend, "fused_mlp", "fused_mlp_forward")(x, w1, b1, w2, b2, activation))
 
 
 @fused_mlp_op.register_fake
 def _(x, w1, b1, w2, b2, activation, backend):
-    return x.new_empty((x.shape[0], w2.shape[0]))
+    return _empty((x.shape[0], w2.shape[0]), x)
 
 
 @torch.library.custom_op("fusedrc::fused_mlp_backward", mutates_args=())
@@ -98,14 +138,14 @@ def fused_mlp_backward_op(
     dx, dw1, db1, dw2, db2 = get_impl(backend, "fused_mlp", "fused_mlp_backward")(
         x, w1, b1, w2, b2, grad_out, activation
     )
-    return dx, dw1, _or_empty(db1, x), dw2, _or_empty(db2, x)
+    return tuple(_laid_out(g) for g in (dx, dw1, _or_empty(db1, x), dw2, _or_empty(db2, x)))
 
 
 @fused_mlp_backward_op.register_fake
 def _(x, w1, b1, w2, b2, grad_out, activation, backend):
-    db1 = x.new_empty((w1.shape[0],) if b1 is not None else _EMPTY)
-    db2 = x.new_empty((w2.shape[0],) if b2 is not None else _EMPTY)
-    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+    db1 = _empty((w1.shape[0],) if b1 is not None else _EMPTY, x)
+    db2 = _empty((w2.shape[0],) if b2 is not None else _EMPTY, x)
+    return _empty(x.shape, x), _empty(w1.shape, w1), db1, _empty(w2.shape, w2), db2
 
 
 def _fused_mlp_setup(ctx, inputs, output):
@@ -141,7 +181,8 @@ def conv_bn_act_op(
     if not training:
         # the op must not return views of its inputs (the running buffers)
         mean, rstd = mean.clone(), rstd.clone()
-    return y, mean, rstd
+    acc = _stats_dtype(x)
+    return _laid_out(y, _channels_last(x)), _laid_out(mean, dtype=acc), _laid_out(rstd, dtype=acc)
 
 
 def _conv_out_shape(x, weight, stride, padding, dilation):
@@ -156,8 +197,8 @@ def _conv_out_shape(x, weight, stride, padding, dilation):
 def _(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
       training, eps, stride, padding, dilation, activation, backend):
     shape = _conv_out_shape(x, weight, stride, padding, dilation)
-    stats = x.new_empty((shape[1],), dtype=torch.float32)
-    return x.new_empty(shape), stats, torch.empty_like(stats)
+    stats = _empty((shape[1],), x, dtype=_stats_dtype(x))
+    return _empty(shape, x, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("fusedrc::conv_bn_act_backward", mutates_args=())
@@ -171,14 +212,17 @@ def conv_bn_act_backward_op(
         x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
         training, eps, stride, padding, dilation, activation,
     )
-    return tuple(_or_empty(g, x) for g in grads)
+    cl = _channels_last(x)
+    return tuple(_laid_out(_or_empty(g, x), cl and i in (0, 5)) for i, g in enumerate(grads))
 
 
 @conv_bn_act_backward_op.register_fake
 def _(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
       training, eps, stride, padding, dilation, activation, backend):
+    cl = _channels_last(x)
     like = (x, weight, bias, bn_weight, bn_bias, residual)
-    return tuple(torch.empty_like(t) if t is not None else x.new_empty(_EMPTY) for t in like)
+    return tuple(_empty(t.shape, t, channels_last=cl and i in (0, 5)) if t is not None else _empty(_EMPTY, x)
+                 for i, t in enumerate(like))
 
 
 def _conv_bn_act_setup(ctx, inputs, output):

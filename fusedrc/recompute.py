@@ -262,6 +262,8 @@ def _tag_outputs(out, frame):
 
 
 def _output_recipe(t):
+    if torch.compiler.is_compiling():
+        return None  # no tagging under torch.compile (see _compiled)
     entry = _OUTPUT_RECIPES.get(t)
     if entry is None or entry[2] != t._version:  # modified in place since: keep it
         return None
@@ -320,6 +322,25 @@ def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_
     return out
 
 
+def _compiled(fn, args, kwargs, *, preserve_rng_state, context_fn):
+    """A generic region while dynamo traces: ``torch.utils.checkpoint`` (non-reentrant).
+
+    The saved-tensors-hook engine above cannot be traced (hooks that call back
+    into Python in backward, weak dictionaries, per-graph-task state), while
+    dynamo turns ``checkpoint`` into a higher-order op whose rerun the AOT
+    partitioner places in the backward graph: no graph break. What changes
+    under compile: ``output_recompute`` has no effect (the output is kept, as
+    when its consumer is not recomputed), ``early_stop`` and
+    ``determinism_check`` do not apply (the rerun is part of the compiled
+    backward), and ``context_fn`` is handed to ``checkpoint`` as is (dynamo
+    accepts only selective-checkpoint contexts there).
+    """
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra, **kwargs
+    )
+
+
 def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recompute=False,
                context_fn=None, determinism_check="default", early_stop=True):
     if determinism_check not in _DETERMINISM_CHECKS:
@@ -336,6 +357,8 @@ def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recom
         fused = _patterns.match(block, args, kwargs)
         if fused is not None:
             return fused()
+    if torch.compiler.is_compiling():
+        return _compiled(fn, args, kwargs, preserve_rng_state=preserve_rng_state, context_fn=context_fn)
     return _generic(
         fn, args, kwargs, preserve_rng_state=preserve_rng_state, output_recompute=output_recompute,
         context_fn=context_fn, determinism_check=determinism_check, early_stop=early_stop,
@@ -369,13 +392,31 @@ def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use
     Under ``torch.no_grad()`` or ``inference_mode()`` the block is simply called.
     BatchNorm running statistics change once per forward, never in the rerun.
 
+    Returns:
+        What ``block(*args, **kwargs)`` returns.
+
+    Raises:
+        TypeError: ``block`` is not callable, or ``context_fn`` is not.
+        ValueError: ``use_reentrant=True``, an unknown ``determinism_check``, or an input
+            tensor on another device than the block's parameters.
+        RecomputeError: in backward, when the rerun saves tensors that differ from the
+            forward's (shape, dtype, device or count).
+
     Example::
 
         >>> import torch, fusedrc
         >>> ffn = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
         >>> x = torch.randn(8, 64, requires_grad=True)
-        >>> y = fusedrc.recompute(ffn, x)      # keeps only x; 7 GEMMs per step
+        >>> y = fusedrc.recompute(ffn, x)      # a fused op: keeps only x; 7 GEMMs per step
+        >>> torch.allclose(y, ffn(x))
+        True
         >>> y.sum().backward()
+        >>> x.grad.shape
+        torch.Size([8, 64])
+        >>> def block(x, scale=1.0):          # any callable: the generic path
+        ...     return torch.tanh(x) * scale
+        >>> fusedrc.recompute(block, x, scale=2.0).shape
+        torch.Size([8, 64])
     """
     if not callable(block):
         raise TypeError(f"block must be a callable or nn.Module, got {type(block).__name__}")
@@ -434,9 +475,11 @@ def recompute_sequential(functions, segments, input, *extra, preserve_rng_state=
     else:
         raise TypeError(f"functions must be an nn.Sequential or a list of modules, got {type(functions).__name__}")
     n = len(functions)
+    if n == 0:
+        raise ValueError("functions must hold at least one module or callable, got an empty sequence")
     if isinstance(segments, bool) or not isinstance(segments, int):
         raise TypeError(f"segments must be an int, got {type(segments).__name__}")
-    if n == 0 or not 1 <= segments <= n:
+    if not 1 <= segments <= n:
         raise ValueError(f"segments must be between 1 and {n} (the number of functions), got {segments}")
     size = n // segments
     end = -1
@@ -477,6 +520,10 @@ def mark(module, output_recompute=False):
     options = {"output_recompute": bool(output_recompute)}
 
     def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace the thread-local nesting bookkeeping below; a marked module
+            # inside another is then a nested torch.utils.checkpoint region, which is correct
+            return _recompute(module, original, args, kwargs, output_recompute=options["output_recompute"])
         if _state.marked_depth() > 0 and not _state.in_recompute():
             raise RecomputeError(
                 f"a marked {type(module).__name__} was called inside another marked module; nested "

@@ -95,7 +95,7 @@ def conv_bn_act_forward(
     x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
     training, eps, stride, padding, dilation, activation,
 ):
-    """y = act(bn(conv(x)) [+ residual]); returns (y, mean, rstd) per channel (fp32).
+    """y = act(bn(conv(x)) [+ residual]); returns (y, mean, rstd) per channel (fp32; fp64 for float64 x).
 
     With ``training`` the batch statistics normalize (the running buffers are not
     touched here: the caller updates them once, outside the op); otherwise the
@@ -106,8 +106,9 @@ def conv_bn_act_forward(
         pre, mean, rstd = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)
     else:
         pre = F.batch_norm(z, running_mean, running_var, bn_weight, bn_bias, False, 0.0, eps)
-        mean = running_mean.float()
-        rstd = torch.rsqrt(running_var.float() + eps)
+        acc = _acc_dtype(x)
+        mean = running_mean.to(acc)
+        rstd = torch.rsqrt(running_var.to(acc) + eps)
     del z
     if residual is not None:
         pre = pre + residual
@@ -133,15 +134,16 @@ def conv_bn_act_backward(
         pre = F.batch_norm(z, mean, rstd.pow(-2) - eps, bn_weight, bn_bias, False, 0.0, eps)
     if residual is not None:
         pre = pre + residual
-    g = activation_backward(grad_out, pre, activation).float()
+    acc = _acc_dtype(x)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
+    g = activation_backward(grad_out, pre, activation).to(acc)
     del pre
     dresidual = g.to(grad_out.dtype) if residual is not None else None
-    xhat = (z.float() - mean.view(shape)) * rstd.view(shape)
+    xhat = (z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape)
     del z
     dims = (0, 2, 3)
     dbeta = g.sum(dims)
     dgamma = (g * xhat).sum(dims)
-    gamma = bn_weight.float() if bn_weight is not None else torch.ones_like(rstd)
+    gamma = bn_weight.to(acc) if bn_weight is not None else torch.ones_like(rstd, dtype=acc)
     scale = (gamma * rstd).view(shape)
     if training:
         n = g.numel() // C
@@ -158,6 +160,10 @@ def conv_bn_act_backward(
     dbn_weight = dgamma.to(bn_weight.dtype) if bn_weight is not None else None
     dbn_bias = dbeta.to(bn_bias.dtype) if bn_bias is not None else None
     return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
+
+
+def _acc_dtype(x):
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _pair(v):

@@ -180,7 +180,7 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
     if ACTIVATION == "none":
         gh = g
     elif ACTIVATION == "relu":
-        gh = tl.where(h > 0.0, g, 0.0)  # threshold_backward: NaN h gives 0
+        gh = tl.where(h <= 0.0, 0.0, g)  # threshold_backward: a NaN h lets g through, as in torch
     elif ACTIVATION == "relu2":
         r = tl.where(h < 0.0, 0.0, h)
         gh = g * (2.0 * r)

@@ -38,8 +38,9 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
   pixel are masked, so (stride_h*stride_w - 1)/(stride_h*stride_w) of its MMA
   work is on zeros) and dW = ``_conv_dw_kernel`` (implicit GEMM over K = N*OH*OW
   pixels, split-K into fp32 partials reduced in a fixed order: deterministic).
-  ``CONV_GRAD = "aten"`` switches dX/dW to ``aten.convolution_backward`` (cuDNN)
-  for comparison on a GPU.
+  ``CONV_GRAD = "aten"`` (the default, measured faster on an H100) runs dX/dW as
+  ``aten.convolution_backward`` (cuDNN): a backward convolution of dz, not a rerun
+  of the forward; ``"triton"`` runs the two kernels above.
 
 All partial reductions go through per-tile buffers reduced in a fixed order: no
 atomics anywhere, results are bitwise repeatable. Tile configurations come from
@@ -64,7 +65,10 @@ SUPPORTED_ACTIVATIONS = ("relu",)
 # settings give the same results; they exist to be measured on a GPU per shape.
 FWD_RECOMPUTE = False        # training forward: False = transient z buffer, True = run the conv twice
 BWD_RECOMPUTE_TWICE = True   # training backward: True = two recomputes, False = one recompute + transient z
-CONV_GRAD = "triton"         # dX / dW: "triton" or "aten" (aten.convolution_backward)
+# dX / dW: "aten" (aten.convolution_backward: cuDNN on a GPU) or "triton" (_conv_dx/_conv_dw
+# kernels). Measured on an H100 (bf16, ResNet-50 shapes, benchmarks/results/conv_tradeoff_*.json):
+# cuDNN's wgrad took 21 us where _conv_dw_kernel took 650 us at 32x64x56x56, so aten is the default.
+CONV_GRAD = "aten"
 
 
 # --------------------------------------------------------------------------- tile table

@@ -1,6 +1,10 @@
-"""fusedrc-bench: the --quick sweep runs, its JSON validates, its plots are drawn and redrawn; bad options fail clearly."""
+"""fusedrc-bench: the --quick sweep runs, its JSON validates, its plots are drawn and redrawn; bad options fail clearly.
+
+The real models (--workload models: torchvision ResNet-50, Hugging Face OPT) run once, tiny, with one timed
+step per configuration."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -113,12 +117,109 @@ def test_schema_rejects_broken_documents(quick_run):
         schema.validate(bad)
 
 
+# --------------------------------------------------------------------------- real models (resnet50, opt)
+@pytest.fixture(scope="module")
+def models_run(tmp_path_factory):
+    """One tiny run of both real models (--quick: ResNet-50 at 32 px, a 2-layer OPT; batch 2, one budget each),
+    no warm-up, one timed step per configuration: schema, bytes and plots are checked, not timings."""
+    from fusedrc.bench import models
+
+    for name in models.MODEL_WORKLOADS:
+        why = models.require(name)
+        if why:
+            pytest.skip(why)
+    d = tmp_path_factory.mktemp("bench_models")
+    res, plots = d / "results", d / "plots"
+    cli.main(["--workload", "models", "--quick", "--warmup", "0", "--repeats", "1", "--no-progress",
+              "--results-dir", str(res), "--plots-dir", str(plots)])
+    return res, plots
+
+
+def test_models_quick_run_valid_json_and_plots(models_run):
+    res, plots = models_run
+    files = sorted(res.glob("bench_sweep_resnet50-opt_quick_*.json"))
+    assert len(files) == 1, files
+    doc = json.loads(files[0].read_text())
+    schema.validate(doc)
+    assert doc["settings"]["workloads"] == ["resnet50", "opt"] and doc["quick"] is True
+    dev = doc["device"]["type"]
+    for w in ("resnet50", "opt"):
+        cs = {c["strategy"]: c for c in doc["configs"] if c["workload"] == w}
+        assert set(cs) == {"no_recompute", "torch_checkpoint", "torch_checkpoint_blocks", "convert_all",
+                           "convert_blocks", "convert_budget"}, (w, set(cs))
+        info = doc["workloads"][w]
+        assert info["model"] is True and info["units"] == len(info["unit_names"]) > 0
+        assert info["blocks"] == len(info["block_names"]) > 0 and not info["left_as_they_are"]
+        none, saved = cs["no_recompute"], {k: c["saved_activation_bytes"] for k, c in cs.items()}
+        # checkpoint on the units convert fuses keeps what the fused units keep (conv+BN fused ops also keep
+        # a per-channel mean and rstd: a few percent at this tiny size); whole blocks keep less than units
+        assert saved["torch_checkpoint"] < saved["no_recompute"]
+        assert saved["convert_all"] <= 1.1 * saved["torch_checkpoint"]
+        assert saved["convert_blocks"] <= 1.05 * saved["torch_checkpoint_blocks"]
+        assert saved["convert_blocks"] < saved["convert_all"] < saved["no_recompute"]
+        assert cs["convert_all"]["recomputed_units"] == cs["torch_checkpoint"]["recomputed_units"] == info["units"]
+        assert cs["convert_blocks"]["recomputed_blocks"] == cs["torch_checkpoint_blocks"]["recomputed_blocks"] \
+            == info["blocks"]
+        b = cs["convert_budget"]
+        assert b["knob_name"] == "memory_budget" and b["knob"] == doc["settings"]["budgets"][w][0]
+        assert b["plan_final_bytes"] <= b["knob"] * b["plan_baseline_bytes"]
+        assert b["convert_s"] > 0 and none["convert_s"] is None
+        for c in cs.values():
+            assert len(c["times_s"]) == 1 and c["times_s"][0] > 0
+        _assert_png_not_blank(plots / f"bench_{w}_quick_{dev}.png")
+    rows = {(r["workload"], r["strategy"]): r for r in doc["model_ratios"]}
+    assert rows["opt", "convert_blocks"]["checkpoint_strategy"] == "torch_checkpoint_blocks"
+    assert rows["resnet50", "convert_all"]["checkpoint_strategy"] == "torch_checkpoint"
+    assert all(r["saved_over_no_recompute"] < 1 for r in rows.values())
+    csv = files[0].with_suffix(".csv").read_text().splitlines()
+    assert csv[0].endswith("recomputed_units,n_units,convert_s") and len(csv) == 1 + len(doc["configs"])
+
+
+def test_models_plot_redraws_from_saved_file(models_run, tmp_path):
+    res, _ = models_run
+    cli.main(["plot", str(next(res.glob("bench_sweep_resnet50-opt_quick_*.json"))), "--plots-dir", str(tmp_path)])
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == sorted(f"bench_{w}_quick_{'cuda' if torch.cuda.is_available() else 'cpu'}.png"
+                          for w in ("resnet50", "opt"))
+
+
+def test_checkpoint_blocks_matches_original():
+    """torch_checkpoint_blocks runs each block under torch.utils.checkpoint with the block's kwargs."""
+    from torch import nn
+
+    from fusedrc.bench.models import checkpoint_blocks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, scale=1.0):
+            return self.lin(x).relu() * scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    ref = copy.deepcopy(model)
+    checkpoint_blocks(model, ["0", "1"])
+    x = torch.randn(4, 8)
+    ya, yb = ref(x), model(x)
+    assert torch.equal(ya, yb)
+    ya.sum().backward()
+    yb.sum().backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    y = model[0](x, scale=2.0)  # kwargs pass through the checkpoint
+    assert torch.equal(y, ref[0](x, scale=2.0))
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--workload", "nope"], "--workload"),
     (["--batch-sizes", "0"], "--batch-sizes"),
     (["--batch-sizes", "8,x"], "--batch-sizes"),
     (["--dtype", "int8"], "--dtype"),
     (["--repeats", "0"], "--repeats"),
+    (["--workload", "models", "--budgets", "0"], "--budgets"),
+    (["--workload", "opt", "--budgets", "0.5,1.5"], "--budgets"),
     (["frobnicate"], "unknown subcommand"),
     (["kernels", "--device", "tpu"], "--device"),
     (["plot"], "RESULTS.json"),
@@ -156,5 +257,5 @@ def test_module_entry_point_help():
                        text=True, timeout=120)
     assert r.returncode == 0
     for opt in ("--workload", "--device", "--dtype", "--batch-sizes", "--quick", "--results-dir", "--plots-dir",
-                "kernels"):
+                "kernels", "--budgets", "resnet50", "opt", "models"):
         assert opt in r.stdout

@@ -146,8 +146,9 @@ def test_channels_last(device):
 
 @pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad", [
     (True, False, "triton"),
-    (False, True, "aten"),
-], ids=["fwd-recompute+bwd-buffer", "aten-conv-grad"])
+    (False, True, "triton"),
+    (False, False, "aten"),
+], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer"])
 def test_strategies(fwd_recompute, bwd_twice, conv_grad, monkeypatch, device):
     """The measured-on-GPU alternatives give the same results as the defaults."""
     monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
@@ -155,6 +156,24 @@ def test_strategies(fwd_recompute, bwd_twice, conv_grad, monkeypatch, device):
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
     t, geom = _inputs(SHAPES["3x3s2d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, True, torch.float32)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_conv_dx_dw_kernels(shape, dtype, device):
+    """The Triton dX (transposed implicit GEMM) and split-K dW kernels against float64 aten."""
+    t, geom = _inputs(SHAPES[shape], dtype, bias=False, affine=False, residual=False, device=device)
+    x, w, dz = t["x"], t["weight"], t["grad_out"]
+    prec, cap = K._dot_precision(x), K._capability(x)
+    dx = K.conv_dx(dz, w, x.shape, torch.contiguous_format, geom["stride"], geom["padding"], geom["dilation"],
+                   prec, cap)
+    dw = K.conv_dw(dz, x, w.shape, geom["stride"], geom["padding"], geom["dilation"], prec, cap)
+    rdx, rdw, _ = torch.ops.aten.convolution_backward(
+        dz.double(), x.double(), w.double(), None, geom["stride"], geom["padding"], geom["dilation"],
+        False, [0, 0], 1, [True, True, False])
+    k = SHAPES[shape][1] * SHAPES[shape][5] ** 2
+    assert dx.dtype == dtype and _rel(dx, rdx) < TOL[dtype] * math.sqrt(k)
+    assert _rel(dw, rdw) < TOL[dtype] * math.sqrt(dz.numel() / dz.shape[1])
 
 
 def test_running_buffers_untouched_and_deterministic(device):

@@ -26,6 +26,23 @@ def _batch_sizes(text):
     return out
 
 
+def _budgets(text):
+    out = []
+    for part in text.replace(" ", "").split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            v = -1.0
+        if not 0 < v <= 1:
+            raise argparse.ArgumentTypeError(
+                f"budgets are fractions in (0, 1] separated by commas (e.g. 0.75,0.5), got {text!r}")
+        out.append(v)
+    return out
+
+
+WORKLOAD_SETS = {"all": ("ffn", "resnet"), "models": ("resnet50", "opt")}
+
+
 def _common(p, quick_help):
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when present, else CPU (default auto)")
@@ -45,12 +62,23 @@ def sweep_parser():
         prog="fusedrc-bench",
         description="Memory-vs-speed curves of activation recomputation: no recompute, torch.utils.checkpoint, "
                     "fusedrc and torch.compile(activation_memory_budget) on the same model and batch. "
-                    "Knob: the fraction of blocks recomputed (0, 1/4, 1/2, 3/4, 1) and the batch size.",
+                    "Knob: the fraction of blocks recomputed (0, 1/4, 1/2, 3/4, 1) and the batch size; "
+                    "for the real models (--workload resnet50/opt/models) the policy and memory_budget "
+                    "of fusedrc.convert.",
         epilog="subcommands: 'fusedrc-bench kernels [options]' (per-kernel microbenchmarks), "
                "'fusedrc-bench plot RESULTS.json [--plots-dir DIR]' (redraw plots from a result file)")
-    p.add_argument("--workload", choices=("ffn", "resnet", "all"), default="all", help="default all")
+    p.add_argument("--workload", choices=("ffn", "resnet", "resnet50", "opt", "all", "models"), default="all",
+                   help="all (default): the synthetic ffn and resnet; models: the real models resnet50 "
+                        "(torchvision ResNet-50, weights=None) and opt (Hugging Face OPTForCausalLM, small "
+                        "config), built from code, no downloads. The real models are opt-in (about 1-2 "
+                        "minutes each on 2 CPU cores): their strategies are the original, "
+                        "torch.utils.checkpoint on the units fusedrc.convert fuses and on whole blocks, "
+                        "fusedrc.convert(policy='all'/'blocks') and convert(memory_budget=b)")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=None,
                    help="comma-separated batch sizes for every workload (default: per workload and device)")
+    p.add_argument("--budgets", type=_budgets, default=None,
+                   help="real models: comma-separated memory_budget fractions for fusedrc.convert "
+                        "(default: resnet50 0.8,0.6,0.45; opt 0.75,0.5,0.35)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     _common(p, "tiny shapes, 3 repeats, no torch.compile: under a minute on 2 CPU cores (the CI smoke run)")
     return p
@@ -143,8 +171,15 @@ def run_sweep(argv):
 
     from . import measure, strategies, sweep, workloads
 
+    from . import models
+
+    names = list(WORKLOAD_SETS.get(args.workload, (args.workload,)))
+    for n in names:
+        if n in models.MODEL_WORKLOADS and (why := models.require(n)):
+            p.error(f"--workload {args.workload}: {why}")
     args.load_start = measure.loadavg()
-    names = list(workloads.WORKLOADS) if args.workload == "all" else [args.workload]
+    synthetic = [n for n in names if n not in models.MODEL_WORKLOADS]
+    real = [n for n in names if n in models.MODEL_WORKLOADS]
     backend = sweep.backend_for(dev)
     notes, skipped = [], []
     compile_reason = None
@@ -154,35 +189,59 @@ def run_sweep(argv):
         compile_reason = QUICK_COMPILE_REASON
     if compile_reason:
         print(f"torch.compile skipped: {compile_reason}", flush=True)
+    default_budgets = models.QUICK_BUDGETS if args.quick else models.BUDGETS
     settings = {
         "workloads": names, "quick": args.quick, "warmup": args.warmup, "repeats": args.repeats,
         "batch_sizes": {n: (args.batch_sizes or workloads.default_batch_sizes(n, dev.type, args.quick))
                         for n in names},
         "fractions": list(strategies.FRACTIONS),
+        "budgets": {n: list(args.budgets or default_budgets[n]) for n in real},
     }
-    plans = {n: strategies.compile_plan(n, dev.type, settings["batch_sizes"][n]) for n in names}
+    if not synthetic and not compile_reason:
+        compile_reason = "the real-model workloads compare fusedrc.convert with torch.utils.checkpoint only"
+    plans = {n: (strategies.compile_plan(n, dev.type, settings["batch_sizes"][n]) if n in synthetic else ([], []))
+             for n in names}
     settings["compile_budgets"] = {n: (plans[n][0] if not compile_reason else []) for n in names}
     settings["compile_batch_sizes"] = {n: (plans[n][1] if not compile_reason else []) for n in names}
     if not compile_reason and dev.type == "cpu":
         notes.append("CPU: torch.compile runs at the largest batch size only (compiling costs 10-40 s per "
-                     "configuration here), budgets " + "; ".join(f"{n}: {plans[n][0]}" for n in names))
+                     "configuration here), budgets " + "; ".join(f"{n}: {plans[n][0]}" for n in synthetic))
+    if real and synthetic and not compile_reason:
+        notes.append("torch.compile is not run on the real models (" + ", ".join(real) + ")")
     if not compile_reason:
         notes.append("torch.compile configurations run after every eager one: inductor's compiled CPU code "
                      "brings OpenMP threads that slowed later eager steps several-fold on a 2-core machine")
     info = measure.device_info(dev)
     print(f"fusedrc-bench: {', '.join(names)} on {info['name']} ({dev.type}), {args.dtype}, fusedrc backend "
           f"{backend}, torch {torch.__version__}; warm-up {args.warmup}, repeats {args.repeats}", flush=True)
-    notes.append("step = zero_grad + forward + mean(out^2) + backward + SGD.step; eager configurations of one "
-                 "(workload, batch size) are timed in interleaved rounds, torch.compile ones one after another")
+    if synthetic:
+        notes.append("step = zero_grad + forward + mean(out^2) + backward + SGD.step; eager configurations of "
+                     "one (workload, batch size) are timed in interleaved rounds, torch.compile ones one after "
+                     "another")
+    if real:
+        notes.append("real models (" + ", ".join(real) + "): one copy of the same initial weights per strategy; "
+                     "step = zero_grad + forward + loss (resnet50: cross-entropy on random labels; opt: causal-LM "
+                     "cross-entropy) + backward + SGD.step + zero_grad (gradients freed); the strategies of one "
+                     "(workload, batch size) are timed in interleaved rounds. torch_checkpoint = "
+                     "torch.utils.checkpoint(use_reentrant=False) on exactly the units fusedrc.convert fuses; "
+                     "torch_checkpoint_blocks = on each block convert(policy='blocks') recomputes (Bottleneck, "
+                     "OPTDecoderLayer); convert_budget knob = the memory_budget fraction passed to convert, "
+                     "planned on the timed batch; convert counts activation bytes its own way (saved views of "
+                     "weights such as a Linear's weight.t() included, which saved_activation_bytes leaves "
+                     "out): plan_baseline_bytes / plan_final_bytes are its counts; convert_s = time "
+                     "fusedrc.convert took, budget planning included")
     notes.append("memory: saved_activation_bytes = distinct tensors autograd saves during the forward "
-                 "(saved-tensor hooks, parameters excluded); peak_allocated_bytes = "
-                 "torch.cuda.max_memory_allocated over one step (CUDA only)")
+                 "(saved-tensor hooks, parameters and views of them excluded); peak_allocated_bytes = "
+                 "torch.cuda.max_memory_allocated over one step (CUDA only; for the real models, whose copies "
+                 "share the GPU, the plot shows peak_allocated_bytes - allocated_before_step_bytes)")
     if dev.type == "cpu":
         notes.append("CPU: fusedrc runs its reference backend (pure PyTorch); its GPU advantage comes from the "
                      "Triton kernels, so parity with torch.utils.checkpoint is the CPU expectation")
     with fusedrc.use_backend(backend):  # thread-local, restored afterwards
         infos, records, compile_reason = sweep.run(settings, dev, dtype, compile_reason,
-                                                   progress=not args.no_progress)
+                                                   progress=not args.no_progress, skipped=skipped)
+    for s in skipped:
+        print(f"skipped {s['what']}: {s['reason']}", flush=True)
     if compile_reason:
         skipped.append({"what": "torch_compile", "reason": compile_reason})
         if not (args.no_compile or args.quick):
@@ -191,16 +250,17 @@ def run_sweep(argv):
             settings["compile_batch_sizes"] = {n: [] for n in names}
     doc = _header("sweep", args, dev, backend, t_start, notes, skipped)
     doc["settings"] = {k: settings[k] for k in ("workloads", "batch_sizes", "fractions", "compile_budgets",
-                                                 "compile_batch_sizes")}
+                                                 "compile_batch_sizes", "budgets")}
     doc["workloads"] = infos
     doc["configs"] = records
     doc["ratios"] = sweep.ratios(records)
+    doc["model_ratios"] = sweep.model_ratios(records)
     _print_sweep(doc)
     return _finish(doc, args, t_start)
 
 
 def _print_sweep(doc):
-    from .plot import STYLE
+    from .plot import SHORT
 
     base = {}
     for c in doc["configs"]:
@@ -211,7 +271,7 @@ def _print_sweep(doc):
           f"{'vs none':>8} {'saved MiB':>10} {'peak MiB':>9}")
     for c in doc["configs"]:
         knob = f"{c['knob']:g}" if c["knob_name"] == "recompute_fraction" else f"b={c['knob']:g}"
-        print(f"{c['workload']:>8} {c['batch_size']:>6} {STYLE[c['strategy']][0][:24]:>24} {knob:>6} "
+        print(f"{c['workload']:>8} {c['batch_size']:>6} {SHORT[c['strategy']][:24]:>24} {knob:>6} "
               f"{c['median_s'] * 1e3:10.1f} {c['p20_s'] * 1e3:7.1f}-{c['p80_s'] * 1e3:<7.1f} "
               f"{c['median_s'] / base[c['workload'], c['batch_size']]:8.3f} "
               f"{_fmt_mib(c['saved_activation_bytes']):>10} {_fmt_mib(c['peak_allocated_bytes']):>9}")
@@ -222,6 +282,12 @@ def _print_sweep(doc):
               f"checkpoint/none {r['time_checkpoint_over_no_recompute']:.3f}; activation memory fusedrc/none "
               f"{r['saved_fusedrc_over_no_recompute']:.3f}, checkpoint/none "
               f"{r['saved_checkpoint_over_no_recompute']:.3f}")
+    for r in doc.get("model_ratios", []):
+        ck = SHORT[r["checkpoint_strategy"]]
+        knob = f" b={r['knob']:g}" if r["knob_name"] == "memory_budget" else ""
+        print(f"{r['workload']} batch {r['batch_size']}, {SHORT[r['strategy']]}{knob}: step time /original "
+              f"{r['time_over_no_recompute']:.3f}, /{ck} {r['time_over_checkpoint']:.3f}; activation bytes "
+              f"/original {r['saved_over_no_recompute']:.3f}, /{ck} {r['saved_over_checkpoint']:.3f}")
 
 
 def run_kernels(argv):
@@ -280,6 +346,12 @@ def run_plot(argv):
 
 
 def main(argv=None):
+    """Entry point of ``fusedrc-bench`` / ``python -m fusedrc.bench``.
+
+    ``fusedrc-bench [options]`` runs the memory-vs-speed sweep, ``fusedrc-bench kernels``
+    the per-kernel microbenchmarks, ``fusedrc-bench plot RESULTS.json`` redraws plots.
+    ``argv`` defaults to ``sys.argv[1:]``; returns the exit status.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plot":
         run_plot(argv[1:])

@@ -1,6 +1,7 @@
 """Plots drawn from a result document alone (matplotlib, Agg, PNG)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +15,18 @@ STYLE = {  # strategy: (label, color, marker)
     "fusedrc": ("fusedrc", "#d62728", "^"),
     "torch_compile": ("torch.compile (activation_memory_budget)", "#2ca02c", "D"),
     "eager": ("eager (unfused)", "#444444", None),
+    # real models (models.py)
+    "torch_checkpoint_blocks": ("torch.utils.checkpoint on blocks", "#1f77b4", "o"),
+    "convert_all": ("fusedrc.convert(policy='all')", "#d62728", "^"),
+    "convert_blocks": ("fusedrc.convert(policy='blocks')", "#d62728", "^"),
+    "convert_budget": ("fusedrc.convert(memory_budget=b)", "#ff7f0e", "D"),
 }
+SHORT = {  # strategy: name in the printed tables
+    "no_recompute": "no recompute", "torch_checkpoint": "torch.utils.checkpoint", "fusedrc": "fusedrc",
+    "torch_compile": "torch.compile (budget)", "torch_checkpoint_blocks": "checkpoint (blocks)",
+    "convert_all": "convert(all)", "convert_blocks": "convert(blocks)", "convert_budget": "convert(budget)",
+}
+MODEL_STRATEGIES = ("torch_checkpoint_blocks", "convert_all", "convert_blocks", "convert_budget")
 _FRACTION_LABEL = {0.0: "0", 0.25: "¼", 0.5: "½", 0.75: "¾", 1.0: "1"}
 # label offsets (points) per strategy, so labels of coinciding points go different ways
 _OFFSET = {"no_recompute": (-8, 8), "torch_checkpoint": (-10, 7), "fusedrc": (7, -11), "torch_compile": (7, 6)}
@@ -61,6 +73,95 @@ def _memory(doc, c):
     return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
 
 
+def _model_memory(doc, c):
+    """Real models: saved activation bytes (CPU), or the step's peak above what was resident before it
+    (CUDA: every strategy's model copy shares the GPU)."""
+    if doc["device"]["type"] == "cuda" and c.get("peak_allocated_bytes") is not None \
+            and c.get("allocated_before_step_bytes") is not None:
+        return ((c["peak_allocated_bytes"] - c["allocated_before_step_bytes"]) / 2**20,
+                "peak memory of a step above the resident weights (MiB)")
+    return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
+
+
+# real-model curves: (legend label, color, marker, [(strategy, point label)]), each starting at the original
+_MODEL_LINES = (
+    ("torch.utils.checkpoint (units convert fuses → whole blocks)", "#1f77b4", "o",
+     [("torch_checkpoint", "units"), ("torch_checkpoint_blocks", "blocks")]),
+    ("fusedrc.convert (policy 'all' → 'blocks')", "#d62728", "^",
+     [("convert_all", "all"), ("convert_blocks", "blocks")]),
+    ("fusedrc.convert(memory_budget=b)", "#ff7f0e", "D", [("convert_budget", None)]),
+)
+_MODEL_OFFSET = {"#1f77b4": (-14, 8), "#d62728": (12, -10), "#ff7f0e": (14, 7)}
+
+
+def _plot_model(doc, wl, cs, plots_dir):
+    batches = sorted({c["batch_size"] for c in cs})
+    fig, axes = plt.subplots(1, len(batches), figsize=(max(8.0, 6.6 * len(batches)), 5.8), squeeze=False)
+    handles, all_texts = {}, []
+    xlabel = None
+    for ax, b in zip(axes[0], batches):
+        rows = [c for c in cs if c["batch_size"] == b]
+        base = next((c for c in rows if c["strategy"] == "no_recompute"), None)
+        texts = []
+        for label, color, marker, parts in _MODEL_LINES:
+            pts = [(base, None)] if base is not None else []
+            for strategy, plabel in parts:
+                got = [c for c in rows if c["strategy"] == strategy]
+                got.sort(key=lambda c: -c["knob"])  # budgets: loose to tight
+                pts += [(c, plabel or f"b={c['knob']:g}") for c in got]
+            if len(pts) < 2:
+                continue
+            xs, ys, lo, hi = [], [], [], []
+            for c, _ in pts:
+                m, xlabel = _model_memory(doc, c)
+                xs.append(m)
+                ys.append(c["median_s"] * 1e3)
+                lo.append((c["median_s"] - c["p20_s"]) * 1e3)
+                hi.append((c["p80_s"] - c["median_s"]) * 1e3)
+            handles[label] = ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker=marker, ms=7, lw=1.6, capsize=3,
+                                         label=label, zorder=3 if "fusedrc" in label else 2)
+            for x, y, (c, plabel) in zip(xs, ys, pts):
+                if plabel is None:
+                    continue
+                texts.append(ax.annotate(plabel, (x, y), xytext=_MODEL_OFFSET[color], textcoords="offset points",
+                                         fontsize=8, color=color, ha="center", va="center"))
+        if base is not None:
+            m, xlabel = _model_memory(doc, base)
+            handles["original (no recompute)"] = ax.errorbar(
+                [m], [base["median_s"] * 1e3],
+                yerr=[[(base["median_s"] - base["p20_s"]) * 1e3], [(base["p80_s"] - base["median_s"]) * 1e3]],
+                color=STYLE["no_recompute"][1], marker="s", ms=9, ls="none", capsize=3, zorder=4,
+                label="original (no recompute)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("step time, median (ms), bars p20–p80")
+        unit = "images" if wl == "resnet50" else "sequences"
+        ax.set_title(f"batch {b} {unit}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.set_xlim(left=0, right=1.12 * max(_model_memory(doc, c)[0] for c in rows))
+        ax.set_ylim(0, 1.35 * max(c["median_s"] for c in rows) * 1e3)
+        all_texts.append(texts)
+    info = doc["workloads"].get(wl, {})
+    desc = "\n".join(textwrap.wrap(info.get("description", wl), 110))
+    fig.suptitle(f"{wl}: memory vs training-step time (fusedrc backend: {doc['fusedrc_backend']})\n{desc}\n"
+                 f"{_title_device(doc)}", fontsize=9.5)
+    order = ["original (no recompute)"] + [lab for lab, *_ in _MODEL_LINES]
+    labels = [lab for lab in order if lab in handles]
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=2, fontsize=8.5, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    kinds = "Conv-BN-ReLU chains" if wl == "resnet50" else "FFNs"
+    fig.text(0.5, 0.105, f"units: the {info.get('units', '?')} {kinds} fusedrc.convert fuses; blocks: the "
+             f"{info.get('blocks', '?')} blocks policy='blocks' recomputes whole;\nb: convert's memory_budget "
+             "(a fraction of the original's activation bytes as convert counts them)",
+             ha="center", va="center", fontsize=7.5, color="#555555")
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    for ax, texts in zip(axes[0], all_texts):
+        _declutter(fig, ax, texts)
+    p = Path(plots_dir) / f"bench_{wl}{'_quick' if doc['quick'] else ''}_{doc['device']['type']}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def plot_sweep(doc, plots_dir) -> list[Path]:
     out = []
     plots_dir = Path(plots_dir)
@@ -69,6 +170,9 @@ def plot_sweep(doc, plots_dir) -> list[Path]:
     for c in doc["configs"]:
         by_wl.setdefault(c["workload"], []).append(c)
     for wl, cs in by_wl.items():
+        if any(c["strategy"] in MODEL_STRATEGIES for c in cs):
+            out.append(_plot_model(doc, wl, cs, plots_dir))
+            continue
         batches = sorted({c["batch_size"] for c in cs})
         fig, axes = plt.subplots(1, len(batches), figsize=(max(8.0, 6.4 * len(batches)), 5.4), squeeze=False)
         handles = {}

@@ -8,15 +8,23 @@ from pathlib import Path
 from . import schema
 
 _CSV_SWEEP = ("workload", "strategy", "batch_size", "knob_name", "knob", "recomputed_blocks", "n_blocks",
-              "median_s", "p20_s", "p80_s", "saved_activation_bytes", "peak_allocated_bytes", "compile_s")
+              "median_s", "p20_s", "p80_s", "saved_activation_bytes", "peak_allocated_bytes", "compile_s",
+              "recomputed_units", "n_units", "convert_s")
 _CSV_KERNELS = ("pattern", "strategy", "shape", "gemm_units", "flops", "median_s", "p20_s", "p80_s", "tflops",
                 "fraction_of_gemm_rate", "saved_activation_bytes")
 
 
+DEFAULT_WORKLOADS = ["ffn", "resnet"]
+
+
 def stem(doc) -> str:
-    """``bench_<kind>[_quick]_<device>_<UTC time>``."""
+    """``bench_<kind>[_<workloads>][_quick]_<device>_<UTC time>``; the workloads are named (joined by ``-``)
+    when a sweep ran other than the default set (e.g. ``bench_sweep_resnet50_cpu_...``)."""
     t = doc["timestamp"].replace("-", "").replace(":", "").replace("+0000", "").replace("T", "-")[:15]
-    return f"bench_{doc['kind']}{'_quick' if doc['quick'] else ''}_{doc['device']['type']}_{t}"
+    tag = ""
+    if doc["kind"] == "sweep" and doc["settings"]["workloads"] != DEFAULT_WORKLOADS:
+        tag = "_" + "-".join(doc["settings"]["workloads"])
+    return f"bench_{doc['kind']}{tag}{'_quick' if doc['quick'] else ''}_{doc['device']['type']}_{t}"
 
 
 def write(doc, results_dir) -> tuple[Path, Path]:

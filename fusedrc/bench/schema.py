@@ -4,6 +4,28 @@ A spec is a Python type (or tuple of types), ``None`` for JSON null, a list with
 one spec (every element matches it), a dict (required keys and their specs;
 keys ending in ``?`` are optional; other keys are allowed) or ``Enum(...)``.
 ``validate(doc)`` raises ``SchemaError`` naming the first offending path.
+
+Sweep documents, real-model additions (``--workload resnet50/opt/models``; all
+optional, so earlier files still validate and the id stays ``fusedrc-bench/1``):
+
+* ``configs[].strategy`` may also be ``torch_checkpoint_blocks`` (``torch.utils.checkpoint``
+  on each whole block), ``convert_all`` / ``convert_blocks`` (``fusedrc.convert(policy=...)``)
+  or ``convert_budget`` (``fusedrc.convert(memory_budget=knob)``); on a real model
+  ``torch_checkpoint`` is ``torch.utils.checkpoint`` on exactly the units convert fuses.
+* ``configs[].knob_name`` may be ``memory_budget`` (convert's fraction of the original's
+  activation bytes); the other real-model strategies have ``recompute_fraction`` 0
+  (original) or 1 (every unit or block of the strategy).
+* ``configs[]`` of a real model also carry ``recomputed_units`` (units fused or
+  checkpointed), ``n_units`` (units convert found), ``convert_s`` (seconds
+  ``fusedrc.convert`` took, budget planning included; null when not converted),
+  ``plan_baseline_bytes`` / ``plan_final_bytes`` (convert's own count of the original's
+  and the converted model's activation bytes; null when not measured).
+* ``settings.budgets``: workload -> the memory_budget fractions asked for.
+* ``model_ratios``: per real model, batch size and convert configuration, step time and
+  saved bytes over the original's (``*_over_no_recompute``) and over
+  ``checkpoint_strategy``'s (``*_over_checkpoint``: ``torch_checkpoint_blocks`` for
+  ``convert_blocks``, else ``torch_checkpoint``); on CUDA also ``step_peak_over_*``
+  (peak allocated during a step minus what was allocated before it).
 """
 from __future__ import annotations
 
@@ -12,6 +34,9 @@ SCHEMA_ID = "fusedrc-bench/1"
 NUM = (int, float)
 OPT_NUM = (int, float, type(None))
 OPT_STR = (str, type(None))
+OPT_INT = (int, type(None))
+SWEEP_STRATEGIES = ("no_recompute", "torch_checkpoint", "fusedrc", "torch_compile",  # synthetic workloads
+                    "torch_checkpoint_blocks", "convert_all", "convert_blocks", "convert_budget")  # real models
 
 
 class SchemaError(ValueError):
@@ -50,19 +75,28 @@ TIMING = {"times_s": [NUM], "median_s": NUM, "p20_s": NUM, "p80_s": NUM}
 SWEEP = {
     **COMMON,
     "settings": {"workloads": [str], "batch_sizes": dict, "fractions": [NUM], "compile_budgets": dict,
-                 "compile_batch_sizes": dict},
+                 "compile_batch_sizes": dict, "budgets?": dict},
     "workloads": dict,
     "configs": [{
-        "workload": str, "strategy": Enum("no_recompute", "torch_checkpoint", "fusedrc", "torch_compile"),
-        "batch_size": int, "knob_name": Enum("recompute_fraction", "activation_memory_budget"), "knob": NUM,
-        "recomputed_blocks": (int, type(None)), "n_blocks": int, **TIMING,
+        "workload": str, "strategy": Enum(*SWEEP_STRATEGIES),
+        "batch_size": int, "knob_name": Enum("recompute_fraction", "activation_memory_budget", "memory_budget"),
+        "knob": NUM, "recomputed_blocks": (int, type(None)), "n_blocks": int, **TIMING,
         "saved_activation_bytes": int, "peak_allocated_bytes": (int, type(None)),
         "allocated_before_step_bytes": (int, type(None)), "compile_s": OPT_NUM,
+        "recomputed_units?": int, "n_units?": int, "convert_s?": OPT_NUM,
+        "plan_baseline_bytes?": OPT_INT, "plan_final_bytes?": OPT_INT,
     }],
     "ratios": [{"workload": str, "batch_size": int, "time_fusedrc_over_checkpoint": NUM,
                 "time_fusedrc_over_no_recompute": NUM, "time_checkpoint_over_no_recompute": NUM,
                 "saved_fusedrc_over_checkpoint": NUM, "saved_fusedrc_over_no_recompute": NUM,
                 "saved_checkpoint_over_no_recompute": NUM}],
+    "model_ratios?": [{"workload": str, "batch_size": int,
+                       "strategy": Enum("convert_all", "convert_blocks", "convert_budget"),
+                       "knob_name": str, "knob": NUM,
+                       "checkpoint_strategy": Enum("torch_checkpoint", "torch_checkpoint_blocks"),
+                       "time_over_no_recompute": NUM, "time_over_checkpoint": NUM,
+                       "saved_over_no_recompute": NUM, "saved_over_checkpoint": NUM,
+                       "step_peak_over_no_recompute?": NUM, "step_peak_over_checkpoint?": NUM}],
 }
 
 KERNELS = {

@@ -5,6 +5,10 @@
 * ``fusedrc``           ``fusedrc.recompute`` (fused ops) on the same units of the first k blocks
 * ``torch_compile``     ``torch.compile`` of the plain model, with
                         ``torch._functorch.config.activation_memory_budget`` = knob
+
+These are the strategies of the synthetic workloads (``ffn``, ``resnet``); the real
+models' (``resnet50``, ``opt``: original, torch.utils.checkpoint on units or blocks,
+``fusedrc.convert`` with a policy or a ``memory_budget``) are in ``models.py``.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ class Runner:
 
     def __init__(self, wl: Workload, cfg: Config, x: torch.Tensor, opt: torch.optim.Optimizer):
         self.wl, self.cfg, self.x, self.opt = wl, cfg, x, opt
+        self.model = wl.model
         self.compiled = None
         if cfg.strategy == "torch_compile":
             self.mode, self.k = "none", 0
@@ -80,9 +85,12 @@ class Runner:
             return self.compiled(x)
         return self.wl.model(x, self.mode, self.k)
 
+    def loss(self, out):
+        return self.wl.loss(out)
+
     def step(self):
         self.opt.zero_grad(set_to_none=True)
-        loss = self.wl.loss(self.forward())
+        loss = self.loss(self.forward())
         loss.backward()
         self.opt.step()
         return loss

@@ -5,6 +5,9 @@ interleaved rounds (one step of each configuration per round), so machine noise
 hits all of them alike. ``torch.compile`` configurations come after every eager
 one and are compiled one at a time (the partitioner reads
 ``activation_memory_budget`` when it compiles), each warmed up and timed on its own.
+The real-model workloads (``models.py``: ResNet-50, OPT) build one model copy per
+strategy (``fusedrc.convert`` runs, budget planning included, before the timing)
+and are timed the same way; torch.compile is not run on them.
 """
 from __future__ import annotations
 
@@ -12,18 +15,17 @@ import time
 
 import torch
 
-from . import measure, strategies, workloads
+from . import measure, models, strategies, workloads
 from .progress import bar
 
 
 def _memory(runner, device):
     """Activation bytes autograd keeps during one forward, and the peak of one full step (CUDA)."""
-    model = runner.wl.model
-    counter = measure.SavedBytes(model.parameters())
+    counter = measure.SavedBytes(runner.model.parameters())
     runner.opt.zero_grad(set_to_none=True)
     with counter:
         out = runner.forward()
-    runner.wl.loss(out).backward()
+    runner.loss(out).backward()
     del out
     runner.opt.zero_grad(set_to_none=True)
     peak, before = measure.peak_allocated(device, runner.step)
@@ -36,11 +38,14 @@ def _budgets(settings, name, batch):
     return settings["compile_budgets"].get(name, [])
 
 
-def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason, progress=True, log=print):
+def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason, progress=True, log=print,
+        skipped=None):
     """Run the sweep described by ``settings``.
 
     Returns ``(workload infos, configuration records, compile_reason)``; ``compile_reason`` is None when
     torch.compile ran, else why it was skipped (the check that it works runs only after the eager phase).
+    Configurations that could not be built (a ``memory_budget`` convert cannot meet) are appended to
+    ``skipped`` as ``{"what", "reason"}``.
 
     Two phases: every eager configuration first, then the torch.compile ones. Code compiled by
     inductor on a CPU brings its own OpenMP threads, whose spin-waiting slowed eager steps measured after
@@ -49,13 +54,19 @@ def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason
     timer = measure.Timer(device)
     warmup, repeats = settings["warmup"], settings["repeats"]
     groups = [(n, b) for n in settings["workloads"] for b in settings["batch_sizes"][n]]
-    n_eager = 1 + 2 * len(settings["fractions"])
+    skipped = [] if skipped is None else skipped
+    n_eager = sum(_n_eager(settings, n) for n, _ in groups)
     n_compile = 0 if compile_reason else sum(len(_budgets(settings, n, b)) for n, b in groups)
-    total = (len(groups) * n_eager + n_compile) * (warmup + repeats + 1)
+    total = (n_eager + n_compile) * (warmup + repeats + 1)
     pbar = bar(total, "fusedrc-bench", disable=not progress)
     infos, records, built, pending = {}, [], {}, []
     try:
         for name in settings["workloads"]:
+            if name in models.MODEL_WORKLOADS:
+                infos[name], recs = _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats,
+                                               skipped)
+                records += recs
+                continue
             wl = built[name] = workloads.build(name, device, dtype, settings["quick"])
             infos[name] = {"description": wl.description, "blocks": wl.n_blocks, "shapes": wl.shapes,
                            "input_shape": list(wl.input_shape),
@@ -84,9 +95,15 @@ def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason
     return infos, records, compile_reason
 
 
+def _n_eager(settings, name):
+    if name in models.MODEL_WORKLOADS:
+        return len(models.MODEL_STRATEGIES) - 1 + len(settings["budgets"][name])
+    return 1 + 2 * len(settings["fractions"])
+
+
 def _record(r, m):
     c = r.cfg
-    return {
+    rec = {
         "workload": c.workload, "strategy": c.strategy, "batch_size": c.batch_size,
         "knob_name": c.knob_name, "knob": c.knob, "recomputed_blocks": c.recomputed_blocks,
         "n_blocks": r.wl.n_blocks,
@@ -94,6 +111,49 @@ def _record(r, m):
         "saved_activation_bytes": m["saved"], "peak_allocated_bytes": m["peak"],
         "allocated_before_step_bytes": m["before"], "compile_s": m["compile_s"],
     }
+    if isinstance(c, models.ModelConfig):
+        rec.update(recomputed_units=c.recomputed_units, n_units=r.wl.n_units, convert_s=c.convert_s,
+                   plan_baseline_bytes=c.plan_baseline_bytes, plan_final_bytes=c.plan_final_bytes)
+    return rec
+
+
+def _time(runners, device, timer, pbar, warmup, repeats):
+    """Saved bytes and peak of each runner, then warm-up and timed steps in interleaved rounds."""
+    out = {}
+    for r in runners:
+        saved, peak, before = _memory(r, device)
+        out[id(r)] = dict(saved=saved, peak=peak, before=before, times=[], compile_s=None)
+        pbar.update(1)
+    for _ in range(warmup):
+        for r in runners:
+            r.step()
+            pbar.update(1)
+    for _ in range(repeats):  # interleaved rounds
+        for r in runners:
+            out[id(r)]["times"].append(timer(r.step))
+            pbar.update(1)
+    return [_record(r, out[id(r)]) for r in runners]
+
+
+def _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats, skipped):
+    """A real model (``models.py``): build, convert, time every strategy at each batch size."""
+    pbar.set_postfix_str(f"{name}: building")
+    wl = models.build(name, device, dtype, settings["quick"])
+    records = []
+    for batch in settings["batch_sizes"][name]:
+        pbar.set_postfix_str(f"{name} batch {batch}: fusedrc.convert (budget planning)")
+        n_skipped = len(skipped)
+        runners = models.runners_for(wl, batch, device, dtype, settings["budgets"][name], skipped)
+        pbar.update((len(skipped) - n_skipped) * (warmup + repeats + 1))  # budgets convert could not meet
+        pbar.set_postfix_str(f"{name} batch {batch}")
+        records += _time(runners, device, timer, pbar, warmup, repeats)
+        del runners
+    info = {"description": wl.description, "blocks": wl.n_blocks, "units": wl.n_units, "shapes": wl.shapes,
+            "input_shape": list(wl.make_batch(1, "cpu", torch.float32)[0][0].shape[1:]),
+            "parameters": sum(p.numel() for p in wl.model.parameters()),
+            "step": f"zero_grad + forward + {wl.loss_desc} + backward + SGD.step", "model": True,
+            "budgets": list(settings["budgets"][name]), **wl.plan_info}  # unit_names, block_names, ...
+    return info, records
 
 
 def _run_group(wl, batch, device, dtype, settings, compile_ok, timer, pbar, warmup, repeats):
@@ -104,21 +164,8 @@ def _run_group(wl, batch, device, dtype, settings, compile_ok, timer, pbar, warm
     runners = [strategies.Runner(wl, c, x, opt) for c in cfgs]
     eager = [r for r in runners if r.cfg.strategy != "torch_compile"]
     compiled = [r for r in runners if r.cfg.strategy == "torch_compile"]
-    out = {}
     pbar.set_postfix_str(f"{wl.name} batch {batch}")
-    for r in eager:
-        saved, peak, before = _memory(r, device)
-        out[id(r)] = dict(saved=saved, peak=peak, before=before, times=[], compile_s=None)
-        pbar.update(1)
-    for _ in range(warmup):
-        for r in eager:
-            r.step()
-            pbar.update(1)
-    for _ in range(repeats):  # interleaved rounds
-        for r in eager:
-            out[id(r)]["times"].append(timer(r.step))
-            pbar.update(1)
-    return [_record(r, out[id(r)]) for r in eager], compiled
+    return _time(eager, device, timer, pbar, warmup, repeats), compiled
 
 
 def _run_compiled(r, device, timer, pbar, warmup, repeats):
@@ -168,6 +215,47 @@ def ratios(records):
             row["peak_fusedrc_over_checkpoint"] = fr["peak_allocated_bytes"] / ck["peak_allocated_bytes"]
             row["peak_fusedrc_over_no_recompute"] = fr["peak_allocated_bytes"] / none["peak_allocated_bytes"]
         out.append(row)
+    return out
+
+
+def step_peak(r):
+    """Peak bytes one step allocated above what was resident before it (CUDA), else None."""
+    if r.get("peak_allocated_bytes") is None or r.get("allocated_before_step_bytes") is None:
+        return None
+    return r["peak_allocated_bytes"] - r["allocated_before_step_bytes"]
+
+
+CHECKPOINT_OF = {"convert_all": "torch_checkpoint", "convert_budget": "torch_checkpoint",
+                 "convert_blocks": "torch_checkpoint_blocks"}
+
+
+def model_ratios(records):
+    """Real models: each fusedrc.convert configuration against the original and against
+    torch.utils.checkpoint at the same granularity (policy 'blocks': checkpoint on each block; 'all' and
+    budgets: checkpoint on the units convert fuses)."""
+    out = []
+    groups = {}
+    for r in records:
+        groups.setdefault((r["workload"], r["batch_size"]), []).append(r)
+    for (w, b), rs in groups.items():
+        by = {r["strategy"]: r for r in rs if r["strategy"] != "convert_budget"}
+        none = by.get("no_recompute")
+        if none is None:
+            continue
+        for r in rs:
+            ck = by.get(CHECKPOINT_OF.get(r["strategy"], ""))
+            if ck is None:
+                continue
+            row = {"workload": w, "batch_size": b, "strategy": r["strategy"], "knob_name": r["knob_name"],
+                   "knob": r["knob"], "checkpoint_strategy": ck["strategy"],
+                   "time_over_no_recompute": r["median_s"] / none["median_s"],
+                   "time_over_checkpoint": r["median_s"] / ck["median_s"],
+                   "saved_over_no_recompute": r["saved_activation_bytes"] / max(none["saved_activation_bytes"], 1),
+                   "saved_over_checkpoint": r["saved_activation_bytes"] / max(ck["saved_activation_bytes"], 1)}
+            if step_peak(r) is not None and step_peak(none) and step_peak(ck):
+                row["step_peak_over_no_recompute"] = step_peak(r) / step_peak(none)
+                row["step_peak_over_checkpoint"] = step_peak(r) / step_peak(ck)
+            out.append(row)
     return out
 
 

@@ -1,4 +1,6 @@
-"""The built-in workloads: a transformer FFN stack and a small ResNet (no downloads).
+"""The built-in synthetic workloads: a transformer FFN stack and a small ResNet (no downloads).
+
+(The real models, torchvision ResNet-50 and Hugging Face OPT, are in ``models.py``.)
 
 A workload is a model made of ``n`` blocks plus ``forward(x, mode, k)``, which runs
 the first ``k`` blocks under the recompute ``mode`` (``"none"``, ``"checkpoint"``
@@ -133,6 +135,12 @@ class Workload:
 
 
 def default_batch_sizes(name: str, device_type: str, quick: bool):
+    if name in ("resnet50", "opt"):  # the real models (models.py)
+        if quick:
+            return [2]
+        if device_type == "cuda":
+            return [32, 128] if name == "resnet50" else [4, 16]
+        return [16] if name == "resnet50" else [8]
     if quick:
         return [256] if name == "ffn" else [8]
     if device_type == "cuda":
