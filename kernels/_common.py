@@ -389,6 +389,28 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     return out
 
 
+# The backward's plain GEMMs (dX, dW, the FFN's g_a and dW2: no epilogue, nothing
+# recomputed): "aten" runs them as torch.mm (cuBLAS) on CUDA, "triton" as _gemm_act_kernel.
+# Measured on an H100, bf16, 8192x4096x16384: cuBLAS 1.32 ms, _gemm_act_kernel 1.66 ms
+# (benchmarks/results/gpu_logs/profile_h100_*.log). Under deterministic algorithms the Triton
+# kernel is used (cuBLAS would need CUBLAS_WORKSPACE_CONFIG).
+PLAIN_GEMM = "aten"
+
+
+def uses_aten_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``plain_gemm(a, b)`` runs torch.mm rather than the Triton kernel."""
+    return (PLAIN_GEMM == "aten" and a.is_cuda and a.dtype == b.dtype
+            and not torch.are_deterministic_algorithms_enabled())
+
+
+def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """a @ b with fp32 accumulation, output (M, N) in ``out_dtype`` (default a.dtype)."""
+    if uses_aten_gemm(a, b):
+        out = torch.mm(a, b)
+        return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
+    return gemm_act(a, b, None, out_dtype=out_dtype)
+
+
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
                   store_act: bool = False, config: GemmConfig | None = None):
     """Recompute h = a @ b + bias in tiles and return (g_h, act(h) or None, dbias or None).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton  # noqa: F401  (this module is only imported by the triton backend)
 
-from ._common import check_activation, gemm_act, gemm_act_grad
+from ._common import check_activation, gemm_act, gemm_act_grad, plain_gemm
 
 __all__ = ["fused_mlp_forward", "fused_mlp_backward"]
 
@@ -34,12 +34,12 @@ def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation):
     """Returns (dx, dw1, db1, dw2, db2); db1/db2 are None when b1/b2 are None."""
     assert x.dim() == 2, "fused_mlp_backward expects a 2-D x"
     check_activation(activation)
-    grad_a = gemm_act(grad_out, w2, None, out_dtype=x.dtype)              # (M, N) @ (N, H)
+    grad_a = plain_gemm(grad_out, w2, out_dtype=x.dtype)              # (M, N) @ (N, H)
     gh, a, db1 = gemm_act_grad(x, w1.t(), b1, grad_a, activation, store_act=True)
     del grad_a
-    dw2 = gemm_act(grad_out.t(), a, None, out_dtype=w2.dtype)             # (N, M) @ (M, H)
+    dw2 = plain_gemm(grad_out.t(), a, out_dtype=w2.dtype)             # (N, M) @ (M, H)
     del a
     db2 = grad_out.sum(0, dtype=torch.float32).to(b2.dtype) if b2 is not None else None
-    dx = gemm_act(gh, w1, None, out_dtype=x.dtype)                         # (M, H) @ (H, K)
-    dw1 = gemm_act(gh.t(), x, None, out_dtype=w1.dtype)                    # (H, M) @ (M, K)
+    dx = plain_gemm(gh, w1, out_dtype=x.dtype)                         # (M, H) @ (H, K)
+    dw1 = plain_gemm(gh.t(), x, out_dtype=w1.dtype)                    # (H, M) @ (M, K)
     return dx, dw1, db1, dw2, db2

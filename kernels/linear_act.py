@@ -7,13 +7,14 @@ Backward: one kernel recomputes h tile by tile (same tile configuration and K
 order as the forward, so h is bit-identical), multiplies grad_out by act'(h) in
 its epilogue and stores g_h, plus per-row-tile partial column sums of g_h for
 the bias gradient (reduced by a tiny sum over cdiv(M, BLOCK_M) rows). Then
-dX = g_h W and dW = g_h^T x are two Triton GEMMs. GEMM count: 1 + 3.
+dX = g_h W and dW = g_h^T x are plain GEMMs (``_common.plain_gemm``: cuBLAS on
+CUDA, measured faster; the Triton kernel under the interpreter). GEMM count: 1 + 3.
 """
 from __future__ import annotations
 
 import triton  # noqa: F401  (this module is only imported by the triton backend)
 
-from ._common import check_activation, gemm_act, gemm_act_grad
+from ._common import check_activation, gemm_act, gemm_act_grad, plain_gemm
 
 __all__ = ["linear_act_forward", "linear_act_backward", "linear_act_grad_h"]
 
@@ -36,6 +37,6 @@ def linear_act_grad_h(x, weight, bias, grad_out, activation):
 def linear_act_backward(x, weight, bias, grad_out, activation):
     """(dx, dweight, dbias); dbias is None when bias is None. h is recomputed in-kernel."""
     gh, dbias = linear_act_grad_h(x, weight, bias, grad_out, activation)
-    dx = gemm_act(gh, weight, None, out_dtype=x.dtype)          # (M, N) @ (N, K)
-    dweight = gemm_act(gh.t(), x, None, out_dtype=weight.dtype)  # (N, M) @ (M, K)
+    dx = plain_gemm(gh, weight, out_dtype=x.dtype)          # (M, N) @ (N, K)
+    dweight = plain_gemm(gh.t(), x, out_dtype=weight.dtype)  # (N, M) @ (M, K)
     return dx, dweight, dbias
