@@ -100,7 +100,9 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
                 if key not in self._seen:
                     self._seen.add(key)
                     self.bytes += t.numel() * t.element_size()
-            return t
+            # detached: a saved *output* packed as itself holds its own grad_fn, a reference cycle that
+            # the forward-only measurement never frees (about the activations' size per call)
+            return t if isinstance(t, nn.Parameter) else t.detach()
 
         super().__init__(pack, lambda t: t)
 

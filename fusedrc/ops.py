@@ -48,7 +48,7 @@ def _channels_last(x: Tensor) -> bool:
 
 
 def _dense_strides(shape, channels_last: bool = False):
-    if channels_last:
+    if channels_last and len(shape) == 4:  # an absent gradient travels as a 1-D empty tensor
         n, c, h, w = shape
         return (h * w * c, 1, w * c, c)
     strides, step = [], 1

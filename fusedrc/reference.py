@@ -131,7 +131,9 @@ def conv_bn_act_backward(
         # same kernel as the forward: the pre-activation, hence the mask, is bit-identical
         pre = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)[0]
     else:
-        pre = F.batch_norm(z, mean, rstd.pow(-2) - eps, bn_weight, bn_bias, False, 0.0, eps)
+        # F.batch_norm wants the statistics in the affine parameters' dtype (bf16/fp16 BN params)
+        sdt = bn_weight.dtype if bn_weight is not None else (bn_bias.dtype if bn_bias is not None else mean.dtype)
+        pre = F.batch_norm(z, mean.to(sdt), (rstd.pow(-2) - eps).to(sdt), bn_weight, bn_bias, False, 0.0, eps)
     if residual is not None:
         pre = pre + residual
     acc = _acc_dtype(x)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
