@@ -16,6 +16,9 @@ __all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
 
 
 def _autocast_on(device_type: str) -> bool:
+    if torch.compiler.is_compiling():
+        # dynamo (torch 2.11) cannot trace is_autocast_available; fake tensors carry real device types
+        return torch.is_autocast_enabled(device_type)
     # 'meta' and other device types without autocast: is_autocast_enabled would raise
     available = getattr(torch.amp, "is_autocast_available", None)
     if available is not None and not available(device_type):

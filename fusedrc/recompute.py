@@ -392,6 +392,12 @@ def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use
     Under ``torch.no_grad()`` or ``inference_mode()`` the block is simply called.
     BatchNorm running statistics change once per forward, never in the rerun.
 
+    Under ``torch.compile`` a recognised pattern is matched at trace time and its
+    fused op (a ``torch.library`` custom op) goes into the graph: no graph break. A
+    generic block runs through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
+    which dynamo traces (no graph break either) and the compiled backward reruns; there
+    ``output_recompute``, ``early_stop`` and ``determinism_check`` have no effect.
+
     Returns:
         What ``block(*args, **kwargs)`` returns.
 
@@ -502,6 +508,8 @@ def mark(module, output_recompute=False):
 
     Returns the module. Marking a module that contains a marked module raises
     ``RecomputeError``, as does calling a marked module inside another one.
+    Under ``torch.compile`` the module is recomputed as :func:`recompute` does there
+    (nesting is then not checked: nested regions are nested checkpoints).
 
     Example::
 

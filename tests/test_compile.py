@@ -1,0 +1,329 @@
+"""torch.compile: fused ops trace with zero graph breaks and match eager (issue 7.1, DESIGN.md §2).
+
+Each check compiles with ``fullgraph=True`` (any graph break raises) and also asks
+``torch._dynamo.explain`` for its break count and the ops in the graph; then it runs
+two training steps eagerly and compiled on twins of one model and compares outputs,
+input and parameter gradients, and buffers (BatchNorm running statistics).
+CPU runs use the reference backend with ``aot_eager`` (inductor on CPU costs
+~20 s a compile here: one test); the CUDA test runs the Triton backend under inductor.
+"""
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fusedrc
+from fusedrc import functional as F
+from _utils import rel_err
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # one module's forward is compiled for many models: no cache-limit fallbacks
+    yield
+    torch._dynamo.reset()
+
+
+def _graph_ops(fn, *args):
+    """(graph count, break count, op names) from torch._dynamo.explain."""
+    torch._dynamo.reset()
+    e = torch._dynamo.explain(fn)(*args)
+    ops = [str(op) for graph in e.ops_per_graph for op in graph]
+    torch._dynamo.reset()
+    return e.graph_count, e.graph_break_count, ops
+
+
+def _compare(make, shape, *, device="cpu", dtype=torch.float32, backend="aot_eager", expect_ops=(), steps=2,
+             atol=1e-5, tol=None, fullgraph=True):
+    """Compile a twin of ``make()`` and check it against eager over ``steps`` training steps."""
+    torch.manual_seed(0)
+    eager = make().to(device)
+    torch.manual_seed(0)
+    twin = make().to(device)
+    twin.load_state_dict(eager.state_dict())
+    if fullgraph:
+        probe = make().to(device)  # explain runs the model: a third twin, so the others' BN stats stay equal
+        graphs, breaks, ops = _graph_ops(probe, torch.randn(*shape, device=device, dtype=dtype, requires_grad=True))
+        assert (graphs, breaks) == (1, 0), ops
+        for name in expect_ops:
+            assert any(name in op for op in ops), (name, ops)
+    compiled = torch.compile(twin, backend=backend, fullgraph=fullgraph)  # fullgraph: any break raises
+    for step in range(steps):
+        x = torch.randn(*shape, device=device, dtype=dtype)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(step)
+        ye = eager(xe)
+        torch.manual_seed(step)
+        yc = compiled(xc)
+        g = torch.randn_like(ye)
+        ye.backward(g)
+        yc.backward(g)
+        pairs = [("output", ye, yc), ("input grad", xe.grad, xc.grad)]
+        pairs += [(f"grad {n}", p.grad, q.grad) for (n, p), q in zip(eager.named_parameters(), twin.parameters())]
+        pairs += [(f"buffer {n}", b, c) for (n, b), c in zip(eager.named_buffers(), twin.buffers())]
+        for what, a, b in pairs:
+            assert (a is None) == (b is None), what
+            if a is None:
+                continue
+            if not a.is_floating_point():
+                assert torch.equal(a, b), (what, a, b)
+            elif tol is not None:
+                assert rel_err(b, a) < tol, (what, rel_err(b, a))
+            else:
+                torch.testing.assert_close(b, a, atol=atol, rtol=1e-5, msg=f"step {step}: {what}")
+        for p in list(eager.parameters()) + list(twin.parameters()):
+            p.grad = None
+    return compiled
+
+
+# --------------------------------------------------------------------------- models
+class _Functional(nn.Module):
+    def __init__(self, kind, activation):
+        super().__init__()
+        self.kind, self.activation = kind, activation
+        if kind == "conv_bn_act":
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+        else:
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        if self.kind == "linear_act":
+            return F.linear_act(x, self.fc1.weight, self.fc1.bias, self.activation)
+        if self.kind == "fused_mlp":
+            return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation)
+        bn = self.bn
+        return F.conv_bn_act(x, self.conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                             training=self.training, momentum=bn.momentum, eps=bn.eps, padding=1,
+                             bias=self.conv.bias, activation=self.activation)
+
+
+def _net():
+    """Conv-BN-ReLU stem, Linear-ReLU-Linear FFN and a lone Linear-ReLU, as plain torch modules."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 32), nn.ReLU(), nn.Linear(32, 16),
+        nn.Linear(16, 24), nn.ReLU(),
+    )
+
+
+_FUSED_NET_OPS = ("fusedrc.conv_bn_act", "fusedrc.fused_mlp", "fusedrc.linear_act")
+
+
+class _Recomputed(nn.Module):
+    """``fusedrc.recompute`` of a block inside a model."""
+
+    def __init__(self, block, **kwargs):
+        super().__init__()
+        self.block, self.kwargs = block, kwargs
+
+    def forward(self, x):
+        return fusedrc.recompute(self.block, x, **self.kwargs)
+
+
+# --------------------------------------------------------------------------- fake implementations
+def _fake_matches_real(op, *args):
+    """The op's fake outputs have the real outputs' shapes, strides, dtypes and devices
+    (inductor asserts the strides; opcheck does not compare them)."""
+    real = op(*args)
+    mode = FakeTensorMode()
+    with mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+    assert len(real) == len(fake)
+    for i, (r, f) in enumerate(zip(real, fake)):
+        meta = lambda t: (tuple(t.shape), t.stride() if t.numel() else None, t.dtype, t.device)  # noqa: E731
+        assert meta(r) == meta(f), (op, i, meta(r), meta(f))
+    return real
+
+
+def _layout_cases(device, backend):
+    from fusedrc import ops
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    x = t(16, 4).t()  # non-contiguous (16, 4) -> strides (1, 16)
+    w1, b1, w2, b2 = t(8, 16), t(8), t(5, 8), t(5)
+    g = t(4, 8)
+    yield ops.linear_act_op, (x, w1, b1, "relu", backend)
+    yield ops.linear_act_backward_op, (x, w1, b1, g, "relu", backend)
+    yield ops.linear_act_backward_op, (x, w1, None, g, "gelu", backend)
+    yield ops.fused_mlp_op, (x, w1, None, w2, b2, "silu", backend)
+    yield ops.fused_mlp_backward_op, (x, w1, None, w2, b2, t(4, 5), "silu", backend)
+    geometry = (1e-5, [1, 1], [1, 1], [1, 1], "relu", backend)
+    for dtype, cl in ((torch.float32, True), (torch.float32, False), (torch.float16, True), (torch.float64, False)):
+        if dtype == torch.float16 and device == "cpu" and backend == "reference":
+            continue  # CPU half conv: not every torch build has it
+        xc = t(2, 4, 5, 5, dtype=dtype)
+        xc = xc.to(memory_format=torch.channels_last) if cl else xc
+        wc, res = t(6, 4, 3, 3, dtype=dtype), t(2, 6, 5, 5, dtype=dtype)  # residual contiguous either way
+        bn = torch.float64 if dtype == torch.float64 else torch.float32  # fp32 BN with fp16 x, as under autocast
+        gamma, beta, rm, rv = t(6, dtype=bn), t(6, dtype=bn), t(6, dtype=bn), t(6, dtype=bn).abs() + 0.5
+        for training in (True, False):
+            y, mean, rstd = _fake_matches_real(
+                ops.conv_bn_act_op, xc, wc, None, gamma, beta, rm, rv, res, training, *geometry)
+            yield ops.conv_bn_act_backward_op, (xc, wc, None, gamma, beta, mean, rstd, res, torch.randn_like(y),
+                                                training, *geometry)
+
+
+def test_fake_implementations_match_real_layouts():
+    for op, args in _layout_cases("cpu", "reference"):
+        _fake_matches_real(op, *args)
+
+
+def test_fake_implementations_match_triton_layouts(device):
+    if device.type == "cpu" and not fusedrc._backend.interpreter_active():
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    if not fusedrc._backend.triton_available():
+        pytest.skip("Triton is not installed")
+    for op, args in _layout_cases(device.type, "triton"):
+        _fake_matches_real(op, *args)
+
+
+# --------------------------------------------------------------------------- reference backend, CPU
+@pytest.fixture
+def reference():
+    with fusedrc.use_backend("reference"):
+        yield
+
+
+@pytest.mark.parametrize("kind,activation,shape", [
+    ("linear_act", "gelu", (2, 5, 16)),
+    ("fused_mlp", "silu", (6, 16)),
+    ("conv_bn_act", "relu", (2, 3, 6, 6)),
+])
+def test_functional_ops(reference, kind, activation, shape):
+    _compare(lambda: _Functional(kind, activation), shape, expect_ops=(f"fusedrc.{kind}",))
+
+
+@pytest.mark.parametrize("make,shape,op", [
+    (lambda: fusedrc.nn.LinearReLU(16, 24), (4, 16), "fusedrc.linear_act"),
+    (lambda: fusedrc.nn.FusedMLP(16, 32, activation="gelu_tanh"), (3, 16), "fusedrc.fused_mlp"),
+    (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1), (2, 3, 6, 6), "fusedrc.conv_bn_act"),
+    (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, stride=2, padding=1, bias=True).eval(), (2, 3, 7, 7),
+     "fusedrc.conv_bn_act"),
+], ids=["LinearReLU", "FusedMLP", "ConvBNReLU", "ConvBNReLU-eval"])
+def test_modules(reference, make, shape, op):
+    _compare(make, shape, expect_ops=(op,), steps=3)
+
+
+def test_conv_bn_cumulative_momentum(reference):
+    # momentum=None: the averaging factor 1/num_batches_tracked is read from a tensor every
+    # step, a graph break (torch's own BatchNorm2d(momentum=None) does not compile with
+    # fullgraph=True either); the results are still right
+    def make():
+        m = fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1)
+        m.bn.momentum = None
+        return m
+
+    _compare(make, (2, 3, 6, 6), steps=3, fullgraph=False)
+
+
+def test_converted_model(reference):
+    _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), expect_ops=_FUSED_NET_OPS, steps=3)
+
+
+def test_converted_model_inductor(reference):
+    # inductor asserts the custom ops' real output strides against their fake implementations
+    _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), backend="inductor", steps=2, atol=1e-4)
+
+
+@pytest.mark.parametrize("block,shape,op", [
+    (lambda: nn.Sequential(nn.Linear(16, 24), nn.ReLU()), (4, 16), "fusedrc.linear_act"),
+    (lambda: nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Dropout(0.0), nn.Linear(48, 16)), (4, 16),
+     "fusedrc.fused_mlp"),
+    (lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()), (2, 3, 6, 6),
+     "fusedrc.conv_bn_act"),
+    (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1), (2, 3, 6, 6), "fusedrc.conv_bn_act"),
+], ids=["linear_relu", "ffn", "conv_bn_relu", "ConvBNReLU"])
+def test_recompute_of_a_pattern_is_the_fused_op(reference, block, shape, op):
+    # pattern matching runs at trace time: the graph holds the fused op, no checkpoint
+    _compare(lambda: _Recomputed(block()), shape, expect_ops=(op,))
+    _, _, ops = _graph_ops(_Recomputed(block()), torch.randn(*shape, requires_grad=True))
+    assert not any("checkpoint" in o for o in ops), ops
+
+
+def _generic(p=0.3):
+    # aot_eager draws dropout masks from the eager RNG stream; inductor has its own generator
+    return nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.Tanh(), nn.Dropout(p), nn.Linear(32, 16))
+
+
+def test_generic_region_goes_through_torch_checkpoint(reference):
+    # the saved-tensors-hook engine is not traceable: under compile a generic region is
+    # torch.utils.checkpoint (dynamo's tag_activation_checkpoint), no graph break
+    _compare(lambda: _Recomputed(_generic()), (4, 16), expect_ops=("tag_activation_checkpoint",), steps=2)
+
+
+def test_generic_region_with_batchnorm_updates_running_stats_once(reference):
+    block = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh())  # noqa: E731
+    _compare(lambda: _Recomputed(block()), (2, 3, 6, 6), expect_ops=("tag_activation_checkpoint",), steps=3)
+
+
+def test_generic_region_options_under_compile(reference):
+    # output_recompute has no effect under compile (the output is kept), nor do early_stop and
+    # determinism_check (the rerun is part of the compiled backward); results are unchanged
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _generic(), _generic()
+
+        def forward(self, x):
+            h = fusedrc.recompute(self.a, x, output_recompute=True)
+            return fusedrc.recompute(self.b, h, determinism_check="none", early_stop=False)
+
+    _compare(Two, (4, 16), expect_ops=("tag_activation_checkpoint",))
+
+
+def test_marked_modules(reference):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.generic = fusedrc.mark(_generic())
+            self.ffn = fusedrc.mark(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))
+
+        def forward(self, x):
+            return self.ffn(self.generic(x))
+
+    _compare(Net, (4, 16), expect_ops=("tag_activation_checkpoint", "fusedrc.fused_mlp"))
+
+
+def test_backend_choice_is_guarded(monkeypatch, device):
+    # the backend is resolved at trace time; switching it recompiles instead of reusing the graph
+    from fusedrc import ops
+
+    seen = []
+    real = ops.get_impl
+    monkeypatch.setattr(ops, "get_impl", lambda backend, *a: seen.append(backend) or real(backend, *a))
+    model = fusedrc.nn.LinearReLU(16, 8).to(device)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with fusedrc.use_backend("reference"):
+        compiled(x).sum().backward()
+    assert seen == ["reference", "reference"]
+    del seen[:]
+    if not fusedrc._backend.triton_available():
+        pytest.skip("Triton is not installed")
+    if device.type == "cpu" and not fusedrc._backend.interpreter_active():
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    with fusedrc.use_backend("triton"):  # on the CPU: Triton's interpreter
+        y = compiled(x)
+        y.sum().backward()
+    assert seen == ["triton", "triton"]
+    torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- Triton backend, CUDA
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the Triton backend under inductor is checked on a GPU")
+def test_triton_backend_on_cuda_inductor():
+    with fusedrc.use_backend("triton"):
+        _compare(lambda: fusedrc.convert(_net()), (8, 3, 6, 6), device="cuda", backend="inductor",
+                 expect_ops=_FUSED_NET_OPS, steps=3, tol=1e-4)
+        _compare(lambda: _Recomputed(_generic(p=0.0)), (8, 16), device="cuda", backend="inductor",
+                 expect_ops=("tag_activation_checkpoint",), tol=1e-4)
+        for dtype in (torch.float16, torch.bfloat16):
+            _compare(lambda: fusedrc.nn.FusedMLP(64, 128, activation="gelu").to(dtype), (32, 64), device="cuda",
+                     dtype=dtype, backend="inductor", expect_ops=("fusedrc.fused_mlp",), tol=1e-2)
