@@ -47,7 +47,9 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
                 return t
             key = (ptr, t.storage_offset(), tuple(t.shape), t.dtype)
             self.seen.setdefault(key, t.numel() * t.element_size())
-            return t
+            # detached: a saved output packed as itself would hold its own grad_fn (a reference cycle
+            # that leaks the graph when no backward follows)
+            return t.detach()
 
         super().__init__(pack, lambda t: t)
 
