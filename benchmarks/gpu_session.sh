@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # One GPU call: per-kernel microbenchmarks, the default sweep (no torch.compile: its budgets
-# were measured in an earlier run) and the test suite, everything written under $1.
+# were measured in an earlier run), the real models and the test suite. Everything lands in
+# $1/gpu.tgz, re-packed after each step so a call cut short still returns what it finished.
 # Usage on the GPU machine: FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT"
 set -u
 out=${1:?results folder}
+w=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-mkdir -p "$out/results" "$out/plots"
+mkdir -p "$w/results" "$w/plots"
+pack() { tar czf "$out/gpu.tgz" -C "$w" . ; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout 60 python3 -m fusedrc.bench kernels --no-progress --results-dir "$out/results" --plots-dir "$out/plots" 2>&1 | tail -14
-timeout 150 python3 -m fusedrc.bench --no-compile --no-progress --results-dir "$out/results" --plots-dir "$out/plots" 2>&1 | tail -30
-timeout 80 python3 -m fusedrc.bench --workload models --batch-sizes 32 --no-progress --results-dir "$out/results" --plots-dir "$out/plots" 2>&1 | tail -24
+bench() { python3 -m fusedrc.bench "$@" --no-progress --results-dir "$w/results" --plots-dir "$w/plots"; }
+timeout 60 bench kernels 2>&1 | tail -14; pack
+timeout 150 bench --no-compile 2>&1 | tail -30; pack
+timeout 80 bench --workload models --batch-sizes 32 2>&1 | tail -24; pack
 timeout 180 python3 -m pytest -q -n 12 -p no:cacheprovider -rfs --maxfail=40 tests --ignore=tests/test_inspect.py \
-    > "$out/pytest.log" 2>&1
-tail -25 "$out/pytest.log" | grep -v "^  File"
+    > "$w/pytest.log" 2>&1
+pack
+tail -25 "$w/pytest.log" | grep -v "^  File"
