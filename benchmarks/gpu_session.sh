@@ -11,10 +11,10 @@ mkdir -p "$w/results" "$w/plots"
 pack() { tar czf "$out/gpu.tgz" -C "$w" . ; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-bench() { python3 -m fusedrc.bench "$@" --no-progress --results-dir "$w/results" --plots-dir "$w/plots"; }
-timeout 60 bench kernels 2>&1 | tail -14; pack
-timeout 150 bench --no-compile 2>&1 | tail -30; pack
-timeout 80 bench --workload models --batch-sizes 32 2>&1 | tail -24; pack
+opts=(--no-progress --results-dir "$w/results" --plots-dir "$w/plots")
+timeout 60 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14; pack
+timeout 150 python3 -m fusedrc.bench --no-compile "${opts[@]}" 2>&1 | tail -30; pack
+timeout 80 python3 -m fusedrc.bench --workload models --batch-sizes 32 "${opts[@]}" 2>&1 | tail -24; pack
 timeout 180 python3 -m pytest -q -n 12 -p no:cacheprovider -rfs --maxfail=40 tests --ignore=tests/test_inspect.py \
     > "$w/pytest.log" 2>&1
 pack
