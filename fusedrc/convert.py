@@ -257,7 +257,9 @@ def _cbr(site, conv, bn, act, x, residual=None):
 
     def plain(x, residual=None):
         y = bn(conv(x))
-        return act(y if residual is None else y + residual)
+        if residual is not None:
+            y += residual  # in place, as torchvision's blocks: an fp32 identity under autocast keeps y half
+        return act(y)
 
     if site is not None and site.enabled and not _runtime_cbr_ok(conv, bn, act, x):
         site = None
@@ -306,8 +308,10 @@ class FusedResNet(Wrapper):
 
 def _ffn_runtime_ok(fc1, act_mod, drop, fc2, x):
     return (
-        isinstance(x, torch.Tensor) and x.is_floating_point()
-        and x.dtype == fc1.weight.dtype == fc2.weight.dtype and x.device == fc1.weight.device
+        isinstance(x, torch.Tensor) and x.is_floating_point() and fc1.weight.dtype == fc2.weight.dtype
+        # under autocast the input of a later FFN is already half: the op casts as F.linear does
+        and (x.dtype == fc1.weight.dtype or torch.is_autocast_enabled(x.device.type))
+        and x.device == fc1.weight.device
         and (drop is None or _is_noop_dropout(drop) or (isinstance(drop, nn.Dropout) and drop.p == 0))
         and _nohooks(fc1, act_mod, drop, fc2)
     )

@@ -42,6 +42,11 @@ def test_autocast_matches_eager(dtype):
     y.float().square().mean().backward()
     y_ref.float().square().mean().backward()
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        if name == "conv.0.bias":
+            # BatchNorm in training cancels the conv bias: its gradient is rounding noise in both
+            scale = ref.conv[0].weight.grad.norm()
+            assert p.grad.norm() < 5e-2 * scale and q.grad.norm() < 5e-2 * scale
+            continue
         rel = (p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)
         assert rel < 5e-2, (name, rel.item())
     torch.testing.assert_close(net.conv[1].running_mean, ref.conv[1].running_mean, rtol=1e-2, atol=1e-3)

@@ -154,7 +154,10 @@ def test_models_quick_run_valid_json_and_plots(models_run):
         # checkpoint on the units convert fuses keeps what the fused units keep (conv+BN fused ops also keep
         # a per-channel mean and rstd: a few percent at this tiny size); whole blocks keep less than units
         assert saved["torch_checkpoint"] < saved["no_recompute"]
-        assert saved["convert_all"] <= 1.1 * saved["torch_checkpoint"]
+        # fp32 per-channel mean/rstd weigh more next to 16-bit activations (bf16 on CUDA), and the quick
+        # ResNet-50's last stages are 1x1 pixels: there they are as large as the activation itself
+        slack = 1.1 if doc["dtype"] == "float32" else 1.25
+        assert saved["convert_all"] <= slack * saved["torch_checkpoint"]
         assert saved["convert_blocks"] <= 1.05 * saved["torch_checkpoint_blocks"]
         assert saved["convert_blocks"] < saved["convert_all"] < saved["no_recompute"]
         assert cs["convert_all"]["recomputed_units"] == cs["torch_checkpoint"]["recomputed_units"] == info["units"]
