@@ -524,14 +524,27 @@ def mark(module, output_recompute=False):
                 f"cannot mark {type(module).__name__}: its submodule {name!r} is already marked; nested "
                 "recomputed modules are not allowed (as in MindSpore). Unmark the inner one first."
             )
-    original = type(module).forward.__get__(module)
     options = {"output_recompute": bool(output_recompute)}
+    module.__dict__[_MARK] = options
+    module.__dict__["forward"] = _MarkedForward(module)
+    return module
 
-    def forward(*args, **kwargs):
+
+class _MarkedForward:
+    """The instance ``forward`` of a marked module. An object holding the module, not a
+    closure, so ``copy.deepcopy`` (and ``convert``'s copy) rebinds it to the copy."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        original = type(module).forward.__get__(module)
+        output_recompute = module.__dict__[_MARK]["output_recompute"]
         if torch.compiler.is_compiling():
             # dynamo cannot trace the thread-local nesting bookkeeping below; a marked module
             # inside another is then a nested torch.utils.checkpoint region, which is correct
-            return _recompute(module, original, args, kwargs, output_recompute=options["output_recompute"])
+            return _recompute(module, original, args, kwargs, output_recompute=output_recompute)
         if _state.marked_depth() > 0 and not _state.in_recompute():
             raise RecomputeError(
                 f"a marked {type(module).__name__} was called inside another marked module; nested "
@@ -542,11 +555,7 @@ def mark(module, output_recompute=False):
             with _state.inside_marked():
                 return original(*a, **k)
 
-        return _recompute(module, run, args, kwargs, output_recompute=options["output_recompute"])
-
-    module.__dict__[_MARK] = options
-    module.__dict__["forward"] = forward
-    return module
+        return _recompute(module, run, args, kwargs, output_recompute=output_recompute)
 
 
 def unmark(module):

@@ -420,3 +420,24 @@ def test_fused_patterns_under_autocast_match_eager(name):
     x.grad = None
     ref.float().sum().backward()
     assert rel_err(g, x.grad) < 2e-2
+
+
+def test_marked_module_survives_deepcopy():
+    """A deep copy of a marked module is marked and computes with its own parameters."""
+    import copy
+
+    m = fusedrc.mark(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)))
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        for p in c.parameters():
+            p.add_(1.0)
+    x = torch.randn(3, 4, requires_grad=True)
+    with SavedBytes() as saved:
+        y = c(x)
+    assert saved.bytes == x.numel() * 4, "the copy is still recomputed: only x is kept"
+    y.sum().backward()
+    assert all(p.grad is None for p in m.parameters()), "gradients went to the original"
+    assert all(p.grad is not None for p in c.parameters())
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref.load_state_dict(c.state_dict())
+    torch.testing.assert_close(y, ref(x))
