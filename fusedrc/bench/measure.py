@@ -148,10 +148,11 @@ def git_info():
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
-    commit = run("rev-parse", "HEAD")
-    if commit is None and os.environ.get("FUSEDRC_GIT_COMMIT"):
-        # a copy of the tree without .git (e.g. shipped to a GPU machine): the caller names the commit
+    if os.environ.get("FUSEDRC_GIT_COMMIT"):
+        # a copy of the tree shipped elsewhere (e.g. a GPU machine), whose .git may be stale or
+        # absent: the caller names the commit it copied
         return os.environ["FUSEDRC_GIT_COMMIT"], os.environ.get("FUSEDRC_GIT_DIRTY") == "1"
+    commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain", "--untracked-files=no") if commit else None
     return commit, (bool(status) if status is not None else None)
 
