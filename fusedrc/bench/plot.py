@@ -248,7 +248,7 @@ def plot_kernels(doc, plots_dir) -> list[Path]:
             y = c["median_s"] * 1e3
             err = [[(c["median_s"] - c["p20_s"]) * 1e3], [(c["p80_s"] - c["median_s"]) * 1e3]]
             ax.bar(i, y, color=color, yerr=err, capsize=4, label=label, width=0.7)
-            ax.annotate(f"{c['tflops']:.2g} TFLOP/s", (i, c["p80_s"] * 1e3), xytext=(0, 4), textcoords="offset points",
+            ax.annotate(f"{c['tflops']:.0f} TFLOP/s" if c["tflops"] >= 10 else f"{c['tflops']:.2g} TFLOP/s", (i, c["p80_s"] * 1e3), xytext=(0, 4), textcoords="offset points",
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), [STYLE[c["strategy"]][0].replace(" ", "\n", 1) for c in rows], fontsize=8)
         shape = " ".join(f"{k}={v}" for k, v in rows[0]["shape"].items())
