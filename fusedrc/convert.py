@@ -88,14 +88,16 @@ __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes autograd keeps through saved tensors, parameters excluded, each tensor once."""
+    """Bytes autograd keeps through saved tensors, each tensor once; parameters and views of
+    them (a Linear saves ``weight.t()``) are not activations and are left out."""
 
-    def __init__(self):
+    def __init__(self, params=()):
         self.bytes = 0
         self._seen = set()
+        param_storages = {p.untyped_storage().data_ptr() for p in params}
 
         def pack(t):
-            if not isinstance(t, nn.Parameter):
+            if not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() not in param_storages:
                 key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
                 if key not in self._seen:
                     self._seen.add(key)
@@ -126,11 +128,11 @@ class _Frozen:
 
 
 def saved_bytes(model, example_inputs):
-    """Bytes autograd keeps for one forward of ``model(*example_inputs)`` (parameters excluded).
+    """Bytes autograd keeps for one forward of ``model(*example_inputs)`` (parameters and their views excluded).
 
     The model's buffers and the RNG state are left as they were.
     """
-    counter = _SavedBytes()
+    counter = _SavedBytes(model.parameters())
     with _Frozen(model), torch.enable_grad(), counter:
         out = model(*example_inputs)
     del out
