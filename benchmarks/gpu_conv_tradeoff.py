@@ -1,38 +1,41 @@
-"""Conv2d+BN+ReLU on a GPU: the recompute switches of kernels/conv_bn_act.py, measured.
+"""Conv2d+BN+ReLU on a GPU: ResNet-50's layer shapes, every strategy, one JSON file.
 
-DESIGN §4 leaves two choices to measurement:
-  * forward: a transient z buffer (FWD_RECOMPUTE=False) or running the conv twice;
-  * backward: two recompute passes (BWD_RECOMPUTE_TWICE=True) or one pass plus a
-    transient z buffer;
-and CONV_GRAD picks Triton or aten (cuDNN) for dX/dW. This script times forward +
-backward (``triton.testing.do_bench``) and the step's peak memory above the inputs
-for every combination on ResNet-50 layer shapes, next to eager and
-torch.utils.checkpoint, and writes one JSON file with the raw timings.
+Issue 4's benchmark: each distinct Conv2d -> BatchNorm2d -> ReLU shape of ResNet-50
+(the stem, then the 1x1 / 3x3 / strided convs of the four stages), one training step
+of the layer (forward + backward with a given output gradient), against eager
+PyTorch (cuDNN), ``torch.utils.checkpoint`` and ``torch.compile`` of the same layer;
+and, with ``--switches``, every setting of kernels/conv_bn_act.py's recompute
+switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE x CONV_GRAD). Times come from
+``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
+allocated bytes above what was allocated before it.
 
-    python benchmarks/gpu_conv_tradeoff.py --out benchmarks/results
+    python benchmarks/gpu_conv_tradeoff.py                    # batch 256, bf16, channels_last
+    python benchmarks/gpu_conv_tradeoff.py --batch 32 --nchw --switches --no-compile
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import itertools
 import json
 import platform
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fusedrc
-from fusedrc.bench import kernels as bk
 from fusedrc.bench import measure
 
-# ResNet-50 at 224 px, batch 32: the 3x3 convs of the four stages and a 1x1.
+# (C_in, C_out, kernel, stride, H=W of the input) of ResNet-50 at 224 px
 SHAPES = [
-    dict(N=32, C=64, K=64, H=56, W=56, k=3),
-    dict(N=32, C=128, K=128, H=28, W=28, k=3),
-    dict(N=32, C=256, K=256, H=14, W=14, k=3),
-    dict(N=32, C=512, K=512, H=7, W=7, k=3),
-    dict(N=32, C=256, K=64, H=56, W=56, k=1),
+    (3, 64, 7, 2, 224),      # stem
+    (64, 64, 1, 1, 56), (64, 64, 3, 1, 56), (256, 64, 1, 1, 56),
+    (256, 128, 1, 1, 56), (128, 128, 3, 2, 56), (128, 128, 3, 1, 28), (512, 128, 1, 1, 28),
+    (512, 256, 1, 1, 28), (256, 256, 3, 2, 28), (256, 256, 3, 1, 14), (1024, 256, 1, 1, 14),
+    (1024, 512, 1, 1, 14), (512, 512, 3, 2, 14), (512, 512, 3, 1, 7), (2048, 512, 1, 1, 7),
 ]
 
 
@@ -41,58 +44,96 @@ def _times(fn):
 
     try:
         return [t / 1e3 for t in do_bench(fn, warmup=25, rep=100, return_mode="all")]
-    except TypeError:
+    except TypeError:  # older triton
         return [t / 1e3 for t in do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])]
 
 
-def _peak(case, strategy):
+def _peak(step):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    case.step(strategy)
+    step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--dtype", default="bfloat16")
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    dtype = getattr(torch, args.dtype)
-    import importlib
+def _layer(shape, batch, dtype, channels_last):
+    cin, cout, k, s, hw = shape
+    block = nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    block = block.to(device="cuda", dtype=dtype, memory_format=fmt).train()
+    x = torch.randn(batch, cin, hw, hw, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+    x.requires_grad_(True)
+    with torch.no_grad():
+        g = torch.randn_like(block(x))
+    return block, x, g
 
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--nchw", action="store_true", help="NCHW instead of channels_last")
+    ap.add_argument("--switches", action="store_true", help="also every recompute-switch setting")
+    ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
     default = (k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD)
+    variants = list(itertools.product((False, True), (True, False), ("triton", "aten"))) if args.switches \
+        else [default]
     records = []
-    with fusedrc.use_backend("triton"):
-        for shape in SHAPES:
-            case = bk._Case("conv_bn_act", shape, dev, dtype, "triton")
-            for s in ("eager", "torch_checkpoint"):
-                records.append(dict(shape=shape, strategy=s, times_s=_times(lambda: case.step(s)),
-                                    peak_bytes=_peak(case, s)))
-            for fwd_rc, bwd_twice, grad in itertools.product((False, True), (True, False), ("triton", "aten")):
-                k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD = fwd_rc, bwd_twice, grad
+    for shape in SHAPES:
+        block, x, g = _layer(shape, args.batch, dtype, not args.nchw)
+        params = list(block.parameters())
+
+        def step(fwd):
+            x.grad = None
+            for p in params:
+                p.grad = None
+            fwd().backward(g)
+
+        strategies = {"eager": lambda: block(x),
+                      "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
+        if not args.no_compile:
+            compiled = torch.compile(block)
+            strategies["torch_compile"] = lambda: compiled(x)
+        for name, fwd in strategies.items():
+            try:
+                records.append(dict(shape=shape, strategy=name, times_s=_times(lambda: step(fwd)),
+                                    peak_bytes=_peak(lambda: step(fwd))))
+            except Exception as e:  # record and go on: one failing strategy must not hide the rest
+                records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
+        with fusedrc.use_backend("triton"):
+            for fwd_rc, twice, grad in variants:
+                k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD = fwd_rc, twice, grad
+                fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
                 try:
-                    t = _times(lambda: case.step("fusedrc"))
-                    rec = dict(times_s=t, peak_bytes=_peak(case, "fusedrc"))
-                except Exception as e:  # record and go on: one failing variant must not hide the rest
+                    rec = dict(times_s=_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
+                except Exception as e:
                     rec = dict(error=f"{type(e).__name__}: {e}"[:500])
                 records.append(dict(shape=shape, strategy="fusedrc", FWD_RECOMPUTE=fwd_rc,
-                                    BWD_RECOMPUTE_TWICE=bwd_twice, CONV_GRAD=grad, **rec))
+                                    BWD_RECOMPUTE_TWICE=twice, CONV_GRAD=grad, **rec))
             k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD = default
-            for r in records[-10:]:
-                med = measure.quantile(r["times_s"], 0.5) * 1e3 if "times_s" in r else float("nan")
-                tag = r["strategy"] + ("" if r["strategy"] != "fusedrc" else
-                                       f" fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']}")
-                print(f"{shape} {tag:55s} {med:8.3f} ms  peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB "
-                      f"{r.get('error', '')}", flush=True)
+        mine = [r for r in records if r["shape"] == shape]
+        ref = {r["strategy"]: measure.quantile(r["times_s"], 0.5) for r in mine if "times_s" in r}
+        for r in mine:
+            med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
+            tag = r["strategy"] if r["strategy"] != "fusedrc" else \
+                f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']}"
+            ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
+            print(f"{str(shape):26s} {tag:52s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
+                  f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
+        del block, x, g
+    commit, dirty = measure.git_info()
     doc = dict(kind="conv_tradeoff", timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                device=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=__import__("triton").__version__, python=platform.python_version(),
-               commit=measure.git_info()[0],
-               dtype=args.dtype, defaults=dict(zip(("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD"), default)),
+               triton=importlib.import_module("triton").__version__, python=platform.python_version(),
+               commit=commit, dirty=dirty, dtype=args.dtype, batch=args.batch,
+               memory_format="NCHW" if args.nchw else "channels_last",
+               shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
+               defaults=dict(zip(("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD"), default)),
                records=records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
