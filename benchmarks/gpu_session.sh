@@ -15,7 +15,7 @@ opts=(--no-progress --results-dir "$w/results" --plots-dir "$w/plots")
 timeout 60 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14; pack
 timeout 150 python3 -m fusedrc.bench --no-compile "${opts[@]}" 2>&1 | tail -30; pack
 timeout 80 python3 -m fusedrc.bench --workload models --batch-sizes 32 "${opts[@]}" 2>&1 | tail -24; pack
-timeout 180 python3 -m pytest -q -n 12 -p no:cacheprovider -rfs --maxfail=40 tests --ignore=tests/test_inspect.py \
+timeout 180 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests --ignore=tests/test_inspect.py \
     > "$w/pytest.log" 2>&1
 pack
 tail -25 "$w/pytest.log" | grep -v "^  File"
