@@ -35,7 +35,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,10 +50,11 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import fusedrc  # noqa: E402
+from fusedrc.bench.measure import git_info, quantile, triton_version  # noqa: E402
+from fusedrc.bench.measure import loadavg as _loadavg  # noqa: E402
 
 STRATEGIES = ("no_recompute", "torch_checkpoint", "fusedrc")
 _HERE = Path(__file__).resolve().parent
-_REPO = _HERE.parent
 _LR = 1e-4
 _GRAD_RTOL = 1e-4
 
@@ -165,15 +165,6 @@ def timed_step(model, opt, x, strategy) -> float:
     return t1 - t0
 
 
-def quantile(values, q):
-    """Linear-interpolated quantile (numpy's default method)."""
-    v = sorted(values)
-    pos = (len(v) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
 def summarize(times):
     return {"median_s": quantile(times, 0.5), "p20_s": quantile(times, 0.2), "p80_s": quantile(times, 0.8),
             "min_s": min(times), "max_s": max(times)}
@@ -191,35 +182,6 @@ def cpu_info():
     except OSError:
         pass
     return {"name": name or platform.processor() or None, "cores": os.cpu_count()}
-
-
-def git_info():
-    def run(*args):
-        try:
-            r = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    commit = run("rev-parse", "HEAD")
-    status = run("status", "--porcelain") if commit else None
-    return commit, (bool(status) if status is not None else None)
-
-
-def _loadavg():
-    """The 1/5/15-minute load averages: other processes on the cores make the timings noisy."""
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
-
-
-def triton_version():
-    try:
-        import triton
-    except Exception:
-        return None
-    return getattr(triton, "__version__", None)
 
 
 # --------------------------------------------------------------------------- main
