@@ -82,7 +82,7 @@ from . import functional as F
 from ._patterns import _conv_padding, _has_hooks, _is_noop_dropout, activation_name, conv_bn_relu_call
 from .recompute import _is_marked, mark, unmark
 
-__all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes"]
+__all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
 # --------------------------------------------------------------------------- measuring
 
@@ -1171,3 +1171,6 @@ def _import_torchvision():
                 except RuntimeError:
                     pass
     return importlib.import_module("torchvision")
+
+
+import_torchvision = _import_torchvision  # public name: users on CPU torch with PyPI's torchvision wheel
