@@ -262,3 +262,19 @@ def test_module_entry_point_help():
     for opt in ("--workload", "--device", "--dtype", "--batch-sizes", "--quick", "--results-dir", "--plots-dir",
                 "kernels", "--budgets", "resnet50", "opt", "models"):
         assert opt in r.stdout
+
+
+def test_kernels_pattern_at_two_shapes(quick_run, tmp_path):
+    """On CUDA the FFN runs at both shapes its targets name; the plot draws one panel per shape."""
+    from fusedrc.bench import kernels, plot
+
+    cuda = kernels.shapes("cuda", quick=False)
+    assert [s for p, s in cuda if p == "fused_mlp"] == [dict(M=8192, d=4096, h=16384), dict(M=16384, d=1024, h=4096)]
+    res, _ = quick_run
+    doc = json.loads(_one(res, "kernels").read_text())
+    extra = [dict(c, shape=dict(c["shape"], M=2 * c["shape"]["M"])) for c in doc["configs"] if c["pattern"] == "fused_mlp"]
+    doc["configs"] += extra
+    schema.validate(doc)
+    (png,) = plot.plot_kernels(doc, tmp_path)
+    _assert_png_not_blank(png)
+    assert mpimg.imread(png).shape[1] > 4 * 4.6 * 100  # four panels side by side

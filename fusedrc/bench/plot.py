@@ -236,13 +236,16 @@ def plot_sweep(doc, plots_dir) -> list[Path]:
 def plot_kernels(doc, plots_dir) -> list[Path]:
     plots_dir = Path(plots_dir)
     plots_dir.mkdir(parents=True, exist_ok=True)
-    pats = []
+    def case(c):  # one panel per (pattern, shape): a pattern may run at several shapes
+        return c["pattern"], tuple(c["shape"].items())
+
+    cases = []
     for c in doc["configs"]:
-        if c["pattern"] not in pats:
-            pats.append(c["pattern"])
-    fig, axes = plt.subplots(1, len(pats), figsize=(4.6 * len(pats), 4.6), squeeze=False)
-    for ax, p in zip(axes[0], pats):
-        rows = [c for c in doc["configs"] if c["pattern"] == p]
+        if case(c) not in cases:
+            cases.append(case(c))
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.6 * len(cases), 4.6), squeeze=False)
+    for ax, (p, _) in zip(axes[0], cases):
+        rows = [c for c in doc["configs"] if case(c) == (p, _)]
         for i, c in enumerate(rows):
             label, color, _ = STYLE[c["strategy"]]
             y = c["median_s"] * 1e3
