@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import fusedrc  # noqa: E402
-from fusedrc.bench.measure import git_info, quantile, triton_version  # noqa: E402
+from fusedrc.bench.measure import cpu_name, git_info, quantile, triton_version  # noqa: E402
 from fusedrc.bench.measure import loadavg as _loadavg  # noqa: E402
 
 STRATEGIES = ("no_recompute", "torch_checkpoint", "fusedrc")
@@ -172,16 +172,7 @@ def summarize(times):
 
 # --------------------------------------------------------------------------- environment
 def cpu_info():
-    name = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"name": name or platform.processor() or None, "cores": os.cpu_count()}
+    return {"name": cpu_name(), "cores": os.cpu_count()}
 
 
 # --------------------------------------------------------------------------- main

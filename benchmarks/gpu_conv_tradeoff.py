@@ -39,22 +39,9 @@ SHAPES = [
 ]
 
 
-def _times(fn):
-    from triton.testing import do_bench
-
-    try:
-        return [t / 1e3 for t in do_bench(fn, warmup=25, rep=100, return_mode="all")]
-    except TypeError:  # older triton
-        return [t / 1e3 for t in do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])]
-
-
 def _peak(step):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    peak, before = measure.peak_allocated(torch.device("cuda"), step)
+    return peak - before
 
 
 def _layer(shape, batch, dtype, channels_last):
@@ -101,7 +88,7 @@ def main():
             strategies["torch_compile"] = lambda: compiled(x)
         for name, fwd in strategies.items():
             try:
-                records.append(dict(shape=shape, strategy=name, times_s=_times(lambda: step(fwd)),
+                records.append(dict(shape=shape, strategy=name, times_s=measure.do_bench_times(lambda: step(fwd)),
                                     peak_bytes=_peak(lambda: step(fwd))))
             except Exception as e:  # record and go on: one failing strategy must not hide the rest
                 records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
@@ -110,7 +97,7 @@ def main():
                 k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD = fwd_rc, twice, grad
                 fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
                 try:
-                    rec = dict(times_s=_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
+                    rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
                 except Exception as e:
                     rec = dict(error=f"{type(e).__name__}: {e}"[:500])
                 records.append(dict(shape=shape, strategy="fusedrc", FWD_RECOMPUTE=fwd_rc,
@@ -125,7 +112,6 @@ def main():
             ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
             print(f"{str(shape):26s} {tag:52s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
                   f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
-        del block, x, g
     commit, dirty = measure.git_info()
     doc = dict(kind="conv_tradeoff", timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                device=torch.cuda.get_device_name(), torch=torch.__version__,

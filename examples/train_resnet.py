@@ -23,10 +23,7 @@ Run::
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -35,27 +32,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import fusedrc  # noqa: E402
-from fusedrc.convert import _import_torchvision, saved_bytes  # noqa: E402
-
-
-def train(model, batches, device, lr):
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses, times = [], []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for x, y in batches:
-        t = time.perf_counter()
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-        losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return losses, times, peak
+from _compare import compare  # noqa: E402
+from fusedrc.convert import import_torchvision  # noqa: E402
 
 
 def main(argv=None):
@@ -72,7 +50,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = torch.device(args.device)
 
-    _import_torchvision()
+    import_torchvision()
     from torchvision.models import resnet
 
     torch.manual_seed(args.seed)
@@ -83,33 +61,11 @@ def main(argv=None):
          torch.randint(0, 10, (args.batch,), generator=gen).to(device))
         for _ in range(args.steps)
     ]
-    example = (batches[0][0],)
-    converted = fusedrc.convert(original, policy=args.policy, memory_budget=args.budget,
-                                example_inputs=example, verbose=True)
-    base_bytes = saved_bytes(original, example)
-    conv_bytes = saved_bytes(converted, example)
-
-    runs = {}
-    for name, model in (("original", copy.deepcopy(original)), ("fusedrc.convert", converted)):
-        runs[name] = train(model, batches, device, args.lr)
-
-    print(f"\n{args.model}, {args.size}x{args.size}, batch {args.batch}, {args.steps} steps on {device}, "
-          f"torch {torch.__version__}, backend {fusedrc.current_backend()}")
-    print("step  loss (original)  loss (converted)")
-    for i, (a, b) in enumerate(zip(runs["original"][0], runs["fusedrc.convert"][0])):
-        print(f"{i:4d}  {a:15.6f}  {b:16.6f}")
-    print(f"\n{'model':18s} {'median step (s)':>16s} {'activation bytes kept':>24s} {'peak CUDA memory':>18s}")
-    for name, kept in (("original", base_bytes), ("fusedrc.convert", conv_bytes)):
-        _, times, peak = runs[name]
-        med = statistics.median(times[1:] if len(times) > 1 else times)
-        peak_s = f"{peak / 2**20:.1f} MiB" if peak is not None else "n/a (CPU)"
-        print(f"{name:18s} {med:16.3f} {kept / 2**20:18.2f} MiB {peak_s:>18s}")
-    print(f"saved-bytes ratio converted/original: {conv_bytes / base_bytes:.3f}")
-    la, lb = runs["original"][0], runs["fusedrc.convert"][0]
-    if any(abs(a - b) > 1e-3 * max(abs(a), 1e-6) for a, b in list(zip(la, lb))[:2]):
-        print("losses of the first two steps differ", file=sys.stderr)
-        return 1
-    return 0
+    return compare(
+        original, args, batches, (batches[0][0],), device,
+        lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+        lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1]),
+        f"{args.model}, {args.size}x{args.size}, batch {args.batch}, {args.steps} steps", checked_steps=2)
 
 
 if __name__ == "__main__":

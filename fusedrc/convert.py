@@ -80,33 +80,12 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import _conv_padding, _has_hooks, _is_noop_dropout, activation_name, conv_bn_relu_call
+from ._saved import SavedBytes
 from .recompute import _is_marked, mark, unmark
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
 # --------------------------------------------------------------------------- measuring
-
-
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes autograd keeps through saved tensors, each tensor once; parameters and views of
-    them (a Linear saves ``weight.t()``) are not activations and are left out."""
-
-    def __init__(self, params=()):
-        self.bytes = 0
-        self._seen = set()
-        param_storages = {p.untyped_storage().data_ptr() for p in params}
-
-        def pack(t):
-            if not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() not in param_storages:
-                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.bytes += t.numel() * t.element_size()
-            # detached: a saved *output* packed as itself holds its own grad_fn, a reference cycle that
-            # the forward-only measurement never frees (about the activations' size per call)
-            return t if isinstance(t, nn.Parameter) else t.detach()
-
-        super().__init__(pack, lambda t: t)
 
 
 class _Frozen:
@@ -132,11 +111,11 @@ def saved_bytes(model, example_inputs):
 
     The model's buffers and the RNG state are left as they were.
     """
-    counter = _SavedBytes(model.parameters())
+    counter = SavedBytes(model.parameters())
     with _Frozen(model), torch.enable_grad(), counter:
         out = model(*example_inputs)
     del out
-    return counter.bytes
+    return counter.activation_bytes
 
 
 def _flops(module, inp, out):

@@ -194,47 +194,30 @@ def _ast_source(fn, signature: dict, constexprs: dict, attrs: dict):
     return ASTSource(fn, signature, constexprs), False
 
 
-def _cuobjdump() -> str:
+def _nvidia_tool(name: str) -> str:
+    """Path of an NVIDIA binary Triton ships (``ptxas``, ``cuobjdump``): Triton's knob, its package, PATH."""
     try:
         from triton import knobs
-        tool = knobs.nvidia.cuobjdump
+        tool = getattr(knobs.nvidia, name)
         if tool is not None and getattr(tool, "path", None):
             return tool.path
-    except Exception:  # noqa: BLE001 - older Triton: no knobs
+    except Exception:  # noqa: BLE001 - older Triton: no knobs, or not found there
         pass
     import triton
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if os.path.exists(path):
         return path
-    found = shutil.which("cuobjdump")
+    found = shutil.which(name)
     if found:
         return found
-    raise RuntimeError("cuobjdump not found (neither in Triton's package nor on PATH)")
-
-
-def _ptxas() -> str:
-    try:
-        from triton import knobs
-        tool = knobs.nvidia.ptxas
-        if tool is not None and getattr(tool, "path", None):
-            return tool.path
-    except Exception:  # noqa: BLE001 - older Triton, or not found there
-        pass
-    import triton
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if os.path.exists(path):
-        return path
-    found = shutil.which("ptxas")
-    if found:
-        return found
-    raise RuntimeError("ptxas not found (neither in Triton's package nor on PATH)")
+    raise RuntimeError(f"{name} not found (neither in Triton's package nor on PATH)")
 
 
 def toolchain_problem() -> str | None:
     """None when ``ptxas`` and ``cuobjdump`` (shipped in Triton's package) are usable, else why not."""
-    for find in (_ptxas, _cuobjdump):
+    for name in ("ptxas", "cuobjdump"):
         try:
-            path = find()
+            path = _nvidia_tool(name)
         except Exception as e:  # noqa: BLE001 - the reason is the answer
             return str(e)
         if not os.access(path, os.X_OK):
@@ -255,7 +238,7 @@ def _read_cubin(cubin: bytes, name: str, ptx: str | None = None):
     The MMA kind comes from the SASS; disassembling is skipped (``"none"``) when the
     PTX, if given, has no ``wgmma``/``mma.sync`` instruction at all.
     """
-    tool = _cuobjdump()
+    tool = _nvidia_tool("cuobjdump")
     want_sass = ptx is None or _PTX_MMA_RE.search(ptx) is not None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")

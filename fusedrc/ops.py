@@ -237,8 +237,11 @@ def _conv_bn_act_setup(ctx, inputs, output):
 def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     _no_double_backward("conv_bn_act")
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual = ctx.saved_tensors
+    # in x's memory format: the kernels read strides, and a channels_last model's gradient is
+    # channels_last already (a plain .contiguous() would copy it to NCHW every step)
+    fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
     grads = conv_bn_act_backward_op(
-        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(), *ctx.args
+        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt), *ctx.args
     )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
     dx, dw, db, dgamma, dbeta, dres = (_none_if_empty(g, t) for g, t in zip(grads, inputs))

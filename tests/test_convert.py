@@ -61,6 +61,18 @@ def _assert_close_models(a, b, tol=TOL):
             assert torch.equal(x, y), n
 
 
+def _assert_same_step(ref, conv, x, loss=lambda y: y.square().sum()):
+    """One forward + backward of both models on ``x``: outputs, gradients and buffers match.
+    Returns the two inputs (their gradients are there to compare)."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    loss(ya).backward()
+    loss(yb).backward()
+    _assert_close_models(ref, conv)
+    return xa, xb
+
+
 def _checkpoint_bytes(converted, example):
     """Saved bytes with torch.utils.checkpoint on the very units that convert fused."""
     ck = _set_impl(copy.deepcopy(converted), "checkpoint")
@@ -88,13 +100,8 @@ def test_resnet_forward_backward_bytes(name, ratio):
     assert plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + 8 * channels
     assert plan.baseline_bytes == saved_bytes(model, (x,))
     # forward, backward and BatchNorm statistics match the original's
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = model(xa), conv(xb)
-    assert rel_err(yb, ya) <= TOL
-    ya.square().sum().backward()
-    yb.square().sum().backward()
+    xa, xb = _assert_same_step(model, conv, x)
     assert rel_err(xb.grad, xa.grad) <= TOL
-    _assert_close_models(model, conv)
     model.eval(), conv.eval()
     with torch.no_grad():
         assert rel_err(conv(x), model(x)) <= TOL
@@ -139,12 +146,7 @@ def test_resnet_inplace_shares_tensors_and_blocks_policy():
 
     assert _is_marked(conv.layer1[0])
     x = torch.randn(2, 3, 32, 32)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = ref(xa), conv(xb)
-    assert rel_err(yb, ya) <= TOL
-    ya.sum().backward()
-    yb.sum().backward()
-    _assert_close_models(ref, conv)
+    _assert_same_step(ref, conv, x, loss=torch.sum)
     # whole blocks keep less than fused units alone
     assert saved_bytes(conv, (x,)) < saved_bytes(fusedrc.convert(ref), (x,))
 
@@ -158,12 +160,7 @@ def test_resnet50_memory_budget():
     assert plan.final_bytes <= 0.35 * plan.baseline_bytes
     assert saved_bytes(conv, (x,)) == plan.final_bytes
     assert plan.recomputed_blocks  # units alone reach about 0.62: blocks were needed
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = model(xa), conv(xb)
-    assert rel_err(yb, ya) <= TOL
-    ya.square().sum().backward()
-    yb.square().sum().backward()
-    _assert_close_models(model, conv)
+    _assert_same_step(model, conv, x)
     # an unreachable budget names the smallest reachable
     with pytest.raises(ValueError, match="smallest reachable"):
         fusedrc.convert(model, memory_budget=0.01, example_inputs=(x,))
@@ -308,12 +305,7 @@ def test_fx_traced_model():
     conv = fusedrc.convert(model, example_inputs=(x,))
     assert sorted(u.kind for u in conv.fusedrc_plan.units) == ["conv_bn_relu", "ffn"]
     assert set(conv.state_dict()) == set(model.state_dict())
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = model(xa), conv(xb)
-    assert rel_err(yb, ya) <= TOL
-    ya.square().sum().backward()
-    yb.square().sum().backward()
-    _assert_close_models(model, conv)
+    _assert_same_step(model, conv, x)
     assert conv.fusedrc_plan.final_bytes < conv.fusedrc_plan.baseline_bytes
 
 
@@ -392,9 +384,4 @@ def test_fx_functional_activations():
     conv = fusedrc.convert(model)
     assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("c", "conv_bn_relu"), ("l", "linear_act")]
     x = torch.randn(2, 3, 8, 8)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = model(xa), conv(xb)
-    assert rel_err(yb, ya) <= TOL
-    ya.sum().backward()
-    yb.sum().backward()
-    _assert_close_models(model, conv)
+    _assert_same_step(model, conv, x, loss=torch.sum)

@@ -17,7 +17,6 @@ kernel's speed, so it is never timed).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -112,17 +111,6 @@ def _gemm_rate(device, dtype, timer, repeats):
             "tflops": 2 * n ** 3 / measure.quantile(ts, 0.5) / 1e12}
 
 
-def _do_bench_times(fn):
-    from triton.testing import do_bench
-
-    try:
-        ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
-        return [t / 1e3 for t in ms]
-    except TypeError:  # an older triton without return_mode="all"
-        q = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
-        return [t / 1e3 for t in q]
-
-
 def run(device, dtype, quick, warmup, repeats, backend, progress=True):
     timer = measure.Timer(device)
     # keyed by case index: a pattern may run at several shapes
@@ -143,7 +131,7 @@ def run(device, dtype, quick, warmup, repeats, backend, progress=True):
         if device.type == "cuda":
             for p, c in cases.items():
                 for s in STRATEGIES:
-                    times[p, s] = _do_bench_times(lambda: c.step(s))
+                    times[p, s] = measure.do_bench_times(lambda: c.step(s))
                     pbar.update(warmup + repeats)
         else:
             for _ in range(warmup):

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import _saved
+
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -29,33 +31,7 @@ def summarize(times):
 
 
 # --------------------------------------------------------------------------- saved bytes
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the distinct tensors autograd saves while active, parameters excluded.
-
-    Each tensor is counted once, keyed by storage pointer, offset, shape and dtype;
-    tensors sharing storage with a parameter (the parameter, its transposed view)
-    are not activations and are left out.
-    """
-
-    def __init__(self, params):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self.seen = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if isinstance(t, nn.Parameter) or ptr in self.param_storages:
-                return t
-            key = (ptr, t.storage_offset(), tuple(t.shape), t.dtype)
-            self.seen.setdefault(key, t.numel() * t.element_size())
-            # detached: a saved output packed as itself would hold its own grad_fn (a reference cycle
-            # that leaks the graph when no backward follows)
-            return t.detach()
-
-        super().__init__(pack, lambda t: t)
-
-    @property
-    def activation_bytes(self) -> int:
-        return sum(self.seen.values())
+SavedBytes = _saved.SavedBytes  # the counter fusedrc.convert uses, so the two count alike
 
 
 # --------------------------------------------------------------------------- timers
@@ -80,6 +56,18 @@ class Timer:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
+
+def do_bench_times(fn):
+    """Every timing (seconds) ``triton.testing.do_bench`` takes of ``fn`` on the GPU (its 20/50/80th
+    percentiles on a Triton without ``return_mode="all"``)."""
+    from triton.testing import do_bench
+
+    try:
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
+    except TypeError:  # an older triton without return_mode="all"
+        ms = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
+    return [t / 1e3 for t in ms]
 
 
 def peak_allocated(device: torch.device, fn):
@@ -119,18 +107,20 @@ def device_info(device: torch.device) -> dict:
         info.update(name=props.name, capability=f"{props.major}.{props.minor}",
                     memory_bytes=props.total_memory)
     else:
-        name = None
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        name = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        info.update(name=name or platform.processor() or "cpu",
-                    capability=torch.backends.cpu.get_cpu_capability())
+        info.update(name=cpu_name() or "cpu", capability=torch.backends.cpu.get_cpu_capability())
     return info
+
+
+def cpu_name():
+    """The processor's model name (/proc/cpuinfo, else ``platform.processor()``), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def versions() -> dict:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fusedrc
+from fusedrc.convert import _set_impl, import_torchvision
 
 MODEL_WORKLOADS = ("resnet50", "opt")
 MODEL_STRATEGIES = ("no_recompute", "torch_checkpoint", "torch_checkpoint_blocks", "convert_all",
@@ -47,20 +48,14 @@ QUICK_BUDGETS = {"resnet50": (0.85,), "opt": (0.5,)}
 _LR = 1e-4
 
 
-def _convert_module():
-    import importlib
-
-    return importlib.import_module("fusedrc.convert")  # the module (``fusedrc.convert`` is the function)
-
-
 def require(name: str):
     """``None`` when the packages workload ``name`` needs import here, else the reason."""
     try:
         if name == "resnet50":
-            _convert_module()._import_torchvision()
+            import_torchvision()
         else:
             try:  # transformers imports torchvision when it is installed; the helper makes a CUDA wheel load
-                _convert_module()._import_torchvision()
+                import_torchvision()
             except ImportError:
                 pass
             import transformers  # noqa: F401
@@ -122,7 +117,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
         else:
             cfg = dict(hidden=256, layers=4, ffn=1024, heads=4, vocab=2048, seq=128)
         try:
-            _convert_module()._import_torchvision()
+            import_torchvision()
         except ImportError:
             pass
         from transformers import OPTConfig, OPTForCausalLM
@@ -225,7 +220,7 @@ def runners_for(wl: ModelWorkload, batch: int, device, dtype, budgets, skipped: 
                     "left_as_they_are": [f"{n or '<model>'}: {r}" for n, r in plan.skipped]}
     add("no_recompute", copy.deepcopy(base), "recompute_fraction", 0.0)
     ck_units, _, _ = _convert(base, policy="all")
-    _convert_module()._set_impl(ck_units, "checkpoint")
+    _set_impl(ck_units, "checkpoint")
     add("torch_checkpoint", ck_units, "recompute_fraction", 1.0, units=len(plan.fused))
     ck_blocks = checkpoint_blocks(copy.deepcopy(base), wl.plan_info["block_names"])
     add("torch_checkpoint_blocks", ck_blocks, "recompute_fraction", 1.0, blocks=wl.n_blocks)

@@ -94,6 +94,21 @@ _MODEL_LINES = (
 _MODEL_OFFSET = {"#1f77b4": (-14, 8), "#d62728": (12, -10), "#ff7f0e": (14, 7)}
 
 
+def _yerr(cs):
+    """The p20-p80 bars (ms) around the medians of ``cs``."""
+    return [[(c["median_s"] - c["p20_s"]) * 1e3 for c in cs], [(c["p80_s"] - c["median_s"]) * 1e3 for c in cs]]
+
+
+def _finish_axes(ax, xlabel, title, xmax, ymax):
+    """Labels, grid and limits of one memory-vs-step-time panel (x from 0, y from 0)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("step time, median (ms), bars p20–p80")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlim(left=0, right=1.12 * xmax)
+    ax.set_ylim(0, ymax)
+
+
 def _plot_model(doc, wl, cs, plots_dir):
     batches = sorted({c["batch_size"] for c in cs})
     fig, axes = plt.subplots(1, len(batches), figsize=(max(8.0, 6.6 * len(batches)), 5.8), squeeze=False)
@@ -111,14 +126,10 @@ def _plot_model(doc, wl, cs, plots_dir):
                 pts += [(c, plabel or f"b={c['knob']:g}") for c in got]
             if len(pts) < 2:
                 continue
-            xs, ys, lo, hi = [], [], [], []
-            for c, _ in pts:
-                m, xlabel = _model_memory(doc, c)
-                xs.append(m)
-                ys.append(c["median_s"] * 1e3)
-                lo.append((c["median_s"] - c["p20_s"]) * 1e3)
-                hi.append((c["p80_s"] - c["median_s"]) * 1e3)
-            handles[label] = ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker=marker, ms=7, lw=1.6, capsize=3,
+            xs = [_model_memory(doc, c)[0] for c, _ in pts]
+            xlabel = _model_memory(doc, pts[-1][0])[1]
+            ys = [c["median_s"] * 1e3 for c, _ in pts]
+            handles[label] = ax.errorbar(xs, ys, yerr=_yerr([c for c, _ in pts]), color=color, marker=marker, ms=7, lw=1.6, capsize=3,
                                          label=label, zorder=3 if "fusedrc" in label else 2)
             for x, y, (c, plabel) in zip(xs, ys, pts):
                 if plabel is None:
@@ -129,16 +140,12 @@ def _plot_model(doc, wl, cs, plots_dir):
             m, xlabel = _model_memory(doc, base)
             handles["original (no recompute)"] = ax.errorbar(
                 [m], [base["median_s"] * 1e3],
-                yerr=[[(base["median_s"] - base["p20_s"]) * 1e3], [(base["p80_s"] - base["median_s"]) * 1e3]],
+                yerr=_yerr([base]),
                 color=STYLE["no_recompute"][1], marker="s", ms=9, ls="none", capsize=3, zorder=4,
                 label="original (no recompute)")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("step time, median (ms), bars p20–p80")
         unit = "images" if wl == "resnet50" else "sequences"
-        ax.set_title(f"batch {b} {unit}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.set_xlim(left=0, right=1.12 * max(_model_memory(doc, c)[0] for c in rows))
-        ax.set_ylim(0, 1.35 * max(c["median_s"] for c in rows) * 1e3)
+        _finish_axes(ax, xlabel, f"batch {b} {unit}", max(_model_memory(doc, c)[0] for c in rows),
+                     1.35 * max(c["median_s"] for c in rows) * 1e3)
         all_texts.append(texts)
     info = doc["workloads"].get(wl, {})
     desc = "\n".join(textwrap.wrap(info.get("description", wl), 110))
@@ -190,14 +197,10 @@ def plot_sweep(doc, plots_dir) -> list[Path]:
                 if s in ("torch_checkpoint", "fusedrc"):
                     pts = base + pts  # fraction 0 is the no-recompute run
                 label, color, marker = STYLE[s]
-                xs, ys, lo, hi = [], [], [], []
-                for c in pts:
-                    m, xlabel = _memory(doc, c)
-                    xs.append(m)
-                    ys.append(c["median_s"] * 1e3)
-                    lo.append((c["median_s"] - c["p20_s"]) * 1e3)
-                    hi.append((c["p80_s"] - c["median_s"]) * 1e3)
-                handles[label] = ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker=marker, ms=7 if s != "no_recompute" else 9,
+                xs = [_memory(doc, c)[0] for c in pts]
+                xlabel = _memory(doc, pts[-1])[1]
+                ys = [c["median_s"] * 1e3 for c in pts]
+                handles[label] = ax.errorbar(xs, ys, yerr=_yerr(pts), color=color, marker=marker, ms=7 if s != "no_recompute" else 9,
                             lw=1.6, capsize=3, label=label, zorder=3 if s == "fusedrc" else 2,
                             ls="-" if s != "no_recompute" else "none")
                 if s == "no_recompute":
@@ -207,14 +210,10 @@ def plot_sweep(doc, plots_dir) -> list[Path]:
                         continue
                     texts.append(ax.annotate(_knob_label(c), (x, y), xytext=_OFFSET[s], textcoords="offset points",
                                              fontsize=8, color=color, ha="center", va="center"))
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("step time, median (ms), bars p20–p80")
             unit = "tokens" if wl == "ffn" else "images"
-            ax.set_title(f"batch {b} {unit}", fontsize=10)
-            ax.grid(True, alpha=0.3)
-            ax.set_xlim(left=0, right=1.12 * max(_memory(doc, c)[0] for c in rows))
             # the p20-p80 bars of a noisy step may run off the top: the medians set the scale
-            ax.set_ylim(0, 1.45 * max(c["median_s"] for c in rows) * 1e3)
+            _finish_axes(ax, xlabel, f"batch {b} {unit}", max(_memory(doc, c)[0] for c in rows),
+                         1.45 * max(c["median_s"] for c in rows) * 1e3)
             all_texts.append(texts)
         info = doc["workloads"].get(wl, {})
         fig.suptitle(f"{wl} ({info.get('blocks', '?')} blocks): memory vs training-step time\n{_title_device(doc)}",
