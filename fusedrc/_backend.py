@@ -80,11 +80,15 @@ def _triton_module(op_module: str):
     if not triton_available():
         return None
     try:
-        return importlib.import_module(f"fusedrc.kernels.{op_module}")
+        module = importlib.import_module(f"fusedrc.kernels.{op_module}")
     except ModuleNotFoundError as e:
         if e.name == f"fusedrc.kernels.{op_module}":
             return None
         raise
+    from fusedrc import ops
+
+    ops.register_triton_ops()  # the ops' triton_op twins need Triton: registered with the first kernels module
+    return module
 
 
 def has_triton_kernel(op_module: str, fn_name: str) -> bool:

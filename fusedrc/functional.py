@@ -99,7 +99,7 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     _check_linear(x, weight, bias)
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
-    y = ops.linear_act_op(x.reshape(-1, x.shape[-1]), weight, bias, activation, backend)
+    y = ops.pick("linear_act", x, backend)(x.reshape(-1, x.shape[-1]), weight, bias, activation, backend)
     return _unview(y, lead, weight.shape[0])
 
 
@@ -138,7 +138,7 @@ def fused_mlp(
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
-    y = ops.fused_mlp_op(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, backend)
+    y = ops.pick("fused_mlp", x, backend)(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, backend)
     return _unview(y, lead, w2.shape[0])
 
 
@@ -225,7 +225,7 @@ def conv_bn_act(
                 f"{torch.Size((x.shape[0], c, oh, ow))}"
             )
     backend = resolve_backend(x, "conv_bn_act", "conv_bn_act_forward")
-    y, mean, rstd = ops.conv_bn_act_op(
+    y, mean, rstd = ops.pick("conv_bn_act", x, backend)(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
         use_batch_stats, float(eps), stride, padding, dilation, activation, backend,
     )

@@ -5,6 +5,20 @@ statistics); its backward op recomputes the forward chain through the backend
 chosen at forward time (an op argument, so forward and recompute always run the
 same implementation and the same tiles). Ops never mutate their inputs: the
 conv+BN op returns the batch statistics and the caller updates running buffers.
+
+Every op exists twice, with one body:
+
+- ``fusedrc::<name>``, a ``custom_op``: opaque to ``torch.compile`` (its fake
+  implementation below gives the output layouts). It runs the reference backend,
+  and the Triton backend where the kernels cannot be traced: Triton's interpreter
+  on CPU tensors under ``torch.compile``/``make_fx``.
+- ``fusedrc::<name>_triton``, a ``triton_op`` registered when the Triton backend
+  first loads (``register_triton_ops``; it needs Triton): its launchers call the
+  kernels through ``wrap_triton``, so under ``torch.compile`` inductor sees and
+  schedules the Triton kernels and the cuBLAS/cuDNN calls themselves. Its fake
+  implementation is its own body, traced.
+
+``pick`` chooses between them per call.
 """
 from __future__ import annotations
 
@@ -16,6 +30,46 @@ from torch import Tensor
 from ._backend import get_impl
 
 _EMPTY = (0,)
+
+_CUSTOM_OPS = {}   # name -> custom_op (every backend)
+_IMPLS = {}        # name -> the body both twins share
+_TRITON_OPS = {}   # name -> triton_op, once register_triton_ops has run
+_AUTOGRAD = {}     # forward op name -> (backward, setup_context)
+
+
+def _custom_op(name: str, impl):
+    _IMPLS[name] = impl
+    op = torch.library.custom_op(f"fusedrc::{name}", impl, mutates_args=())
+    _CUSTOM_OPS[name] = op
+    return op
+
+
+def register_triton_ops() -> None:
+    """Register the ``triton_op`` twin of every fused op (idempotent; imports Triton)."""
+    triton_op = getattr(torch.library, "triton_op", None)
+    if _TRITON_OPS or triton_op is None:  # torch < 2.6 has no triton_op: the custom ops serve
+        return
+
+    for name, impl in _IMPLS.items():
+        _TRITON_OPS[name] = triton_op(f"fusedrc::{name}_triton", impl, mutates_args=())
+    for name, (backward, setup) in _AUTOGRAD.items():
+        _TRITON_OPS[name].register_autograd(backward, setup_context=setup)
+
+
+def _traced(x: Tensor) -> bool:
+    # FakeTensor / FunctionalTensor: make_fx or AOTAutograd is tracing this call
+    return type(x) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def pick(name: str, x: Tensor, backend: str):
+    """The op that runs ``name`` on ``x`` with ``backend``: the triton_op twin for the Triton
+    backend, except under Triton's interpreter while torch.compile or make_fx traces (the
+    interpreter cannot be traced: there the opaque custom op runs the interpreted kernels)."""
+    if backend == "triton" and _TRITON_OPS and (
+        x.is_cuda or not (torch.compiler.is_compiling() or _traced(x))
+    ):
+        return _TRITON_OPS[name]
+    return _CUSTOM_OPS[name]
 
 
 def _no_double_backward(name):
@@ -77,9 +131,11 @@ def _stats_dtype(x: Tensor):
 
 
 # --------------------------------------------------------------------------- Linear + act
-@torch.library.custom_op("fusedrc::linear_act", mutates_args=())
-def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+def _linear_act_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
     return _laid_out(get_impl(backend, "linear_act", "linear_act_forward")(x, weight, bias, activation))
+
+
+linear_act_op = _custom_op("linear_act", _linear_act_impl)
 
 
 @linear_act_op.register_fake
@@ -87,12 +143,14 @@ def _(x, weight, bias, activation, backend):
     return _empty((x.shape[0], weight.shape[0]), x)
 
 
-@torch.library.custom_op("fusedrc::linear_act_backward", mutates_args=())
-def linear_act_backward_op(
+def _linear_act_backward_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], grad_out: Tensor, activation: str, backend: str
 ) -> Tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = get_impl(backend, "linear_act", "linear_act_backward")(x, weight, bias, grad_out, activation)
     return _laid_out(dx), _laid_out(dw), _laid_out(_or_empty(db, x))
+
+
+linear_act_backward_op = _custom_op("linear_act_backward", _linear_act_backward_impl)
 
 
 @linear_act_backward_op.register_fake
@@ -110,19 +168,22 @@ def _linear_act_setup(ctx, inputs, output):
 def _linear_act_backward(ctx, grad_out):
     _no_double_backward("linear_act")
     x, weight, bias = ctx.saved_tensors
-    dx, dw, db = linear_act_backward_op(x, weight, bias, grad_out.contiguous(), ctx.activation, ctx.backend)
+    op = pick("linear_act_backward", x, ctx.backend)
+    dx, dw, db = op(x, weight, bias, grad_out.contiguous(), ctx.activation, ctx.backend)
     return dx, dw, _none_if_empty(db, bias), None, None
 
 
-linear_act_op.register_autograd(_linear_act_backward, setup_context=_linear_act_setup)
+_AUTOGRAD["linear_act"] = (_linear_act_backward, _linear_act_setup)
 
 
 # --------------------------------------------------------------------------- FFN
-@torch.library.custom_op("fusedrc::fused_mlp", mutates_args=())
-def fused_mlp_op(
+def _fused_mlp_impl(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str, backend: str
 ) -> Tensor:
     return _laid_out(get_impl(backend, "fused_mlp", "fused_mlp_forward")(x, w1, b1, w2, b2, activation))
+
+
+fused_mlp_op = _custom_op("fused_mlp", _fused_mlp_impl)
 
 
 @fused_mlp_op.register_fake
@@ -130,8 +191,7 @@ def _(x, w1, b1, w2, b2, activation, backend):
     return _empty((x.shape[0], w2.shape[0]), x)
 
 
-@torch.library.custom_op("fusedrc::fused_mlp_backward", mutates_args=())
-def fused_mlp_backward_op(
+def _fused_mlp_backward_impl(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], grad_out: Tensor,
     activation: str, backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -139,6 +199,9 @@ def fused_mlp_backward_op(
         x, w1, b1, w2, b2, grad_out, activation
     )
     return tuple(_laid_out(g) for g in (dx, dw1, _or_empty(db1, x), dw2, _or_empty(db2, x)))
+
+
+fused_mlp_backward_op = _custom_op("fused_mlp_backward", _fused_mlp_backward_impl)
 
 
 @fused_mlp_backward_op.register_fake
@@ -157,18 +220,17 @@ def _fused_mlp_setup(ctx, inputs, output):
 def _fused_mlp_backward(ctx, grad_out):
     _no_double_backward("fused_mlp")
     x, w1, b1, w2, b2 = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = fused_mlp_backward_op(
+    dx, dw1, db1, dw2, db2 = pick("fused_mlp_backward", x, ctx.backend)(
         x, w1, b1, w2, b2, grad_out.contiguous(), ctx.activation, ctx.backend
     )
     return dx, dw1, _none_if_empty(db1, b1), dw2, _none_if_empty(db2, b2), None, None
 
 
-fused_mlp_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup)
+_AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
 
 
 # --------------------------------------------------------------------------- Conv + BN + act
-@torch.library.custom_op("fusedrc::conv_bn_act", mutates_args=())
-def conv_bn_act_op(
+def _conv_bn_act_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
     running_mean: Optional[Tensor], running_var: Optional[Tensor], residual: Optional[Tensor],
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
@@ -183,6 +245,9 @@ def conv_bn_act_op(
         mean, rstd = mean.clone(), rstd.clone()
     acc = _stats_dtype(x)
     return _laid_out(y, _channels_last(x)), _laid_out(mean, dtype=acc), _laid_out(rstd, dtype=acc)
+
+
+conv_bn_act_op = _custom_op("conv_bn_act", _conv_bn_act_impl)
 
 
 def _conv_out_shape(x, weight, stride, padding, dilation):
@@ -201,8 +266,7 @@ def _(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
     return _empty(shape, x, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("fusedrc::conv_bn_act_backward", mutates_args=())
-def conv_bn_act_backward_op(
+def _conv_bn_act_backward_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
     mean: Tensor, rstd: Tensor, residual: Optional[Tensor], grad_out: Tensor,
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
@@ -214,6 +278,9 @@ def conv_bn_act_backward_op(
     )
     cl = _channels_last(x)
     return tuple(_laid_out(_or_empty(g, x), cl and i in (0, 5)) for i, g in enumerate(grads))
+
+
+conv_bn_act_backward_op = _custom_op("conv_bn_act_backward", _conv_bn_act_backward_impl)
 
 
 @conv_bn_act_backward_op.register_fake
@@ -240,7 +307,7 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     # in x's memory format: the kernels read strides, and a channels_last model's gradient is
     # channels_last already (a plain .contiguous() would copy it to NCHW every step)
     fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
-    grads = conv_bn_act_backward_op(
+    grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
         x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt), *ctx.args
     )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
@@ -248,4 +315,6 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None
 
 
-conv_bn_act_op.register_autograd(_conv_bn_act_backward, setup_context=_conv_bn_act_setup)
+_AUTOGRAD["conv_bn_act"] = (_conv_bn_act_backward, _conv_bn_act_setup)
+for _name, (_backward, _setup) in _AUTOGRAD.items():
+    _CUSTOM_OPS[_name].register_autograd(_backward, setup_context=_setup)

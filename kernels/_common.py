@@ -29,6 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from torch.library import wrap_triton
+except ImportError:  # torch < 2.6: no triton_op either, the fused ops stay custom ops
+    def wrap_triton(kernel):
+        return kernel
+
 ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu")
 
 
@@ -325,6 +331,11 @@ def _gemm_act_grad_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+# Every launch goes through ``wrap_triton``: while a triton_op is traced (torch.compile)
+# it records the launch as a graph node; in eager it is the kernel itself. A pointer a
+# launch does not use (its constexpr flag off) is an *input* of the launch, never one of
+# its outputs: the traced graph clones each argument a kernel may write separately, and an
+# output passed twice would come back as two tensors.
 def _device_guard(t: torch.Tensor):
     """Launch on the tensor's GPU, not the current one."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -377,7 +388,7 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
     with _device_guard(a):
-        _gemm_act_kernel[grid](
+        wrap_triton(_gemm_act_kernel)[grid](
             a, b, bias if bias is not None else a, out,
             M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -439,9 +450,9 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     grid = (num_pid_m * triton.cdiv(N, cfg.BLOCK_N),)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
-        _gemm_act_grad_kernel[grid](
-            a, b, bias if bias is not None else a, grad, gh, act if act is not None else gh,
-            part if part is not None else gh,
+        wrap_triton(_gemm_act_grad_kernel)[grid](
+            a, b, bias if bias is not None else a, grad, gh, act if act is not None else a,
+            part if part is not None else a,
             M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,

@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import wrap_triton
+
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
 
 SUPPORTED_ACTIVATIONS = ("relu",)
@@ -627,7 +629,7 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
     T = pmean.shape[0]
     BLOCK_C = 16 if _interpreting() else 32
     BLOCK_T = 16 if _interpreting() else 64
-    _bn_stats_finalize_kernel[(triton.cdiv(C, BLOCK_C),)](
+    wrap_triton(_bn_stats_finalize_kernel)[(triton.cdiv(C, BLOCK_C),)](
         pmean, pm2, mean, rstd, T, C, M, float(eps),
         TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
     )
@@ -667,20 +669,20 @@ def conv_bn_act_forward(
     cfg = conv_config(C_out, C_in, x.dtype, precision, cap)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     res = residual
-    dummy = y
+    dummy = x  # unused pointers: an input, never an output (see kernels/_common.py)
 
     def launch(cfg, *, from_z, z, stats, store_z, apply, mean, rstd, pmean, pm2):
         grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(C_out, cfg.BLOCK_N),)
         zz = z if z is not None else dummy
         rr = res if res is not None else dummy
-        _conv_bn_fwd_kernel[grid](
+        wrap_triton(_conv_bn_fwd_kernel)[grid](
             x, wt, bias_ if bias_ is not None else dummy, zz, y, rr,
             mean if mean is not None else dummy, rstd if rstd is not None else dummy,
             gamma if gamma is not None else dummy, beta if beta is not None else dummy,
             pmean if pmean is not None else dummy, pm2 if pm2 is not None else dummy,
             M, C_out, C_in, H, W, OH, OW,
             *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
-            *zz.stride(), *rr.stride(),
+            *y.stride(), *rr.stride(),  # z, when there is one, is laid out like y
             **_geom_constexprs(KH, KW, stride, padding, dilation),
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
@@ -734,7 +736,7 @@ def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, ca
     M = N * H * W
     cfg = conv_config(C_in, C_out, dz.dtype, precision, cap)
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(C_in, cfg.BLOCK_N),)
-    _conv_dx_kernel[grid](
+    wrap_triton(_conv_dx_kernel)[grid](
         dz, wt, dx, M, C_in, C_out, H, W, OH, OW,
         *dz.stride(), *wt.stride(), *dx.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
@@ -758,7 +760,7 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
     per_split = triton.cdiv(iters, split)
     split = triton.cdiv(iters, per_split)
     part = torch.empty((split, C_out, NCOL), device=dz.device, dtype=torch.float32)
-    _conv_dw_kernel[(tiles, split)](
+    wrap_triton(_conv_dw_kernel)[(tiles, split)](
         dz, x, part, P, C_out, C_in, H, W, OH, OW, per_split,
         *dz.stride(), *x.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
@@ -798,7 +800,7 @@ def conv_bn_act_backward(
     dz = torch.empty((N, C_out, OH, OW), device=dev, dtype=x.dtype, memory_format=fmt)
     dres = torch.empty_like(dz, dtype=grad_out.dtype) if residual is not None else None
     affine = gamma is not None or beta is not None
-    dummy = dz
+    dummy = x
     f32 = dict(device=dev, dtype=torch.float32)
 
     def launch(cfg, *, from_z, z, store_z, reduce, emit, store_dres, sg=None, sgx=None):
@@ -808,7 +810,7 @@ def conv_bn_act_backward(
         pdb = torch.empty((T, C_out), **f32) if (emit and bias_ is not None) else None
         rr = residual if residual is not None else dummy
         grid = (T * triton.cdiv(C_out, cfg.BLOCK_N),)
-        _conv_bn_bwd_kernel[grid](
+        wrap_triton(_conv_bn_bwd_kernel)[grid](
             x, wt, bias_ if bias_ is not None else dummy, z if z is not None else dummy, grad_out, rr,
             dz, dres if dres is not None else dummy,
             mean, rstd, gamma if gamma is not None else dummy, beta if beta is not None else dummy,

@@ -7,6 +7,11 @@ input and parameter gradients, and buffers (BatchNorm running statistics).
 CPU runs use the reference backend with ``aot_eager`` (inductor on CPU costs
 ~20 s a compile here: one test); the CUDA test runs the Triton backend under inductor.
 """
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -140,20 +145,20 @@ def _fake_matches_real(op, *args):
     return real
 
 
-def _layout_cases(device, backend):
-    from fusedrc import ops
-
+def _layout_cases(device, backend, ops_by_name):
+    """(op, args) for every fused op; ``ops_by_name``: ``ops._CUSTOM_OPS`` or ``ops._TRITON_OPS``."""
     def t(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=device, dtype=dtype)
 
+    op = ops_by_name.__getitem__
     x = t(16, 4).t()  # non-contiguous (16, 4) -> strides (1, 16)
     w1, b1, w2, b2 = t(8, 16), t(8), t(5, 8), t(5)
     g = t(4, 8)
-    yield ops.linear_act_op, (x, w1, b1, "relu", backend)
-    yield ops.linear_act_backward_op, (x, w1, b1, g, "relu", backend)
-    yield ops.linear_act_backward_op, (x, w1, None, g, "gelu", backend)
-    yield ops.fused_mlp_op, (x, w1, None, w2, b2, "silu", backend)
-    yield ops.fused_mlp_backward_op, (x, w1, None, w2, b2, t(4, 5), "silu", backend)
+    yield op("linear_act"), (x, w1, b1, "relu", backend)
+    yield op("linear_act_backward"), (x, w1, b1, g, "relu", backend)
+    yield op("linear_act_backward"), (x, w1, None, g, "gelu", backend)
+    yield op("fused_mlp"), (x, w1, None, w2, b2, "silu", backend)
+    yield op("fused_mlp_backward"), (x, w1, None, w2, b2, t(4, 5), "silu", backend)
     geometry = (1e-5, [1, 1], [1, 1], [1, 1], "relu", backend)
     for dtype, cl in ((torch.float32, True), (torch.float32, False), (torch.float16, True), (torch.float64, False)):
         if dtype == torch.float16 and device == "cpu" and backend == "reference":
@@ -165,23 +170,95 @@ def _layout_cases(device, backend):
         gamma, beta, rm, rv = t(6, dtype=bn), t(6, dtype=bn), t(6, dtype=bn), t(6, dtype=bn).abs() + 0.5
         for training in (True, False):
             y, mean, rstd = _fake_matches_real(
-                ops.conv_bn_act_op, xc, wc, None, gamma, beta, rm, rv, res, training, *geometry)
-            yield ops.conv_bn_act_backward_op, (xc, wc, None, gamma, beta, mean, rstd, res, torch.randn_like(y),
-                                                training, *geometry)
+                op("conv_bn_act"), xc, wc, None, gamma, beta, rm, rv, res, training, *geometry)
+            yield op("conv_bn_act_backward"), (xc, wc, None, gamma, beta, mean, rstd, res, torch.randn_like(y),
+                                               training, *geometry)
 
 
 def test_fake_implementations_match_real_layouts():
-    for op, args in _layout_cases("cpu", "reference"):
+    from fusedrc import ops
+
+    for op, args in _layout_cases("cpu", "reference", ops._CUSTOM_OPS):
         _fake_matches_real(op, *args)
+
+
+def _needs_triton(device):
+    if not fusedrc._backend.triton_available():
+        pytest.skip("Triton is not installed")
+    if device.type == "cpu" and not fusedrc._backend.interpreter_active():
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    fusedrc._backend.has_triton_kernel("linear_act", "linear_act_forward")  # registers the triton_op twins
 
 
 def test_fake_implementations_match_triton_layouts(device):
-    if device.type == "cpu" and not fusedrc._backend.interpreter_active():
-        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    from fusedrc import ops
+
+    _needs_triton(device)
+    for op, args in _layout_cases(device.type, "triton", ops._CUSTOM_OPS):
+        _fake_matches_real(op, *args)
+    if device.type == "cuda":  # a triton_op's fake is its own body, traced: not under the interpreter
+        for op, args in _layout_cases(device.type, "triton", ops._TRITON_OPS):
+            _fake_matches_real(op, *args)
+
+
+def test_triton_op_twins_trace_into_their_kernels():
+    """Each triton_op twin, traced as AOTAutograd traces it for torch.compile, becomes its Triton
+    launches (wrap_triton's triton_kernel_wrapper_functional nodes) and aten ops: nothing opaque.
+    Traced in a subprocess without the interpreter and never run (see tests/_trace_triton_ops.py),
+    so CI checks the traceability of every launcher; the GPU test below runs the compiled graphs."""
     if not fusedrc._backend.triton_available():
         pytest.skip("Triton is not installed")
-    for op, args in _layout_cases(device.type, "triton"):
-        _fake_matches_real(op, *args)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "_trace_triton_ops.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    graphs = json.loads(proc.stdout.strip().splitlines()[-1])
+    # launches on a CPU trace (no GPU: the backward's plain GEMMs are Triton GEMMs too)
+    launches = {"linear_act": 1, "linear_act_backward": 3, "fused_mlp": 2, "fused_mlp_backward": 5,
+                "conv_bn_act": 3, "conv_bn_act_eval": 1, "conv_bn_act_backward": 2}
+    assert set(graphs) == set(launches)
+    for name, targets in graphs.items():
+        assert targets.count("triton_kernel_wrapper_functional") == launches[name], (name, targets)
+        assert not [t for t in targets if t.startswith("fusedrc.")], (name, targets)
+    assert "aten.convolution_backward.default" in graphs["conv_bn_act_backward"]  # dX, dW: cuDNN/aten
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the fusedrc ops dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedrc":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_triton_backend_runs_the_triton_op_twins(device):
+    """Eager Triton calls go through the triton_op twins (fusedrc::*_triton), forward and backward;
+    under torch.compile on the interpreter, the opaque custom ops (the interpreter cannot be traced)."""
+    from fusedrc import ops
+
+    _needs_triton(device)
+    if not hasattr(torch.library, "triton_op"):
+        pytest.skip("torch < 2.6 has no triton_op: the custom ops run the Triton backend")
+    assert set(ops._TRITON_OPS) == set(ops._CUSTOM_OPS)
+    model = fusedrc.convert(_net()).to(device)
+    x = torch.randn(2, 3, 6, 6, device=device, requires_grad=True)
+    with fusedrc.use_backend("triton"), _OpLog() as log:
+        model(x).sum().backward()
+    fused = ("conv_bn_act", "fused_mlp", "linear_act")
+    assert sorted(log.names) == sorted([f"{n}_triton" for n in fused] + [f"{n}_backward_triton" for n in fused])
+    with fusedrc.use_backend("reference"), _OpLog() as log:
+        model(x).sum().backward()
+    assert sorted(log.names) == sorted(list(fused) + [f"{n}_backward" for n in fused])
+    if device.type == "cpu":
+        with fusedrc.use_backend("triton"):
+            _, _, names = _graph_ops(model, x)
+        assert [n for n in names if "fusedrc" in n] == ["fusedrc.conv_bn_act.default", "fusedrc.fused_mlp.default",
+                                                         "fusedrc.linear_act.default"], names
 
 
 # --------------------------------------------------------------------------- reference backend, CPU
@@ -327,3 +404,27 @@ def test_triton_backend_on_cuda_inductor():
         for dtype in (torch.float16, torch.bfloat16):
             _compare(lambda: fusedrc.nn.FusedMLP(64, 128, activation="gelu").to(dtype), (32, 64), device="cuda",
                      dtype=dtype, backend="inductor", expect_ops=("fusedrc.fused_mlp",), tol=1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: triton_op cannot be traced under Triton's interpreter")
+def test_triton_ops_expose_their_kernels_to_the_compiler():
+    """Under torch.compile on CUDA the fused ops decompose into their Triton launches
+    (triton_kernel_wrapper_functional nodes) in the forward and backward graphs that
+    reach the compiler: no opaque fusedrc op is left for inductor to call as a black box."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    with fusedrc.use_backend("triton"):
+        _compare(lambda: fusedrc.convert(_net()), (8, 3, 6, 6), device="cuda", backend=backend,
+                 expect_ops=_FUSED_NET_OPS, steps=2, tol=1e-4)
+    assert len(graphs) >= 2  # forward and backward
+    for gm in graphs:
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        assert any("triton_kernel_wrapper" in t for t in targets), targets
+        assert not any(t.startswith("fusedrc.") for t in targets), targets
