@@ -56,18 +56,19 @@ def register_triton_ops() -> None:
         _TRITON_OPS[name].register_autograd(backward, setup_context=setup)
 
 
-def _traced(x: Tensor) -> bool:
-    # FakeTensor / FunctionalTensor: make_fx or AOTAutograd is tracing this call
-    return type(x) not in (torch.Tensor, torch.nn.Parameter)
+def _twin_traceable(x: Tensor) -> bool:
+    """Whether a triton_op twin can run this call: always on CUDA; on CPU tensors (Triton's
+    interpreter, which cannot be traced) only when neither torch.compile nor make_fx /
+    AOTAutograd (FakeTensor, FunctionalTensor inputs) is tracing it."""
+    if x.is_cuda:
+        return True
+    return not torch.compiler.is_compiling() and type(x) in (torch.Tensor, torch.nn.Parameter)
 
 
 def pick(name: str, x: Tensor, backend: str):
     """The op that runs ``name`` on ``x`` with ``backend``: the triton_op twin for the Triton
-    backend, except under Triton's interpreter while torch.compile or make_fx traces (the
-    interpreter cannot be traced: there the opaque custom op runs the interpreted kernels)."""
-    if backend == "triton" and _TRITON_OPS and (
-        x.is_cuda or not (torch.compiler.is_compiling() or _traced(x))
-    ):
+    backend where it can be traced, else the custom op (which runs either backend)."""
+    if backend == "triton" and _TRITON_OPS and _twin_traceable(x):
         return _TRITON_OPS[name]
     return _CUSTOM_OPS[name]
 

@@ -1,82 +1,93 @@
-"""Trace every triton_op twin the way torch.compile's AOTAutograd does, on CPU, without running it.
+"""Compile a converted model through the triton_op twins on CPU, up to the graphs: nothing runs.
 
-Run as a script by ``test_compile.test_triton_op_twins_trace_into_their_kernels``, in a process
-*without* ``TRITON_INTERPRET``: ``wrap_triton`` only records real ``JITFunction`` launches (the
-interpreter's kernels cannot be traced), and a CPU machine has no GPU to run them. So each op is
-traced with fake CPU tensors through ``aot_function``, the graph is captured, and execution stops
-there. Prints one JSON object: op name -> the call_function targets of its graph.
+Run as a script by ``test_compile.test_triton_op_twins_compile_into_their_launches``, in a process
+*without* ``TRITON_INTERPRET``: ``wrap_triton`` records launches only of real ``JITFunction``s
+(the interpreter's kernels cannot be traced, DESIGN §2), and a CPU has nothing to launch them on.
+So the script
 
-Without a GPU driver Triton cannot build a kernel's IR, so torch's mutation analysis falls back to
-"every tensor argument may be written" (it logs a warning): the graphs are correct, only more
-conservative than on a GPU.
+- tells fusedrc the interpreter is on (the Triton backend accepts CPU tensors, the conv launchers
+  too) and picks the triton_op twins also under torch.compile, forward and backward;
+- makes Triton's active driver report an sm_90 target: torch's mutation analysis then compiles
+  each kernel to IR (as ``fusedrc.inspect`` does) and finds the arguments it writes, as on a GPU;
+- compiles forward and backward together (``force_non_lazy_backward_lowering``) with
+  ``aot_autograd``, captures both graphs and stops before running them.
+
+Prints one JSON object: the call_function targets of the forward and backward graphs, and the
+warnings torch logged about its mutation analysis (none expected).
 """
 import json
 import logging
 import os
+import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-from functorch.compile import aot_function  # noqa: E402
-
-import fusedrc  # noqa: E402
-from fusedrc import ops  # noqa: E402
 
 
 class _Captured(Exception):
     pass
 
 
-def _graph_targets(fn, *args):
-    graphs = []
+class _Sm90Target:
+    """Only what torch's mutation analysis asks of the driver: the compile target."""
 
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        raise _Captured  # a CPU has nothing to launch these kernels on
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
 
-    try:
-        aot_function(fn, fw_compiler=capture)(*args)
-    except _Captured:
-        pass
-    (gm,) = graphs
-    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        return GPUTarget("cuda", 90, 32)
 
 
 def main():
-    logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
-    assert fusedrc._backend.has_triton_kernel("conv_bn_act", "conv_bn_act_forward")  # registers the twins
+    import triton
+    from torch._dynamo.backends.common import aot_autograd
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fusedrc
+    from fusedrc import _backend, ops
+    from test_compile import _net
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(handler)
+
+    _backend.interpreter_active = lambda: True
+    assert _backend.has_triton_kernel("conv_bn_act", "conv_bn_act_forward")  # registers the twins
     from fusedrc.kernels import conv_bn_act
 
-    # the conv launchers take CPU tensors only under the interpreter; the trace never runs them
     conv_bn_act._interpreting = lambda: True
-    twin = ops._TRITON_OPS
+    ops._twin_traceable = lambda x: True
+    triton.runtime.driver.set_active(_Sm90Target())
+    torch._functorch.config.force_non_lazy_backward_lowering = True
 
-    def t(*shape):
-        return torch.randn(*shape)
+    graphs = {}
 
-    x, w1, b1, w2, b2 = t(64, 32), t(48, 32), t(48), t(16, 48), t(16)
-    xc, wc, gamma, beta, rm, rv = t(2, 4, 6, 6), t(8, 4, 3, 3), t(8), t(8), t(8), t(8).abs() + 0.5
-    xc = xc.to(memory_format=torch.channels_last)
-    geometry = (1e-5, [1, 1], [1, 1], [1, 1], "relu", "triton")
-    mean, rstd = t(8), t(8).abs() + 0.5
-    cases = {
-        "linear_act": (lambda *a: twin["linear_act"](*a, "gelu", "triton"), (x, w1, b1)),
-        "linear_act_backward": (lambda *a: twin["linear_act_backward"](*a, "gelu", "triton"),
-                                (x, w1, b1, t(64, 48))),
-        "fused_mlp": (lambda *a: twin["fused_mlp"](*a, "relu", "triton"), (x, w1, b1, w2, b2)),
-        "fused_mlp_backward": (lambda *a: twin["fused_mlp_backward"](*a, "relu", "triton"),
-                               (x, w1, b1, w2, b2, t(64, 16))),
-        "conv_bn_act": (lambda *a: twin["conv_bn_act"](*a, None, True, *geometry), (xc, wc, None, gamma, beta, rm, rv)),
-        "conv_bn_act_eval": (lambda *a: twin["conv_bn_act"](*a, None, False, *geometry),
-                             (xc, wc, None, gamma, beta, rm, rv)),
-        "conv_bn_act_backward": (lambda *a: twin["conv_bn_act_backward"](*a, True, *geometry),
-                                 (xc, wc, None, gamma, beta, mean, rstd, None,
-                                  t(2, 8, 6, 6).to(memory_format=torch.channels_last))),
-    }
-    out = {}
-    for name, (fn, args) in cases.items():
-        out[name] = _graph_targets(fn, *args)
-    print(json.dumps(out))
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            if kind == "backward":
+                raise _Captured  # both graphs are in: stop before anything runs
+            return gm.forward
+        return compiler
+
+    model = fusedrc.convert(_net())
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=capture("forward"),
+                                                         bw_compiler=capture("backward")), fullgraph=True)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    with fusedrc.use_backend("triton"):
+        try:
+            compiled(x)
+        except Exception as e:  # dynamo wraps the backend's exception
+            if not any(isinstance(c, _Captured) for c in _causes(e)):
+                raise
+    print(json.dumps({**graphs, "analysis_warnings": warnings}))
+
+
+def _causes(e):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 if __name__ == "__main__":

@@ -201,26 +201,54 @@ def test_fake_implementations_match_triton_layouts(device):
             _fake_matches_real(op, *args)
 
 
-def test_triton_op_twins_trace_into_their_kernels():
-    """Each triton_op twin, traced as AOTAutograd traces it for torch.compile, becomes its Triton
-    launches (wrap_triton's triton_kernel_wrapper_functional nodes) and aten ops: nothing opaque.
-    Traced in a subprocess without the interpreter and never run (see tests/_trace_triton_ops.py),
-    so CI checks the traceability of every launcher; the GPU test below runs the compiled graphs."""
+def test_triton_op_twins_compile_into_their_launches():
+    """torch.compile of a converted model through the triton_op twins, forward and backward
+    compiled together: the graphs that reach the compiler hold the Triton launches
+    (triton_kernel_wrapper_functional) and aten ops, no opaque fusedrc op; torch's analysis of
+    which arguments each kernel writes succeeds (fresh buffers only: an input "written" in the
+    backward would make AOTAutograd reject the joint graph). Compiled on the CPU up to the graphs,
+    never run (tests/_trace_triton_ops.py); the GPU test below runs them."""
     if not fusedrc._backend.triton_available():
         pytest.skip("Triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if not hasattr(torch.library, "triton_op"):
+        pytest.skip("torch < 2.6 has no triton_op")
     script = os.path.join(os.path.dirname(__file__), "_trace_triton_ops.py")
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    graphs = json.loads(proc.stdout.strip().splitlines()[-1])
-    # launches on a CPU trace (no GPU: the backward's plain GEMMs are Triton GEMMs too)
-    launches = {"linear_act": 1, "linear_act_backward": 3, "fused_mlp": 2, "fused_mlp_backward": 5,
-                "conv_bn_act": 3, "conv_bn_act_eval": 1, "conv_bn_act_backward": 2}
-    assert set(graphs) == set(launches)
-    for name, targets in graphs.items():
-        assert targets.count("triton_kernel_wrapper_functional") == launches[name], (name, targets)
-        assert not [t for t in targets if t.startswith("fusedrc.")], (name, targets)
-    assert "aten.convolution_backward.default" in graphs["conv_bn_act_backward"]  # dX, dW: cuDNN/aten
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["analysis_warnings"] == []
+    for kind in ("forward", "backward"):
+        assert not [t for t in out[kind] if t.startswith("fusedrc.")], out[kind]
+    # forward: conv+BN (conv with statistics, finalize, apply) 3, FFN 2, Linear+ReLU 1; backward:
+    # conv+BN 2 (+ aten.convolution_backward), FFN 5, Linear+ReLU 3 (plain GEMMs are Triton off CUDA)
+    launches = [out[kind].count("triton_kernel_wrapper_functional") for kind in ("forward", "backward")]
+    assert launches == [6, 10]
+    assert "aten.convolution_backward.default" in out["backward"]
+
+
+def _capturing_backend():
+    """aot_eager that keeps the forward and backward graphs it is given."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return aot_autograd(fw_compiler=capture, bw_compiler=capture), graphs
+
+
+def _launches(graphs):
+    """Triton launches in the first forward and backward graphs; no fusedrc op left in any."""
+    counts = []
+    for gm in graphs:
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        assert not [t for t in targets if t.startswith("fusedrc.")], targets
+        counts.append(targets.count("triton_kernel_wrapper_functional"))
+    assert len(counts) >= 2, counts  # forward and backward
+    return counts[0], counts[1]
 
 
 class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
@@ -406,25 +434,13 @@ def test_triton_backend_on_cuda_inductor():
                      dtype=dtype, backend="inductor", expect_ops=("fusedrc.fused_mlp",), tol=1e-2)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: triton_op cannot be traced under Triton's interpreter")
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled triton_op graphs run on a GPU (the CPU test stops at the graphs)")
 def test_triton_ops_expose_their_kernels_to_the_compiler():
-    """Under torch.compile on CUDA the fused ops decompose into their Triton launches
-    (triton_kernel_wrapper_functional nodes) in the forward and backward graphs that
-    reach the compiler: no opaque fusedrc op is left for inductor to call as a black box."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    """On CUDA, compiled graphs of a converted model hold the twins' Triton launches, forward and
+    backward, and match eager (the plain backward GEMMs are cuBLAS there: only a lower bound)."""
+    backend, graphs = _capturing_backend()
     with fusedrc.use_backend("triton"):
         _compare(lambda: fusedrc.convert(_net()), (8, 3, 6, 6), device="cuda", backend=backend,
                  expect_ops=_FUSED_NET_OPS, steps=2, tol=1e-4)
-    assert len(graphs) >= 2  # forward and backward
-    for gm in graphs:
-        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-        assert any("triton_kernel_wrapper" in t for t in targets), targets
-        assert not any(t.startswith("fusedrc.") for t in targets), targets
+    fw, bw = _launches(graphs)
+    assert fw == 6 and bw >= 4, (fw, bw)
