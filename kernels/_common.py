@@ -144,8 +144,18 @@ def dot_precision(t: torch.Tensor) -> str:
     return "ieee"
 
 
+# Read once: @triton.jit chose interpreted or compiled kernels when this module was imported.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids: ``triton.cdiv`` is a constexpr_function in recent Triton
+    and costs ~2 us a call on the host, several times per launch."""
+    return -(-a // b)
 
 
 def _upcast_flag(t: torch.Tensor) -> bool:
@@ -386,7 +396,7 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
     if bias is not None:
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     with _device_guard(a):
         wrap_triton(_gemm_act_kernel)[grid](
             a, b, bias if bias is not None else a, out,
@@ -445,9 +455,9 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
     if bias is not None:
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
-    num_pid_m = triton.cdiv(M, cfg.BLOCK_M)
+    num_pid_m = cdiv(M, cfg.BLOCK_M)
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
-    grid = (num_pid_m * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (num_pid_m * cdiv(N, cfg.BLOCK_N),)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         wrap_triton(_gemm_act_grad_kernel)[grid](

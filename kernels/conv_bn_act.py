@@ -50,14 +50,13 @@ tensors, run the reference implementation (fusedrc.reference), which is correct.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import wrap_triton
+from ._common import cdiv, interpreting, wrap_triton
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
 
@@ -124,7 +123,7 @@ _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return interpreting()
 
 
 def _capability(t: torch.Tensor):
@@ -629,7 +628,7 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
     T = pmean.shape[0]
     BLOCK_C = 16 if _interpreting() else 32
     BLOCK_T = 16 if _interpreting() else 64
-    wrap_triton(_bn_stats_finalize_kernel)[(triton.cdiv(C, BLOCK_C),)](
+    wrap_triton(_bn_stats_finalize_kernel)[(cdiv(C, BLOCK_C),)](
         pmean, pm2, mean, rstd, T, C, M, float(eps),
         TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
     )
@@ -672,7 +671,7 @@ def conv_bn_act_forward(
     dummy = x  # unused pointers: an input, never an output (see kernels/_common.py)
 
     def launch(cfg, *, from_z, z, stats, store_z, apply, mean, rstd, pmean, pm2):
-        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(C_out, cfg.BLOCK_N),)
+        grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)
         zz = z if z is not None else dummy
         rr = res if res is not None else dummy
         wrap_triton(_conv_bn_fwd_kernel)[grid](
@@ -692,7 +691,7 @@ def conv_bn_act_forward(
 
     with _device_guard(x):
         if training:
-            T = triton.cdiv(M, cfg.BLOCK_M)
+            T = cdiv(M, cfg.BLOCK_M)
             pmean = torch.empty((T, C_out), device=x.device, dtype=torch.float32)
             pm2 = torch.empty_like(pmean)
             z = None if FWD_RECOMPUTE else torch.empty_like(y)
@@ -735,7 +734,7 @@ def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, ca
     wt = weight.permute(2, 3, 0, 1).contiguous()  # (KH, KW, C_out, C_in)
     M = N * H * W
     cfg = conv_config(C_in, C_out, dz.dtype, precision, cap)
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(C_in, cfg.BLOCK_N),)
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_in, cfg.BLOCK_N),)
     wrap_triton(_conv_dx_kernel)[grid](
         dz, wt, dx, M, C_in, C_out, H, W, OH, OW,
         *dz.stride(), *wt.stride(), *dx.stride(),
@@ -754,11 +753,11 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
     P = N * OH * OW
     NCOL = C_in * KH * KW
     cfg = conv_config(NCOL, 1 << 30, dz.dtype, precision, cap)  # K = pixels: no per-tap clamp
-    tiles = triton.cdiv(C_out, cfg.BLOCK_M) * triton.cdiv(NCOL, cfg.BLOCK_N)
-    iters = triton.cdiv(P, cfg.BLOCK_K)
+    tiles = cdiv(C_out, cfg.BLOCK_M) * cdiv(NCOL, cfg.BLOCK_N)
+    iters = cdiv(P, cfg.BLOCK_K)
     split = _dw_split(tiles, iters, cap, dz.device)
-    per_split = triton.cdiv(iters, split)
-    split = triton.cdiv(iters, per_split)
+    per_split = cdiv(iters, split)
+    split = cdiv(iters, per_split)
     part = torch.empty((split, C_out, NCOL), device=dz.device, dtype=torch.float32)
     wrap_triton(_conv_dw_kernel)[(tiles, split)](
         dz, x, part, P, C_out, C_in, H, W, OH, OW, per_split,
@@ -804,12 +803,12 @@ def conv_bn_act_backward(
     f32 = dict(device=dev, dtype=torch.float32)
 
     def launch(cfg, *, from_z, z, store_z, reduce, emit, store_dres, sg=None, sgx=None):
-        T = triton.cdiv(M, cfg.BLOCK_M)
+        T = cdiv(M, cfg.BLOCK_M)
         pg = torch.empty((T, C_out), **f32) if reduce else None
         pgx = torch.empty((T, C_out), **f32) if reduce else None
         pdb = torch.empty((T, C_out), **f32) if (emit and bias_ is not None) else None
         rr = residual if residual is not None else dummy
-        grid = (T * triton.cdiv(C_out, cfg.BLOCK_N),)
+        grid = (T * cdiv(C_out, cfg.BLOCK_N),)
         wrap_triton(_conv_bn_bwd_kernel)[grid](
             x, wt, bias_ if bias_ is not None else dummy, z if z is not None else dummy, grad_out, rr,
             dz, dres if dres is not None else dummy,
