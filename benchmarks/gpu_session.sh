@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# One GPU call: per-kernel microbenchmarks, the default sweep (no torch.compile: its budgets
-# were measured in an earlier run), the real models and the test suite. Everything lands in
-# $1/gpu.tgz, re-packed after each step so a call cut short still returns what it finished.
-# Usage on the GPU machine: FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT"
+# GPU session steps, each under its own time limit; everything lands in $1/gpu.tgz, re-packed
+# after each step so a call cut short still returns what it finished.
+#   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN)
+#   kernels  per-kernel microbenchmarks (fusedrc-bench kernels)
+#   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
+#            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
+#   conv_compile  the same shapes against torch.compile of the layer
+#   sweep    the default memory-vs-speed sweep without torch.compile
+#   models   the real models (ResNet-50, OPT) at batch 32
+# Usage on the GPU machine (one 10-minute call fits tests+kernels, another conv+sweep+models):
+#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" tests kernels
 set -u
 out=${1:?results folder}
+shift
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests kernels conv sweep models)
 w=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$w/results" "$w/plots"
@@ -12,10 +22,20 @@ pack() { tar czf "$out/gpu.tgz" -C "$w" . ; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 opts=(--no-progress --results-dir "$w/results" --plots-dir "$w/plots")
-timeout 60 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14; pack
-timeout 150 python3 -m fusedrc.bench --no-compile "${opts[@]}" 2>&1 | tail -30; pack
-timeout 80 python3 -m fusedrc.bench --workload models --batch-sizes 32 "${opts[@]}" 2>&1 | tail -24; pack
-timeout 180 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests --ignore=tests/test_inspect.py \
-    > "$w/pytest.log" 2>&1
-pack
-tail -25 "$w/pytest.log" | grep -v "^  File"
+for step in "${steps[@]}"; do
+    echo "=== $step"
+    case $step in
+        tests)
+            timeout 300 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
+                --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
+            tail -25 "$w/pytest.log" | grep -v "^  File" ;;
+        kernels) timeout 90 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
+        conv) timeout 240 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
+                  | tail -40 ;;
+        conv_compile) timeout 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
+        sweep) timeout 150 python3 -m fusedrc.bench --no-compile "${opts[@]}" 2>&1 | tail -30 ;;
+        models) timeout 150 python3 -m fusedrc.bench --workload models --batch-sizes 32 "${opts[@]}" 2>&1 | tail -24 ;;
+        *) echo "unknown step $step" ;;
+    esac
+    pack
+done
