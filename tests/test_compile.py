@@ -417,7 +417,9 @@ def test_backend_choice_is_guarded(monkeypatch, device):
     with fusedrc.use_backend("triton"):  # on the CPU: Triton's interpreter
         y = compiled(x)
         y.sum().backward()
-    assert seen == ["triton", "triton"]
+    # on CUDA the triton_op twins trace their bodies at compile time (inductor then runs the kernels
+    # without get_impl); on the interpreter the opaque custom ops call it at run time, once each way
+    assert seen and set(seen) == {"triton"}, seen
     torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
 
 
