@@ -6,6 +6,8 @@
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_compile  the same shapes against torch.compile of the layer
+#   tiles    candidate tile-table entries, dense (issue 3's GEMMs) and conv (batch 256), vs cuBLAS
+#            and eager (benchmarks/gpu_tile_sweep.py)
 #   sweep    the default memory-vs-speed sweep without torch.compile
 #   models   the real models (ResNet-50, OPT) at batch 32
 # Usage on the GPU machine (one 10-minute call fits tests+kernels, another conv+sweep+models):
@@ -33,6 +35,7 @@ for step in "${steps[@]}"; do
         conv) timeout 240 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         conv_compile) timeout 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
+        tiles) timeout 400 python3 benchmarks/gpu_tile_sweep.py --out "$w/results" 2>&1 | tail -90 ;;
         sweep) timeout 150 python3 -m fusedrc.bench --no-compile "${opts[@]}" 2>&1 | tail -30 ;;
         models) timeout 150 python3 -m fusedrc.bench --workload models --batch-sizes 32 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;

@@ -341,11 +341,20 @@ def _gemm_act_grad_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-# Every launch goes through ``wrap_triton``: while a triton_op is traced (torch.compile)
-# it records the launch as a graph node; in eager it is the kernel itself. A pointer a
-# launch does not use (its constexpr flag off) is an *input* of the launch, never one of
-# its outputs: the traced graph clones each argument a kernel may write separately, and an
-# output passed twice would come back as two tensors.
+# While a triton_op's body is traced (torch.compile, make_fx) every launch goes through
+# ``wrap_triton``, which records it as a graph node. A pointer a launch does not use (its
+# constexpr flag off) is an *input* of the launch, never one of its outputs: the traced graph
+# clones each argument a kernel may write separately, and an output passed twice would come
+# back as two tensors.
+def launcher(kernel, probe: torch.Tensor):
+    """``kernel``, or ``wrap_triton(kernel)`` when torch is tracing this launch: ``probe`` (an
+    operand) is a fake or functional tensor, or a dispatch mode is active. In a plain eager
+    call the kernel itself: wrap_triton's eager path is a higher-order-op dispatch per launch."""
+    if type(probe) in (torch.Tensor, torch.nn.Parameter) and torch._C._len_torch_dispatch_stack() == 0:
+        return kernel
+    return wrap_triton(kernel)
+
+
 def _device_guard(t: torch.Tensor):
     """Launch on the tensor's GPU, not the current one."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -398,7 +407,7 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     with _device_guard(a):
-        wrap_triton(_gemm_act_kernel)[grid](
+        launcher(_gemm_act_kernel, a)[grid](
             a, b, bias if bias is not None else a, out,
             M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -460,7 +469,7 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     grid = (num_pid_m * cdiv(N, cfg.BLOCK_N),)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
-        wrap_triton(_gemm_act_grad_kernel)[grid](
+        launcher(_gemm_act_grad_kernel, a)[grid](
             a, b, bias if bias is not None else a, grad, gh, act if act is not None else a,
             part if part is not None else a,
             M, N, K,

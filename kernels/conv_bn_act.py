@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreting, wrap_triton
+from ._common import cdiv, interpreting, launcher
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
 
@@ -628,7 +628,7 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
     T = pmean.shape[0]
     BLOCK_C = 16 if _interpreting() else 32
     BLOCK_T = 16 if _interpreting() else 64
-    wrap_triton(_bn_stats_finalize_kernel)[(cdiv(C, BLOCK_C),)](
+    launcher(_bn_stats_finalize_kernel, pmean)[(cdiv(C, BLOCK_C),)](
         pmean, pm2, mean, rstd, T, C, M, float(eps),
         TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
     )
@@ -674,7 +674,7 @@ def conv_bn_act_forward(
         grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)
         zz = z if z is not None else dummy
         rr = res if res is not None else dummy
-        wrap_triton(_conv_bn_fwd_kernel)[grid](
+        launcher(_conv_bn_fwd_kernel, x)[grid](
             x, wt, bias_ if bias_ is not None else dummy, zz, y, rr,
             mean if mean is not None else dummy, rstd if rstd is not None else dummy,
             gamma if gamma is not None else dummy, beta if beta is not None else dummy,
@@ -735,7 +735,7 @@ def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, ca
     M = N * H * W
     cfg = conv_config(C_in, C_out, dz.dtype, precision, cap)
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_in, cfg.BLOCK_N),)
-    wrap_triton(_conv_dx_kernel)[grid](
+    launcher(_conv_dx_kernel, dz)[grid](
         dz, wt, dx, M, C_in, C_out, H, W, OH, OW,
         *dz.stride(), *wt.stride(), *dx.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
@@ -759,7 +759,7 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
     per_split = cdiv(iters, split)
     split = cdiv(iters, per_split)
     part = torch.empty((split, C_out, NCOL), device=dz.device, dtype=torch.float32)
-    wrap_triton(_conv_dw_kernel)[(tiles, split)](
+    launcher(_conv_dw_kernel, dz)[(tiles, split)](
         dz, x, part, P, C_out, C_in, H, W, OH, OW, per_split,
         *dz.stride(), *x.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
@@ -809,7 +809,7 @@ def conv_bn_act_backward(
         pdb = torch.empty((T, C_out), **f32) if (emit and bias_ is not None) else None
         rr = residual if residual is not None else dummy
         grid = (T * cdiv(C_out, cfg.BLOCK_N),)
-        wrap_triton(_conv_bn_bwd_kernel)[grid](
+        launcher(_conv_bn_bwd_kernel, x)[grid](
             x, wt, bias_ if bias_ is not None else dummy, z if z is not None else dummy, grad_out, rr,
             dz, dres if dres is not None else dummy,
             mean, rstd, gamma if gamma is not None else dummy, beta if beta is not None else dummy,

@@ -223,7 +223,6 @@ def test_fused_mlp_gemm_count(device, monkeypatch):
             calls.append(self.name)
             return self.kernel[grid]
 
-    monkeypatch.setattr(_common, "wrap_triton", lambda kernel: kernel)  # the spies are not JITFunctions
     monkeypatch.setattr(_common, "_gemm_act_kernel", _Spy(real_fwd, "gemm"))
     monkeypatch.setattr(_common, "_gemm_act_grad_kernel", _Spy(real_grad, "recompute"))
     x, w1, b1, w2, b2, g = _mlp_inputs(8, 8, 16, 8, torch.float32, device, True)

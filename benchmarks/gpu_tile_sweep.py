@@ -1,0 +1,194 @@
+"""Tile sweep on a GPU: candidate table entries for the dense and conv kernels, one JSON file.
+
+The tile tables (kernels/_common.py ``_TABLE``, kernels/conv_bn_act.py ``_TABLE``) are never
+autotuned at run time: the forward and the backward recompute must read the same entry. This
+script is how entries are chosen offline (issues 3 and 4):
+
+- dense: for each of issue 3's GEMM shapes, every candidate ``GemmConfig`` runs the forward
+  kernel (``gemm_act``, bias + ReLU epilogue) and the recompute kernel (``gemm_act_grad``,
+  bias, ReLU, incoming gradient, bias-gradient partials), checked against torch first, timed
+  against cuBLAS (``torch.addmm`` + ReLU, and the same GEMM alone);
+- conv: for ResNet-50 conv+BN+ReLU shapes at batch 256, every candidate ``ConvConfig``
+  replaces the sm_90 16-bit table entries and a fused training step
+  (``fusedrc.recompute`` of the layer, forward + backward) is checked against eager and timed.
+
+Every raw timing goes into the JSON with the device, versions and commit.
+
+    python benchmarks/gpu_tile_sweep.py --out results/            # both, bf16
+    python benchmarks/gpu_tile_sweep.py --only dense --dtype float16
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import platform
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fusedrc
+from fusedrc.bench import measure
+
+# (M, K, N) of issue 3's GEMMs: Linear+ReLU 8192x4096->16384, the FFN at d=4096/h=16384 on
+# 8192 tokens (its two GEMMs) and at d=1024/h=4096 on 16384 tokens
+DENSE_SHAPES = [(8192, 4096, 16384), (8192, 16384, 4096), (16384, 1024, 4096), (16384, 4096, 1024)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); shared memory per stage is
+# (BM + BN) * BK * 2 bytes: 128x256x64 is 48 KiB, so 4 stages fit sm_90's 227 KiB
+DENSE_CANDIDATES = [
+    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 4, 5),
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3), (256, 128, 64, 8, 8, 4),
+    (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 2), (128, 256, 32, 8, 8, 5),
+]
+# (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
+CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
+               (256, 64, 1, 1, 56), (1024, 256, 1, 1, 14)]
+CONV_CANDIDATES = [
+    (128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4),
+    (64, 128, 64, 8, 4, 4), (256, 64, 64, 8, 8, 3), (128, 64, 32, 8, 4, 5), (64, 64, 64, 8, 4, 4),
+]
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _time(fn):
+    return measure.do_bench_times(fn)
+
+
+def sweep_dense(dtype, records):
+    from fusedrc.kernels import _common
+
+    for M, K, N in DENSE_SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=dtype)
+        w = torch.randn(N, K, device="cuda", dtype=dtype) / K ** 0.5
+        b = torch.randn(N, device="cuda", dtype=dtype)
+        g = torch.randn(M, N, device="cuda", dtype=dtype)
+        bt = w.t()  # (K, N) view: what linear_act hands the kernels
+        base = dict(kind="dense", shape=[M, K, N])
+        ref_h = torch.addmm(b, a, bt)
+        ref_y = torch.relu(ref_h)
+        ref_gh = torch.where(ref_h > 0, g, torch.zeros_like(g))
+        records.append(dict(base, impl="cublas_addmm_relu", times_s=_time(lambda: torch.relu(torch.addmm(b, a, bt)))))
+        records.append(dict(base, impl="cublas_mm", times_s=_time(lambda: torch.mm(a, bt))))
+        table = _common.gemm_config(M, N, K, dtype, "ieee", torch.cuda.get_device_capability())
+        for cand in [tuple(table)] + [c for c in DENSE_CANDIDATES if c != tuple(table)]:
+            cfg = _common.GemmConfig(*cand)
+            rec = dict(base, config=list(cand), in_table=cand == tuple(table))
+            try:
+                y = _common.gemm_act(a, bt, b, "relu", config=cfg)
+                gh, _, db = _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg)
+                rec.update(err_forward=_rel_err(y, ref_y), err_grad=_rel_err(gh, ref_gh),
+                           err_dbias=_rel_err(db, ref_gh.float().sum(0)))
+                rec["forward_times_s"] = _time(lambda: _common.gemm_act(a, bt, b, "relu", config=cfg))
+                rec["grad_times_s"] = _time(lambda: _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg))
+            except Exception as e:  # out of resources, a compile error: record it and go on
+                rec["error"] = f"{type(e).__name__}: {e}"[:400]
+            records.append(rec)
+            _print(rec, records)
+        torch.cuda.empty_cache()
+
+
+def sweep_conv(dtype, batch, records):
+    k = importlib.import_module("fusedrc.kernels.conv_bn_act")
+    keys = [("sm90", "16bit", "narrow"), ("sm90", "16bit", "wide")]
+    saved = {key: k._TABLE[key] for key in keys}
+    try:
+        for shape in CONV_SHAPES:
+            cin, cout, ks, s, hw = shape
+            block = nn.Sequential(nn.Conv2d(cin, cout, ks, s, ks // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+            block = block.to(device="cuda", dtype=dtype, memory_format=torch.channels_last).train()
+            x = torch.randn(batch, cin, hw, hw, device="cuda", dtype=dtype).contiguous(
+                memory_format=torch.channels_last).requires_grad_(True)
+            g = torch.randn_like(block(x))
+            params = list(block.parameters())
+
+            def step(fwd):
+                x.grad = None
+                for p in params:
+                    p.grad = None
+                fwd().backward(g)
+
+            base = dict(kind="conv", shape=list(shape), batch=batch)
+            step(lambda: block(x))
+            ref_dx = x.grad.clone()
+            records.append(dict(base, impl="eager", times_s=_time(lambda: step(lambda: block(x)))))
+            for cand in [tuple(saved[keys[0]])] + [c for c in CONV_CANDIDATES if c != tuple(saved[keys[0]])]:
+                for key in keys:
+                    k._TABLE[key] = k.ConvConfig(*cand)
+                rec = dict(base, config=list(cand), in_table=cand == tuple(saved[keys[0]]))
+                try:
+                    with fusedrc.use_backend("triton"):
+                        step(lambda: fusedrc.recompute(block, x))
+                        rec["err_dx"] = _rel_err(x.grad, ref_dx)
+                        rec["times_s"] = _time(lambda: step(lambda: fusedrc.recompute(block, x)))
+                except Exception as e:
+                    rec["error"] = f"{type(e).__name__}: {e}"[:400]
+                records.append(rec)
+                _print(rec, records)
+            torch.cuda.empty_cache()
+    finally:
+        k._TABLE.update(saved)
+
+
+def _print(rec, records):
+    med = lambda ts: measure.quantile(ts, 0.5) * 1e3  # noqa: E731
+    if rec["kind"] == "dense":
+        cublas = next(r for r in records if r["kind"] == "dense" and r["shape"] == rec["shape"]
+                      and r.get("impl") == "cublas_addmm_relu")
+        if "error" in rec:
+            print(f"dense {rec['shape']} {rec['config']} ERROR {rec['error'][:120]}", flush=True)
+            return
+        c = med(cublas["times_s"])
+        f, gr = med(rec["forward_times_s"]), med(rec["grad_times_s"])
+        print(f"dense {str(rec['shape']):22s} {str(rec['config']):28s} fwd {f:7.3f} ms ({c / f:5.1%} of cuBLAS)"
+              f"  grad {gr:7.3f} ms ({c / gr:5.1%})  err {rec['err_forward']:.1e}/{rec['err_grad']:.1e}"
+              f"{'  [table]' if rec['in_table'] else ''}", flush=True)
+    else:
+        eager = next(r for r in records if r["kind"] == "conv" and r["shape"] == rec["shape"]
+                     and r.get("impl") == "eager")
+        if "error" in rec:
+            print(f"conv {rec['shape']} {rec['config']} ERROR {rec['error'][:120]}", flush=True)
+            return
+        t = med(rec["times_s"])
+        print(f"conv {str(rec['shape']):24s} {str(rec['config']):28s} step {t:7.3f} ms "
+              f"(x{t / med(eager['times_s']):4.2f} eager)  err_dx {rec['err_dx']:.1e}"
+              f"{'  [table]' if rec['in_table'] else ''}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--batch", type=int, default=256, help="conv batch")
+    ap.add_argument("--only", choices=("dense", "conv"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_tile_sweep.py needs a CUDA GPU")
+    dtype = getattr(torch, args.dtype)
+    torch.backends.cudnn.allow_tf32 = False
+    records = []
+    if args.only in (None, "dense"):
+        sweep_dense(dtype, records)
+    if args.only in (None, "conv"):
+        sweep_conv(dtype, args.batch, records)
+    commit, dirty = measure.git_info()
+    doc = dict(kind="tile_sweep", timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+               torch=torch.__version__, triton=importlib.import_module("triton").__version__,
+               python=platform.python_version(), commit=commit, dirty=dirty, dtype=args.dtype,
+               config_fields=["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"],
+               dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
+               records=records)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = out / f"tile_sweep_cuda_{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}.json"
+    name.write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", name)
+
+
+if __name__ == "__main__":
+    main()
