@@ -10,8 +10,11 @@
 #            and eager (benchmarks/gpu_tile_sweep.py)
 #   sweep    the default memory-vs-speed sweep without torch.compile
 #   models   the real models (ResNet-50, OPT) at batch 32
-# Usage on the GPU machine (one 10-minute call fits tests+kernels, another conv+sweep+models):
-#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" tests kernels
+# Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
+# 156 s on 12 workers, so the suite alone takes most of a call):
+#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" tests
+#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" kernels tiles
+#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" conv sweep models
 set -u
 out=${1:?results folder}
 shift
@@ -28,7 +31,7 @@ for step in "${steps[@]}"; do
     echo "=== $step"
     case $step in
         tests)
-            timeout 300 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
+            timeout 540 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
                 --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
         kernels) timeout 90 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
