@@ -419,8 +419,9 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     return out
 
 
-# The backward's plain GEMMs (dX, dW, the FFN's g_a and dW2: no epilogue, nothing
-# recomputed): "aten" runs them as torch.mm (cuBLAS) on CUDA, "triton" as _gemm_act_kernel.
+# The plain GEMMs (the backward's dX, dW, the FFN's g_a and dW2, and the FFN's forward output
+# GEMM: no activation epilogue, nothing recomputed): "aten" runs them as torch.mm / addmm
+# (cuBLAS) on CUDA, "triton" as _gemm_act_kernel.
 # Measured on an H100, bf16, 8192x4096x16384: cuBLAS 1.32 ms, _gemm_act_kernel 1.66 ms
 # (benchmarks/results/gpu_logs/profile_h100_*.log). Under deterministic algorithms the Triton
 # kernel is used (cuBLAS would need CUBLAS_WORKSPACE_CONFIG).
@@ -433,12 +434,14 @@ def uses_aten_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
             and not torch.are_deterministic_algorithms_enabled())
 
 
-def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """a @ b with fp32 accumulation, output (M, N) in ``out_dtype`` (default a.dtype)."""
-    if uses_aten_gemm(a, b):
-        out = torch.mm(a, b)
+def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None) -> torch.Tensor:
+    """a @ b (+ bias) with fp32 accumulation, output (M, N) in ``out_dtype`` (default a.dtype).
+
+    For GEMMs nothing recomputes (bit-identical reruns are only needed for a pre-activation)."""
+    if uses_aten_gemm(a, b) and (bias is None or bias.dtype == a.dtype):
+        out = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
         return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
-    return gemm_act(a, b, None, out_dtype=out_dtype)
+    return gemm_act(a, b, bias, out_dtype=out_dtype)
 
 
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
