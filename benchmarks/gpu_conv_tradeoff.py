@@ -5,7 +5,7 @@ Issue 4's benchmark: each distinct Conv2d -> BatchNorm2d -> ReLU shape of ResNet
 of the layer (forward + backward with a given output gradient), against eager
 PyTorch (cuDNN), ``torch.utils.checkpoint`` and ``torch.compile`` of the same layer;
 and, with ``--switches``, every setting of kernels/conv_bn_act.py's recompute
-switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE x CONV_GRAD). Times come from
+switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE x CONV_GRAD, and "auto"). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
 allocated bytes above what was allocated before it.
 
@@ -68,8 +68,9 @@ def main():
     dtype = getattr(torch, args.dtype)
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
     default = (k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD)
-    variants = list(itertools.product((False, True), (True, False), ("triton", "aten"))) if args.switches \
-        else [default]
+    # every fixed setting, and "auto" (kernels/conv_bn_act.py's per-layer roofline choice)
+    variants = list(itertools.product((False, True), (True, False), ("triton", "aten"))) + [("auto", "auto", "aten")] \
+        if args.switches else [default]
     records = []
     for shape in SHAPES:
         block, x, g = _layer(shape, args.batch, dtype, not args.nchw)

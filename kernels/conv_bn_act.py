@@ -32,6 +32,8 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
     z and xhat never reach memory; dz (an operand of the two conv-backward GEMMs) does.
   ``BWD_RECOMPUTE_TWICE = False``: pass 1 also stores z (one transient buffer),
     pass 2 reads z instead of recomputing the conv (elementwise).
+  ``"auto"`` (either switch): per layer, whichever a roofline estimate calls cheaper
+    (``_rerun_beats_buffer``); opt-in until measured.
   Eval mode: one pass (dz = gamma*rstd*g does not need the reductions first).
   Then dX = ``_conv_dx_kernel`` (transposed conv as an implicit GEMM over the input
   pixels, K = KH*KW*C_out; for stride > 1 the taps that do not land on an output
@@ -62,10 +64,15 @@ __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPOR
 
 SUPPORTED_ACTIVATIONS = ("relu",)
 
-# Strategy switches (module level: the launchers' signatures are fixed). Both
-# settings give the same results; they exist to be measured on a GPU per shape.
+# Strategy switches (module level: the launchers' signatures are fixed). Every setting gives
+# the same results; they exist to be measured on a GPU per shape. "auto" decides per layer
+# with the cost model of ``_rerun_beats_buffer`` (DESIGN §4: "measure both ... pick per shape").
 FWD_RECOMPUTE = False        # training forward: False = transient z buffer, True = run the conv twice
 BWD_RECOMPUTE_TWICE = True   # training backward: True = two recomputes, False = one recompute + transient z
+# Flops per byte at which the implicit-GEMM conv turns compute-bound, per operand class: sm_90
+# estimates (~400 TFLOP/s of 16-bit MMA, ~150 of tf32, ~40 of fp32 FMA in a Triton kernel,
+# ~3 TB/s of HBM3). Only "auto" reads them.
+_RIDGE = {"16bit": 130.0, "tf32": 50.0, "fp32": 13.0}
 # dX / dW: "aten" (aten.convolution_backward: cuDNN on a GPU) or "triton" (_conv_dx/_conv_dw
 # kernels). Measured on an H100 (bf16, ResNet-50 shapes, benchmarks/results/conv_tradeoff_*.json):
 # cuDNN's wgrad took 21 us where _conv_dw_kernel took 650 us at 32x64x56x56, so aten is the default.
@@ -170,6 +177,21 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
         bucket = "narrow" if gemm_n <= 64 else "wide"
         cfg = _TABLE[(_arch_family(capability), _operand_class(dtype, precision), bucket)]
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
+
+
+def _rerun_beats_buffer(x, weight, M: int, precision: str) -> bool:
+    """Whether running the conv once more costs less than a transient z buffer (one write and
+    one read of the conv output): the rerun costs its flops or, when memory-bound, reading x and
+    the weights, whichever bounds it. M = output pixels. A roofline estimate, not a measurement."""
+    C_out, C_in, KH, KW = weight.shape
+    elt = x.element_size()
+    flops = 2.0 * M * C_out * C_in * KH * KW
+    rerun = max(flops / _RIDGE[_operand_class(x.dtype, precision)], (x.numel() + weight.numel()) * elt)
+    return rerun < 2.0 * M * C_out * elt
+
+
+def _strategy(flag, x, weight, M: int, precision: str) -> bool:
+    return _rerun_beats_buffer(x, weight, M, precision) if flag == "auto" else bool(flag)
 
 
 def _elem_config(capability) -> ConvConfig:
@@ -695,12 +717,13 @@ def conv_bn_act_forward(
             T = cdiv(M, cfg.BLOCK_M)
             pmean = torch.empty((T, C_out), device=x.device, dtype=torch.float32)
             pm2 = torch.empty_like(pmean)
-            z = None if FWD_RECOMPUTE else torch.empty_like(y)
+            fwd_recompute = _strategy(FWD_RECOMPUTE, x, weight, M, precision)
+            z = None if fwd_recompute else torch.empty_like(y)
             launch(cfg, from_z=False, z=z, stats=True, store_z=z is not None, apply=False,
                    mean=None, rstd=None, pmean=pmean, pm2=pm2)
             mean, rstd = _finalize_stats(pmean, pm2, M, C_out, cfg.BLOCK_M, eps, x.device)
             del pmean, pm2
-            if FWD_RECOMPUTE:
+            if fwd_recompute:
                 launch(cfg, from_z=False, z=None, stats=False, store_z=False, apply=True,
                        mean=mean, rstd=rstd, pmean=None, pm2=None)
             else:
@@ -833,10 +856,11 @@ def conv_bn_act_backward(
 
     with _device_guard(x):
         if training:
-            z = None if BWD_RECOMPUTE_TWICE else torch.empty_like(dz)
+            twice = _strategy(BWD_RECOMPUTE_TWICE, x, weight, M, precision)
+            z = None if twice else torch.empty_like(dz)
             sg, sgx, _ = launch(cfg, from_z=False, z=z, store_z=z is not None, reduce=True, emit=False,
                                 store_dres=dres is not None)
-            if BWD_RECOMPUTE_TWICE:
+            if twice:
                 _, _, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=False, emit=True,
                                   store_dres=False, sg=sg, sgx=sgx)
             else:
@@ -909,7 +933,7 @@ def _inspect_fwd(dtype, mode: str):
     # pixel strides of channels_last (N, C, 7, 7): s_n = 49 C, s_h = 7 C, s_w = C, all multiples of 16
     aligned += ["s_oh", "s_ow", "s_rh", "s_rw"]
     constexprs.update(_INSPECT_GEOM)
-    constexprs.update(FROM_Z=mode == "from_z", HAS_BIAS=True, STATS=stats, STORE_Z=stats and not FWD_RECOMPUTE,
+    constexprs.update(FROM_Z=mode == "from_z", HAS_BIAS=True, STATS=stats, STORE_Z=stats and FWD_RECOMPUTE is not True,
                       APPLY=apply_, HAS_RES=True, HAS_W=True, HAS_B=True)
     return sig, constexprs, aligned
 

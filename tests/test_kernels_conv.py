@@ -148,7 +148,8 @@ def test_channels_last(device):
     (True, False, "triton"),
     (False, True, "triton"),
     (False, False, "aten"),
-], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer"])
+    ("auto", "auto", "aten"),
+], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer", "auto"])
 def test_strategies(fwd_recompute, bwd_twice, conv_grad, monkeypatch, device):
     """The measured-on-GPU alternatives give the same results as the defaults."""
     monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
@@ -156,6 +157,22 @@ def test_strategies(fwd_recompute, bwd_twice, conv_grad, monkeypatch, device):
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
     t, geom = _inputs(SHAPES["3x3s2d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, True, torch.float32)
+
+
+@pytest.mark.parametrize("c_in,c_out,k,expected", [
+    (64, 64, 3, False),     # 3x3, compute-bound: a rerun costs more than writing and reading z
+    (512, 512, 3, False),
+    (64, 256, 1, True),     # 1x1 expanding: reading x is cheaper than a 4x wider z round trip
+    (256, 64, 1, False),    # 1x1 reducing: x is 4x wider than z
+    (3, 64, 3, True),       # stem-like, tiny C_in: the rerun is cheap
+])
+def test_auto_strategy_cost_model(c_in, c_out, k, expected):
+    """"auto" reruns the conv only where the roofline estimate says it beats a z buffer (bf16)."""
+    x = torch.empty(32, c_in, 28, 28, dtype=torch.bfloat16)
+    w = torch.empty(c_out, c_in, k, k, dtype=torch.bfloat16)
+    assert K._rerun_beats_buffer(x, w, 32 * 28 * 28, "ieee") is expected
+    assert K._strategy("auto", x, w, 32 * 28 * 28, "ieee") is expected
+    assert K._strategy(True, x, w, 1, "ieee") is True and K._strategy(False, x, w, 1, "ieee") is False
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

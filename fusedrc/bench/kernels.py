@@ -45,14 +45,19 @@ def shapes(device_type: str, quick: bool) -> list:
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3))]
 
 
-def _conv_units(backend: str, strategy: str) -> float:
+def _conv_units(backend: str, strategy: str, x, weight) -> float:
+    """Convolutions a training step runs (forward, reruns, dX, dW) under ``strategy``."""
     if strategy == "eager":
         return 3
     if strategy == "torch_checkpoint" or backend != "triton":
         return 4
     from fusedrc.kernels import conv_bn_act as k
 
-    return 1 + int(getattr(k, "FWD_RECOMPUTE", False)) + 2 + (2 if getattr(k, "BWD_RECOMPUTE_TWICE", True) else 1)
+    m = x.shape[0] * x.shape[2] * x.shape[3]  # stride 1, "same" padding: output pixels = input pixels
+    precision = k._dot_precision(x)
+    fwd_rerun = k._strategy(k.FWD_RECOMPUTE, x, weight, m, precision)
+    bwd_twice = k._strategy(k.BWD_RECOMPUTE_TWICE, x, weight, m, precision)
+    return 1 + int(fwd_rerun) + 2 + (2 if bwd_twice else 1)
 
 
 class _Case:
@@ -79,9 +84,10 @@ class _Case:
             self.block = nn.Sequential(nn.Conv2d(C, K, k, 1, k // 2, bias=False), nn.BatchNorm2d(K), nn.ReLU())
             xs, ys = (N, C, H, W), (N, K, H, W)
             self.gemm_flops = 2 * N * K * H * W * C * k * k
-            self.units = {s: _conv_units(backend, s) for s in STRATEGIES}
         self.block.to(device=device, dtype=dtype).train()
         self.x = torch.randn(xs, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+        if pattern == "conv_bn_act":
+            self.units = {s: _conv_units(backend, s, self.x, self.block[0].weight) for s in STRATEGIES}
         self.grad = torch.randn(ys, generator=g).to(device=device, dtype=dtype)
         self.params = list(self.block.parameters())
 
