@@ -16,6 +16,12 @@ Every raw timing goes into the JSON with the device, versions and commit.
 
     python benchmarks/gpu_tile_sweep.py --out results/            # both, bf16
     python benchmarks/gpu_tile_sweep.py --only dense --dtype float16
+    python benchmarks/gpu_tile_sweep.py --static                  # no GPU: registers/spills/smem
+
+``--static`` needs no GPU: it compiles every candidate for sm_90 ahead of time (as
+``python -m fusedrc.inspect`` compiles the table) and reports registers, shared memory, spills
+and the MMA instruction, so that candidates which spill or do not fit can be dropped before a
+GPU is spent on them (run it without TRITON_INTERPRET).
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ DENSE_CANDIDATES = [
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 4, 5),
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3), (256, 128, 64, 8, 8, 4),
     (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 2), (128, 256, 32, 8, 8, 5),
+    # no spills on sm_90 in the --static report (128x256 / 256x128 spill ~1 KiB in the grad kernel)
+    (128, 128, 64, 8, 8, 5), (128, 128, 64, 16, 8, 4), (128, 128, 128, 8, 8, 3), (128, 64, 64, 8, 4, 5),
 ]
 # (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
 CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
@@ -134,6 +142,67 @@ def sweep_conv(dtype, batch, records):
         k._TABLE.update(saved)
 
 
+# conv kernels that run in the default training path (dX/dW are cuDNN by default)
+_STATIC_CONV_MODES = {"stats", "apply", "reduce", "emit_dz"}
+
+
+def _static_specs(dtype):
+    """sm_90 compile specs of every candidate, built by the kernels modules' own inspect_specs
+    with the table swapped for one candidate at a time."""
+    from fusedrc.kernels import _common
+    from fusedrc.kernels import conv_bn_act as ck
+
+    specs = []
+    table = _common._TABLE
+    try:
+        for cand in DENSE_CANDIDATES:
+            _common._TABLE = {("sm90", "16bit", "candidate"): _common.GemmConfig(*cand)}
+            specs += [dict(sp, kind="dense", candidate=list(cand)) for sp in _common.inspect_specs()
+                      if sp["dtype"] == dtype]
+    finally:
+        _common._TABLE = table
+    table = ck._TABLE
+    try:
+        for cand in CONV_CANDIDATES:
+            ck._TABLE = {("sm90", "16bit", "wide"): ck.ConvConfig(*cand)}
+            specs += [dict(sp, kind="conv", candidate=list(cand)) for sp in ck.inspect_specs()
+                      if sp["dtype"] == dtype and sp["gemm"] and sp["config"].get("mode") in _STATIC_CONV_MODES]
+    finally:
+        ck._TABLE = table
+    return specs
+
+
+def _compile_one(i):
+    from fusedrc import inspect as fi
+
+    spec = _SPECS[i]
+    try:
+        res = fi.compile_spec({k: v for k, v in spec.items() if k not in ("kind", "candidate")})
+    except Exception as e:  # out of shared memory, a compile error: that is the answer
+        res = {"kernel": spec["kernel"], "error": f"{type(e).__name__}: {e}"[:300]}
+    return dict(res, kind=spec["kind"], candidate=spec["candidate"], mode=spec["config"].get("mode", ""))
+
+
+_SPECS = []
+
+
+def static_report(dtype, jobs):
+    import multiprocessing
+
+    global _SPECS
+    _SPECS = _static_specs(dtype)
+    ctx = multiprocessing.get_context("fork")  # the workers inherit the specs (JITFunctions do not pickle)
+    with ctx.Pool(jobs) as pool:
+        results = pool.map(_compile_one, range(len(_SPECS)))
+    for r in results:
+        if "error" in r:
+            print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['kernel']:24s} {r['mode']:8s} ERROR {r['error'][:80]}")
+        else:
+            print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['kernel']:24s} {r['mode']:8s} regs {r['registers']:3d} "
+                  f"smem {r['shared_bytes'] // 1024:4d} KiB  spill {r['spill_bytes']:5d}  {r['mma']}", flush=True)
+    return results
+
+
 def _print(rec, records):
     med = lambda ts: measure.quantile(ts, 0.5) * 1e3  # noqa: E731
     if rec["kind"] == "dense":
@@ -165,7 +234,20 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--batch", type=int, default=256, help="conv batch")
     ap.add_argument("--only", choices=("dense", "conv"))
+    ap.add_argument("--static", action="store_true", help="no GPU: compile the candidates for sm_90 and report")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel compiles with --static")
     args = ap.parse_args()
+    if args.static:
+        results = static_report(getattr(torch, args.dtype), args.jobs)
+        commit, dirty = measure.git_info()
+        doc = dict(kind="tile_static", arch="sm_90", dtype=args.dtype, commit=commit, dirty=dirty,
+                   triton=importlib.import_module("triton").__version__, results=results)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = out / f"tile_static_sm90_{args.dtype}.json"
+        name.write_text(json.dumps(doc, indent=1) + "\n")
+        print("wrote", name)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("gpu_tile_sweep.py needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)
