@@ -15,12 +15,8 @@ allocated bytes above what was allocated before it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import itertools
-import json
-import platform
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -113,19 +109,10 @@ def main():
             ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
             print(f"{str(shape):26s} {tag:52s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
                   f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
-    commit, dirty = measure.git_info()
-    doc = dict(kind="conv_tradeoff", timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               device=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=importlib.import_module("triton").__version__, python=platform.python_version(),
-               commit=commit, dirty=dirty, dtype=args.dtype, batch=args.batch,
-               memory_format="NCHW" if args.nchw else "channels_last",
-               shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
-               defaults=dict(zip(("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD"), default)),
-               records=records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"conv_tradeoff_cuda_{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}.json"
-    name.write_text(json.dumps(doc, indent=1) + "\n")
+    name = measure.write_results(
+        args.out, "conv_tradeoff_cuda", "conv_tradeoff", torch.device("cuda"), dtype=args.dtype, batch=args.batch,
+        memory_format="NCHW" if args.nchw else "channels_last", shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
+        defaults=dict(zip(("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD"), default)), records=records)
     print("wrote", name)
 
 

@@ -26,11 +26,7 @@ GPU is spent on them (run it without TRITON_INTERPRET).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
-import json
-import platform
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -239,13 +235,8 @@ def main():
     args = ap.parse_args()
     if args.static:
         results = static_report(getattr(torch, args.dtype), args.jobs)
-        commit, dirty = measure.git_info()
-        doc = dict(kind="tile_static", arch="sm_90", dtype=args.dtype, commit=commit, dirty=dirty,
-                   triton=importlib.import_module("triton").__version__, results=results)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        name = out / f"tile_static_sm90_{args.dtype}.json"
-        name.write_text(json.dumps(doc, indent=1) + "\n")
+        name = measure.write_results(args.out, "tile_static_sm90", "tile_static", torch.device("cpu"),
+                                     arch="sm_90", dtype=args.dtype, results=results)
         print("wrote", name)
         return
     if not torch.cuda.is_available():
@@ -257,18 +248,11 @@ def main():
         sweep_dense(dtype, records)
     if args.only in (None, "conv"):
         sweep_conv(dtype, args.batch, records)
-    commit, dirty = measure.git_info()
-    doc = dict(kind="tile_sweep", timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-               torch=torch.__version__, triton=importlib.import_module("triton").__version__,
-               python=platform.python_version(), commit=commit, dirty=dirty, dtype=args.dtype,
-               config_fields=["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"],
-               dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
-               records=records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"tile_sweep_cuda_{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}.json"
-    name.write_text(json.dumps(doc, indent=1) + "\n")
+    name = measure.write_results(
+        args.out, "tile_sweep_cuda", "tile_sweep", torch.device("cuda"), dtype=args.dtype,
+        config_fields=["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"],
+        dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
+        records=records)
     print("wrote", name)
 
 

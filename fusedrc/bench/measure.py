@@ -147,6 +147,23 @@ def git_info():
     return commit, (bool(status) if status is not None else None)
 
 
+def write_results(out_dir, stem: str, kind: str, device: torch.device, **fields) -> Path:
+    """Write ``{out_dir}/{stem}_{UTC time}.json``: ``fields`` plus the kind, time, device,
+    versions and git commit every results file carries (the scripts under benchmarks/)."""
+    import datetime
+    import json
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    commit, dirty = git_info()
+    doc = dict(kind=kind, timestamp=now.isoformat(), device=device_info(device), **versions(),
+               commit=commit, dirty=dirty, **fields)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}_{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
 def compile_support(device: torch.device):
     """``None`` when ``torch.compile`` can build a tiny function with a backward here, else the reason."""
     import torch._functorch.config as fc
