@@ -278,3 +278,18 @@ def test_kernels_pattern_at_two_shapes(quick_run, tmp_path):
     (png,) = plot.plot_kernels(doc, tmp_path)
     _assert_png_not_blank(png)
     assert mpimg.imread(png).shape[1] > 4 * 4.6 * 100  # four panels side by side
+
+
+def test_write_results_carries_provenance(tmp_path, monkeypatch):
+    """The GPU scripts' results files (benchmarks/gpu_*.py) carry kind, time, device, versions
+    and commit next to their own fields, under a timestamped name."""
+    from fusedrc.bench import measure
+
+    monkeypatch.setenv("FUSEDRC_GIT_COMMIT", "a" * 40)
+    path = measure.write_results(tmp_path / "out", "tile_sweep_cpu", "tile_sweep", torch.device("cpu"),
+                                 dtype="bfloat16", records=[{"x": 1}])
+    assert path.parent == tmp_path / "out" and path.name.startswith("tile_sweep_cpu_") and path.suffix == ".json"
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "tile_sweep" and doc["commit"] == "a" * 40 and doc["dirty"] is False
+    assert doc["device"]["type"] == "cpu" and doc["torch"] == torch.__version__ and "timestamp" in doc
+    assert doc["dtype"] == "bfloat16" and doc["records"] == [{"x": 1}]
