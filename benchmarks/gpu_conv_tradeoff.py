@@ -40,7 +40,9 @@ def _peak(step):
     return peak - before
 
 
-def _layer(shape, batch, dtype, channels_last):
+def conv_layer(shape, batch, dtype, channels_last):
+    """A Conv2d -> BatchNorm2d -> ReLU layer of ``shape`` on the GPU, its input and output
+    gradient, and ``step(fwd)``: one training step (grads cleared, ``fwd()``, backward)."""
     cin, cout, k, s, hw = shape
     block = nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -49,7 +51,15 @@ def _layer(shape, batch, dtype, channels_last):
     x.requires_grad_(True)
     with torch.no_grad():
         g = torch.randn_like(block(x))
-    return block, x, g
+    params = list(block.parameters())
+
+    def step(fwd):
+        x.grad = None
+        for p in params:
+            p.grad = None
+        fwd().backward(g)
+
+    return block, x, g, step
 
 
 def main():
@@ -69,15 +79,7 @@ def main():
         if args.switches else [default]
     records = []
     for shape in SHAPES:
-        block, x, g = _layer(shape, args.batch, dtype, not args.nchw)
-        params = list(block.parameters())
-
-        def step(fwd):
-            x.grad = None
-            for p in params:
-                p.grad = None
-            fwd().backward(g)
-
+        block, x, _, step = conv_layer(shape, args.batch, dtype, not args.nchw)
         strategies = {"eager": lambda: block(x),
                       "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
         if not args.no_compile:

@@ -29,10 +29,10 @@ import argparse
 import importlib
 
 import torch
-from torch import nn
 
 import fusedrc
 from fusedrc.bench import measure
+from gpu_conv_tradeoff import conv_layer  # benchmarks/ is on the path when a script runs
 
 # (M, K, N) of issue 3's GEMMs: Linear+ReLU 8192x4096->16384, the FFN at d=4096/h=16384 on
 # 8192 tokens (its two GEMMs) and at d=1024/h=4096 on 16384 tokens
@@ -102,20 +102,7 @@ def sweep_conv(dtype, batch, records):
     saved = {key: k._TABLE[key] for key in keys}
     try:
         for shape in CONV_SHAPES:
-            cin, cout, ks, s, hw = shape
-            block = nn.Sequential(nn.Conv2d(cin, cout, ks, s, ks // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
-            block = block.to(device="cuda", dtype=dtype, memory_format=torch.channels_last).train()
-            x = torch.randn(batch, cin, hw, hw, device="cuda", dtype=dtype).contiguous(
-                memory_format=torch.channels_last).requires_grad_(True)
-            g = torch.randn_like(block(x))
-            params = list(block.parameters())
-
-            def step(fwd):
-                x.grad = None
-                for p in params:
-                    p.grad = None
-                fwd().backward(g)
-
+            block, x, _, step = conv_layer(shape, batch, dtype, channels_last=True)
             base = dict(kind="conv", shape=list(shape), batch=batch)
             step(lambda: block(x))
             ref_dx = x.grad.clone()
@@ -200,28 +187,23 @@ def static_report(dtype, jobs):
 
 
 def _print(rec, records):
+    """One candidate's line, against its shape's reference (cuBLAS for dense, eager for conv)."""
+    head = f"{rec['kind']:5s} {str(rec['shape']):24s} {str(rec['config']):28s}"
+    if "error" in rec:
+        print(f"{head} ERROR {rec['error'][:120]}", flush=True)
+        return
     med = lambda ts: measure.quantile(ts, 0.5) * 1e3  # noqa: E731
+    ref_impl = "cublas_addmm_relu" if rec["kind"] == "dense" else "eager"
+    ref = med(next(r["times_s"] for r in records if r["kind"] == rec["kind"] and r["shape"] == rec["shape"]
+                   and r.get("impl") == ref_impl))
     if rec["kind"] == "dense":
-        cublas = next(r for r in records if r["kind"] == "dense" and r["shape"] == rec["shape"]
-                      and r.get("impl") == "cublas_addmm_relu")
-        if "error" in rec:
-            print(f"dense {rec['shape']} {rec['config']} ERROR {rec['error'][:120]}", flush=True)
-            return
-        c = med(cublas["times_s"])
         f, gr = med(rec["forward_times_s"]), med(rec["grad_times_s"])
-        print(f"dense {str(rec['shape']):22s} {str(rec['config']):28s} fwd {f:7.3f} ms ({c / f:5.1%} of cuBLAS)"
-              f"  grad {gr:7.3f} ms ({c / gr:5.1%})  err {rec['err_forward']:.1e}/{rec['err_grad']:.1e}"
-              f"{'  [table]' if rec['in_table'] else ''}", flush=True)
+        body = (f"fwd {f:7.3f} ms ({ref / f:5.1%} of cuBLAS)  grad {gr:7.3f} ms ({ref / gr:5.1%})  "
+                f"err {rec['err_forward']:.1e}/{rec['err_grad']:.1e}")
     else:
-        eager = next(r for r in records if r["kind"] == "conv" and r["shape"] == rec["shape"]
-                     and r.get("impl") == "eager")
-        if "error" in rec:
-            print(f"conv {rec['shape']} {rec['config']} ERROR {rec['error'][:120]}", flush=True)
-            return
         t = med(rec["times_s"])
-        print(f"conv {str(rec['shape']):24s} {str(rec['config']):28s} step {t:7.3f} ms "
-              f"(x{t / med(eager['times_s']):4.2f} eager)  err_dx {rec['err_dx']:.1e}"
-              f"{'  [table]' if rec['in_table'] else ''}", flush=True)
+        body = f"step {t:7.3f} ms (x{t / ref:4.2f} eager)  err_dx {rec['err_dx']:.1e}"
+    print(f"{head} {body}{'  [table]' if rec['in_table'] else ''}", flush=True)
 
 
 def main():

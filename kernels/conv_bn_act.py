@@ -51,14 +51,16 @@ tensors, run the reference implementation (fusedrc.reference), which is correct.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreting, launcher
+from ._common import (
+    _arch_family, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision, interpreting, launcher,
+    operand_class,
+)
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
 
@@ -129,35 +131,6 @@ _INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1)
 _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
 
 
-def _interpreting() -> bool:
-    return interpreting()
-
-
-def _capability(t: torch.Tensor):
-    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
-
-
-def _arch_family(cap) -> str:
-    if cap[0] in (9, 10):
-        return "sm90"
-    if cap == (8, 0):
-        return "sm80"
-    return "small_smem"
-
-
-def _dot_precision(t: torch.Tensor) -> str:
-    """"tf32" only when torch allows tf32 for fp32 matmuls on CUDA, else "ieee"."""
-    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
-def _operand_class(dtype, precision) -> str:
-    if dtype in (torch.float16, torch.bfloat16):
-        return "16bit"
-    return "tf32" if precision == "tf32" else "fp32"
-
-
 def _clamp_k(block_k: int, k_per_tap: int) -> int:
     # K per filter tap is a channel count: do not pad 3 channels to a 64-wide step.
     # tl.dot needs K >= 16.
@@ -175,7 +148,7 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
         cfg = _INTERPRETER_CONFIG
     else:
         bucket = "narrow" if gemm_n <= 64 else "wide"
-        cfg = _TABLE[(_arch_family(capability), _operand_class(dtype, precision), bucket)]
+        cfg = _TABLE[(_arch_family(capability), operand_class(dtype, precision), bucket)]
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
 
 
@@ -186,7 +159,7 @@ def _rerun_beats_buffer(x, weight, M: int, precision: str) -> bool:
     C_out, C_in, KH, KW = weight.shape
     elt = x.element_size()
     flops = 2.0 * M * C_out * C_in * KH * KW
-    rerun = max(flops / _RIDGE[_operand_class(x.dtype, precision)], (x.numel() + weight.numel()) * elt)
+    rerun = max(flops / _RIDGE[operand_class(x.dtype, precision)], (x.numel() + weight.numel()) * elt)
     return rerun < 2.0 * M * C_out * elt
 
 
@@ -196,15 +169,6 @@ def _strategy(flag, x, weight, M: int, precision: str) -> bool:
 
 def _elem_config(capability) -> ConvConfig:
     return _INTERPRETER_ELEM_CONFIG if capability is None else _ELEM_CONFIG
-
-
-def _upcast(t: torch.Tensor) -> bool:
-    # The interpreter computes bf16 on raw 16-bit patterns: go through fp32 there.
-    return t.dtype == torch.bfloat16 and _interpreting()
-
-
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -626,7 +590,7 @@ def _supported(x, weight, activation, stride, padding, dilation) -> bool:
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return False
-    if not (x.is_cuda or _interpreting()):
+    if not (x.is_cuda or interpreting()):
         return False
     if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0:
         return False
@@ -649,8 +613,8 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
     mean = torch.empty(C, device=device, dtype=torch.float32)
     rstd = torch.empty(C, device=device, dtype=torch.float32)
     T = pmean.shape[0]
-    BLOCK_C = 16 if _interpreting() else 32
-    BLOCK_T = 16 if _interpreting() else 64
+    BLOCK_C = 16 if interpreting() else 32
+    BLOCK_T = 16 if interpreting() else 64
     launcher(_bn_stats_finalize_kernel, pmean)[(cdiv(C, BLOCK_C),)](
         pmean, pm2, mean, rstd, T, C, M, float(eps),
         TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
@@ -686,8 +650,8 @@ def conv_bn_act_forward(
     fmt = _memory_format(x)
     y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
     wt = weight.permute(2, 3, 1, 0).contiguous()  # (KH, KW, C_in, C_out): coalesced B tiles
-    precision = _dot_precision(x)
-    cap = _capability(x)
+    precision = dot_precision(x)
+    cap = device_capability(x)
     cfg = conv_config(C_out, C_in, x.dtype, precision, cap)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     res = residual
@@ -709,7 +673,7 @@ def conv_bn_act_forward(
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     with _device_guard(x):
@@ -764,7 +728,7 @@ def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, ca
         *dz.stride(), *wt.stride(), *dx.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        PRECISION=precision, UPCAST=_upcast(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=precision, UPCAST=_upcast_flag(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dx
 
@@ -788,7 +752,7 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
         *dz.stride(), *x.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        PRECISION=precision, UPCAST=_upcast(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=precision, UPCAST=_upcast_flag(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     dw = part[0] if split == 1 else part.sum(0)
     return dw.view(C_out, C_in, KH, KW)
@@ -815,8 +779,8 @@ def conv_bn_act_backward(
     fmt = _memory_format(x)
     dev = x.device
     wt = weight.permute(2, 3, 1, 0).contiguous()
-    precision = _dot_precision(x)
-    cap = _capability(x)
+    precision = dot_precision(x)
+    cap = device_capability(x)
     cfg = conv_config(C_out, C_in, x.dtype, precision, cap)  # the forward's entry
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
@@ -847,7 +811,7 @@ def conv_bn_act_backward(
             STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
             HAS_W=gamma is not None, HAS_B=beta is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         # per-tile partials -> per-channel sums: fixed order, no atomics
         red = (lambda p: p.sum(0)) if T > 1 else (lambda p: p[0])

@@ -56,7 +56,7 @@ def main():
     assert _backend.has_triton_kernel("conv_bn_act", "conv_bn_act_forward")  # registers the twins
     from fusedrc.kernels import conv_bn_act
 
-    conv_bn_act._interpreting = lambda: True
+    conv_bn_act.interpreting = lambda: True
     ops._twin_traceable = lambda x: True
     triton.runtime.driver.set_active(_Sm90Target())
     torch._functorch.config.force_non_lazy_backward_lowering = True

@@ -182,6 +182,13 @@ def test_fake_implementations_match_real_layouts():
         _fake_matches_real(op, *args)
 
 
+def _needs_triton_op():
+    if not fusedrc._backend.triton_available():
+        pytest.skip("Triton is not installed")
+    if not hasattr(torch.library, "triton_op"):
+        pytest.skip("torch < 2.6 has no triton_op: the custom ops run the Triton backend")
+
+
 def _needs_triton(device):
     if not fusedrc._backend.triton_available():
         pytest.skip("Triton is not installed")
@@ -208,21 +215,16 @@ def test_triton_op_twins_compile_into_their_launches():
     which arguments each kernel writes succeeds (fresh buffers only: an input "written" in the
     backward would make AOTAutograd reject the joint graph). Compiled on the CPU up to the graphs,
     never run (tests/_trace_triton_ops.py); the GPU test below runs them."""
-    if not fusedrc._backend.triton_available():
-        pytest.skip("Triton is not installed")
-    if not hasattr(torch.library, "triton_op"):
-        pytest.skip("torch < 2.6 has no triton_op")
+    _needs_triton_op()
     script = os.path.join(os.path.dirname(__file__), "_trace_triton_ops.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["analysis_warnings"] == []
-    for kind in ("forward", "backward"):
-        assert not [t for t in out[kind] if t.startswith("fusedrc.")], out[kind]
     # forward: conv+BN (conv with statistics, finalize, apply) 3, FFN 2, Linear+ReLU 1; backward:
     # conv+BN 2 (+ aten.convolution_backward), FFN 5, Linear+ReLU 3 (plain GEMMs are Triton off CUDA)
-    launches = [out[kind].count("triton_kernel_wrapper_functional") for kind in ("forward", "backward")]
+    launches = [_launch_count(out[kind]) for kind in ("forward", "backward")]
     assert launches == [6, 10]
     assert "aten.convolution_backward.default" in out["backward"]
 
@@ -240,13 +242,15 @@ def _capturing_backend():
     return aot_autograd(fw_compiler=capture, bw_compiler=capture), graphs
 
 
+def _launch_count(targets):
+    """Triton launches among a graph's call_function targets; no opaque fusedrc op may be left."""
+    assert not [t for t in targets if t.startswith("fusedrc.")], targets
+    return targets.count("triton_kernel_wrapper_functional")
+
+
 def _launches(graphs):
     """Triton launches in the first forward and backward graphs; no fusedrc op left in any."""
-    counts = []
-    for gm in graphs:
-        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-        assert not [t for t in targets if t.startswith("fusedrc.")], targets
-        counts.append(targets.count("triton_kernel_wrapper_functional"))
+    counts = [_launch_count([str(n.target) for n in gm.graph.nodes if n.op == "call_function"]) for gm in graphs]
     assert len(counts) >= 2, counts  # forward and backward
     return counts[0], counts[1]
 
@@ -270,8 +274,7 @@ def test_triton_backend_runs_the_triton_op_twins(device):
     from fusedrc import ops
 
     _needs_triton(device)
-    if not hasattr(torch.library, "triton_op"):
-        pytest.skip("torch < 2.6 has no triton_op: the custom ops run the Triton backend")
+    _needs_triton_op()
     assert set(ops._TRITON_OPS) == set(ops._CUSTOM_OPS)
     model = fusedrc.convert(_net()).to(device)
     x = torch.randn(2, 3, 6, 6, device=device, requires_grad=True)

@@ -181,7 +181,7 @@ def test_conv_dx_dw_kernels(shape, dtype, device):
     """The Triton dX (transposed implicit GEMM) and split-K dW kernels against float64 aten."""
     t, geom = _inputs(SHAPES[shape], dtype, bias=False, affine=False, residual=False, device=device)
     x, w, dz = t["x"], t["weight"], t["grad_out"]
-    prec, cap = K._dot_precision(x), K._capability(x)
+    prec, cap = K.dot_precision(x), K.device_capability(x)
     dx = K.conv_dx(dz, w, x.shape, torch.contiguous_format, geom["stride"], geom["padding"], geom["dilation"],
                    prec, cap)
     dw = K.conv_dw(dz, x, w.shape, geom["stride"], geom["padding"], geom["dilation"], prec, cap)
