@@ -5,7 +5,8 @@ Issue 4's benchmark: each distinct Conv2d -> BatchNorm2d -> ReLU shape of ResNet
 of the layer (forward + backward with a given output gradient), against eager
 PyTorch (cuDNN), ``torch.utils.checkpoint`` and ``torch.compile`` of the same layer;
 and, with ``--switches``, every setting of kernels/conv_bn_act.py's recompute
-switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE x CONV_GRAD, and "auto"). Times come from
+switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE with cuDNN's dX/dW, the Triton dX/dW once, z from
+cuDNN (CONV_Z="aten"), and the "auto" settings). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
 allocated bytes above what was allocated before it.
 
@@ -33,6 +34,10 @@ SHAPES = [
     (512, 256, 1, 1, 28), (256, 256, 3, 2, 28), (256, 256, 3, 1, 14), (1024, 256, 1, 1, 14),
     (1024, 512, 1, 1, 14), (512, 512, 3, 2, 14), (512, 512, 3, 1, 7), (2048, 512, 1, 1, 7),
 ]
+
+
+# kernels/conv_bn_act.py's module-level strategy switches
+SWITCHES = ("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD", "CONV_Z")
 
 
 def _peak(step):
@@ -73,10 +78,15 @@ def main():
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
-    default = (k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD)
-    # every fixed setting, and "auto" (kernels/conv_bn_act.py's per-layer roofline choice)
-    variants = list(itertools.product((False, True), (True, False), ("triton", "aten"))) + [("auto", "auto", "aten")] \
-        if args.switches else [default]
+    default = {n: getattr(k, n) for n in SWITCHES}
+    variants = [default]
+    if args.switches:
+        # both recompute switches with cuDNN's dX/dW; the Triton dX/dW once (measured 30x slower in
+        # session 3: kept as a control); z from cuDNN; and the per-layer roofline choices ("auto")
+        variants = [dict(zip(SWITCHES, (f, t, "aten", "triton")))
+                    for f, t in itertools.product((False, True), (True, False))]
+        variants += [dict(zip(SWITCHES, v)) for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
+                                                      ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
     records = []
     for shape in SHAPES:
         block, x, _, step = conv_layer(shape, args.batch, dtype, not args.nchw)
@@ -92,29 +102,31 @@ def main():
             except Exception as e:  # record and go on: one failing strategy must not hide the rest
                 records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
         with fusedrc.use_backend("triton"):
-            for fwd_rc, twice, grad in variants:
-                k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD = fwd_rc, twice, grad
+            for variant in variants:
+                for n, v in variant.items():
+                    setattr(k, n, v)
                 fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
                 try:
                     rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
                 except Exception as e:
                     rec = dict(error=f"{type(e).__name__}: {e}"[:500])
-                records.append(dict(shape=shape, strategy="fusedrc", FWD_RECOMPUTE=fwd_rc,
-                                    BWD_RECOMPUTE_TWICE=twice, CONV_GRAD=grad, **rec))
-            k.FWD_RECOMPUTE, k.BWD_RECOMPUTE_TWICE, k.CONV_GRAD = default
+                records.append(dict(shape=shape, strategy="fusedrc", **variant, **rec))
+            for n, v in default.items():
+                setattr(k, n, v)
         mine = [r for r in records if r["shape"] == shape]
         ref = {r["strategy"]: measure.quantile(r["times_s"], 0.5) for r in mine if "times_s" in r}
         for r in mine:
             med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
             tag = r["strategy"] if r["strategy"] != "fusedrc" else \
-                f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']}"
+                f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} " \
+                f"z={r['CONV_Z']}"
             ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
-            print(f"{str(shape):26s} {tag:52s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
+            print(f"{str(shape):26s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
                   f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
     name = measure.write_results(
         args.out, "conv_tradeoff_cuda", "conv_tradeoff", torch.device("cuda"), dtype=args.dtype, batch=args.batch,
         memory_format="NCHW" if args.nchw else "channels_last", shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
-        defaults=dict(zip(("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD"), default)), records=records)
+        defaults=default, records=records)
     print("wrote", name)
 
 

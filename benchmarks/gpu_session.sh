@@ -8,18 +8,20 @@
 #   conv_compile  the same shapes against torch.compile of the layer
 #   tiles    candidate tile-table entries, dense (issue 3's GEMMs) and conv (batch 256), vs cuBLAS
 #            and eager (benchmarks/gpu_tile_sweep.py)
-#   sweep    the default memory-vs-speed sweep without torch.compile
-#   models   the real models (ResNet-50, OPT) at batch 32
+#   sweep    the default memory-vs-speed sweep without torch.compile (images in channels_last)
+#   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
+#   opt      the OPT model (opt-125m's shape) at its default batch sizes
 # Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
 # 156 s on 12 workers, so the suite alone takes most of a call):
 #   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" tests
 #   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" kernels tiles
-#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" conv sweep models
+#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" conv sweep
+#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" models opt
 set -u
 out=${1:?results folder}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests kernels conv sweep models)
+[ ${#steps[@]} -eq 0 ] && steps=(tests kernels conv sweep models opt)
 w=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$w/results" "$w/plots"
@@ -35,12 +37,14 @@ for step in "${steps[@]}"; do
                 --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
         kernels) timeout 90 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
-        conv) timeout 240 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
+        conv) timeout 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         conv_compile) timeout 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
         tiles) timeout 400 python3 benchmarks/gpu_tile_sweep.py --out "$w/results" 2>&1 | tail -90 ;;
-        sweep) timeout 150 python3 -m fusedrc.bench --no-compile "${opts[@]}" 2>&1 | tail -30 ;;
-        models) timeout 150 python3 -m fusedrc.bench --workload models --batch-sizes 32 "${opts[@]}" 2>&1 | tail -24 ;;
+        sweep) timeout 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
+        models) timeout 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
+                    --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
+        opt) timeout 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
     esac
     pack

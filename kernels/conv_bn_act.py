@@ -75,6 +75,14 @@ BWD_RECOMPUTE_TWICE = True   # training backward: True = two recomputes, False =
 # estimates (~400 TFLOP/s of 16-bit MMA, ~150 of tf32, ~40 of fp32 FMA in a Triton kernel,
 # ~3 TB/s of HBM3). Only "auto" reads them.
 _RIDGE = {"16bit": 130.0, "tf32": 50.0, "fp32": 13.0}
+# Where z (the conv output) comes from when a pass needs it: "triton" (the implicit-GEMM kernels
+# above, with the BN/ReLU work in their epilogues; the default) or "aten" (aten.convolution, cuDNN on a
+# GPU, into a transient buffer in the forward and the backward; the kernels then run as elementwise +
+# reduction passes over it, FROM_Z). "aten" trades two extra passes over z per direction for cuDNN's
+# GEMM speed; "auto" takes it where the roofline calls the conv compute-bound (``_aten_conv_pays``).
+# Forward and backward must see the same setting: each computes z its own way, and the ReLU mask of
+# the backward must match the forward's bit for bit.
+CONV_Z = "triton"
 # dX / dW: "aten" (aten.convolution_backward: cuDNN on a GPU) or "triton" (_conv_dx/_conv_dw
 # kernels). Measured on an H100 (bf16, ResNet-50 shapes, benchmarks/results/conv_tradeoff_*.json):
 # cuDNN's wgrad took 21 us where _conv_dw_kernel took 650 us at 32x64x56x56, so aten is the default.
@@ -110,10 +118,13 @@ _TABLE = {
     # fp32 on FMA units: BLOCK_K 16 (operands live in registers; 32 spills)
     ("sm90", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
     ("sm90", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
-    ("sm80", "16bit", "narrow"): ConvConfig(128, 64, 32, 8, 4, 4),
-    ("sm80", "16bit", "wide"): ConvConfig(128, 128, 32, 8, 8, 3),
-    ("sm80", "tf32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
-    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 8, 3),
+    # sm_80: Triton 3.6 (the GPU image's) spills the backward kernel at 128x64 on 4 warps and
+    # 128x128 on 8 (56-232 bytes), and the tf32 dX kernel at BLOCK_K 32 (8 bytes); 3.9 does not.
+    # 128x64 on 8 warps and tf32 BLOCK_K 16 compile without spills under both.
+    ("sm80", "16bit", "narrow"): ConvConfig(128, 64, 32, 8, 8, 4),
+    ("sm80", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 3),
+    ("sm80", "tf32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 3),
+    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 16, 8, 8, 3),
     ("sm80", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
     ("sm80", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
     ("small_smem", "16bit", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
@@ -165,6 +176,37 @@ def _rerun_beats_buffer(x, weight, M: int, precision: str) -> bool:
 
 def _strategy(flag, x, weight, M: int, precision: str) -> bool:
     return _rerun_beats_buffer(x, weight, M, precision) if flag == "auto" else bool(flag)
+
+
+def _aten_conv_pays(x, weight, M: int, precision: str) -> bool:
+    """Whether z is better computed by aten.convolution (cuDNN) into a buffer: where the conv is
+    compute-bound, the GEMM engine's speed dominates the extra z traffic. A roofline guess (an
+    H100 profile at 32x64x56x56, 3x3: cuDNN's conv took 51 us where the Triton pass took 90 us)."""
+    C_out, C_in, KH, KW = weight.shape
+    elt = x.element_size()
+    flops = 2.0 * M * C_out * C_in * KH * KW
+    return flops / _RIDGE[operand_class(x.dtype, precision)] > (x.numel() + weight.numel() + M * C_out) * elt
+
+
+def _z_from_aten(x, weight, M: int, precision: str) -> bool:
+    if CONV_Z not in ("triton", "aten", "auto"):
+        raise ValueError(f"fusedrc.kernels.conv_bn_act.CONV_Z: expected 'triton', 'aten' or 'auto', got {CONV_Z!r}")
+    return _aten_conv_pays(x, weight, M, precision) if CONV_Z == "auto" else CONV_Z == "aten"
+
+
+def _aten_z(x, weight, bias, stride, padding, dilation, like):
+    """z = conv2d(x, weight, bias) by aten, laid out like ``like`` (the kernels read z with its strides)."""
+    z = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], 1)
+    return z if z.stride() == like.stride() else z.contiguous(memory_format=_memory_format(like))
+
+
+def conv_plan(x, weight, M: int, precision: str) -> tuple:
+    """(z from aten, forward reruns the conv, backward reruns it twice) for this layer: the switches
+    above resolved. With z from aten, both directions buffer z (no Triton conv runs)."""
+    if _z_from_aten(x, weight, M, precision):
+        return True, False, False
+    return (False, _strategy(FWD_RECOMPUTE, x, weight, M, precision),
+            _strategy(BWD_RECOMPUTE_TWICE, x, weight, M, precision))
 
 
 def _elem_config(capability) -> ConvConfig:
@@ -677,28 +719,33 @@ def conv_bn_act_forward(
         )
 
     with _device_guard(x):
+        aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
+        z = _aten_z(x, weight, bias, stride, padding, dilation, y) if aten_z else None
         if training:
-            T = cdiv(M, cfg.BLOCK_M)
+            # with z from aten, the stats pass is elementwise: its tile only sets the partials' rows
+            stats_cfg = _elem_config(cap) if aten_z else cfg
+            T = cdiv(M, stats_cfg.BLOCK_M)
             pmean = torch.empty((T, C_out), device=x.device, dtype=torch.float32)
             pm2 = torch.empty_like(pmean)
-            fwd_recompute = _strategy(FWD_RECOMPUTE, x, weight, M, precision)
-            z = None if fwd_recompute else torch.empty_like(y)
-            launch(cfg, from_z=False, z=z, stats=True, store_z=z is not None, apply=False,
-                   mean=None, rstd=None, pmean=pmean, pm2=pm2)
-            mean, rstd = _finalize_stats(pmean, pm2, M, C_out, cfg.BLOCK_M, eps, x.device)
-            del pmean, pm2
-            if fwd_recompute:
-                launch(cfg, from_z=False, z=None, stats=False, store_z=False, apply=True,
-                       mean=mean, rstd=rstd, pmean=None, pm2=None)
+            if z is None and not fwd_recompute:
+                z = torch.empty_like(y)
+                launch(cfg, from_z=False, z=z, stats=True, store_z=True, apply=False,
+                       mean=None, rstd=None, pmean=pmean, pm2=pm2)
             else:
-                launch(_elem_config(cap), from_z=True, z=z, stats=False, store_z=False, apply=True,
-                       mean=mean, rstd=rstd, pmean=None, pm2=None)
-                del z  # transient
+                launch(stats_cfg, from_z=aten_z, z=z, stats=True, store_z=False, apply=False,
+                       mean=None, rstd=None, pmean=pmean, pm2=pm2)
+            mean, rstd = _finalize_stats(pmean, pm2, M, C_out, stats_cfg.BLOCK_M, eps, x.device)
+            del pmean, pm2
         else:
-            mean = running_mean.float()
-            rstd = torch.rsqrt(running_var.float() + eps)
+            mean = running_mean.float().contiguous()
+            rstd = torch.rsqrt(running_var.float() + eps).contiguous()
+        if z is None:  # eval, or the training forward that reruns the conv
             launch(cfg, from_z=False, z=None, stats=False, store_z=False, apply=True,
-                   mean=mean.contiguous(), rstd=rstd.contiguous(), pmean=None, pm2=None)
+                   mean=mean, rstd=rstd, pmean=None, pm2=None)
+        else:
+            launch(_elem_config(cap), from_z=True, z=z, stats=False, store_z=False, apply=True,
+                   mean=mean, rstd=rstd, pmean=None, pm2=None)
+            del z  # transient
     return y, mean, rstd
 
 
@@ -819,21 +866,28 @@ def conv_bn_act_backward(
                 red(pdb) if pdb is not None else None)
 
     with _device_guard(x):
+        aten_z, _, twice = conv_plan(x, weight, M, precision)
+        z = _aten_z(x, weight, bias, stride, padding, dilation, dz) if aten_z else None
+        # passes that read z are elementwise and take the elementwise tile
+        z_cfg = _elem_config(cap) if aten_z else cfg
         if training:
-            twice = _strategy(BWD_RECOMPUTE_TWICE, x, weight, M, precision)
-            z = None if twice else torch.empty_like(dz)
-            sg, sgx, _ = launch(cfg, from_z=False, z=z, store_z=z is not None, reduce=True, emit=False,
-                                store_dres=dres is not None)
-            if twice:
+            if z is None and not twice:
+                z = torch.empty_like(dz)
+                sg, sgx, _ = launch(cfg, from_z=False, z=z, store_z=True, reduce=True, emit=False,
+                                    store_dres=dres is not None)
+            else:
+                sg, sgx, _ = launch(z_cfg, from_z=aten_z, z=z, store_z=False, reduce=True, emit=False,
+                                    store_dres=dres is not None)
+            if z is None:
                 _, _, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=False, emit=True,
                                   store_dres=False, sg=sg, sgx=sgx)
             else:
                 _, _, db = launch(_elem_config(cap), from_z=True, z=z, store_z=False, reduce=False,
                                   emit=True, store_dres=False, sg=sg, sgx=sgx)
-                del z
         else:
-            sg, sgx, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=affine, emit=True,
+            sg, sgx, db = launch(z_cfg, from_z=aten_z, z=z, store_z=False, reduce=affine, emit=True,
                                  store_dres=dres is not None)
+        del z  # transient
         if CONV_GRAD == "aten":
             dx, dweight, _ = torch.ops.aten.convolution_backward(
                 dz, x, weight, None, stride, padding, dilation, False, [0, 0], 1, [True, True, False])
@@ -883,9 +937,10 @@ def _inspect_config(cfg: ConvConfig, mode: str, dtype, precision: str) -> dict:
 def _inspect_fwd(dtype, mode: str):
     """_conv_bn_fwd_kernel as conv_bn_act_forward launches it: "stats" (training pass 1,
     conv + z store + Chan partials), "apply" (eval, or FWD_RECOMPUTE's second pass:
-    conv + BN + residual + ReLU), "from_z" (training pass 2: elementwise over z)."""
+    conv + BN + residual + ReLU), "from_z" (training pass 2: elementwise over z),
+    "z_stats" (CONV_Z="aten": the Chan partials of a given z, elementwise)."""
     p, f32 = _INSPECT_PTR[dtype], "*fp32"
-    stats, apply_ = mode == "stats", mode != "stats"
+    stats, apply_ = mode in ("stats", "z_stats"), mode in ("apply", "from_z")
     ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "z_ptr": p, "y_ptr": p, "res_ptr": p,
             "mean_ptr": f32 if apply_ else p, "rstd_ptr": f32 if apply_ else p,
             "gamma_ptr": f32, "beta_ptr": f32,
@@ -897,7 +952,8 @@ def _inspect_fwd(dtype, mode: str):
     # pixel strides of channels_last (N, C, 7, 7): s_n = 49 C, s_h = 7 C, s_w = C, all multiples of 16
     aligned += ["s_oh", "s_ow", "s_rh", "s_rw"]
     constexprs.update(_INSPECT_GEOM)
-    constexprs.update(FROM_Z=mode == "from_z", HAS_BIAS=True, STATS=stats, STORE_Z=stats and FWD_RECOMPUTE is not True,
+    constexprs.update(FROM_Z=mode in ("from_z", "z_stats"), HAS_BIAS=True, STATS=stats,
+                      STORE_Z=mode == "stats" and FWD_RECOMPUTE is not True,
                       APPLY=apply_, HAS_RES=True, HAS_W=True, HAS_B=True)
     return sig, constexprs, aligned
 
@@ -906,8 +962,10 @@ def _inspect_bwd(dtype, mode: str):
     """_conv_bn_bwd_kernel as conv_bn_act_backward launches it: in training
     (BWD_RECOMPUTE_TWICE) "reduce" (pass 1: recompute, partial sums, dresidual) and
     "emit_dz" (pass 2: recompute, dz and its per-tile sums for the conv bias); in eval
-    mode "eval" (one pass: recompute, partial sums, dresidual and dz)."""
+    mode "eval" (one pass: recompute, partial sums, dresidual and dz). A "z_" prefix: the
+    same pass reading z instead of recomputing it (the buffered backward, CONV_Z="aten")."""
     p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    from_z, mode = mode.startswith("z_"), mode.removeprefix("z_")
     reduce_, emit, training = mode in ("reduce", "eval"), mode in ("emit_dz", "eval"), mode != "eval"
     ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "z_ptr": p, "g_ptr": p, "res_ptr": p, "dz_ptr": p,
             "dres_ptr": p, "mean_ptr": f32, "rstd_ptr": f32, "gamma_ptr": f32, "beta_ptr": f32,
@@ -918,7 +976,7 @@ def _inspect_bwd(dtype, mode: str):
     unit = ("s_xc", "s_wo", "s_oc", "s_gc", "s_rc")
     sig, constexprs, aligned = _inspect_args(ptrs, ints, unit, ints[:3] + ints[7:], floats=("inv_count",))
     constexprs.update(_INSPECT_GEOM)
-    constexprs.update(FROM_Z=False, STORE_Z=False, REDUCE=reduce_, EMIT_DZ=emit, TRAINING=training,
+    constexprs.update(FROM_Z=from_z, STORE_Z=False, REDUCE=reduce_, EMIT_DZ=emit, TRAINING=training,
                       STORE_DRES=mode != "emit_dz", HAS_BIAS=True, HAS_RES=True, HAS_W=True, HAS_B=True)
     return sig, constexprs, aligned
 
@@ -962,6 +1020,13 @@ def inspect_specs():
         (_conv_dx_kernel, "_conv_dx_kernel", "", _inspect_dx),
         (_conv_dw_kernel, "_conv_dw_kernel", "", _inspect_dw),
     )
+    elem_kernels = (
+        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "from_z", _inspect_fwd),
+        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "z_stats", _inspect_fwd),
+        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "z_reduce", _inspect_bwd),
+        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "z_emit_dz", _inspect_bwd),
+        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "z_eval", _inspect_bwd),
+    )
     specs, by_key = [], {}
 
     def add(key, label, make):
@@ -995,33 +1060,33 @@ def inspect_specs():
                             "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
                             "num_stages": cfg.num_stages, "gemm": True, "aligned": aligned}
                 add((name, mode, arch, dtype, precision, cfg), label, make)
-            # elementwise pass over z (training forward, FWD_RECOMPUTE False): no dot, so the
-            # precision does not matter; one compile per (arch, dtype)
+            # the passes over a z buffer (the buffered forward and backward, CONV_Z="aten"): no dot,
+            # so the precision does not matter; one compile per (arch, dtype, mode)
             ecfg = _ELEM_CONFIG
-
-            def make_elem(dtype=dtype, precision=precision):
-                sig, constexprs, aligned = _inspect_fwd(dtype, "from_z")
-                constexprs.update(BLOCK_M=ecfg.BLOCK_M, BLOCK_N=ecfg.BLOCK_N, BLOCK_K=ecfg.BLOCK_K,
-                                  GROUP_M=ecfg.GROUP_M, PRECISION=precision, UPCAST=False)
-                config = {"mode": "from_z", "BLOCK_M": ecfg.BLOCK_M, "BLOCK_N": ecfg.BLOCK_N,
-                          "GROUP_M": ecfg.GROUP_M, "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages}
-                return {"fn": _conv_bn_fwd_kernel, "kernel": "_conv_bn_fwd_kernel", "arch": arch, "dtype": dtype,
-                        "config": config, "signature": sig, "constexprs": constexprs,
-                        "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages, "gemm": False,
-                        "aligned": aligned}
-            add(("_conv_bn_fwd_kernel", "from_z", arch, dtype), f"{family}/elem", make_elem)
-        # statistics finalize (fp32 partials whatever the dtype): TILE_M is the entry's BLOCK_M
-        tile_m = cfg.BLOCK_M
-
-        def make_fin(tile_m=tile_m):
-            sig, constexprs, aligned = _inspect_args(
-                {"pmean_ptr": "*fp32", "pm2_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
-                ("T", "C", "M"), (), ("C", "M"), floats=("eps",))
-            constexprs.update(TILE_M=tile_m, BLOCK_T=64, BLOCK_C=32)
-            return {"fn": _bn_stats_finalize_kernel, "kernel": "_bn_stats_finalize_kernel", "arch": arch,
-                    "dtype": torch.float32,
-                    "config": {"TILE_M": tile_m, "BLOCK_T": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 3},
-                    "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
-                    "gemm": False, "aligned": aligned}
-        add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
+            for fn, name, mode, build in elem_kernels:
+                def make_elem(fn=fn, name=name, mode=mode, build=build, dtype=dtype, precision=precision):
+                    sig, constexprs, aligned = build(dtype, mode)
+                    constexprs.update(BLOCK_M=ecfg.BLOCK_M, BLOCK_N=ecfg.BLOCK_N, BLOCK_K=ecfg.BLOCK_K,
+                                      GROUP_M=ecfg.GROUP_M, PRECISION=precision, UPCAST=False)
+                    config = {"mode": mode, "BLOCK_M": ecfg.BLOCK_M, "BLOCK_N": ecfg.BLOCK_N,
+                              "GROUP_M": ecfg.GROUP_M, "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages}
+                    return {"fn": fn, "kernel": name, "arch": arch, "dtype": dtype,
+                            "config": config, "signature": sig, "constexprs": constexprs,
+                            "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages, "gemm": False,
+                            "aligned": aligned}
+                add((name, mode, arch, dtype), f"{family}/elem", make_elem)
+        # statistics finalize (fp32 partials whatever the dtype): TILE_M is the BLOCK_M of the
+        # pass that wrote the partials (the entry's, or the elementwise one's with z from aten)
+        for tile_m in sorted({cfg.BLOCK_M, _ELEM_CONFIG.BLOCK_M}):
+            def make_fin(tile_m=tile_m):
+                sig, constexprs, aligned = _inspect_args(
+                    {"pmean_ptr": "*fp32", "pm2_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
+                    ("T", "C", "M"), (), ("C", "M"), floats=("eps",))
+                constexprs.update(TILE_M=tile_m, BLOCK_T=64, BLOCK_C=32)
+                return {"fn": _bn_stats_finalize_kernel, "kernel": "_bn_stats_finalize_kernel", "arch": arch,
+                        "dtype": torch.float32,
+                        "config": {"TILE_M": tile_m, "BLOCK_T": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 3},
+                        "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
+                        "gemm": False, "aligned": aligned}
+            add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
     return specs

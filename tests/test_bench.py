@@ -293,3 +293,26 @@ def test_write_results_carries_provenance(tmp_path, monkeypatch):
     assert doc["kind"] == "tile_sweep" and doc["commit"] == "a" * 40 and doc["dirty"] is False
     assert doc["device"]["type"] == "cpu" and doc["torch"] == torch.__version__ and "timestamp" in doc
     assert doc["dtype"] == "bfloat16" and doc["records"] == [{"x": 1}]
+
+
+def test_channels_last_option(tmp_path):
+    """--channels-last: the image workloads' weights and inputs in channels_last, recorded in the settings."""
+    from fusedrc.bench import models, workloads
+
+    cl = torch.channels_last
+    wl = workloads.build("resnet", torch.device("cpu"), torch.float32, quick=True, channels_last=True)
+    assert wl.make_input(2, "cpu", torch.float32).is_contiguous(memory_format=cl)
+    assert wl.model.stem[0].weight.is_contiguous(memory_format=cl)
+    plain = workloads.build("resnet", torch.device("cpu"), torch.float32, quick=True)
+    assert not plain.make_input(2, "cpu", torch.float32).is_contiguous(memory_format=cl)
+    if models.require("resnet50") is None:
+        r50 = models.build("resnet50", torch.device("cpu"), torch.float32, quick=True, channels_last=True)
+        (x,), _ = r50.make_batch(2, "cpu", torch.float32)
+        assert x.is_contiguous(memory_format=cl) and r50.model.conv1.weight.is_contiguous(memory_format=cl)
+    res = tmp_path / "results"
+    cli.main(["--workload", "resnet", "--quick", "--channels-last", "--warmup", "0", "--repeats", "1",
+              "--no-progress", "--results-dir", str(res), "--plots-dir", str(tmp_path / "plots")])
+    (f,) = res.glob("bench_sweep_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    assert doc["settings"]["channels_last"] is True

@@ -74,7 +74,10 @@ def test_every_spec_compiled(inspection):
         assert {r["dtype"] for r in results if r["kernel"] == name} == {"float16", "bfloat16", "float32"}, name
     # the backward kernel in each of its launch modes
     assert {r["config"].get("mode") for r in results if r["kernel"] == "_conv_bn_bwd_kernel"} >= {
-        "reduce", "emit_dz"}
+        "reduce", "emit_dz", "eval", "z_reduce", "z_emit_dz", "z_eval"}
+    # and the passes over a z buffer (buffered strategies, CONV_Z="aten"), elementwise
+    fwd_modes = {(r["config"].get("mode"), r["gemm"]) for r in results if r["kernel"] == "_conv_bn_fwd_kernel"}
+    assert fwd_modes >= {("stats", True), ("apply", True), ("from_z", False), ("z_stats", False)}
 
 
 def test_record_keys_and_types(inspection):

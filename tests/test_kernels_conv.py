@@ -144,19 +144,87 @@ def test_channels_last(device):
     assert grads[0].is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad", [
-    (True, False, "triton"),
-    (False, True, "triton"),
-    (False, False, "aten"),
-    ("auto", "auto", "aten"),
-], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer", "auto"])
-def test_strategies(fwd_recompute, bwd_twice, conv_grad, monkeypatch, device):
+@pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad,conv_z", [
+    (True, False, "triton", "triton"),
+    (False, True, "triton", "triton"),
+    (False, False, "aten", "triton"),
+    ("auto", "auto", "aten", "auto"),
+    (False, True, "aten", "aten"),
+], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer", "auto", "aten-z"])
+def test_strategies(fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypatch, device):
     """The measured-on-GPU alternatives give the same results as the defaults."""
     monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
     monkeypatch.setattr(K, "BWD_RECOMPUTE_TWICE", bwd_twice)
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
+    monkeypatch.setattr(K, "CONV_Z", conv_z)
     t, geom = _inputs(SHAPES["3x3s2d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, True, torch.float32)
+
+
+def _record_launches(monkeypatch):
+    """Every conv-kernel launch's constexpr flags, in order: [(kernel name, kwargs)]."""
+    seen = []
+    real = K.launcher
+
+    def spy(kernel, probe):
+        launch = real(kernel, probe)
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, kw))
+                    return launch[grid](*args, **kw)
+                return run
+        return _Grid()
+
+    monkeypatch.setattr(K, "launcher", spy)
+    return seen
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_aten_z(training, channels_last, monkeypatch, device):
+    """CONV_Z="aten": z from aten.convolution in both directions, every Triton pass reads it
+    (FROM_Z, elementwise tiles: no Triton conv runs), results as the float64 reference."""
+    monkeypatch.setattr(K, "CONV_Z", "aten")
+    seen = _record_launches(monkeypatch)
+    t, geom = _inputs(SHAPES["3x3s1"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    if channels_last:
+        t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
+    y, grads = _check_all(t, geom, training, torch.float32)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt) and grads[0].is_contiguous(memory_format=fmt)
+    conv_kernels = [kw for name, kw in seen if name in ("_conv_bn_fwd_kernel", "_conv_bn_bwd_kernel")]
+    assert len(conv_kernels) == (4 if training else 2)
+    assert all(kw["FROM_Z"] and not kw.get("STORE_Z", False) for kw in conv_kernels)
+
+
+@pytest.mark.parametrize("conv_z", ["triton", "aten"])
+def test_switch_changes_kernel_passes(conv_z, monkeypatch, device):
+    """The spy above sees the default's Triton conv passes (no FROM_Z in the backward) too."""
+    monkeypatch.setattr(K, "CONV_Z", conv_z)
+    seen = _record_launches(monkeypatch)
+    t, geom = _inputs(SHAPES["1x1"], torch.float32, bias=False, affine=True, residual=False, device=device)
+    _check_all(t, geom, True, torch.float32)
+    bwd = [kw["FROM_Z"] for name, kw in seen if name == "_conv_bn_bwd_kernel"]
+    assert bwd == ([True, True] if conv_z == "aten" else [False, False])
+
+
+def test_aten_z_layout_follows_the_kernels_buffer():
+    """z from aten is handed to the kernels in the layout their stride arguments describe."""
+    x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(6, 4, 3, 3)
+    for like_fmt in (torch.contiguous_format, torch.channels_last):
+        like = torch.empty(2, 6, 5, 5).contiguous(memory_format=like_fmt)
+        z = K._aten_z(x, w, None, [1, 1], [1, 1], [1, 1], like)
+        assert z.stride() == like.stride()
+        torch.testing.assert_close(z, torch.nn.functional.conv2d(x, w, None, 1, 1))
+
+
+def test_conv_z_setting_is_checked(monkeypatch):
+    monkeypatch.setattr(K, "CONV_Z", "cudnn")
+    with pytest.raises(ValueError, match="CONV_Z"):
+        K.conv_plan(torch.empty(1, 3, 4, 4), torch.empty(2, 3, 1, 1), 16, "ieee")
 
 
 @pytest.mark.parametrize("c_in,c_out,k,expected", [
@@ -173,6 +241,23 @@ def test_auto_strategy_cost_model(c_in, c_out, k, expected):
     assert K._rerun_beats_buffer(x, w, 32 * 28 * 28, "ieee") is expected
     assert K._strategy("auto", x, w, 32 * 28 * 28, "ieee") is expected
     assert K._strategy(True, x, w, 1, "ieee") is True and K._strategy(False, x, w, 1, "ieee") is False
+
+
+@pytest.mark.parametrize("c_in,c_out,k,expected", [
+    (64, 64, 3, True),      # 3x3: compute-bound, cuDNN's GEMM speed pays for the z round trips
+    (512, 512, 3, True),
+    (64, 256, 1, False),    # 1x1: memory-bound, the fused epilogues' saved passes matter more
+    (256, 64, 1, False),
+    (512, 2048, 1, True),   # a wide 1x1 is compute-bound too (~200 flops per byte)
+])
+def test_aten_conv_cost_model(c_in, c_out, k, expected, monkeypatch):
+    x = torch.empty(32, c_in, 28, 28, dtype=torch.bfloat16)
+    w = torch.empty(c_out, c_in, k, k, dtype=torch.bfloat16)
+    assert K._aten_conv_pays(x, w, 32 * 28 * 28, "ieee") is expected
+    monkeypatch.setattr(K, "CONV_Z", "auto")
+    assert K.conv_plan(x, w, 32 * 28 * 28, "ieee")[0] is expected
+    monkeypatch.setattr(K, "CONV_Z", "aten")
+    assert K.conv_plan(x, w, 1, "ieee") == (True, False, False)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -225,8 +310,10 @@ def test_large_mean_stats(device):
 # --------------------------------------------------------------------------- mask and NaN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_mask_consistency(dtype, training, device):
+@pytest.mark.parametrize("conv_z", ["triton", "aten"])
+def test_mask_consistency(dtype, training, conv_z, monkeypatch, device):
     """Pre-activations crowded around 0: the backward's recomputed ReLU mask equals the forward's y > 0."""
+    monkeypatch.setattr(K, "CONV_Z", conv_z)
     t, geom = _inputs(SHAPES["3x3s1"], dtype, bias=True, affine=True, residual=True, device=device)
     td = {k: _d(v) for k, v in t.items()}
     # residual = -BN(conv(x)) in float64, rounded: pre-activations are rounding noise around 0

@@ -80,6 +80,9 @@ def sweep_parser():
                    help="real models: comma-separated memory_budget fractions for fusedrc.convert "
                         "(default: resnet50 0.8,0.6,0.45; opt 0.75,0.5,0.35)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    p.add_argument("--channels-last", action="store_true",
+                   help="image workloads (resnet, resnet50): model and input in channels_last, the layout "
+                        "cuDNN and the Triton conv kernels are fastest in on a GPU")
     _common(p, "tiny shapes, 3 repeats, no torch.compile: under a minute on 2 CPU cores (the CI smoke run)")
     return p
 
@@ -196,6 +199,7 @@ def run_sweep(argv):
                         for n in names},
         "fractions": list(strategies.FRACTIONS),
         "budgets": {n: list(args.budgets or default_budgets[n]) for n in real},
+        "channels_last": args.channels_last,
     }
     if not synthetic and not compile_reason:
         compile_reason = "the real-model workloads compare fusedrc.convert with torch.utils.checkpoint only"
@@ -250,7 +254,7 @@ def run_sweep(argv):
             settings["compile_batch_sizes"] = {n: [] for n in names}
     doc = _header("sweep", args, dev, backend, t_start, notes, skipped)
     doc["settings"] = {k: settings[k] for k in ("workloads", "batch_sizes", "fractions", "compile_budgets",
-                                                 "compile_batch_sizes", "budgets")}
+                                                 "compile_batch_sizes", "budgets", "channels_last")}
     doc["workloads"] = infos
     doc["configs"] = records
     doc["ratios"] = sweep.ratios(records)

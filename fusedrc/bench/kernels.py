@@ -55,8 +55,7 @@ def _conv_units(backend: str, strategy: str, x, weight) -> float:
 
     m = x.shape[0] * x.shape[2] * x.shape[3]  # stride 1, "same" padding: output pixels = input pixels
     precision = k.dot_precision(x)
-    fwd_rerun = k._strategy(k.FWD_RECOMPUTE, x, weight, m, precision)
-    bwd_twice = k._strategy(k.BWD_RECOMPUTE_TWICE, x, weight, m, precision)
+    _, fwd_rerun, bwd_twice = k.conv_plan(x, weight, m, precision)
     return 1 + int(fwd_rerun) + 2 + (2 if bwd_twice else 1)
 
 

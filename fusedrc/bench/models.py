@@ -83,6 +83,8 @@ class ModelWorkload:
         if self.name == "resnet50":
             res = self.shapes["resolution"]
             x = torch.randn((batch, 3, res, res), generator=g).to(device=device, dtype=dtype)
+            if self.shapes.get("channels_last"):
+                x = x.contiguous(memory_format=torch.channels_last)
             y = torch.randint(0, self.shapes["classes"], (batch,), generator=g).to(device)
             return (x,), y
         ids = torch.randint(0, self.shapes["vocab"], (batch, self.shapes["seq"]), generator=g).to(device)
@@ -98,7 +100,9 @@ class ModelWorkload:
         return F.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)), target[:, 1:].reshape(-1))
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0) -> ModelWorkload:
+def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0,
+          channels_last: bool = False) -> ModelWorkload:
+    """The real model ``name``; ``channels_last``: ResNet-50's weights and input in that memory format."""
     torch.manual_seed(seed)
     cuda = device.type == "cuda"
     if name == "resnet50":
@@ -135,6 +139,10 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
     else:
         raise ValueError(f"unknown model workload {name!r}; choose from {', '.join(MODEL_WORKLOADS)}")
     model.to(device=device, dtype=dtype).train()
+    if channels_last and name == "resnet50":
+        model.to(memory_format=torch.channels_last)
+        shapes["channels_last"] = True
+        desc += " (channels_last)"
     return ModelWorkload(name, model, shapes, desc, loss)
 
 

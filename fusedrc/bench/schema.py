@@ -21,6 +21,7 @@ optional, so earlier files still validate and the id stays ``fusedrc-bench/1``):
   ``plan_baseline_bytes`` / ``plan_final_bytes`` (convert's own count of the original's
   and the converted model's activation bytes; null when not measured).
 * ``settings.budgets``: workload -> the memory_budget fractions asked for.
+* ``settings.channels_last``: the image workloads ran in channels_last (``--channels-last``).
 * ``model_ratios``: per real model, batch size and convert configuration, step time and
   saved bytes over the original's (``*_over_no_recompute``) and over
   ``checkpoint_strategy``'s (``*_over_checkpoint``: ``torch_checkpoint_blocks`` for
@@ -75,7 +76,7 @@ TIMING = {"times_s": [NUM], "median_s": NUM, "p20_s": NUM, "p80_s": NUM}
 SWEEP = {
     **COMMON,
     "settings": {"workloads": [str], "batch_sizes": dict, "fractions": [NUM], "compile_budgets": dict,
-                 "compile_batch_sizes": dict, "budgets?": dict},
+                 "compile_batch_sizes": dict, "budgets?": dict, "channels_last?": bool},
     "workloads": dict,
     "configs": [{
         "workload": str, "strategy": Enum(*SWEEP_STRATEGIES),

@@ -67,7 +67,8 @@ def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason
                                                skipped)
                 records += recs
                 continue
-            wl = built[name] = workloads.build(name, device, dtype, settings["quick"])
+            wl = built[name] = workloads.build(name, device, dtype, settings["quick"],
+                                               channels_last=settings.get("channels_last", False))
             infos[name] = {"description": wl.description, "blocks": wl.n_blocks, "shapes": wl.shapes,
                            "input_shape": list(wl.input_shape),
                            "parameters": sum(p.numel() for p in wl.model.parameters()),
@@ -138,7 +139,7 @@ def _time(runners, device, timer, pbar, warmup, repeats):
 def _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats, skipped):
     """A real model (``models.py``): build, convert, time every strategy at each batch size."""
     pbar.set_postfix_str(f"{name}: building")
-    wl = models.build(name, device, dtype, settings["quick"])
+    wl = models.build(name, device, dtype, settings["quick"], channels_last=settings.get("channels_last", False))
     records = []
     for batch in settings["batch_sizes"][name]:
         pbar.set_postfix_str(f"{name} batch {batch}: fusedrc.convert (budget planning)")

@@ -128,7 +128,8 @@ class Workload:
 
     def make_input(self, batch, device, dtype, seed=1):
         g = torch.Generator().manual_seed(seed)
-        return torch.randn((batch, *self.input_shape), generator=g).to(device=device, dtype=dtype)
+        x = torch.randn((batch, *self.input_shape), generator=g).to(device=device, dtype=dtype)
+        return x.contiguous(memory_format=torch.channels_last) if self.shapes.get("channels_last") else x
 
     def loss(self, out):
         return out.float().square().mean()
@@ -148,8 +149,10 @@ def default_batch_sizes(name: str, device_type: str, quick: bool):
     return [512, 2048] if name == "ffn" else [16, 64]
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0) -> Workload:
-    """The workload ``name`` with width and depth scaled to the device (``quick``: tiny)."""
+def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0,
+          channels_last: bool = False) -> Workload:
+    """The workload ``name`` with width and depth scaled to the device (``quick``: tiny);
+    ``channels_last``: an image workload's model and input in that memory format."""
     torch.manual_seed(seed)
     cuda = device.type == "cuda"
     if name == "ffn":
@@ -180,4 +183,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     wl.model.to(device=device, dtype=dtype).train()
+    if channels_last and name == "resnet":
+        wl.model.to(memory_format=torch.channels_last)
+        wl.shapes["channels_last"] = True
     return wl
