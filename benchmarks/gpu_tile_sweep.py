@@ -4,7 +4,8 @@ The tile tables (kernels/_common.py ``_TABLE``, kernels/conv_bn_act.py ``_TABLE`
 autotuned at run time: the forward and the backward recompute must read the same entry. This
 script is how entries are chosen offline (issues 3 and 4):
 
-- dense: for each of issue 3's GEMM shapes, every candidate ``GemmConfig`` runs the forward
+- dense: for each of issue 3's GEMM shapes, every candidate ``GemmConfig`` (some also with TMA
+  loads, ``GEMM_TMA``) runs the forward
   kernel (``gemm_act``, bias + ReLU epilogue) and the recompute kernel (``gemm_act_grad``,
   bias, ReLU, incoming gradient, bias-gradient partials), checked against torch first, timed
   against cuBLAS (``torch.addmm`` + ReLU, and the same GEMM alone);
@@ -46,6 +47,10 @@ DENSE_CANDIDATES = [
     # no spills on sm_90 in the --static report (128x256 / 256x128 spill ~1 KiB in the grad kernel)
     (128, 128, 64, 8, 8, 5), (128, 128, 64, 16, 8, 4), (128, 128, 128, 8, 8, 3), (128, 64, 64, 8, 4, 5),
 ]
+# also timed with TMA loads (kernels/_common.py GEMM_TMA): the table's entry and the large tiles
+# the pointer loads cannot hold without spilling
+TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4),
+                  (256, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
 # (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
 CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
                (256, 64, 1, 1, 56), (1024, 256, 1, 1, 14)]
@@ -79,10 +84,16 @@ def sweep_dense(dtype, records):
         records.append(dict(base, impl="cublas_addmm_relu", times_s=_time(lambda: torch.relu(torch.addmm(b, a, bt)))))
         records.append(dict(base, impl="cublas_mm", times_s=_time(lambda: torch.mm(a, bt))))
         table = _common.gemm_config(M, N, K, dtype, "ieee", torch.cuda.get_device_capability())
-        for cand in [tuple(table)] + [c for c in DENSE_CANDIDATES if c != tuple(table)]:
+        runs = [(c, False) for c in [tuple(table)] + [c for c in DENSE_CANDIDATES if c != tuple(table)]]
+        runs += [(c, True) for c in TMA_CANDIDATES]
+        saved_tma = _common.GEMM_TMA
+        for cand, tma in runs:
             cfg = _common.GemmConfig(*cand)
-            rec = dict(base, config=list(cand), in_table=cand == tuple(table))
+            _common.GEMM_TMA = tma
+            rec = dict(base, config=list(cand), loads="tma" if tma else "pointer",
+                       in_table=cand == tuple(table) and tma == bool(saved_tma))
             try:
+                assert _common._use_tma(a, bt) is tma
                 y = _common.gemm_act(a, bt, b, "relu", config=cfg)
                 gh, _, db = _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg)
                 rec.update(err_forward=_rel_err(y, ref_y), err_grad=_rel_err(gh, ref_gh),
@@ -93,6 +104,7 @@ def sweep_dense(dtype, records):
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)
             _print(rec, records)
+        _common.GEMM_TMA = saved_tma
         torch.cuda.empty_cache()
 
 
@@ -163,7 +175,8 @@ def _compile_one(i):
         res = fi.compile_spec({k: v for k, v in spec.items() if k not in ("kind", "candidate")})
     except Exception as e:  # out of shared memory, a compile error: that is the answer
         res = {"kernel": spec["kernel"], "error": f"{type(e).__name__}: {e}"[:300]}
-    return dict(res, kind=spec["kind"], candidate=spec["candidate"], mode=spec["config"].get("mode", ""))
+    return dict(res, kind=spec["kind"], candidate=spec["candidate"], mode=spec["config"].get("mode", ""),
+                loads=spec["config"].get("loads", "pointer"))
 
 
 _SPECS = []
@@ -181,14 +194,15 @@ def static_report(dtype, jobs):
         if "error" in r:
             print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['kernel']:24s} {r['mode']:8s} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['kernel']:24s} {r['mode']:8s} regs {r['registers']:3d} "
+            print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['loads']:7s} {r['kernel']:24s} {r['mode']:8s} "
+                  f"regs {r['registers']:3d} "
                   f"smem {r['shared_bytes'] // 1024:4d} KiB  spill {r['spill_bytes']:5d}  {r['mma']}", flush=True)
     return results
 
 
 def _print(rec, records):
     """One candidate's line, against its shape's reference (cuBLAS for dense, eager for conv)."""
-    head = f"{rec['kind']:5s} {str(rec['shape']):24s} {str(rec['config']):28s}"
+    head = f"{rec['kind']:5s} {str(rec['shape']):24s} {str(rec['config']):28s} {rec.get('loads', ''):7s}"
     if "error" in rec:
         print(f"{head} ERROR {rec['error'][:120]}", flush=True)
         return

@@ -18,16 +18,32 @@ device architecture), so for a given layer the forward and the backward
 recompute run the same BLOCK_K, the same K order, no split-K, and add the bias
 the same way: the pre-activation is equal bit for bit and no value near 0
 changes sides of the ReLU.
+
+Operand loads (``GEMM_TMA``): plain pointer tiles (the default), or Hopper's tensor
+memory accelerator through host-side tensor descriptors (``TMA=True``): A and B^T
+(both K-contiguous: x and a Linear weight) are copied tile by tile into shared memory
+by the TMA unit, without the pointer tensors and address math of the pointer path
+(sm_90, bf16, 128x256, ReLU forward: 165 registers instead of 186). It does not make
+128x256 fit the grad kernel: its epilogue holds the registers (both paths spill there).
+Whether the bulk copies are faster is for the GPU sweep (benchmarks/gpu_tile_sweep.py).
+The choice is a pure function of the operands (``_use_tma``), so a forward and its
+recompute take the same path.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 try:
     from torch.library import wrap_triton
@@ -238,36 +254,48 @@ def _mainloop(
     stride_am, stride_ak, stride_bk, stride_bn,
     pid_m, pid_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """fp32 accumulator of one (BLOCK_M, BLOCK_N) tile of A @ B, K in ascending order.
 
     The tile's base offset is 64-bit (no overflow on huge operands); offsets
     inside the tile are 32-bit. Rows/columns past M/N wrap around (modulo)
     onto valid ones so that only K needs a mask; those rows are never stored.
+    TMA: ``a_ptr`` and ``b_ptr`` are tensor descriptors of A (M, K) and B^T (N, K);
+    the unit zero-fills whatever lies past M, N or K.
     """
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
-    offs_m = tl.arange(0, BLOCK_M) % (M - row0)
-    offs_n = tl.arange(0, BLOCK_N) % (N - col0)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
-    b_ptrs = (b_ptr + col0.to(tl.int64) * stride_bn) + (offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if TMA:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([row0, k * BLOCK_K])
+            b = b_ptr.load([col0, k * BLOCK_K])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    else:
+        offs_m = tl.arange(0, BLOCK_M) % (M - row0)
+        offs_n = tl.arange(0, BLOCK_N) % (N - col0)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
+        b_ptrs = (b_ptr + col0.to(tl.int64) * stride_bn) + (offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     return acc
 
 
@@ -289,11 +317,11 @@ def _gemm_act_kernel(
     stride_am, stride_ak, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
@@ -313,12 +341,12 @@ def _gemm_act_grad_kernel(
     stride_am, stride_ak, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # recompute the pre-activation exactly as _gemm_act_kernel does
     acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
@@ -346,13 +374,17 @@ def _gemm_act_grad_kernel(
 # constexpr flag off) is an *input* of the launch, never one of its outputs: the traced graph
 # clones each argument a kernel may write separately, and an output passed twice would come
 # back as two tensors.
+def _traced(probe: torch.Tensor) -> bool:
+    """Whether torch is tracing a launch on ``probe`` (an operand): it is a fake or functional
+    tensor, or a dispatch mode is active."""
+    return not (type(probe) in (torch.Tensor, torch.nn.Parameter) and torch._C._len_torch_dispatch_stack() == 0)
+
+
 def launcher(kernel, probe: torch.Tensor):
-    """``kernel``, or ``wrap_triton(kernel)`` when torch is tracing this launch: ``probe`` (an
-    operand) is a fake or functional tensor, or a dispatch mode is active. In a plain eager
-    call the kernel itself: wrap_triton's eager path is a higher-order-op dispatch per launch."""
-    if type(probe) in (torch.Tensor, torch.nn.Parameter) and torch._C._len_torch_dispatch_stack() == 0:
-        return kernel
-    return wrap_triton(kernel)
+    """``kernel``, or ``wrap_triton(kernel)`` when torch is tracing this launch (``_traced``).
+    In a plain eager call the kernel itself: wrap_triton's eager path is a higher-order-op
+    dispatch per launch."""
+    return wrap_triton(kernel) if _traced(probe) else kernel
 
 
 def _device_guard(t: torch.Tensor):
@@ -381,6 +413,42 @@ def _tile_safe(t: torch.Tensor, block_rows: int, block_cols: int, name: str) -> 
     return t
 
 
+# Operand loads of the two dense kernels: False (pointer tiles, the default), True (TMA wherever
+# the operands allow it: sm_90+ GPUs, and Triton's interpreter, for the tests), "auto" (TMA on
+# sm_90+ GPUs only). Opt-in until timed on a GPU: benchmarks/gpu_tile_sweep.py times both.
+GEMM_TMA = False
+
+
+def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the dense kernels load a (M, K) and b (K, N) through TMA descriptors: the switch,
+    Triton's host descriptors, the hardware (sm_90+; the interpreter only when forced), an eager
+    launch (descriptors are not handed to torch's tracing of user kernels), tensor-core operands
+    (fp16/bf16, or fp32 as tf32: fp32 FMA tiles read from shared memory spill on sm_90), and the
+    layout TMA needs: A and B^T K-contiguous, 16-byte aligned bases and row pitches. A pure
+    function of the operands: a forward and its recompute decide alike."""
+    if GEMM_TMA is False or TensorDescriptor is None or _traced(a):
+        return False
+    if operand_class(a.dtype, dot_precision(a)) == "fp32":
+        return False
+    if a.is_cuda:
+        if torch.cuda.get_device_capability(a.device)[0] < 9:
+            return False
+    elif GEMM_TMA == "auto" or not interpreting():
+        return False
+    e = a.element_size()
+    return (a.shape[1] > 0 and a.stride(1) == 1 and b.stride(0) == 1
+            and (a.stride(0) * e) % 16 == 0 and (b.stride(1) * e) % 16 == 0
+            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor, cfg: GemmConfig, tma: bool):
+    """The A and B arguments of a dense launch: the tensors, or TMA descriptors of A and B^T."""
+    if not tma:
+        return a, b
+    return (TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K]),
+            TensorDescriptor.from_tensor(b.t(), [cfg.BLOCK_N, cfg.BLOCK_K]))
+
+
 def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
     precision = dot_precision(a)
     cfg = gemm_config(M, N, K, a.dtype, precision, device_capability(a))
@@ -406,14 +474,16 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     if bias is not None:
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
+    tma = _use_tma(a, b)
+    a_arg, b_arg = _operands(a, b, cfg, tma)
     with _device_guard(a):
         launcher(_gemm_act_kernel, a)[grid](
-            a, b, bias if bias is not None else a, out,
+            a_arg, b_arg, bias if bias is not None else a, out,
             M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             HAS_BIAS=bias is not None, ACTIVATION=activation,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
@@ -471,15 +541,17 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
     grid = (num_pid_m * cdiv(N, cfg.BLOCK_N),)
     grad = grad.contiguous()  # no copy in the usual case
+    tma = _use_tma(a, b)
+    a_arg, b_arg = _operands(a, b, cfg, tma)
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
-            a, b, bias if bias is not None else a, grad, gh, act if act is not None else a,
+            a_arg, b_arg, bias if bias is not None else a, grad, gh, act if act is not None else a,
             part if part is not None else a,
             M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
@@ -528,7 +600,8 @@ def inspect_specs():
     sm80 table entries: fp16 and bf16 for "16bit" entries, fp32 with the
     matching input precision for "tf32"/"fp32" entries; activation "gelu" (the
     heaviest epilogue), bias on, EVEN_K, and STORE_ACT on for the grad kernel
-    (as ``fused_mlp`` launches it)."""
+    (as ``fused_mlp`` launches it). sm_90 entries also with TMA loads (``GEMM_TMA``;
+    config ``"loads": "tma"``)."""
     specs = []
     by_key = {}
     for (family, opclass, bucket), cfg in _TABLE.items():
@@ -539,35 +612,46 @@ def inspect_specs():
             variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
         else:
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
-        for kernel, name in ((_gemm_act_kernel, "_gemm_act_kernel"),
-                             (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")):
-            for dtype, precision in variants:
-                key = (name, arch, dtype, precision, cfg)
-                label = f"{family}/{opclass}/{bucket}"
-                if key in by_key:  # identical compile: one spec, both table entries named
-                    by_key[key]["source"] += "," + label
-                    continue
-                sig, aligned = _inspect_signature(kernel, dtype)
-                constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True}
-                if kernel is _gemm_act_grad_kernel:
-                    constexprs["STORE_ACT"] = True
-                constexprs.update({
-                    "ACTIVATION": "gelu",
-                    "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
-                    "GROUP_M": cfg.GROUP_M, "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
-                })
-                for c in constexprs:
-                    sig[c] = "constexpr"
-                config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
-                          "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-                if dtype == torch.float32:
-                    config["input_precision"] = precision
-                spec = {
-                    "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
-                    "signature": sig, "constexprs": constexprs,
-                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                    "gemm": True, "aligned": aligned, "source": label,
-                }
-                by_key[key] = spec
-                specs.append(spec)
+        tma_ok = arch == "sm_90" and opclass != "fp32" and TensorDescriptor is not None
+        loads = (False, True) if tma_ok else (False,)
+        for (kernel, name), dtype_precision, tma in itertools.product(
+                ((_gemm_act_kernel, "_gemm_act_kernel"), (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")),
+                variants, loads):
+            dtype, precision = dtype_precision
+            key = (name, arch, dtype, precision, cfg, tma)
+            label = f"{family}/{opclass}/{bucket}"
+            if key in by_key:  # identical compile: one spec, both table entries named
+                by_key[key]["source"] += "," + label
+                continue
+            sig, aligned = _inspect_signature(kernel, dtype)
+            constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True}
+            if tma:  # descriptors of A (M, K) and B^T (N, K) with the entry's boxes
+                elt = _TRITON_PTR[dtype][1:]
+                sig["a_ptr"] = f"tensordesc<{elt}[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>"
+                sig["b_ptr"] = f"tensordesc<{elt}[{cfg.BLOCK_N}, {cfg.BLOCK_K}]>"
+                aligned = [n for n in aligned if n not in ("a_ptr", "b_ptr")]
+            if kernel is _gemm_act_grad_kernel:
+                constexprs["STORE_ACT"] = True
+            constexprs.update({
+                "ACTIVATION": "gelu",
+                "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
+                "GROUP_M": cfg.GROUP_M, "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
+                "TMA": tma,
+            })
+            for c in constexprs:
+                sig[c] = "constexpr"
+            config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
+                      "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            if dtype == torch.float32:
+                config["input_precision"] = precision
+            if tma:
+                config["loads"] = "tma"
+            spec = {
+                "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
+                "signature": sig, "constexprs": constexprs,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                "gemm": True, "aligned": aligned, "source": label,
+            }
+            by_key[key] = spec
+            specs.append(spec)
     return specs

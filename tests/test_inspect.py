@@ -75,6 +75,11 @@ def test_every_spec_compiled(inspection):
     # the backward kernel in each of its launch modes
     assert {r["config"].get("mode") for r in results if r["kernel"] == "_conv_bn_bwd_kernel"} >= {
         "reduce", "emit_dz", "eval", "z_reduce", "z_emit_dz", "z_eval"}
+    # sm_90 tensor-core GEMMs also compiled with TMA loads (GEMM_TMA)
+    for name in DENSE_KERNELS:
+        assert {r["dtype"] for r in results if r["kernel"] == name and r["config"].get("loads") == "tma"} == {
+            "float16", "bfloat16", "float32"}, name
+        assert {r["arch"] for r in results if r["kernel"] == name and r["config"].get("loads") == "tma"} == {"sm_90"}
     # and the passes over a z buffer (buffered strategies, CONV_Z="aten"), elementwise
     fwd_modes = {(r["config"].get("mode"), r["gemm"]) for r in results if r["kernel"] == "_conv_bn_fwd_kernel"}
     assert fwd_modes >= {("stats", True), ("apply", True), ("from_z", False), ("z_stats", False)}

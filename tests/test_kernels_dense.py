@@ -264,3 +264,90 @@ def test_tile_table_rules():
     a = _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
     assert a == _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
     assert _common.dot_precision(torch.empty(1)) == "ieee"  # CPU: never tf32
+
+
+# --------------------------------------------------------------------------- TMA loads
+def _spy_tma(monkeypatch):
+    """[(kernel, TMA flag)] of every dense launch, in order."""
+    seen = []
+    for name in ("_gemm_act_kernel", "_gemm_act_grad_kernel"):
+        real = getattr(_common, name)
+
+        class _Spy:
+            def __getitem__(self, grid, real=real, name=name):
+                def run(*args, **kw):
+                    seen.append((name, kw["TMA"]))
+                    return real[grid](*args, **kw)
+                return run
+        monkeypatch.setattr(_common, name, _Spy())
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_tma_loads(dtype, act, device, monkeypatch):
+    """GEMM_TMA: the forward and the recompute read x and W through TMA descriptors (tiles past M,
+    N and the K tail zero-filled), the results match the float64 reference, and the FFN's output
+    GEMM (activation x W2^T, both K-contiguous) takes them too."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA needs sm_90 or newer")
+    monkeypatch.setattr(_common, "GEMM_TMA", True)
+    monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")
+    seen = _spy_tma(monkeypatch)
+    M, K, N = 37, 40, 72  # K: a 16-byte row pitch, not a multiple of the tile's BLOCK_K
+    _check_linear(*_linear_inputs(M, K, N, dtype, device, True), act, dtype)
+    # forward, then the recompute; the backward's plain GEMMs (g_h W, g_h^T x) have operands
+    # that are not K-contiguous and keep the pointer loads
+    assert seen[:2] == [("_gemm_act_kernel", True), ("_gemm_act_grad_kernel", True)]
+    assert [t for _, t in seen[2:]] == [False, False]
+    seen.clear()
+    _check_mlp(*_mlp_inputs(M, K, 48, 24, dtype, device, True), act, dtype)
+    # forward: fc1 with its activation, the output GEMM; backward: g_a = g W2 (W2 is not
+    # K-contiguous there), the recompute, then the plain GEMMs
+    assert seen[:4] == [("_gemm_act_kernel", True), ("_gemm_act_kernel", True), ("_gemm_act_kernel", False),
+                        ("_gemm_act_grad_kernel", True)]
+    assert not any(t for _, t in seen[4:])
+
+
+def test_tma_falls_back_on_layouts_it_cannot_read(device, monkeypatch):
+    """Rows whose pitch is not a multiple of 16 bytes, a misaligned base, fp32 on FMA units,
+    the switch off or "auto" off a GPU: pointer loads, same results."""
+    monkeypatch.setattr(_common, "GEMM_TMA", True)
+    seen = _spy_tma(monkeypatch)
+    dtype = torch.float16
+    x, w, b, g = _linear_inputs(19, 33, 20, dtype, device, True)  # 66-byte rows
+    _check_linear(x, w, b, g, "relu", dtype)
+    assert seen and not any(t for _, t in seen)
+    x, w, _, _ = _linear_inputs(8, 40, 16, dtype, device, False)
+    assert _common._use_tma(x, w.t()) is (device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9)
+    shifted = torch.empty(8 * 40 + 1, dtype=dtype, device=device)[1:].view(8, 40)
+    assert not _common._use_tma(shifted, w.t())                       # base 2 bytes off
+    assert not _common._use_tma(x.float(), w.t().float())            # fp32 "ieee": FMA units
+    assert not _common._use_tma(x.t().contiguous().t(), w.t())       # x not K-contiguous
+    assert not _common._use_tma(x, w.t().contiguous())                 # W^T not K-contiguous
+    monkeypatch.setattr(_common, "GEMM_TMA", False)
+    assert not _common._use_tma(x, w.t())
+    if device.type == "cpu":
+        monkeypatch.setattr(_common, "GEMM_TMA", "auto")
+        assert not _common._use_tma(x, w.t())
+
+
+def test_tma_recompute_mask_matches_forward_sign(device, monkeypatch):
+    """With TMA loads the recomputed ReLU mask still equals the forward's, bit for bit."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA needs sm_90 or newer")
+    monkeypatch.setattr(_common, "GEMM_TMA", True)
+    seen = _spy_tma(monkeypatch)
+    dtype = torch.float16
+    M, K, N = 40, 104, 36  # several K steps with a ragged tail
+    x, w, b = _near_zero_inputs(M, K, N, dtype, device)
+    y = linear_act.linear_act_forward(x, w, b, "relu")
+    ones = torch.ones(M, N, dtype=dtype, device=device)
+    gh, _ = linear_act.linear_act_grad_h(x, w, b, ones, "relu")
+    assert seen == [("_gemm_act_kernel", True), ("_gemm_act_grad_kernel", True)]
+    assert 0.2 < (y > 0).float().mean() < 0.8
+    mask = gh != 0
+    nz = y != 0
+    assert torch.equal(mask[nz], (y > 0)[nz])
+    h_fwd = _common.gemm_act(x, w.t(), b, "none")
+    assert torch.equal(mask, ~torch.signbit(h_fwd) & ((h_fwd != 0) | mask))
