@@ -51,6 +51,7 @@ tensors, run the reference implementation (fusedrc.reference), which is correct.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -163,15 +164,21 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
 
 
+def _roofline(x, weight, M: int, precision: str):
+    """(the conv's flops in byte-time units (flops / ridge), bytes of x + weights, bytes of z)
+    for M output pixels: the terms of the two cost models below."""
+    C_out, C_in, KH, KW = weight.shape
+    elt = x.element_size()
+    compute = 2.0 * M * C_out * C_in * KH * KW / _RIDGE[operand_class(x.dtype, precision)]
+    return compute, (x.numel() + weight.numel()) * elt, M * C_out * elt
+
+
 def _rerun_beats_buffer(x, weight, M: int, precision: str) -> bool:
     """Whether running the conv once more costs less than a transient z buffer (one write and
     one read of the conv output): the rerun costs its flops or, when memory-bound, reading x and
     the weights, whichever bounds it. M = output pixels. A roofline estimate, not a measurement."""
-    C_out, C_in, KH, KW = weight.shape
-    elt = x.element_size()
-    flops = 2.0 * M * C_out * C_in * KH * KW
-    rerun = max(flops / _RIDGE[operand_class(x.dtype, precision)], (x.numel() + weight.numel()) * elt)
-    return rerun < 2.0 * M * C_out * elt
+    compute, operands, z = _roofline(x, weight, M, precision)
+    return max(compute, operands) < 2.0 * z
 
 
 def _strategy(flag, x, weight, M: int, precision: str) -> bool:
@@ -182,10 +189,8 @@ def _aten_conv_pays(x, weight, M: int, precision: str) -> bool:
     """Whether z is better computed by aten.convolution (cuDNN) into a buffer: where the conv is
     compute-bound, the GEMM engine's speed dominates the extra z traffic. A roofline guess (an
     H100 profile at 32x64x56x56, 3x3: cuDNN's conv took 51 us where the Triton pass took 90 us)."""
-    C_out, C_in, KH, KW = weight.shape
-    elt = x.element_size()
-    flops = 2.0 * M * C_out * C_in * KH * KW
-    return flops / _RIDGE[operand_class(x.dtype, precision)] > (x.numel() + weight.numel() + M * C_out) * elt
+    compute, operands, z = _roofline(x, weight, M, precision)
+    return compute > operands + z
 
 
 def _z_from_aten(x, weight, M: int, precision: str) -> bool:
@@ -691,13 +696,15 @@ def conv_bn_act_forward(
     M = N * OH * OW
     fmt = _memory_format(x)
     y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
-    wt = weight.permute(2, 3, 1, 0).contiguous()  # (KH, KW, C_in, C_out): coalesced B tiles
     precision = dot_precision(x)
     cap = device_capability(x)
     cfg = conv_config(C_out, C_in, x.dtype, precision, cap)
+    aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     res = residual
     dummy = x  # unused pointers: an input, never an output (see kernels/_common.py)
+    # (KH, KW, C_in, C_out): coalesced B tiles; not needed when every pass reads z
+    wt = dummy if aten_z else weight.permute(2, 3, 1, 0).contiguous()
 
     def launch(cfg, *, from_z, z, stats, store_z, apply, mean, rstd, pmean, pm2):
         grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)
@@ -719,7 +726,6 @@ def conv_bn_act_forward(
         )
 
     with _device_guard(x):
-        aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
         z = _aten_z(x, weight, bias, stride, padding, dilation, y) if aten_z else None
         if training:
             # with z from aten, the stats pass is elementwise: its tile only sets the partials' rows
@@ -825,10 +831,11 @@ def conv_bn_act_backward(
     M = N * OH * OW
     fmt = _memory_format(x)
     dev = x.device
-    wt = weight.permute(2, 3, 1, 0).contiguous()
     precision = dot_precision(x)
     cap = device_capability(x)
     cfg = conv_config(C_out, C_in, x.dtype, precision, cap)  # the forward's entry
+    aten_z, _, twice = conv_plan(x, weight, M, precision)
+    wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
     dz = torch.empty((N, C_out, OH, OW), device=dev, dtype=x.dtype, memory_format=fmt)
@@ -866,7 +873,6 @@ def conv_bn_act_backward(
                 red(pdb) if pdb is not None else None)
 
     with _device_guard(x):
-        aten_z, _, twice = conv_plan(x, weight, M, precision)
         z = _aten_z(x, weight, bias, stride, padding, dilation, dz) if aten_z else None
         # passes that read z are elementwise and take the elementwise tile
         z_cfg = _elem_config(cap) if aten_z else cfg
@@ -1011,22 +1017,13 @@ def inspect_specs():
     "emit_dz" and "eval", dX, dW) at each entry, the elementwise forward pass at ``_ELEM_CONFIG``
     and the statistics finalize kernel as ``_finalize_stats`` launches it. Entries
     that compile to the same code share one spec (their labels joined)."""
-    gemm_kernels = (
-        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "stats", _inspect_fwd),
-        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "apply", _inspect_fwd),
-        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "reduce", _inspect_bwd),
-        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "emit_dz", _inspect_bwd),
-        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "eval", _inspect_bwd),
-        (_conv_dx_kernel, "_conv_dx_kernel", "", _inspect_dx),
-        (_conv_dw_kernel, "_conv_dw_kernel", "", _inspect_dw),
-    )
-    elem_kernels = (
-        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "from_z", _inspect_fwd),
-        (_conv_bn_fwd_kernel, "_conv_bn_fwd_kernel", "z_stats", _inspect_fwd),
-        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "z_reduce", _inspect_bwd),
-        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "z_emit_dz", _inspect_bwd),
-        (_conv_bn_bwd_kernel, "_conv_bn_bwd_kernel", "z_eval", _inspect_bwd),
-    )
+    # (kernel, spec builder, launch modes): the implicit-GEMM passes at each table entry, and the
+    # passes over a z buffer (the buffered forward and backward, CONV_Z="aten") at _ELEM_CONFIG
+    gemm_kernels = ((_conv_bn_fwd_kernel, _inspect_fwd, ("stats", "apply")),
+                    (_conv_bn_bwd_kernel, _inspect_bwd, ("reduce", "emit_dz", "eval")),
+                    (_conv_dx_kernel, _inspect_dx, ("",)), (_conv_dw_kernel, _inspect_dw, ("",)))
+    elem_kernels = ((_conv_bn_fwd_kernel, _inspect_fwd, ("from_z", "z_stats")),
+                    (_conv_bn_bwd_kernel, _inspect_bwd, ("z_reduce", "z_emit_dz", "z_eval")))
     specs, by_key = [], {}
 
     def add(key, label, make):
@@ -1038,6 +1035,21 @@ def inspect_specs():
         spec["source"] = label
         specs.append(spec)
 
+    def make(fn, build, mode, dtype, precision, cfg, arch, gemm):
+        sig, constexprs, aligned = build(dtype, mode)
+        constexprs.update(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                          GROUP_M=cfg.GROUP_M, PRECISION=precision, UPCAST=False)
+        if gemm:
+            config = _inspect_config(cfg, mode, dtype, precision)
+            if not mode:
+                del config["mode"]
+        else:  # no dot: BLOCK_K and the precision do not matter
+            config = {"mode": mode, "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N,
+                      "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        return {"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype, "config": config,
+                "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages, "gemm": gemm, "aligned": aligned}
+
     for (family, opclass, bucket), cfg in _TABLE.items():
         arch = _INSPECT_ARCH.get(family)
         if arch is None:
@@ -1048,33 +1060,15 @@ def inspect_specs():
         else:
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
         for dtype, precision in variants:
-            for fn, name, mode, build in gemm_kernels:
-                def make(fn=fn, name=name, mode=mode, build=build, dtype=dtype, precision=precision, cfg=cfg):
-                    sig, constexprs, aligned = build(dtype, mode)
-                    constexprs.update(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                                      GROUP_M=cfg.GROUP_M, PRECISION=precision, UPCAST=False)
-                    config = _inspect_config(cfg, mode, dtype, precision)
-                    if not mode:
-                        del config["mode"]
-                    return {"fn": fn, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
-                            "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
-                            "num_stages": cfg.num_stages, "gemm": True, "aligned": aligned}
-                add((name, mode, arch, dtype, precision, cfg), label, make)
-            # the passes over a z buffer (the buffered forward and backward, CONV_Z="aten"): no dot,
-            # so the precision does not matter; one compile per (arch, dtype, mode)
-            ecfg = _ELEM_CONFIG
-            for fn, name, mode, build in elem_kernels:
-                def make_elem(fn=fn, name=name, mode=mode, build=build, dtype=dtype, precision=precision):
-                    sig, constexprs, aligned = build(dtype, mode)
-                    constexprs.update(BLOCK_M=ecfg.BLOCK_M, BLOCK_N=ecfg.BLOCK_N, BLOCK_K=ecfg.BLOCK_K,
-                                      GROUP_M=ecfg.GROUP_M, PRECISION=precision, UPCAST=False)
-                    config = {"mode": mode, "BLOCK_M": ecfg.BLOCK_M, "BLOCK_N": ecfg.BLOCK_N,
-                              "GROUP_M": ecfg.GROUP_M, "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages}
-                    return {"fn": fn, "kernel": name, "arch": arch, "dtype": dtype,
-                            "config": config, "signature": sig, "constexprs": constexprs,
-                            "num_warps": ecfg.num_warps, "num_stages": ecfg.num_stages, "gemm": False,
-                            "aligned": aligned}
-                add((name, mode, arch, dtype), f"{family}/elem", make_elem)
+            for fn, build, modes in gemm_kernels:
+                for mode in modes:
+                    add((fn.__name__, mode, arch, dtype, precision, cfg), label,
+                        functools.partial(make, fn, build, mode, dtype, precision, cfg, arch, True))
+            # one compile per (arch, dtype, mode): the first entry's precision stands for all
+            for fn, build, modes in elem_kernels:
+                for mode in modes:
+                    add((fn.__name__, mode, arch, dtype), f"{family}/elem",
+                        functools.partial(make, fn, build, mode, dtype, precision, _ELEM_CONFIG, arch, False))
         # statistics finalize (fp32 partials whatever the dtype): TILE_M is the BLOCK_M of the
         # pass that wrote the partials (the entry's, or the elementwise one's with z from aten)
         for tile_m in sorted({cfg.BLOCK_M, _ELEM_CONFIG.BLOCK_M}):
