@@ -38,19 +38,23 @@ from gpu_conv_tradeoff import conv_layer  # benchmarks/ is on the path when a sc
 # (M, K, N) of issue 3's GEMMs: Linear+ReLU 8192x4096->16384, the FFN at d=4096/h=16384 on
 # 8192 tokens (its two GEMMs) and at d=1024/h=4096 on 16384 tokens
 DENSE_SHAPES = [(8192, 4096, 16384), (8192, 16384, 4096), (16384, 1024, 4096), (16384, 4096, 1024)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); shared memory per stage is
-# (BM + BN) * BK * 2 bytes: 128x256x64 is 48 KiB, so 4 stages fit sm_90's 227 KiB
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, EPILOGUE_SPLIT]); shared memory
+# per stage is (BM + BN) * BK * 2 bytes: 128x256x64 is 48 KiB, so 4 stages fit sm_90's 227 KiB
 DENSE_CANDIDATES = [
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 4, 5),
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3), (256, 128, 64, 8, 8, 4),
     (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 2), (128, 256, 32, 8, 8, 5),
     # no spills on sm_90 in the --static report (128x256 / 256x128 spill ~1 KiB in the grad kernel)
     (128, 128, 64, 8, 8, 5), (128, 128, 64, 16, 8, 4), (128, 128, 128, 8, 8, 3), (128, 64, 64, 8, 4, 5),
+    # the grad kernel's epilogue in quarters: 128x128 on 8 warps in 128 registers (2 CTAs per SM
+    # where shared memory allows: 3 stages), 128x256 / 256x128 down to ~40 bytes of spill
+    (128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 128, 64, 8, 8, 5, 4), (128, 128, 128, 8, 8, 3, 4),
+    (128, 256, 64, 8, 8, 3, 4), (256, 128, 64, 8, 8, 3, 4), (128, 64, 64, 8, 4, 4, 4),
 ]
-# also timed with TMA loads (kernels/_common.py GEMM_TMA): the table's entry and the large tiles
+# also timed with TMA loads (kernels/_common.py GEMM_TMA): the table's entries and the large tiles
 # the pointer loads cannot hold without spilling
-TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4),
-                  (256, 128, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
+TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 256, 64, 8, 8, 3, 4),
+                  (128, 256, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3, 4), (128, 128, 128, 8, 8, 3, 4)]
 # (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
 CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
                (256, 64, 1, 1, 56), (1024, 256, 1, 1, 14)]
@@ -84,14 +88,14 @@ def sweep_dense(dtype, records):
         records.append(dict(base, impl="cublas_addmm_relu", times_s=_time(lambda: torch.relu(torch.addmm(b, a, bt)))))
         records.append(dict(base, impl="cublas_mm", times_s=_time(lambda: torch.mm(a, bt))))
         table = _common.gemm_config(M, N, K, dtype, "ieee", torch.cuda.get_device_capability())
-        runs = [(c, False) for c in [tuple(table)] + [c for c in DENSE_CANDIDATES if c != tuple(table)]]
-        runs += [(c, True) for c in TMA_CANDIDATES]
+        cands = [_common.GemmConfig(*c) for c in DENSE_CANDIDATES]
+        runs = [(c, False) for c in [table] + [c for c in cands if c != table]]
+        runs += [(_common.GemmConfig(*c), True) for c in TMA_CANDIDATES]
         saved_tma = _common.GEMM_TMA
-        for cand, tma in runs:
-            cfg = _common.GemmConfig(*cand)
+        for cfg, tma in runs:
             _common.GEMM_TMA = tma
-            rec = dict(base, config=list(cand), loads="tma" if tma else "pointer",
-                       in_table=cand == tuple(table) and tma == bool(saved_tma))
+            rec = dict(base, config=list(cfg), loads="tma" if tma else "pointer",
+                       in_table=cfg == table and tma == bool(saved_tma))
             try:
                 assert _common._use_tma(a, bt) is tma
                 y = _common.gemm_act(a, bt, b, "relu", config=cfg)
@@ -151,8 +155,9 @@ def _static_specs(dtype):
     table = _common._TABLE
     try:
         for cand in DENSE_CANDIDATES:
-            _common._TABLE = {("sm90", "16bit", "candidate"): _common.GemmConfig(*cand)}
-            specs += [dict(sp, kind="dense", candidate=list(cand)) for sp in _common.inspect_specs()
+            cfg = _common.GemmConfig(*cand)
+            _common._TABLE = {("sm90", "16bit", "candidate"): cfg}
+            specs += [dict(sp, kind="dense", candidate=list(cfg)) for sp in _common.inspect_specs()
                       if sp["dtype"] == dtype]
     finally:
         _common._TABLE = table
@@ -229,10 +234,14 @@ def main():
     ap.add_argument("--static", action="store_true", help="no GPU: compile the candidates for sm_90 and report")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compiles with --static")
     args = ap.parse_args()
+    from fusedrc.kernels import _common
+    from fusedrc.kernels import conv_bn_act as ck
+
     if args.static:
         results = static_report(getattr(torch, args.dtype), args.jobs)
         name = measure.write_results(args.out, "tile_static_sm90", "tile_static", torch.device("cpu"),
-                                     arch="sm_90", dtype=args.dtype, results=results)
+                                     arch="sm_90", dtype=args.dtype, results=results,
+                                     dense_config_fields=list(_common.GemmConfig._fields))
         print("wrote", name)
         return
     if not torch.cuda.is_available():
@@ -246,7 +255,7 @@ def main():
         sweep_conv(dtype, args.batch, records)
     name = measure.write_results(
         args.out, "tile_sweep_cuda", "tile_sweep", torch.device("cuda"), dtype=args.dtype,
-        config_fields=["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"],
+        dense_config_fields=list(_common.GemmConfig._fields), conv_config_fields=list(ck.ConvConfig._fields),
         dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
         records=records)
     print("wrote", name)

@@ -447,7 +447,7 @@ def inspect_kernels(arch: str = "all", kernel: str | None = None, jobs: int | No
 
 def _config_text(cfg: dict) -> str:
     short = {"BLOCK_M": "BM", "BLOCK_N": "BN", "BLOCK_K": "BK", "GROUP_M": "GM", "num_warps": "w",
-             "num_stages": "s", "input_precision": ""}
+             "num_stages": "s", "input_precision": "", "EPILOGUE_SPLIT": "split"}
     parts = []
     for k, v in cfg.items():
         label = short.get(k, k)

@@ -24,7 +24,8 @@ memory accelerator through host-side tensor descriptors (``TMA=True``): A and B^
 (both K-contiguous: x and a Linear weight) are copied tile by tile into shared memory
 by the TMA unit, without the pointer tensors and address math of the pointer path
 (sm_90, bf16, 128x256, ReLU forward: 165 registers instead of 186). It does not make
-128x256 fit the grad kernel: its epilogue holds the registers (both paths spill there).
+128x256 fit the grad kernel: its epilogue holds the registers (both paths spill there, ~1 KiB
+unsplit, 16-40 bytes with the epilogue in quarters, ``EPILOGUE_SPLIT``).
 Whether the bulk copies are faster is for the GPU sweep (benchmarks/gpu_tile_sweep.py).
 The choice is a pure function of the operands (``_use_tma``), so a forward and its
 recompute take the same path.
@@ -62,6 +63,12 @@ class GemmConfig(NamedTuple):
     GROUP_M: int
     num_warps: int
     num_stages: int
+    # The grad kernel's epilogue works on 1, 2 or 4 column slices of the tile, one after the
+    # other: each slice's incoming gradient, activation temporaries and stores are live alone.
+    # sm_90, bf16, 128x128 on 8 warps, gelu: 255 registers unsplit, 174 in halves, 128 in
+    # quarters (2 CTAs per SM instead of 1, so one CTA's epilogue overlaps another's main loop).
+    # Values only, never the recomputed h: any split gives the same bits.
+    EPILOGUE_SPLIT: int = 1
 
 
 # Keyed by (architecture family, operand class, shape bucket). Operand classes:
@@ -71,31 +78,35 @@ class GemmConfig(NamedTuple):
 # (sm90/sm100: 227 KiB, sm80: 163 KiB, "small_smem" (sm75/86/89/120): ~99 KiB).
 # These are starting points chosen by those budgets and the sm_90 HGMMA rules
 # (BLOCK_M >= 64, num_warps a multiple of 4); retune offline on the GPU and
-# commit the table. Never autotuned at run time: the forward and the backward
-# recompute must read the same entry.
+# commit the table. The 7th field (EPILOGUE_SPLIT, default 1) is the split that
+# minimised the grad kernel's registers in `python -m fusedrc.inspect` (gelu,
+# bf16 / fp32; sm_90 16-bit 128x128: 255 -> 128, tf32 128x64: 169 -> 100, sm_80 tf32
+# 128x128: 255 -> 176); the small_smem family is not compiled there and stays unsplit.
+# Never autotuned at run time: the forward and the backward recompute must read the
+# same entry.
 _TABLE = {
     # ---- Hopper / datacenter Blackwell
-    ("sm90", "16bit", "small"): GemmConfig(64, 64, 64, 8, 4, 4),
-    ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3),
-    ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 4),
-    ("sm90", "tf32", "small"): GemmConfig(64, 64, 32, 8, 4, 4),
+    ("sm90", "16bit", "small"): GemmConfig(64, 64, 64, 8, 4, 4, 4),
+    ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
+    ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 4, 4),
+    ("sm90", "tf32", "small"): GemmConfig(64, 64, 32, 8, 4, 4, 4),
     # tf32 128x128 (8 warps): the grad kernel's epilogue spills (255 registers); 128x64 does not
-    ("sm90", "tf32", "medium"): GemmConfig(128, 64, 32, 8, 8, 3),
-    ("sm90", "tf32", "large"): GemmConfig(128, 64, 32, 8, 8, 4),
+    ("sm90", "tf32", "medium"): GemmConfig(128, 64, 32, 8, 8, 3, 2),
+    ("sm90", "tf32", "large"): GemmConfig(128, 64, 32, 8, 8, 4, 2),
     ("sm90", "fp32", "small"): GemmConfig(32, 64, 32, 8, 4, 3),
     ("sm90", "fp32", "medium"): GemmConfig(64, 64, 32, 8, 4, 3),
-    ("sm90", "fp32", "large"): GemmConfig(128, 64, 32, 8, 8, 3),
+    ("sm90", "fp32", "large"): GemmConfig(128, 64, 32, 8, 8, 3, 2),
     # ---- Ampere A100
     ("sm80", "16bit", "small"): GemmConfig(32, 64, 64, 8, 4, 4),
     # 128x64 on 4 warps, 128x128 on 8 warps: the grad kernel spills; 128x64 on 8 warps: ~126 registers
-    ("sm80", "16bit", "medium"): GemmConfig(128, 64, 64, 8, 8, 3),
-    ("sm80", "16bit", "large"): GemmConfig(128, 64, 64, 8, 8, 4),
+    ("sm80", "16bit", "medium"): GemmConfig(128, 64, 64, 8, 8, 3, 4),
+    ("sm80", "16bit", "large"): GemmConfig(128, 64, 64, 8, 8, 4, 4),
     ("sm80", "tf32", "small"): GemmConfig(32, 64, 32, 8, 4, 4),
-    ("sm80", "tf32", "medium"): GemmConfig(64, 128, 32, 8, 4, 3),
-    ("sm80", "tf32", "large"): GemmConfig(128, 128, 32, 8, 8, 3),
+    ("sm80", "tf32", "medium"): GemmConfig(64, 128, 32, 8, 4, 3, 4),
+    ("sm80", "tf32", "large"): GemmConfig(128, 128, 32, 8, 8, 3, 4),
     ("sm80", "fp32", "small"): GemmConfig(32, 64, 32, 8, 4, 3),
     ("sm80", "fp32", "medium"): GemmConfig(64, 64, 32, 8, 4, 3),
-    ("sm80", "fp32", "large"): GemmConfig(128, 64, 32, 8, 8, 3),
+    ("sm80", "fp32", "large"): GemmConfig(128, 64, 32, 8, 8, 3, 2),
     # ---- consumer parts, ~99 KiB of shared memory
     ("small_smem", "16bit", "small"): GemmConfig(32, 64, 64, 8, 4, 3),
     ("small_smem", "16bit", "medium"): GemmConfig(64, 128, 32, 8, 4, 3),
@@ -109,8 +120,9 @@ _TABLE = {
 }
 
 # Triton's interpreter (CPU tensors, no GPU): small tiles, so that the small
-# test shapes still cover several tiles in M and N, a K loop and ragged edges.
-_INTERPRETER_CONFIG = GemmConfig(32, 32, 32, 2, 4, 1)
+# test shapes still cover several tiles in M and N, a K loop and ragged edges, and the
+# grad kernel's split epilogue.
+_INTERPRETER_CONFIG = GemmConfig(32, 32, 32, 2, 4, 1, 2)
 
 
 def _arch_family(capability) -> str:
@@ -335,6 +347,33 @@ def _gemm_act_kernel(
 
 
 @triton.jit
+def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
+                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = c0 + tl.arange(0, WIDTH)
+    mask_n = offs_n < N - col0
+    mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    if STORE_ACT:
+        tl.store(act_ptr + base + offs, _act_fwd(h, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+    gh = _act_grad(h, g, ACTIVATION)
+    tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
+        col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
+        tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
+
+
+@triton.jit
+def _column_halves(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """(x[:, :WIDTH // 2], x[:, WIDTH // 2:]) of a (ROWS, WIDTH) tile."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
 def _gemm_act_grad_kernel(
     a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr,
     M, N, K,
@@ -342,6 +381,7 @@ def _gemm_act_grad_kernel(
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # recompute the pre-activation exactly as _gemm_act_kernel does
@@ -351,21 +391,32 @@ def _gemm_act_grad_kernel(
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N - col0
-    mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
     base = row0.to(tl.int64) * N + col0
-    offs = offs_m[:, None] * N + offs_n[None, :]
-    if STORE_ACT:
-        tl.store(act_ptr + base + offs, _act_fwd(acc, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
-    g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-    gh = _act_grad(acc, g, ACTIVATION)
-    tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
-    if HAS_BIAS:
-        # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
-        col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
-        tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
+    if EPILOGUE_SPLIT == 1:
+        _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, BLOCK_N)
+    elif EPILOGUE_SPLIT == 2:
+        HALF: tl.constexpr = BLOCK_N // 2
+        h0, h1 = _column_halves(acc, BLOCK_M, BLOCK_N)
+        _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, HALF)
+        _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, HALF,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, HALF)
+    else:
+        tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
+        HALF: tl.constexpr = BLOCK_N // 2
+        QUARTER: tl.constexpr = BLOCK_N // 4
+        h0, h1 = _column_halves(acc, BLOCK_M, BLOCK_N)
+        h00, h01 = _column_halves(h0, BLOCK_M, HALF)
+        _grad_epilogue(h00, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
+        _grad_epilogue(h01, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, QUARTER,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
+        h10, h11 = _column_halves(h1, BLOCK_M, HALF)
+        _grad_epilogue(h10, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, HALF,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
+        _grad_epilogue(h11, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, HALF + QUARTER,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -552,7 +603,7 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
             HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
     dbias = part.sum(0).to(bias.dtype) if bias is not None else None
@@ -632,6 +683,7 @@ def inspect_specs():
                 aligned = [n for n in aligned if n not in ("a_ptr", "b_ptr")]
             if kernel is _gemm_act_grad_kernel:
                 constexprs["STORE_ACT"] = True
+                constexprs["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
             constexprs.update({
                 "ACTIVATION": "gelu",
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
@@ -642,6 +694,8 @@ def inspect_specs():
                 sig[c] = "constexpr"
             config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            if kernel is _gemm_act_grad_kernel:
+                config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
             if dtype == torch.float32:
                 config["input_precision"] = precision
             if tma:

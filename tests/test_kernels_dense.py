@@ -256,6 +256,7 @@ def test_tile_table_rules():
         assert c.num_warps in (4, 8) and c.GROUP_M >= 1
         if family == "sm90" and cls != "fp32":  # HGMMA
             assert c.BLOCK_M >= 64 and c.num_warps % 4 == 0
+        assert c.EPILOGUE_SPLIT in (1, 2, 4) and c.BLOCK_N // c.EPILOGUE_SPLIT >= 16, (family, cls, bucket)
     for family in smem:
         for cls in ("16bit", "tf32", "fp32"):
             for bucket in ("small", "medium", "large"):
@@ -264,6 +265,27 @@ def test_tile_table_rules():
     a = _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
     assert a == _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
     assert _common.dot_precision(torch.empty(1)) == "ieee"  # CPU: never tf32
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_epilogue_split(act, device):
+    """The grad kernel's epilogue in 1, 2 or 4 column slices: the same g_h, act(h) and bias
+    gradient bit for bit (ragged M and N, so the last tile's slices are partly or wholly masked)."""
+    M, K, N = 70, 40, 90
+    x, w, b, g = _linear_inputs(M, K, N, torch.float32, device, True)
+    base = _common.gemm_config(M, N, K, torch.float32, "ieee", _common.device_capability(x))
+    base = base._replace(BLOCK_N=64)
+    outs = [_common.gemm_act_grad(x, w.t(), b, g, act, store_act=True, config=base._replace(EPILOGUE_SPLIT=s))
+            for s in (1, 2, 4)]
+    for other in outs[1:]:
+        for t, u in zip(outs[0], other):
+            assert torch.equal(t, u)
+    gh, a, db = outs[0]
+    h_ref = _d(x) @ _d(w).t() + _d(b)
+    gh_ref = R.activation_backward(_d(g), h_ref, act)
+    a_ref = R.activation_forward(h_ref, act)
+    assert _rel(gh, gh_ref) < 1e-5 and _rel(a, a_ref) < 1e-5
+    assert _rel(db, gh_ref.sum(0)) < 1e-5
 
 
 # --------------------------------------------------------------------------- TMA loads
