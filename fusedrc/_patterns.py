@@ -114,14 +114,23 @@ def conv_bn_relu_call(conv, bn, x, residual=None):
     from . import functional as F
     from ._state import in_recompute
 
+    counted = False
     if in_recompute():
         # a rerun inside an outer region: normalize as before, touch no buffer
         training = bn.training or (bn.running_mean is None and bn.running_var is None)
         factor, rm, rv = 0.0, (None if training else bn.running_mean), (None if training else bn.running_var)
     else:
+        counted = bn.training and bn.track_running_stats and bn.num_batches_tracked is not None
         training, factor, rm, rv = bn_call_args(bn)
-    return F.conv_bn_act(
-        x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
-        stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
-        bias=conv.bias, residual=residual, activation="relu",
-    )
+    try:
+        return F.conv_bn_act(
+            x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
+            stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
+            bias=conv.bias, residual=residual, activation="relu",
+        )
+    except (TypeError, ValueError):
+        # rejected arguments (checked before anything runs): the call did not happen
+        if counted:
+            with torch.no_grad():
+                bn.num_batches_tracked.sub_(1)
+        raise

@@ -47,8 +47,10 @@ A rule is a function ``rule(ctx, name, module)`` registered for a class name wit
 * ``ctx.skip(name, reason)`` reports a pattern left unfused.
 
 The usual way to rewrite a block is a :class:`Wrapper` subclass: ``Wrapper.wrap(m)``
-makes a module of the subclass that shares ``m``'s submodules, parameters, buffers
-and attributes, and ``self.plain(*args)`` runs the original class's forward. Its
+turns ``m`` itself into the subclass (its submodules, parameters, buffers, attributes
+and hooks stay; convert works on a deep copy unless ``inplace=True``), and
+``self.plain(*args)`` runs the original class's forward. Switches handed to
+``ctx.unit`` should be picklable objects, not closures, so converted models pickle. Its
 forward checks ``self.sites[key]`` (a :class:`Site`) and calls the fused op when the
 site is enabled and the call is one the op models (``_cbr`` below). Example for a
 block ``y = relu(bn(conv(x)))`` held as ``self.conv``/``self.bn``/``self.act``::
@@ -72,7 +74,10 @@ from __future__ import annotations
 import copy
 import fnmatch
 import inspect as _inspect
+import numbers
+import types
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +86,7 @@ from torch import nn
 from . import functional as F
 from ._patterns import _conv_padding, _has_hooks, _is_noop_dropout, activation_name, conv_bn_relu_call
 from ._saved import SavedBytes
-from .recompute import _is_marked, mark, unmark
+from .recompute import _MARK, _is_marked, mark, unmark
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
@@ -97,6 +102,7 @@ class _Frozen:
     def __enter__(self):
         self.buffers = [(b, b.clone()) for b in self.model.buffers()]
         self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         return self
 
     def __exit__(self, *exc):
@@ -104,6 +110,8 @@ class _Frozen:
             for b, saved in self.buffers:
                 b.copy_(saved)
         torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 def saved_bytes(model, example_inputs):
@@ -167,13 +175,15 @@ class Wrapper(nn.Module):
 
     @classmethod
     def wrap(cls, module):
-        """A module of this class sharing ``module``'s submodules, parameters, buffers and attributes."""
-        new = cls.__new__(cls)
-        state = {k: (copy.copy(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
-        new.__dict__.update(state)
-        new.__dict__["_fusedrc_original_class"] = type(module)
-        new.__dict__["sites"] = {}
-        return new
+        """``module`` itself, turned into this class: its submodules, parameters, buffers,
+        attributes and hooks stay as they are, and a user's references to it see the fused
+        module (``convert(inplace=True)`` rewrites the object it was given; without inplace,
+        convert works on a deep copy). ``self.plain`` runs the original class's forward."""
+        original = type(module)
+        module.__class__ = cls
+        module.__dict__["_fusedrc_original_class"] = original
+        module.__dict__["sites"] = {}
+        return module
 
     def plain(self, *args, **kwargs):
         """The original class's forward, on this module's (shared) submodules."""
@@ -317,25 +327,31 @@ class _FFNHead(nn.Linear):
     """Stands in for an FFN's first Linear (same parameters, same key) and runs the whole FFN.
 
     Used where the FFN is inlined in a larger forward (OPT): ``fc1`` computes
-    ``fc2(act(fc1(x)))`` fused, the activation becomes ``Identity`` and ``fc2``
-    an :class:`_FFNTail` that passes its input through.
+    ``fc2(act(fc1(x)))`` fused, the activation's slot becomes an :class:`_FFNAct` and
+    ``fc2`` an :class:`_FFNTail`, both passing their input through. When a hook sits on
+    any of the three (registered after convert), the head computes ``fc1`` alone and the
+    two others the activation and ``fc2``: each hook sees what it would see unconverted.
     """
 
     def __init__(self, fc1, act_mod, act_name, fc2):
         nn.Module.__init__(self)
         self.in_features, self.out_features = fc1.in_features, fc1.out_features
         self.weight, self.bias = fc1.weight, fc1.bias
-        self.__dict__["_fusedrc_ffn"] = (fc1, act_mod, act_name, fc2)
+        self.__dict__["_fusedrc_ffn"] = (fc1, act_mod, act_name, fc2, _FFNAct(act_mod, fc2))
         self.__dict__["site"] = Site()
         self.site.enabled = True
 
     def forward(self, x):
-        _, act_mod, act, tail = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
+        _, act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
+        if not _nohooks(self, act_slot, tail):
+            tail.__dict__["_fusedrc_split"] = True
+            return nn.functional.linear(x, self.weight, self.bias)
+        tail.__dict__.pop("_fusedrc_split", None)  # left by a call that raised half-way
 
         def plain(x):
             return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
 
-        if not (_nohooks(self) and _ffn_runtime_ok(self, None, None, tail, x)):
+        if not _ffn_runtime_ok(self, None, None, tail, x):
             return plain(x)
         return _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
                          plain, x)
@@ -344,8 +360,25 @@ class _FFNHead(nn.Linear):
         return "FusedFFN(fc1)"
 
 
+class _FFNAct(nn.Module):
+    """The activation's slot in a fused inlined FFN: its input is the FFN's output (passed
+    through), or ``fc1``'s output when the head ran split (then it applies the activation)."""
+
+    def __init__(self, act_mod, tail):
+        super().__init__()
+        self.__dict__["_fusedrc_act"] = (act_mod, tail)
+
+    def forward(self, x):
+        act_mod, tail = self.__dict__["_fusedrc_act"]
+        return act_mod(x) if "_fusedrc_split" in tail.__dict__ else x
+
+    def _get_name(self):
+        return "FusedFFN(activation, computed in fc1)"
+
+
 class _FFNTail(nn.Linear):
-    """Holds the FFN's second Linear (same parameters, same key); its input is already the FFN's output."""
+    """Holds the FFN's second Linear (same parameters, same key); its input is already the FFN's
+    output, or the activation's when the head ran split (then it applies the Linear)."""
 
     def __init__(self, fc2):
         nn.Module.__init__(self)
@@ -353,6 +386,8 @@ class _FFNTail(nn.Linear):
         self.weight, self.bias = fc2.weight, fc2.bias
 
     def forward(self, x):
+        if self.__dict__.pop("_fusedrc_split", False):
+            return nn.functional.linear(x, self.weight, self.bias)
         return x
 
     def _get_name(self):
@@ -360,21 +395,34 @@ class _FFNTail(nn.Linear):
 
 
 class _FusedSequential(nn.Sequential):
-    """An ``nn.Sequential`` (same children, same keys) whose pattern runs are fused."""
+    """An ``nn.Sequential`` (same children, same keys) whose pattern runs are fused.
+
+    A group runs fused only while its modules still sit where convert found them: after an
+    ``insert``, ``append`` or ``del`` the shifted ones run plainly; a slice is a plain
+    ``nn.Sequential`` of the same modules."""
+
+    groups = types.MappingProxyType({})  # a slice or a copy built by nn.Sequential: no groups
 
     @classmethod
     def wrap(cls, seq):
         new = Wrapper.wrap.__func__(cls, seq)
-        new.__dict__["groups"] = {}  # start index -> (end index exclusive, kind, site, activation)
+        # start index -> (end index exclusive, kind, site, activation, the modules)
+        new.__dict__["groups"] = {}
         return new
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
 
     def forward(self, x):
         mods = list(self._modules.values())
         i = 0
         while i < len(mods):
             g = self.groups.get(i)
-            if g is not None and g[2].enabled and _nohooks(*mods[i:g[0]]):
-                end, kind, site, act = g
+            if g is not None and g[2].enabled and len(mods) >= g[0] \
+                    and all(a is b for a, b in zip(mods[i:g[0]], g[4])) and _nohooks(*mods[i:g[0]]):
+                end, kind, site, act, _ = g
                 chain = mods[i:end]
                 if kind == "conv_bn_relu" and _runtime_cbr_ok(chain[0], chain[1], chain[2], x):
                     x, i = _cbr(site, chain[0], chain[1], chain[2], x), end
@@ -476,6 +524,7 @@ class _Unit:
 class _Block:
     name: str
     module: nn.Module
+    when: object = None  # (args, kwargs) -> bool: whether a call may be recomputed
     units: list = field(default_factory=list)
     saved: int = 0
     cost: int = 0
@@ -539,8 +588,8 @@ class _Context:
     def unit(self, name, kind, enable, disable, recompute_modules=()):
         self.units.append(_Unit(name, kind, enable, disable, tuple(recompute_modules)))
 
-    def block(self, name, module):
-        self.blocks.append(_Block(name, module))
+    def block(self, name, module, when=None):
+        self.blocks.append(_Block(name, module, when))
 
     def skip(self, name, reason):
         self.skipped.append((name, reason))
@@ -550,17 +599,26 @@ def _join(prefix, name):
     return f"{prefix}.{name}" if prefix else name
 
 
+class _Switch:
+    """``enable``/``disable`` of a unit: an object, not a closure, so that a converted model
+    pickles (``torch.save``) and ``copy.deepcopy`` rebinds the plan to the copy's modules."""
+
+    def __init__(self, target, **attrs):
+        self.target, self.attrs = target, attrs
+
+    def __call__(self):
+        for k, v in self.attrs.items():
+            setattr(self.target, k, v)
+
+
+def _site_switches(site):
+    return _Switch(site, enabled=True), _Switch(site, enabled=False)
+
+
 def _site_unit(ctx, wrapper, name, key, kind, recompute_modules):
     site = Site()
     wrapper.sites[key] = site
-
-    def enable():
-        site.enabled = True
-
-    def disable():
-        site.enabled = False
-
-    ctx.unit(name, kind, enable, disable, recompute_modules)
+    ctx.unit(name, kind, *_site_switches(site), recompute_modules)
     return site
 
 
@@ -605,7 +663,8 @@ def register_rule(*class_names):
 
 
 def _from_torchvision(m):
-    return type(m).__module__.startswith("torchvision.")
+    # the 2-D ResNet blocks only: torchvision.models.video has 3-D classes of the same names
+    return type(m).__module__ == "torchvision.models.resnet"
 
 
 @register_rule("BasicBlock")
@@ -675,9 +734,26 @@ def _between(src, first, second):
     return [ln for ln in lines[i + 1:j] if ln and not ln.startswith("#")]
 
 
+_KV_CACHE_WARNED = []
+
+
+def _no_kv_cache(args, kwargs):
+    """Whether a decoder layer's call may be recomputed: not when it is handed a KV cache, which
+    the call updates (a rerun would append the keys and values twice). Such calls run plainly."""
+    cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+    if cache is None and not kwargs.get("use_cache"):
+        return True
+    if not _KV_CACHE_WARNED:
+        _KV_CACHE_WARNED.append(True)
+        warnings.warn("fusedrc: a decoder layer marked for recompute was called with a KV cache "
+                      "(use_cache=True); such calls run without recompute. Train with use_cache=False "
+                      "(config.use_cache = False) to recompute the layers.", stacklevel=3)
+    return False
+
+
 @register_rule("OPTDecoderLayer")
 def _opt_layer(ctx, name, m):
-    ctx.block(name, m)
+    ctx.block(name, m, when=_no_kv_cache)
     unit = _join(name, "fc1")
     try:
         src = _inspect.getsource(type(m).forward)
@@ -713,14 +789,8 @@ def _opt_layer(ctx, name, m):
     # anything replacing registered parameters (load_state_dict(assign=True), FSDP2) reaches both
     tail = _FFNTail(fc2)
     head = _FFNHead(fc1, act_mod, act, tail)
-
-    def enable():
-        m.fc1, m.activation_fn, m.fc2 = head, nn.Identity(), tail
-
-    def disable():
-        m.fc1, m.activation_fn, m.fc2 = fc1, act_mod, fc2
-
-    ctx.unit(unit, "ffn", enable, disable, (fc1,))
+    ctx.unit(unit, "ffn", _Switch(m, fc1=head, activation_fn=head.__dict__["_fusedrc_ffn"][4], fc2=tail),
+             _Switch(m, fc1=fc1, activation_fn=act_mod, fc2=fc2), (fc1,))
     return m
 
 
@@ -778,16 +848,48 @@ def _sequential(ctx, name, seq):
     keys = list(seq._modules.keys())
     for start, end, kind, act, rec in groups:
         site = _site_unit(ctx, new, _join(name, keys[start]), keys[start], kind, rec)
-        new.groups[start] = (end, kind, site, act)
+        new.groups[start] = (end, kind, site, act, tuple(seq._modules.values())[start:end])
     return new
 
 
-def _fx_pass(ctx, model):
+class _FxForward:
+    """The instance ``forward`` of a model rewritten by the fx pass: the rewritten graph's code run
+    on the model itself, so its attributes, methods, hooks and live parameters and buffers are the
+    model's (``model.to(...)`` reaches them). An object, not a closure: the model pickles."""
+
+    def __init__(self, module, gm):
+        self.module, self.gm = module, gm
+
+    def __call__(self, *args, **kwargs):
+        return type(self.gm).forward(self.module, *args, **kwargs)
+
+
+def _fx_trace(ctx, model):
+    """The fx graph of ``model``, or None (reported) when it cannot be traced or its graph depends
+    on ``training`` (fx would freeze the mode it was traced in, e.g. ``F.dropout(training=self.training)``)."""
+    import torch.fx as fx
+
+    modes = [(m, m.training) for m in model.modules()]
     try:
-        import torch.fx as fx
         gm = fx.symbolic_trace(model)
+        model.train(not model.training)
+        other = fx.symbolic_trace(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure means: no fx rewrite
         ctx.skip("", f"torch.fx cannot trace {type(model).__name__} ({type(e).__name__}); no fx rewrite")
+        return None
+    finally:
+        for m, training in modes:
+            m.training = training
+    if gm.code != other.code:
+        ctx.skip("", f"{type(model).__name__}.forward reads the training mode (torch.fx would freeze it); "
+                     "no fx rewrite")
+        return None
+    return gm
+
+
+def _fx_pass(ctx, model):
+    gm = _fx_trace(ctx, model)
+    if gm is None:
         return model
     mods = dict(gm.named_modules())
 
@@ -860,15 +962,7 @@ def _fx_pass(ctx, model):
         chain[-1].replace_all_uses_with(new_node)
         for c in reversed(chain):
             gm.graph.erase_node(c)
-        site = fused.site
-
-        def enable(site=site):
-            site.enabled = True
-
-        def disable(site=site):
-            site.enabled = False
-
-        ctx.unit(node.target, kind, enable, disable, (m,))
+        ctx.unit(node.target, kind, *_site_switches(fused.site), (m,))
         found += 1
     if not found:
         return model
@@ -878,7 +972,11 @@ def _fx_pass(ctx, model):
         del ctx.units[len(ctx.units) - found:]
         ctx.skip("", "torch.fx rewrite would change the state_dict keys; not applied")
         return model
-    return gm
+    for name, sub in gm.named_children():
+        if isinstance(sub, _FxFused):  # parameter-free; reached as self.<name> by the graph's code
+            model.__dict__[name] = sub
+    model.__dict__["forward"] = _FxForward(model, gm)
+    return model
 
 
 def _rewrite(ctx, module, prefix=""):
@@ -895,7 +993,7 @@ def _rewrite(ctx, module, prefix=""):
     elif type(module) is nn.Sequential:
         module = _sequential(ctx, prefix, module)
     for key, child in list(module._modules.items()):
-        if child is None or isinstance(child, (_FFNHead, _FFNTail, _FxFused)):
+        if child is None or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused)):
             continue
         new = _rewrite(ctx, child, _join(prefix, key))
         if new is not child:
@@ -926,6 +1024,8 @@ def _lookup(model, name):
 def _set_block(block, on):
     if on and not _is_marked(block.module):
         mark(block.module)
+        if block.when is not None:
+            block.module.__dict__[_MARK]["when"] = block.when
     elif not on and _is_marked(block.module):
         unmark(block.module)
 
@@ -945,8 +1045,10 @@ def _validate_args(policy, memory_budget, example_inputs):
             f"(name, module) -> bool; got {policy!r}"
         )
     if memory_budget is not None:
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
             raise TypeError(f"memory_budget must be a float in (0, 1] or an int number of bytes, got {memory_budget!r}")
+        # numpy scalars and other number types: an integer is bytes, anything else a fraction
+        memory_budget = int(memory_budget) if isinstance(memory_budget, numbers.Integral) else float(memory_budget)
         if isinstance(memory_budget, float) and not 0 < memory_budget <= 1:
             raise ValueError(f"memory_budget as a fraction must be in (0, 1], got {memory_budget}")
         if isinstance(memory_budget, int) and memory_budget <= 0:
@@ -955,6 +1057,7 @@ def _validate_args(policy, memory_budget, example_inputs):
             raise ValueError("memory_budget needs example_inputs (a tuple of positional arguments for model)")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         raise TypeError(f"example_inputs must be a tuple of positional arguments, got {type(example_inputs).__name__}")
+    return memory_budget
 
 
 def _block_of(unit_name, blocks):
@@ -1061,7 +1164,7 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    _validate_args(policy, memory_budget, example_inputs)
+    memory_budget = _validate_args(policy, memory_budget, example_inputs)
     if not inplace:
         model = copy.deepcopy(model)
     ctx = _Context()
@@ -1074,6 +1177,12 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     blocks = list(ctx.blocks) if policy == "blocks" or memory_budget is not None and policy == "all" else []
     if memory_budget is not None and policy not in ("all", "blocks"):
         blocks = [b for b in ctx.blocks if _matches(policy, b.name, b.module)]
+    if isinstance(policy, (list, tuple)):
+        names = [u.name for u in ctx.units] + [b.name for b in ctx.blocks]
+        unmatched = [p for p in policy if not any(_matches([p], n, None) for n in names)]
+        if unmatched:
+            warnings.warn(f"fusedrc.convert: policy entries {unmatched} match no fusable unit or block "
+                          f"(units: {[u.name for u in ctx.units]})", stacklevel=2)
     plan = ConvertPlan(ctx.units, ctx.blocks, ctx.skipped)
     if not ctx.units and not ctx.blocks:
         warnings.warn(

@@ -6,12 +6,10 @@ state_dicts load both ways (``LinearReLU`` <-> ``nn.Linear``; ``FusedMLP`` holds
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from . import functional as F
 from ._patterns import _conv_padding, activation_name, conv_bn_relu_call
-from ._state import in_recompute
 from ._validate import check_activation, check_int, check_module, check_number, check_tensor, pair
 
 __all__ = ["LinearReLU", "FusedMLP", "ConvBNReLU"]
@@ -197,16 +195,7 @@ class ConvBNReLU(nn.Module):
                 f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
                 f"for {type(self).__name__}, got shape {tuple(x.shape)}"
             )
-        bn = self.bn
-        counts = bn.training and bn.track_running_stats and bn.num_batches_tracked is not None and not in_recompute()
-        try:
-            return conv_bn_relu_call(self.conv, bn, x, residual)
-        except (TypeError, ValueError):
-            # rejected arguments (checked before anything runs): the call did not happen
-            if counts:
-                with torch.no_grad():
-                    bn.num_batches_tracked.sub_(1)
-            raise
+        return conv_bn_relu_call(self.conv, self.bn, x, residual)
 
 
 def _check_conv(conv, name):

@@ -296,7 +296,8 @@ def _check_devices(block, flat):
         return
     (device,) = devices
     for i, v in enumerate(flat):
-        if isinstance(v, torch.Tensor) and v.device != device:
+        # a 0-dim CPU tensor is a scalar that torch ops take on any device
+        if isinstance(v, torch.Tensor) and v.device != device and not (v.dim() == 0 and v.device.type == "cpu"):
             raise ValueError(
                 f"recompute: input tensor #{i} of block's arguments is on {v.device}, but the block's "
                 f"parameters are on {device}; expected every input on {device}"
@@ -524,7 +525,8 @@ def mark(module, output_recompute=False):
                 f"cannot mark {type(module).__name__}: its submodule {name!r} is already marked; nested "
                 "recomputed modules are not allowed (as in MindSpore). Unmark the inner one first."
             )
-    options = {"output_recompute": bool(output_recompute)}
+    # an instance forward already there (fusedrc.convert's fx rewrite) is what gets recomputed
+    options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward")}
     module.__dict__[_MARK] = options
     module.__dict__["forward"] = _MarkedForward(module)
     return module
@@ -539,8 +541,12 @@ class _MarkedForward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        original = type(module).forward.__get__(module)
-        output_recompute = module.__dict__[_MARK]["output_recompute"]
+        options = module.__dict__[_MARK]
+        original = options.get("inner") or type(module).forward.__get__(module)
+        output_recompute = options["output_recompute"]
+        when = options.get("when")  # set by fusedrc.convert: calls a rerun would not repeat
+        if when is not None and not when(args, kwargs):
+            return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             # dynamo cannot trace the thread-local nesting bookkeeping below; a marked module
             # inside another is then a nested torch.utils.checkpoint region, which is correct
@@ -563,6 +569,9 @@ def unmark(module):
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if _is_marked(module):
-        del module.__dict__[_MARK]
-        del module.__dict__["forward"]
+        inner = module.__dict__.pop(_MARK).get("inner")
+        if inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = inner
     return module

@@ -385,3 +385,173 @@ def test_fx_functional_activations():
     assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("c", "conv_bn_relu"), ("l", "linear_act")]
     x = torch.randn(2, 3, 8, 8)
     _assert_same_step(model, conv, x, loss=torch.sum)
+
+
+# --------------------------------------------------------------------------- the converted object
+def test_inplace_rewrites_the_given_object():
+    """inplace=True converts the object handed in, the root included, and a hook handle taken
+    before still removes its hook."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    before = saved_bytes(seq, (x,))
+    assert fusedrc.convert(seq, inplace=True) is seq
+    assert seq.fusedrc_plan.fused == ["0"] and saved_bytes(seq, (x,)) < before
+    model = _resnet("resnet18").train()
+    calls = []
+    handle = model.layer1[0].register_forward_hook(lambda *a: calls.append(1))
+    block = model.layer1[0]
+    assert fusedrc.convert(model, inplace=True) is model
+    assert model.layer1[0] is block and "conv1" in model.fusedrc_plan.fused  # the stem too
+    handle.remove()
+    model(torch.randn(2, 3, 32, 32))
+    assert not calls and not block._forward_hooks
+
+
+def test_converted_model_pickles_and_copies(tmp_path):
+    """torch.save / torch.load round trip; a deep copy's plan switches the copy's units."""
+    torch.manual_seed(0)
+    model = _resnet("resnet18").train()
+    conv = fusedrc.convert(model)
+    path = tmp_path / "m.pt"
+    torch.save(conv, path)
+    back = torch.load(path, weights_only=False)
+    x = torch.randn(2, 3, 32, 32)
+    _assert_same_step(model, back, x, loss=torch.sum)
+    assert back.fusedrc_plan.fused == conv.fusedrc_plan.fused
+    twin = copy.deepcopy(conv)
+    twin.fusedrc_plan.units[0].disable()
+    assert not twin.sites["conv1"].enabled and conv.sites["conv1"].enabled
+
+
+def test_video_resnet_blocks_are_not_matched():
+    _resnet("resnet18")
+    from torchvision.models.video import r3d_18
+
+    model = r3d_18(num_classes=4)
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = fusedrc.convert(model)
+    assert not conv.fusedrc_plan.units
+
+
+def test_opt_hooks_after_convert_see_the_original_tensors():
+    """A hook registered on a fused FFN's fc1 / activation / fc2 after convert sees what it would see
+    unconverted (the FFN then runs split for that call), and a hook editing fc1's output counts."""
+    model = _opt().eval()
+    conv = fusedrc.convert(model)
+    ids = torch.randint(0, 128, (2, 8))
+
+    def run(m, edit=False):
+        seen, layer = {}, m.model.decoder.layers[0]
+        hooks = [layer.fc1.register_forward_hook(lambda mod, i, o: seen.__setitem__("fc1", o.clone())),
+                 layer.activation_fn.register_forward_hook(lambda mod, i, o: seen.__setitem__("act", o.clone())),
+                 layer.fc2.register_forward_pre_hook(lambda mod, i: seen.__setitem__("fc2_in", i[0].clone()))]
+        if edit:
+            hooks.append(layer.fc1.register_forward_hook(lambda mod, i, o: o * 0.5))
+        out = m(ids).logits
+        for h in hooks:
+            h.remove()
+        return out, seen
+
+    for edit in (False, True):
+        (ya, sa), (yb, sb) = run(model, edit), run(conv, edit)
+        assert rel_err(yb, ya) <= TOL
+        assert sa.keys() == sb.keys() == {"fc1", "act", "fc2_in"}
+        for k in sa:
+            assert sb[k].shape == sa[k].shape and rel_err(sb[k], sa[k]) <= TOL, k
+    # without hooks the fused path is back
+    assert rel_err(conv(ids).logits, model(ids).logits) <= TOL
+
+
+def test_opt_blocks_with_kv_cache_run_plainly():
+    """policy="blocks" with use_cache=True: a layer handed a KV cache is not recomputed (a rerun
+    would update the cache twice); loss, gradients and the returned cache match."""
+    model = _opt(use_cache=True)
+    conv = fusedrc.convert(model, policy="blocks")
+    ids = torch.randint(0, 128, (2, 8))
+    oa = model(ids, labels=ids)
+    with pytest.warns(UserWarning, match="KV cache"):
+        ob = conv(ids, labels=ids)
+    assert rel_err(ob.loss, oa.loss) <= TOL
+    oa.loss.backward()
+    ob.loss.backward()
+    _assert_close_models(model, conv)
+    assert ob.past_key_values.get_seq_length() == oa.past_key_values.get_seq_length() == 8
+
+
+def test_sequential_slices_and_edits_stay_correct():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 16), nn.ReLU())
+    conv = fusedrc.convert(seq)
+    x = torch.randn(4, 8)
+    assert type(conv[0:3]) is nn.Sequential and rel_err(conv[0:3](x), seq[0:3](x)) <= TOL
+    first = nn.Linear(8, 8)
+    seq.insert(0, first)
+    conv.insert(0, first)  # the groups' modules moved: they run plainly, correctly
+    assert rel_err(conv(x), seq(x)) <= TOL
+    del seq[0], conv[0]
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    seq(xa).sum().backward()
+    conv(xb).sum().backward()
+    _assert_close_models(seq, conv)
+
+
+class _TrainingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.p = 0.5
+
+    def forward(self, x):
+        x = nn.functional.dropout(x, self.p, training=self.training)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _MethodNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+    def describe(self):
+        return "method kept"
+
+
+def test_fx_keeps_the_model_and_its_modes():
+    """The fx rewrite keeps the model's class, methods, attributes and live buffers, and a forward
+    that reads self.training is left unrewritten (fx would freeze the mode)."""
+    torch.manual_seed(0)
+    model = _TrainingNet().train()
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = fusedrc.convert(model)
+    assert any("training mode" in r for _, r in conv.fusedrc_plan.skipped)
+    x = torch.randn(4, 8)
+    assert torch.equal(conv.eval()(x), model.eval()(x))
+    model = _MethodNet()
+    conv = fusedrc.convert(model)
+    assert type(conv) is _MethodNet and conv.describe() == "method kept"
+    assert conv.fusedrc_plan.fused == ["fc1"]
+    conv.scale.fill_(3.0)
+    model.scale.fill_(3.0)
+    conv.double()
+    model.double()
+    assert rel_err(conv(x.double()), model(x.double())) <= TOL
+    back = copy.deepcopy(conv)
+    assert back.fusedrc_plan.fused == ["fc1"] and rel_err(back(x.double()), model(x.double())) <= TOL
+
+
+def test_policy_entry_matching_nothing_warns_and_numpy_budget():
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    with pytest.warns(UserWarning, match=r"policy entries \['fc9'\] match no fusable unit"):
+        conv = fusedrc.convert(seq, policy=["0", "fc9"])
+    assert conv.fusedrc_plan.fused == ["0"]
+    x = torch.randn(16, 8)
+    conv = fusedrc.convert(seq, memory_budget=np.float32(0.5), example_inputs=(x,))
+    assert conv.fusedrc_plan.final_bytes <= 0.5 * conv.fusedrc_plan.baseline_bytes
+    conv = fusedrc.convert(seq, memory_budget=np.int64(10**9), example_inputs=(x,))
+    assert conv.fusedrc_plan.target_bytes == 10**9

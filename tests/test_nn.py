@@ -102,3 +102,16 @@ def test_conv_bn_relu_inside_a_recompute_region_updates_stats_once():
     assert int(m.bn.num_batches_tracked) == 2
     assert rel_err(m.bn.running_mean, plain.bn.running_mean) < 1e-6
     assert rel_err(m.bn.running_var, plain.bn.running_var) < 1e-6
+
+
+def test_rejected_conv_bn_relu_call_leaves_num_batches_tracked():
+    """A call rejected before anything runs (wrong channel count) does not count as a batch, for
+    the module and for a recomputed Conv-BN-ReLU Sequential alike."""
+    torch.manual_seed(0)
+    bad = torch.randn(2, 5, 8, 8)
+    m = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1).train()
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()).train()
+    for call, bn in ((lambda: m(bad), m.bn), (lambda: fusedrc.recompute(seq, bad), seq[1])):
+        with pytest.raises(ValueError):
+            call()
+        assert bn.num_batches_tracked.item() == 0

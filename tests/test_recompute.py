@@ -441,3 +441,22 @@ def test_marked_module_survives_deepcopy():
     ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
     ref.load_state_dict(c.state_dict())
     torch.testing.assert_close(y, ref(x))
+
+
+def test_cpu_scalar_tensor_beside_parameters_on_another_device():
+    """A 0-dim CPU tensor is a scalar torch ops take on any device: accepted, as by a plain call
+    and torch.utils.checkpoint (the meta device stands in for a GPU); a 1-element vector is not."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4, device="meta")
+
+        def forward(self, x, s):
+            return self.fc(x) * s
+
+    m = Scaled()
+    x = torch.randn(2, 4, device="meta", requires_grad=True)
+    assert fusedrc.recompute(m, x, torch.tensor(2.0)).device.type == "meta"
+    with pytest.raises(ValueError, match=r"input tensor #1 .* on cpu"):
+        fusedrc.recompute(m, x, torch.tensor([2.0]))
