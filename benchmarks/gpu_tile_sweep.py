@@ -61,6 +61,9 @@ CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (
 CONV_CANDIDATES = [
     (128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4),
     (64, 128, 64, 8, 4, 4), (256, 64, 64, 8, 8, 3), (128, 64, 32, 8, 4, 5), (64, 64, 64, 8, 4, 4),
+    # the backward's epilogue in halves / quarters (7th field): 128x64 in <= 128 registers, 128x128
+    # without spills
+    (128, 64, 64, 8, 8, 4, 4), (128, 64, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 3, 2),
 ]
 
 
@@ -123,10 +126,11 @@ def sweep_conv(dtype, batch, records):
             step(lambda: block(x))
             ref_dx = x.grad.clone()
             records.append(dict(base, impl="eager", times_s=_time(lambda: step(lambda: block(x)))))
-            for cand in [tuple(saved[keys[0]])] + [c for c in CONV_CANDIDATES if c != tuple(saved[keys[0]])]:
+            table = saved[keys[0]]
+            for cfg in [table] + [c for c in (k.ConvConfig(*c) for c in CONV_CANDIDATES) if c != table]:
                 for key in keys:
-                    k._TABLE[key] = k.ConvConfig(*cand)
-                rec = dict(base, config=list(cand), in_table=cand == tuple(saved[keys[0]]))
+                    k._TABLE[key] = cfg
+                rec = dict(base, config=list(cfg), in_table=cfg == table)
                 try:
                     with fusedrc.use_backend("triton"):
                         step(lambda: fusedrc.recompute(block, x))
@@ -164,8 +168,9 @@ def _static_specs(dtype):
     table = ck._TABLE
     try:
         for cand in CONV_CANDIDATES:
-            ck._TABLE = {("sm90", "16bit", "wide"): ck.ConvConfig(*cand)}
-            specs += [dict(sp, kind="conv", candidate=list(cand)) for sp in ck.inspect_specs()
+            cfg = ck.ConvConfig(*cand)
+            ck._TABLE = {("sm90", "16bit", "wide"): cfg}
+            specs += [dict(sp, kind="conv", candidate=list(cfg)) for sp in ck.inspect_specs()
                       if sp["dtype"] == dtype and sp["gemm"] and sp["config"].get("mode") in _STATIC_CONV_MODES]
     finally:
         ck._TABLE = table

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, reference
 from ._backend import resolve_backend
 from ._validate import check_activation, check_device, check_number, check_same, check_tensor, check_vector, pair
 
@@ -99,7 +99,7 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     _check_linear(x, weight, bias)
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
-    y = ops.pick("linear_act", x, backend)(x.reshape(-1, x.shape[-1]), weight, bias, activation, backend)
+    y = ops.pick("linear_act", x, backend)(x.reshape(lead.numel(), x.shape[-1]), weight, bias, activation, backend)
     return _unview(y, lead, weight.shape[0])
 
 
@@ -138,7 +138,7 @@ def fused_mlp(
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
-    y = ops.pick("fused_mlp", x, backend)(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, backend)
+    y = ops.pick("fused_mlp", x, backend)(x.reshape(lead.numel(), x.shape[-1]), w1, b1, w2, b2, activation, backend)
     return _unview(y, lead, w2.shape[0])
 
 
@@ -163,7 +163,9 @@ def conv_bn_act(
         training: normalize with the batch statistics (and update the running ones).
         momentum, eps: as in ``F.batch_norm`` (``eps`` must be positive with batch statistics).
         stride, padding, dilation: ints or pairs of ints, as in ``F.conv2d`` (zero padding).
-        residual: added after BatchNorm, before the activation; the conv output's shape.
+        residual: added after BatchNorm, before the activation; the conv output's shape. Under
+            autocast it is cast with the conv's operands and the output is in their dtype, as
+            torchvision's blocks get it (``out += identity`` in place keeps the half dtype).
         activation: as in :func:`linear_act`; ``"relu"`` by default.
 
     Example::
@@ -184,6 +186,8 @@ def conv_bn_act(
     )
     eps = check_number(eps, "eps", min_value=0)
     momentum = check_number(momentum, "momentum")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__} {training!r}")
     # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
     x, weight, bias, residual = _autocast(x, weight, bias, residual)
     if weight.shape[1] != x.shape[1]:
@@ -217,6 +221,12 @@ def conv_bn_act(
         check_same(x, "input", residual, "residual")
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
+    if x.shape[0] == 0:
+        # an empty batch: eager BatchNorm returns an empty output and leaves the statistics alone
+        y = torch.nn.functional.batch_norm(
+            torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation), running_mean, running_var,
+            bn_weight, bn_bias, training, momentum, eps)
+        return reference.activation_forward(y if residual is None else y + residual, activation)
     if use_batch_stats:
         oh, ow = expected[2:]
         if x.shape[0] * oh * ow == 1:  # F.batch_norm's own check, same message

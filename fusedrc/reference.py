@@ -105,10 +105,10 @@ def conv_bn_act_forward(
     if training:
         pre, mean, rstd = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)
     else:
-        pre = F.batch_norm(z, running_mean, running_var, bn_weight, bn_bias, False, 0.0, eps)
         acc = _acc_dtype(x)
         mean = running_mean.to(acc)
         rstd = torch.rsqrt(running_var.to(acc) + eps)
+        pre = _bn_eval(z, mean, rstd, bn_weight, bn_bias)
     del z
     if residual is not None:
         pre = pre + residual
@@ -131,9 +131,7 @@ def conv_bn_act_backward(
         # same kernel as the forward: the pre-activation, hence the mask, is bit-identical
         pre = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)[0]
     else:
-        # F.batch_norm wants the statistics in the affine parameters' dtype (bf16/fp16 BN params)
-        sdt = bn_weight.dtype if bn_weight is not None else (bn_bias.dtype if bn_bias is not None else mean.dtype)
-        pre = F.batch_norm(z, mean.to(sdt), (rstd.pow(-2) - eps).to(sdt), bn_weight, bn_bias, False, 0.0, eps)
+        pre = _bn_eval(z, mean, rstd, bn_weight, bn_bias)
     if residual is not None:
         pre = pre + residual
     acc = _acc_dtype(x)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
@@ -162,6 +160,19 @@ def conv_bn_act_backward(
     dbn_weight = dgamma.to(bn_weight.dtype) if bn_weight is not None else None
     dbn_bias = dbeta.to(bn_bias.dtype) if bn_bias is not None else None
     return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
+
+
+def _bn_eval(z, mean, rstd, bn_weight, bn_bias):
+    """Eval-mode BatchNorm from the saved (mean, rstd), one formula for the forward and the backward's
+    recompute: the pre-activation, hence the ReLU mask, is bit-identical (rebuilding the variance
+    from rstd for F.batch_norm would not be)."""
+    acc = mean.dtype
+    shape = (1, -1, 1, 1)
+    scale = rstd if bn_weight is None else rstd * bn_weight.to(acc)
+    pre = (z.to(acc) - mean.view(shape)) * scale.view(shape)
+    if bn_bias is not None:
+        pre = pre + bn_bias.to(acc).view(shape)
+    return pre.to(z.dtype)
 
 
 def _acc_dtype(x):

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _arch_family, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision, interpreting, launcher,
+    _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision, interpreting, launcher,
     operand_class,
 )
 
@@ -98,6 +98,9 @@ class ConvConfig(NamedTuple):
     GROUP_M: int
     num_warps: int
     num_stages: int
+    # The backward kernel's epilogue on 1 or 2 column halves of the tile, one after the other
+    # (as the dense grad kernel's, kernels/_common.py): fewer registers live at once.
+    EPILOGUE_SPLIT: int = 1
 
 
 # (arch family, operand class, width bucket) -> config. Operand classes: "16bit"
@@ -110,24 +113,27 @@ class ConvConfig(NamedTuple):
 _TABLE = {
     # Epilogue register pressure bounds the tile: the backward's epilogue (BN, ReLU mask,
     # residual, several 64-bit offset tensors) spills beyond ~32 accumulator elements per
-    # thread, so 128x128 on 8 warps (and 128x64 on 4 warps) spills on sm_90, where 16 warps
-    # cap registers at 128. Hence 128x64 on 8 warps (two warpgroups, HGMMA) for both widths.
-    ("sm90", "16bit", "narrow"): ConvConfig(128, 64, 64, 8, 8, 4),
-    ("sm90", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 4),
-    ("sm90", "tf32", "narrow"): ConvConfig(128, 64, 32, 8, 8, 3),
-    ("sm90", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 8, 3),
+    # thread, so 128x128 on 8 warps (and 128x64 on 4 warps) spills on sm_90 unsplit. Hence
+    # 128x64 on 8 warps (two warpgroups, HGMMA) for both widths. The 7th field splits the
+    # backward's epilogue (EPILOGUE_SPLIT; fusedrc.inspect, bf16, sm_90 128x64: reduce /
+    # emit_dz / eval 168 / 185 / 176 registers unsplit, 100 / 128 / 124 in quarters, so two
+    # CTAs fit an SM; 128x128 stops spilling from halves on). small_smem: not compiled there.
+    ("sm90", "16bit", "narrow"): ConvConfig(128, 64, 64, 8, 8, 4, 4),
+    ("sm90", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 4, 4),
+    ("sm90", "tf32", "narrow"): ConvConfig(128, 64, 32, 8, 8, 3, 4),
+    ("sm90", "tf32", "wide"): ConvConfig(128, 64, 32, 8, 8, 3, 4),
     # fp32 on FMA units: BLOCK_K 16 (operands live in registers; 32 spills)
-    ("sm90", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
-    ("sm90", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
+    ("sm90", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2, 2),
+    ("sm90", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2, 2),
     # sm_80: Triton 3.6 (the GPU image's) spills the backward kernel at 128x64 on 4 warps and
     # 128x128 on 8 (56-232 bytes), and the tf32 dX kernel at BLOCK_K 32 (8 bytes); 3.9 does not.
     # 128x64 on 8 warps and tf32 BLOCK_K 16 compile without spills under both.
-    ("sm80", "16bit", "narrow"): ConvConfig(128, 64, 32, 8, 8, 4),
-    ("sm80", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 3),
-    ("sm80", "tf32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 3),
-    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 16, 8, 8, 3),
-    ("sm80", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2),
-    ("sm80", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
+    ("sm80", "16bit", "narrow"): ConvConfig(128, 64, 32, 8, 8, 4, 4),
+    ("sm80", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 3, 4),
+    ("sm80", "tf32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 3, 4),
+    ("sm80", "tf32", "wide"): ConvConfig(128, 64, 16, 8, 8, 3, 4),
+    ("sm80", "fp32", "narrow"): ConvConfig(64, 64, 16, 8, 4, 2, 2),
+    ("sm80", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2, 2),
     ("small_smem", "16bit", "narrow"): ConvConfig(64, 64, 32, 8, 4, 3),
     ("small_smem", "16bit", "wide"): ConvConfig(128, 64, 32, 8, 4, 3),
     ("small_smem", "tf32", "narrow"): ConvConfig(64, 64, 32, 8, 4, 2),
@@ -139,7 +145,7 @@ _TABLE = {
 _ELEM_CONFIG = ConvConfig(64, 64, 16, 1, 4, 1)
 # Interpreter (CPU): tiny tiles so the tiny test shapes cover several tiles,
 # ragged edges and K loops.
-_INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1)
+_INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1, 2)  # the split epilogue; the elementwise one is not split
 _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
 
 
@@ -436,13 +442,15 @@ def _conv_bn_bwd_kernel(
     TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
     """Recompute z (or read it: FROM_Z), the pre-activation and the ReLU mask, then
 
     REDUCE:  per-tile partials of g and g*xhat per channel (pg, pgx: (tiles_m, C_OUT));
     EMIT_DZ: dz in x.dtype, and per-tile partials of dz (pdb) for the conv bias;
     STORE_DRES: dresidual = g; STORE_Z: the rounded z (buffered variant).
+    EPILOGUE_SPLIT 2 runs all that on the tile's two column halves one after the other
+    (fewer registers live at once; per-channel results, so the same bits).
     """
     pid_m, pid_n = _tile_ids(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
     row0 = pid_m * BLOCK_M
@@ -466,14 +474,70 @@ def _conv_bn_bwd_kernel(
         if STORE_Z:
             tl.store(z_ptr + o_offs, zq, mask=mask)
         zf = zq.to(tl.float32)
+    o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
+    r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
+    g_pix = _pix_offsets(offs_m, OH, OW, s_gn, s_gh, s_gw)
+    if EPILOGUE_SPLIT == 1:
+        _bwd_epilogue(zf, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
+                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
+                      HAS_W, HAS_B, BLOCK_N)
+    elif EPILOGUE_SPLIT == 2:
+        HALF: tl.constexpr = BLOCK_N // 2
+        z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
+        _bwd_epilogue(z0, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
+                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
+                      HAS_W, HAS_B, HALF)
+        _bwd_epilogue(z1, col0 + HALF, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
+                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
+                      HAS_W, HAS_B, HALF)
+    else:
+        tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
+        HALF: tl.constexpr = BLOCK_N // 2
+        Q: tl.constexpr = BLOCK_N // 4
+        z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
+        q0, q1 = _column_halves(z0, BLOCK_M, HALF)
+        _bwd_epilogue(q0, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
+                      s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
+                      sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
+                      HAS_RES, HAS_W, HAS_B, Q)
+        _bwd_epilogue(q1, col0 + Q, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
+                      s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
+                      sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
+                      HAS_RES, HAS_W, HAS_B, Q)
+        q2, q3 = _column_halves(z1, BLOCK_M, HALF)
+        _bwd_epilogue(q2, col0 + HALF, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc,
+                      s_rc, s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
+                      sg_ptr, sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES,
+                      HAS_BIAS, HAS_RES, HAS_W, HAS_B, Q)
+        _bwd_epilogue(q3, col0 + HALF + Q, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count,
+                      s_oc, s_rc, s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
+                      sg_ptr, sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES,
+                      HAS_BIAS, HAS_RES, HAS_W, HAS_B, Q)
+
+
+@triton.jit
+def _bwd_epilogue(
+    zf, c0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
+    g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+    pg_ptr, pgx_ptr, pdb_ptr,
+    REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr, TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """The backward kernel's epilogue on channels [c0, c0 + WIDTH) of its tile (zf holds them)."""
+    offs_n = c0 + tl.arange(0, WIDTH)
+    mask_n = offs_n < C_OUT
+    mask = mask_m[:, None] & mask_n[None, :]
+    o_offs = o_pix[:, None] + (offs_n * s_oc)[None, :]
     mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
-                                              HAS_W, HAS_B, BLOCK_N)
+                                              HAS_W, HAS_B, WIDTH)
     pre = _bn_pre(zf, mean, rstd, gamma, beta)
     if HAS_RES:
-        r_offs = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)[:, None] + (offs_n * s_rc)[None, :]
-        pre = pre + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
-    g_offs = _pix_offsets(offs_m, OH, OW, s_gn, s_gh, s_gw)[:, None] + (offs_n * s_gc)[None, :]
-    gout = tl.load(g_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+        pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask, other=0.0).to(tl.float32)
+    gout = tl.load(g_ptr + g_pix[:, None] + (offs_n * s_gc)[None, :], mask=mask, other=0.0).to(tl.float32)
     # threshold_backward(grad, pre, 0): pre <= 0 -> 0 (a NaN pre lets grad through, as in torch)
     g = tl.where(mask & (pre <= 0.0), 0.0, gout)
     g = tl.where(mask, g, 0.0)
@@ -865,7 +929,8 @@ def conv_bn_act_backward(
             STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
             HAS_W=gamma is not None, HAS_B=beta is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         # per-tile partials -> per-channel sums: fixed order, no atomics
         red = (lambda p: p.sum(0)) if T > 1 else (lambda p: p[0])
@@ -1046,6 +1111,8 @@ def inspect_specs():
         else:  # no dot: BLOCK_K and the precision do not matter
             config = {"mode": mode, "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N,
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if fn is _conv_bn_bwd_kernel:
+            constexprs["EPILOGUE_SPLIT"] = config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
         return {"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
                 "num_stages": cfg.num_stages, "gemm": gemm, "aligned": aligned}

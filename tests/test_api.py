@@ -290,3 +290,48 @@ def test_fallback_for_unfusable_blocks_is_correct():
     y2 = ffn(x)
     y2.sum().backward()
     assert torch.equal(y, y2) and torch.equal(g, x.grad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_empty_inputs_as_eager(backend):
+    """An empty batch through conv+BN+ReLU in training, and in_features 0 through the dense ops:
+    the shapes, values and (empty or zero) gradients eager PyTorch gives; statistics untouched."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+    x = torch.randn(0, 3, 8, 8, requires_grad=True)
+    with fusedrc.use_backend(backend):
+        y = fusedrc.functional.conv_bn_act(x, conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                           padding=1)
+        y.sum().backward()
+        assert y.shape == (0, 4, 8, 8) and x.grad.shape == x.shape
+        assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
+        fc1, fc2 = torch.nn.Linear(0, 5), torch.nn.Linear(5, 3)
+        x = torch.randn(4, 0, requires_grad=True)
+        y1 = fusedrc.functional.linear_act(x, fc1.weight, fc1.bias)
+        y2 = fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    assert torch.equal(y1, torch.relu(fc1.bias).expand(4, 5))
+    assert torch.allclose(y2, fc2(torch.relu(fc1.bias)).expand(4, 3))
+    (y1.sum() + y2.sum()).backward()
+    assert torch.allclose(fc1.bias.grad, torch.nn.functional.linear(torch.ones(4, 0), fc1.weight, fc1.bias)
+                          .gt(0).float().sum(0) * (1 + fc2.weight.sum(0)))
+
+
+def test_reference_eval_recompute_mask_matches_forward():
+    """Eval-mode BatchNorm on the reference path: the backward's recomputed pre-activation is the
+    forward's bit for bit, so the ReLU mask of the gradient is the output's."""
+    torch.manual_seed(0)
+    c, eps = 64, 1e-5
+    rv, rm = torch.rand(c) * 3 + 0.1, torch.randn(c)
+    gamma = (torch.rand(c) + 0.5).requires_grad_()
+    # a zero input: every pre-activation is beta - mean * gamma * rstd, within ulps of 0
+    beta = (rm * (gamma / torch.sqrt(rv + eps))).detach().requires_grad_()
+    x = torch.zeros(1, 3, 4, 4, requires_grad=True)
+    w = torch.randn(c, 3, 1, 1, requires_grad=True)
+    with fusedrc.use_backend("reference"):
+        y = fusedrc.functional.conv_bn_act(x, w, gamma, beta, rm, rv, training=False, eps=eps)
+    y.backward(torch.ones_like(y))
+    assert 0 < (y > 0).sum() < y.numel()  # the data straddles 0
+    # d bn_bias = number of elements the ReLU let through: exactly the count of y > 0
+    assert torch.equal(beta.grad, (y > 0).sum((0, 2, 3)).float())

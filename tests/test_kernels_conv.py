@@ -259,6 +259,26 @@ def test_aten_conv_cost_model(c_in, c_out, k, expected, monkeypatch):
     monkeypatch.setattr(K, "CONV_Z", "aten")
     assert K.conv_plan(x, w, 1, "ieee") == (True, False, False)
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_epilogue_split_same_bits(training, monkeypatch):
+    """The backward kernel's epilogue on 1, 2 or 4 column slices gives the same bits (C_out 40 over
+    32-wide tiles: the second tile's slices are partly and wholly masked)."""
+    if not K.interpreting():
+        pytest.skip("the interpreter's tile is patched here; a GPU run covers the table's splits")
+    torch.manual_seed(0)
+    t, geom = _inputs((2, 6, 5, 5, 40, 3, 1, 1, 1), torch.float32, bias=True, affine=True, residual=True,
+                      device="cpu")
+    outs = []
+    for split in (1, 2, 4):
+        monkeypatch.setattr(K, "_INTERPRETER_CONFIG", K.ConvConfig(16, 32, 16, 2, 4, 1, split))
+        # split 1 also against the float64 reference
+        outs.append(_check_all(t, geom, training, torch.float32)[1] if split == 1 else
+                    _backward(K, t, geom, *_forward(K, t, geom, training)[1:], training))
+    for other in outs[1:]:
+        for name, a, b in zip(NAMES, outs[0], other):
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
