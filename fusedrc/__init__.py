@@ -33,12 +33,12 @@ from ._backend import current_backend, use_backend  # noqa: E402
 from .errors import RecomputeError  # noqa: E402
 from . import functional, nn, ops, reference  # noqa: E402,F401
 from .recompute import mark, recompute, recompute_sequential, unmark  # noqa: E402
-from .convert import convert  # noqa: E402
+from .convert import convert, register_rule  # noqa: E402
 
 _source_tree_kernels()
 
 __version__ = "0.1.0"
 __all__ = [
     "recompute", "recompute_sequential", "mark", "unmark", "use_backend", "current_backend",
-    "RecomputeError", "functional", "nn", "convert",
+    "RecomputeError", "functional", "nn", "convert", "register_rule",
 ]

@@ -555,3 +555,37 @@ def test_policy_entry_matching_nothing_warns_and_numpy_budget():
     assert conv.fusedrc_plan.final_bytes <= 0.5 * conv.fusedrc_plan.baseline_bytes
     conv = fusedrc.convert(seq, memory_budget=np.int64(10**9), example_inputs=(x,))
     assert conv.fusedrc_plan.target_bytes == 10**9
+
+
+class _RuleTestBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x))) * 2
+
+
+def test_register_rule_from_the_package_namespace():
+    """The README's way to add a rule: @fusedrc.register_rule on a Wrapper-based rewrite."""
+    from fusedrc.convert import _RULES, Wrapper, _cbr, _declare_cbr
+
+    class FusedRuleTestBlock(Wrapper):
+        def forward(self, x):
+            return _cbr(self.sites.get("conv"), self.conv, self.bn, self.act, x) * 2
+
+    @fusedrc.register_rule("_RuleTestBlock")
+    def rule(ctx, name, m):
+        new = FusedRuleTestBlock.wrap(m)
+        _declare_cbr(ctx, new, name, "conv", m.conv, m.bn, m.act)
+        ctx.block(name, new)
+        return new
+
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(_RuleTestBlock(), nn.Flatten()).train()
+        conv = fusedrc.convert(model)
+        assert conv.fusedrc_plan.fused == ["0.conv"]
+        _assert_same_step(model, conv, torch.randn(2, 3, 6, 6))
+    finally:
+        del _RULES["_RuleTestBlock"]
