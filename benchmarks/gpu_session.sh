@@ -40,7 +40,9 @@ for step in "${steps[@]}"; do
         conv) timeout 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         conv_compile) timeout 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
-        tiles) timeout 400 python3 benchmarks/gpu_tile_sweep.py --out "$w/results" 2>&1 | tail -90 ;;
+        # dense and conv apart: each writes its records even when its timeout stops it
+        tiles) timeout 250 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
+               timeout 250 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
         sweep) timeout 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
         models) timeout 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 
 import torch
 
@@ -254,16 +255,27 @@ def main():
     dtype = getattr(torch, args.dtype)
     torch.backends.cudnn.allow_tf32 = False
     records = []
-    if args.only in (None, "dense"):
-        sweep_dense(dtype, records)
-    if args.only in (None, "conv"):
-        sweep_conv(dtype, args.batch, records)
-    name = measure.write_results(
-        args.out, "tile_sweep_cuda", "tile_sweep", torch.device("cuda"), dtype=args.dtype,
-        dense_config_fields=list(_common.GemmConfig._fields), conv_config_fields=list(ck.ConvConfig._fields),
-        dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
-        records=records)
-    print("wrote", name)
+
+    def stop(signum, frame):  # `timeout` sends SIGTERM: keep what was measured
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    complete = False
+    try:
+        if args.only in (None, "dense"):
+            sweep_dense(dtype, records)
+        if args.only in (None, "conv"):
+            sweep_conv(dtype, args.batch, records)
+        complete = True
+    except KeyboardInterrupt:
+        print(f"interrupted: writing the {len(records)} records measured so far", flush=True)
+    finally:
+        name = measure.write_results(
+            args.out, "tile_sweep_cuda", "tile_sweep", torch.device("cuda"), dtype=args.dtype, complete=complete,
+            dense_config_fields=list(_common.GemmConfig._fields), conv_config_fields=list(ck.ConvConfig._fields),
+            dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
+            records=records)
+        print("wrote", name)
 
 
 if __name__ == "__main__":
