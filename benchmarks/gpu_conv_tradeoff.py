@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    measure.match_fp32_precision(torch.device("cuda"))
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
     default = {n: getattr(k, n) for n in SWITCHES}
     variants = [default]
@@ -93,6 +94,8 @@ def main():
         strategies = {"eager": lambda: block(x),
                       "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
         if not args.no_compile:
+            # a fresh dynamo per layer: past recompile_limit (8) dynamo would silently run eager
+            torch._dynamo.reset()
             compiled = torch.compile(block)
             strategies["torch_compile"] = lambda: compiled(x)
         for name, fwd in strategies.items():

@@ -11,6 +11,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import fusedrc
@@ -48,7 +49,9 @@ def main():
                         case.step(s)
                     torch.cuda.synchronize()
                 ka = prof.key_averages()
-                gpu = sum(e.self_device_time_total for e in ka if e.self_device_time_total) / 3 / 1e3
+                # kernel rows only: an op row (aten::mm, fusedrc::...) repeats its kernels' time
+                gpu = sum(e.self_device_time_total for e in ka
+                          if e.device_type == DeviceType.CUDA and e.self_device_time_total) / 3 / 1e3
                 print(f"=== {name} {shape} {s}: enqueue {cpu * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
                       f"GPU kernels {gpu:.3f} ms/step", flush=True)
                 if s != "torch_checkpoint":

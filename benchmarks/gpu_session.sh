@@ -13,10 +13,10 @@
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 # Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
 # 156 s on 12 workers, so the suite alone takes most of a call):
-#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" tests
-#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" kernels tiles
-#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" conv sweep
-#   FUSEDRC_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh "$OUT" models opt
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tests
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" kernels tiles
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv sweep
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models opt
 set -u
 out=${1:?results folder}
 shift

@@ -23,10 +23,24 @@ def activation_name(module):
     return None
 
 
+def _foreign_forward(module):
+    f = module.__dict__.get("forward")
+    return f is not None and not getattr(f, "_fusedrc_forward", False)
+
+
 def _has_hooks(module):
+    """Whether calling ``module`` does more than its class's forward: hooks on it or global module
+    hooks (module trackers, flop counters), or a forward replaced on the instance (adapters,
+    accelerate; fusedrc's own, ``mark``'s and convert's fx forward, run the class's computation).
+    The fused paths then leave the call to the module."""
+    from torch.nn.modules import module as _m
+
     return bool(
         module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
         or getattr(module, "_backward_pre_hooks", None)
+        or _foreign_forward(module)
+        or _m._global_forward_hooks or _m._global_backward_hooks or getattr(_m, "_global_backward_pre_hooks", None)
+        or any(not getattr(h, "_fusedrc_hook", False) for h in _m._global_forward_pre_hooks.values())
     )
 
 
@@ -86,7 +100,8 @@ def match(block, args, kwargs):
     if not x.is_floating_point():
         return None
     if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.ConvBNReLU)):
-        return None if _has_hooks(block) else (lambda: block(x))
+        # the class's forward, not block(x): a marked module's call comes back here
+        return None if _has_hooks(block) else (lambda: type(block).forward(block, x))
     if type(block) is not nn.Sequential or _has_hooks(block):
         return None
     mods = [m for m in block if not _is_noop_dropout(m)]

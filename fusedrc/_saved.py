@@ -6,11 +6,13 @@ from torch import nn
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the distinct tensors autograd saves while active, parameters excluded.
+    """Counts the memory autograd keeps alive through saved tensors, parameters excluded.
 
-    Each tensor is counted once, keyed by storage pointer, offset, shape and dtype;
-    tensors sharing storage with one of ``params`` (the parameter, or a view such as
-    the ``weight.t()`` a Linear saves) are not activations and are left out.
+    What a saved tensor keeps alive is its whole storage: each distinct storage is
+    counted once, at its size, however many tensors or views of it are saved (a tensor
+    saved as itself and as a reshaped view is one buffer). Tensors sharing storage with
+    one of ``params`` (the parameter, or a view such as the ``weight.t()`` a Linear
+    saves) are not activations and are left out.
     """
 
     def __init__(self, params=()):
@@ -21,7 +23,7 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             ptr = t.untyped_storage().data_ptr()
             if isinstance(t, nn.Parameter) or ptr in self.param_storages:
                 return t
-            self.seen.setdefault((ptr, t.storage_offset(), tuple(t.shape), t.dtype), t.numel() * t.element_size())
+            self.seen.setdefault(ptr, t.untyped_storage().nbytes())
             # detached: a saved output packed as itself would hold its own grad_fn, a reference cycle
             # that leaks the graph (about the activations' size) when no backward follows
             return t.detach()

@@ -43,11 +43,16 @@ def _bn_pre_hook(module, args):
         )
 
 
+_bn_pre_hook._fusedrc_hook = True  # fusedrc's own: the fused paths do not step aside for it
+
+
 def _restore_snapshots():
     with torch.no_grad():
         for _, buffers in _local.snapshots.values():
             for buf, saved in buffers:
-                buf.copy_(saved)
+                # through .data: BatchNorm's own update never bumps the buffers' version counters,
+                # and a graph that saved them (x * bn.running_var) must not see a modification
+                buf.data.copy_(saved)
     _local.snapshots = {}
 
 

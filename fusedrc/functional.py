@@ -250,4 +250,6 @@ def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, 
     # with float64 input): at ResNet channel counts the launches, not the flops, are the cost.
     unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
     dtype = running_mean.dtype
-    torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased.to(dtype)], momentum)
+    # through .data, as BatchNorm's kernel updates them: no version-counter bump (a graph that saved
+    # the buffers stays valid)
+    torch._foreach_lerp_([running_mean.data, running_var.data], [mean.to(dtype), unbiased.to(dtype)], momentum)

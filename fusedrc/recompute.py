@@ -519,6 +519,9 @@ def mark(module, output_recompute=False):
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if _is_marked(module):  # marking twice is marking once (MindSpore's Cell.recompute())
+        module.__dict__[_MARK]["output_recompute"] = bool(output_recompute)
+        return module
     for name, sub in module.named_modules():
         if sub is not module and _is_marked(sub):
             raise RecomputeError(
@@ -535,6 +538,8 @@ def mark(module, output_recompute=False):
 class _MarkedForward:
     """The instance ``forward`` of a marked module. An object holding the module, not a
     closure, so ``copy.deepcopy`` (and ``convert``'s copy) rebinds it to the copy."""
+
+    _fusedrc_forward = True  # runs the module's own computation (fused paths may look inside)
 
     def __init__(self, module):
         self.module = module

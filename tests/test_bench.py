@@ -115,6 +115,15 @@ def test_schema_rejects_broken_documents(quick_run):
     bad["configs"][1]["times_s"] = ["fast"]
     with pytest.raises(schema.SchemaError, match=r"times_s\[0\]"):
         schema.validate(bad)
+    # summaries that are not the raw timings' quantiles, negative timings or bytes
+    bad = json.loads(json.dumps(doc))
+    bad["configs"][0]["times_s"] = [t + 100.0 for t in bad["configs"][0]["times_s"]]
+    with pytest.raises(schema.SchemaError, match=r"configs\[0\]\.median_s: .* is not the quantile of times_s"):
+        schema.validate(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["configs"][0]["saved_activation_bytes"] = -1
+    with pytest.raises(schema.SchemaError, match=r"saved_activation_bytes: negative byte count"):
+        schema.validate(bad)
 
 
 # --------------------------------------------------------------------------- real models (resnet50, opt)
@@ -290,7 +299,10 @@ def test_write_results_carries_provenance(tmp_path, monkeypatch):
                                  dtype="bfloat16", records=[{"x": 1}])
     assert path.parent == tmp_path / "out" and path.name.startswith("tile_sweep_cpu_") and path.suffix == ".json"
     doc = json.loads(path.read_text())
-    assert doc["kind"] == "tile_sweep" and doc["commit"] == "a" * 40 and doc["dirty"] is False
+    # the commit is named from outside (a copy of the tree on a GPU machine): clean or not is unknown
+    assert doc["kind"] == "tile_sweep" and doc["commit"] == "a" * 40 and doc["dirty"] is None
+    monkeypatch.setenv("FUSEDRC_GIT_DIRTY", "0")
+    assert measure.git_info() == ("a" * 40, False)
     assert doc["device"]["type"] == "cpu" and doc["torch"] == torch.__version__ and "timestamp" in doc
     assert doc["dtype"] == "bfloat16" and doc["records"] == [{"x": 1}]
 

@@ -261,7 +261,9 @@ def test_t5_forward_backward_bytes_steps():
     plan = conv.fusedrc_plan
     assert len(plan.fused) == 4 and all(n.endswith("DenseReluDense") for n in plan.fused)
     assert list(conv.state_dict()) == list(model.state_dict())
-    assert plan.final_bytes / plan.baseline_bytes <= 0.72
+    # bytes are whole storages kept alive (the attention saves views of larger buffers, which
+    # count in full): 0.80 here, where counting each saved view's own size gave about 0.69
+    assert plan.final_bytes / plan.baseline_bytes <= 0.80
     assert plan.final_bytes <= _checkpoint_bytes(conv, (ids, None, dec))
     la = model(input_ids=ids, labels=dec).loss
     lb = conv(input_ids=ids, labels=dec).loss
@@ -589,3 +591,16 @@ def test_register_rule_from_the_package_namespace():
         _assert_same_step(model, conv, torch.randn(2, 3, 6, 6))
     finally:
         del _RULES["_RuleTestBlock"]
+
+
+def test_saved_bytes_counts_each_storage_once():
+    """A buffer saved as itself and as a reshaped view is one buffer (OPT's attention does this)."""
+
+    class TwoViews(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            return (h.sin() + h.reshape(-1).cos().reshape(h.shape)).sum()
+
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    nbytes = x.numel() * x.element_size()
+    assert saved_bytes(TwoViews(), (x,)) == nbytes  # h, saved by sin and (as a view) by cos

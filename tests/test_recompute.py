@@ -460,3 +460,53 @@ def test_cpu_scalar_tensor_beside_parameters_on_another_device():
     assert fusedrc.recompute(m, x, torch.tensor(2.0)).device.type == "meta"
     with pytest.raises(ValueError, match=r"input tensor #1 .* on cpu"):
         fusedrc.recompute(m, x, torch.tensor([2.0]))
+
+
+def test_batchnorm_buffers_keep_their_version():
+    """Neither the rerun's restore of BatchNorm buffers nor the fused conv+BN's statistics update
+    bumps the buffers' version counters (BatchNorm's own kernel does not): a graph that saved
+    them (x * bn.running_var) still runs backward, as plain calls and torch's checkpoint do."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3)
+    x = torch.randn(6, 3, requires_grad=True)
+    h = x * bn.running_var
+    fusedrc.recompute(lambda t: bn(t).tanh(), h).pow(2).sum().backward()
+    assert x.grad is not None
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    h = x * seq[1].running_mean[:3].view(1, 3, 1, 1)
+    version = seq[1].running_mean._version
+    y = fusedrc.recompute(seq, h)
+    assert seq[1].running_mean._version == version
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_mark_is_idempotent_and_takes_fusedrc_modules():
+    lin = fusedrc.mark(fusedrc.nn.LinearReLU(4, 8))
+    assert fusedrc.mark(lin) is lin  # twice is once
+    x = torch.randn(3, 4, requires_grad=True)
+    lin(x).sum().backward()  # used to recurse: the fused path called the marked module again
+    ref = torch.relu(nn.functional.linear(x, lin.weight, lin.bias))
+    assert torch.equal(lin(x), ref)
+    fusedrc.unmark(lin)
+    assert "forward" not in lin.__dict__ and torch.equal(lin(x), ref)
+
+
+def test_fused_path_respects_instance_forward_and_global_hooks():
+    """A child whose forward was replaced on the instance (adapters), or global module hooks
+    (trackers), take the call away from the fused op: the results and hook calls are plain's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4)
+    inner = lin.forward
+    lin.forward = lambda x: inner(x) * 10.0
+    m = nn.Sequential(lin, nn.ReLU())
+    x = torch.randn(2, 3)
+    assert torch.equal(fusedrc.recompute(m, x), m(x))
+    seen = []
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: seen.append(type(mod).__name__))
+    try:
+        fusedrc.recompute(nn.Sequential(nn.Linear(3, 4), nn.ReLU()), x)
+    finally:
+        handle.remove()
+    assert seen == ["Sequential", "Linear", "ReLU"]

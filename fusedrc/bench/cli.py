@@ -114,6 +114,9 @@ def _resolve(p, args):
                        else "cpu")
     if args.dtype is None:
         args.dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    from . import measure
+
+    measure.match_fp32_precision(dev)
     if args.warmup is not None and args.warmup < 0:
         p.error(f"--warmup: must be >= 0, got {args.warmup}")
     if args.repeats is not None and args.repeats < 1:

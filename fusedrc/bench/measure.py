@@ -105,10 +105,19 @@ def device_info(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(name=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_bytes=props.total_memory)
+                    memory_bytes=props.total_memory, tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+                    tf32_cudnn=torch.backends.cudnn.allow_tf32)
     else:
         info.update(name=cpu_name() or "cpu", capability=torch.backends.cpu.get_cpu_capability())
     return info
+
+
+def match_fp32_precision(device: torch.device) -> None:
+    """One fp32 precision for every strategy on CUDA: cuDNN's convolutions default to TF32 while
+    torch's matmuls, and fusedrc's fused ops (they follow the matmul setting), default to IEEE fp32.
+    cuDNN is set to the matmul setting; ``device_info`` records both."""
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32
 
 
 def cpu_name():
@@ -141,7 +150,8 @@ def git_info():
     if os.environ.get("FUSEDRC_GIT_COMMIT"):
         # a copy of the tree shipped elsewhere (e.g. a GPU machine), whose .git may be stale or
         # absent: the caller names the commit it copied
-        return os.environ["FUSEDRC_GIT_COMMIT"], os.environ.get("FUSEDRC_GIT_DIRTY") == "1"
+        dirty = os.environ.get("FUSEDRC_GIT_DIRTY")
+        return os.environ["FUSEDRC_GIT_COMMIT"], None if dirty is None else dirty == "1"
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain", "--untracked-files=no") if commit else None
     return commit, (bool(status) if status is not None else None)

@@ -68,7 +68,12 @@ def _declutter(fig, ax, texts, tries=14):
 
 
 def _memory(doc, c):
+    """Synthetic workloads: saved activation bytes (CPU), or the step's peak above what was resident
+    before it (CUDA: the sweep's other workloads stay resident while one is measured)."""
     if doc["device"]["type"] == "cuda" and c.get("peak_allocated_bytes"):
+        if c.get("allocated_before_step_bytes") is not None:
+            return ((c["peak_allocated_bytes"] - c["allocated_before_step_bytes"]) / 2**20,
+                    "peak memory of a step above what was resident (MiB)")
         return c["peak_allocated_bytes"] / 2**20, "peak allocated memory per step (MiB)"
     return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
 

@@ -165,8 +165,19 @@ def validate(doc) -> None:
     _check(doc, SWEEP if kind == "sweep" else KERNELS, "$")
     if not doc["configs"]:
         raise SchemaError("$.configs: no configuration")
+    from .measure import summarize
+
     for i, c in enumerate(doc["configs"]):
         if len(c["times_s"]) < 1:
             raise SchemaError(f"$.configs[{i}].times_s: no timing")
+        if min(c["times_s"]) < 0:
+            raise SchemaError(f"$.configs[{i}].times_s: negative timing {min(c['times_s'])}")
         if not c["p20_s"] <= c["median_s"] <= c["p80_s"]:
             raise SchemaError(f"$.configs[{i}]: expected p20_s <= median_s <= p80_s")
+        # the summaries plots and tables read are the raw timings' quantiles
+        for key, value in summarize(c["times_s"]).items():
+            if abs(c[key] - value) > 1e-9 + 1e-6 * abs(value):
+                raise SchemaError(f"$.configs[{i}].{key}: {c[key]} is not the quantile of times_s ({value})")
+        for key in ("saved_activation_bytes", "peak_allocated_bytes", "allocated_before_step_bytes"):
+            if isinstance(c.get(key), int) and c[key] < 0:
+                raise SchemaError(f"$.configs[{i}].{key}: negative byte count {c[key]}")

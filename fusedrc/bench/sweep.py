@@ -213,8 +213,10 @@ def ratios(records):
                "saved_checkpoint_over_no_recompute":
                    ck["saved_activation_bytes"] / max(none["saved_activation_bytes"], 1)}
         if none["peak_allocated_bytes"]:
-            row["peak_fusedrc_over_checkpoint"] = fr["peak_allocated_bytes"] / ck["peak_allocated_bytes"]
-            row["peak_fusedrc_over_no_recompute"] = fr["peak_allocated_bytes"] / none["peak_allocated_bytes"]
+            # each strategy's own step: the peak above what was resident before it (other
+            # workloads' weights and gradients share the GPU during the sweep)
+            row["peak_fusedrc_over_checkpoint"] = _own_peak(fr) / _own_peak(ck)
+            row["peak_fusedrc_over_no_recompute"] = _own_peak(fr) / _own_peak(none)
         out.append(row)
     return out
 
@@ -224,6 +226,11 @@ def step_peak(r):
     if r.get("peak_allocated_bytes") is None or r.get("allocated_before_step_bytes") is None:
         return None
     return r["peak_allocated_bytes"] - r["allocated_before_step_bytes"]
+
+
+def _own_peak(r):
+    p = step_peak(r)
+    return max(p if p is not None else r["peak_allocated_bytes"], 1)
 
 
 CHECKPOINT_OF = {"convert_all": "torch_checkpoint", "convert_budget": "torch_checkpoint",
