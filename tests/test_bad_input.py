@@ -361,10 +361,10 @@ CASES = [
      r"memory_budget needs example_inputs"),
     ("convert/example_inputs-list", _convert(example_inputs=[torch.randn(2, 3)]), TypeError,
      r"example_inputs must be a tuple of positional arguments, got list"),
-    ("convert/register_rule-bare", lambda: register_rule(lambda ctx, name, m: m), TypeError,
+    ("register_rule/bare", lambda: register_rule(lambda ctx, name, m: m), TypeError,
      r"register_rule takes class names \(str\), got function"),
-    ("convert/register_rule-empty", lambda: register_rule(), TypeError, r"register_rule needs at least one class name"),
-    ("convert/register_rule-not-callable", lambda: register_rule("NoSuchBlockForTests")(3), TypeError,
+    ("register_rule/empty", lambda: register_rule(), TypeError, r"register_rule needs at least one class name"),
+    ("register_rule/not-callable", lambda: register_rule("NoSuchBlockForTests")(3), TypeError,
      r"rule must be a callable \(ctx, name, module\) -> module, got int"),
 ]
 
@@ -379,7 +379,7 @@ def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
     public = {"linear_act", "fused_mlp", "conv_bn_act", "LinearReLU", "FusedMLP", "ConvBNReLU", "recompute",
-              "recompute_sequential", "mark", "unmark", "use_backend", "convert"}
+              "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public
     assert {n for n in fusedrc.__all__ if callable(getattr(fusedrc, n))} - {"current_backend", "RecomputeError"} \
         <= public
