@@ -296,8 +296,11 @@ def _check_devices(block, flat):
         return
     (device,) = devices
     for i, v in enumerate(flat):
-        # a 0-dim CPU tensor is a scalar that torch ops take on any device
-        if isinstance(v, torch.Tensor) and v.device != device and not (v.dim() == 0 and v.device.type == "cpu"):
+        # checked: floating-point inputs (activations). A 0-dim CPU tensor is a scalar torch ops take
+        # on any device, and integer side tensors (lengths, indices) may live elsewhere by design
+        # (pack_padded_sequence wants its lengths on the CPU)
+        if isinstance(v, torch.Tensor) and v.device != device and v.is_floating_point() \
+                and not (v.dim() == 0 and v.device.type == "cpu"):
             raise ValueError(
                 f"recompute: input tensor #{i} of block's arguments is on {v.device}, but the block's "
                 f"parameters are on {device}; expected every input on {device}"

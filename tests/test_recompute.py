@@ -458,6 +458,13 @@ def test_cpu_scalar_tensor_beside_parameters_on_another_device():
     m = Scaled()
     x = torch.randn(2, 4, device="meta", requires_grad=True)
     assert fusedrc.recompute(m, x, torch.tensor(2.0)).device.type == "meta"
+    # integer side tensors (lengths, indices) may live elsewhere by design
+    class Trim(Scaled):
+        def forward(self, x, n):
+            return self.fc(x)[:, : int(n[0])]
+
+    y = fusedrc.recompute(Trim(), x, torch.tensor([3]))
+    assert y.shape == (2, 3) and y.device.type == "meta"
     with pytest.raises(ValueError, match=r"input tensor #1 .* on cpu"):
         fusedrc.recompute(m, x, torch.tensor([2.0]))
 
