@@ -407,8 +407,9 @@ def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use
 
     Raises:
         TypeError: ``block`` is not callable, or ``context_fn`` is not.
-        ValueError: ``use_reentrant=True``, an unknown ``determinism_check``, or an input
-            tensor on another device than the block's parameters.
+        ValueError: ``use_reentrant=True``, an unknown ``determinism_check``, or a
+            floating-point input tensor (not a 0-dim scalar) on another device than the block's
+            parameters.
         RecomputeError: in backward, when the rerun saves tensors that differ from the
             forward's (shape, dtype, device or count).
 
