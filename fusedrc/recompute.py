@@ -255,9 +255,12 @@ class _RerunHook(torch.autograd.graph.saved_tensors_hooks):
 _OUTPUT_RECIPES = WeakTensorKeyDictionary()
 
 
-def _tag_outputs(out, frame):
+def _tag_outputs(out, frame, inputs=()):
+    ids = {id(v) for v in inputs if isinstance(v, torch.Tensor)}
     for i, leaf in enumerate(tree_flatten(out)[0]):
-        if isinstance(leaf, torch.Tensor):
+        # an input returned as is stays alive through the frame anyway (a weak key whose value holds
+        # it would never die): consumers save it as usual
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in ids:
             _OUTPUT_RECIPES[leaf] = (frame, i, leaf._version)
 
 
@@ -322,7 +325,7 @@ def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_
         out = fn(*args, **kwargs)
     frame.forward_completed = True
     if output_recompute:
-        _tag_outputs(out, frame)
+        _tag_outputs(out, frame, flat)
     return out
 
 

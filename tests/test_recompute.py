@@ -517,3 +517,20 @@ def test_fused_path_respects_instance_forward_and_global_hooks():
     finally:
         handle.remove()
     assert seen == ["Sequential", "Linear", "ReLU"]
+
+
+def test_output_recompute_pass_through_input_is_freed():
+    """output_recompute=True on a block that returns one of its inputs as is: nothing outlives the
+    step (the registry used to hold the frame, which held the input, its own key)."""
+
+    def block(x, mask):
+        return x.tanh() * mask, mask
+
+    x, mask = torch.randn(8, 8, requires_grad=True), torch.ones(8, 8)
+    y, m = fusedrc.recompute(block, x, mask, output_recompute=True)
+    assert m is mask
+    y.sum().backward()
+    wx, wm = weakref.ref(x), weakref.ref(mask)
+    del x, mask, y, m
+    gc.collect()
+    assert wx() is None and wm() is None
