@@ -14,6 +14,7 @@ op whose backward recomputes inside the kernel.
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 import weakref
 from collections import defaultdict
@@ -321,12 +322,23 @@ def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_
     )
     dummy = torch.empty((0,), requires_grad=True)
     frame.input_saver = _SaveInputs.apply(dummy, *flat)
-    with _ForwardHook(frame), fwd_context:
-        out = fn(*args, **kwargs)
+    outer = getattr(_forward_regions, "depth", 0)
+    _forward_regions.depth = outer + 1
+    try:
+        with _ForwardHook(frame), fwd_context:
+            out = fn(*args, **kwargs)
+    finally:
+        _forward_regions.depth = outer
     frame.forward_completed = True
-    if output_recompute:
+    # Outputs are left to regeneration only where it is safe: not inside an outer region (its
+    # inputs are then the outer region's placeholders, which one backward unpacks once) and
+    # without a context_fn (its rerun context is entered once per backward).
+    if output_recompute and outer == 0 and not _state.in_recompute() and context_fn is None:
         _tag_outputs(out, frame, flat)
     return out
+
+
+_forward_regions = threading.local()  # generic regions whose forward is running, per thread
 
 
 def _compiled(fn, args, kwargs, *, preserve_rng_state, context_fn):
