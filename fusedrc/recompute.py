@@ -489,6 +489,8 @@ def recompute_sequential(functions, segments, input, *extra, preserve_rng_state=
             f"recompute_sequential takes one input, got {1 + len(extra)} positional inputs; "
             "pass several tensors as one tuple and let the first function unpack it"
         )
+    if kwargs.pop("use_reentrant", False):  # False is what torch asks callers to pass: accepted
+        raise ValueError("use_reentrant=True is not supported: fusedrc's recompute is the non-reentrant kind")
     if kwargs:
         raise TypeError(f"recompute_sequential got unexpected keyword arguments {sorted(kwargs)}")
     if isinstance(functions, nn.Sequential):

@@ -306,6 +306,8 @@ CASES = [
     ("recompute/fused-meta-weights", lambda: fusedrc.recompute(fnn.LinearReLU(3, 4, device=META), r(2, 3, grad=True)),
      ValueError, r"input tensor #0 .* is on cpu, but the block's parameters are on meta"),
     # ------------------------------------------------------------ recompute_sequential
+    ("recompute_sequential/reentrant", lambda: fusedrc.recompute_sequential(_stack(), 2, r(2, 3), use_reentrant=True),
+     ValueError, r"use_reentrant=True is not supported"),
     ("recompute_sequential/segments-0", lambda: fusedrc.recompute_sequential(_stack(), 0, r(2, 3, grad=True)),
      ValueError, r"segments must be between 1 and 4 \(the number of functions\), got 0"),
     ("recompute_sequential/segments-too-many", lambda: fusedrc.recompute_sequential(_stack(), 5, r(2, 3, grad=True)),

@@ -568,3 +568,11 @@ def test_output_recompute_nested_and_with_context_fn():
     for got in (nested, with_ctx):
         for a, b in zip(got, ref):
             assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_recompute_sequential_takes_use_reentrant_false():
+    """torch asks checkpoint_sequential's callers to pass use_reentrant=False: accepted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
+    x = torch.randn(2, 3, requires_grad=True)
+    assert torch.equal(fusedrc.recompute_sequential(model, 2, x, use_reentrant=False), model(x))
