@@ -326,8 +326,8 @@ CASES = [
      r"functions must hold at least one module or callable"),
     ("recompute_sequential/two-inputs", lambda: fusedrc.recompute_sequential(_stack(), 2, r(2, 3), r(2, 3)), TypeError,
      r"recompute_sequential takes one input, got 2"),
-    ("recompute_sequential/kwargs", lambda: fusedrc.recompute_sequential(_stack(), 2, r(2, 3), use_reentrant=True),
-     TypeError, r"unexpected keyword arguments \['use_reentrant'\]"),
+    ("recompute_sequential/kwargs", lambda: fusedrc.recompute_sequential(_stack(), 2, r(2, 3), debug=True),
+     TypeError, r"unexpected keyword arguments \['debug'\]"),
     # ------------------------------------------------------------ mark / unmark
     ("mark/not-module", lambda: fusedrc.mark(lambda x: x), TypeError, r"module must be an nn\.Module, got function"),
     ("unmark/not-module", lambda: fusedrc.unmark("block"), TypeError, r"module must be an nn\.Module, got str"),
