@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import signal
 
 import torch
 from torch import nn
@@ -89,47 +90,57 @@ def main():
         variants += [dict(zip(SWITCHES, v)) for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
                                                       ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
     records = []
-    for shape in SHAPES:
-        block, x, _, step = conv_layer(shape, args.batch, dtype, not args.nchw)
-        strategies = {"eager": lambda: block(x),
-                      "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
-        if not args.no_compile:
-            # a fresh dynamo per layer: past recompile_limit (8) dynamo would silently run eager
-            torch._dynamo.reset()
-            compiled = torch.compile(block)
-            strategies["torch_compile"] = lambda: compiled(x)
-        for name, fwd in strategies.items():
-            try:
-                records.append(dict(shape=shape, strategy=name, times_s=measure.do_bench_times(lambda: step(fwd)),
-                                    peak_bytes=_peak(lambda: step(fwd))))
-            except Exception as e:  # record and go on: one failing strategy must not hide the rest
-                records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
-        with fusedrc.use_backend("triton"):
-            for variant in variants:
-                for n, v in variant.items():
-                    setattr(k, n, v)
-                fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
+
+    def stop(signum, frame):  # the session script's `timeout` sends SIGTERM: keep what was measured
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    complete = False
+    try:
+        for shape in SHAPES:
+            block, x, _, step = conv_layer(shape, args.batch, dtype, not args.nchw)
+            strategies = {"eager": lambda: block(x),
+                          "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
+            if not args.no_compile:
+                # a fresh dynamo per layer: past recompile_limit (8) dynamo would silently run eager
+                torch._dynamo.reset()
+                compiled = torch.compile(block)
+                strategies["torch_compile"] = lambda: compiled(x)
+            for name, fwd in strategies.items():
                 try:
-                    rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
-                except Exception as e:
-                    rec = dict(error=f"{type(e).__name__}: {e}"[:500])
-                records.append(dict(shape=shape, strategy="fusedrc", **variant, **rec))
-            for n, v in default.items():
-                setattr(k, n, v)
-        mine = [r for r in records if r["shape"] == shape]
-        ref = {r["strategy"]: measure.quantile(r["times_s"], 0.5) for r in mine if "times_s" in r}
-        for r in mine:
-            med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
-            tag = r["strategy"] if r["strategy"] != "fusedrc" else \
-                f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} " \
-                f"z={r['CONV_Z']}"
-            ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
-            print(f"{str(shape):26s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
-                  f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
+                    records.append(dict(shape=shape, strategy=name, times_s=measure.do_bench_times(lambda: step(fwd)),
+                                        peak_bytes=_peak(lambda: step(fwd))))
+                except Exception as e:  # record and go on: one failing strategy must not hide the rest
+                    records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
+            with fusedrc.use_backend("triton"):
+                for variant in variants:
+                    for n, v in variant.items():
+                        setattr(k, n, v)
+                    fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
+                    try:
+                        rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
+                    except Exception as e:
+                        rec = dict(error=f"{type(e).__name__}: {e}"[:500])
+                    records.append(dict(shape=shape, strategy="fusedrc", **variant, **rec))
+                for n, v in default.items():
+                    setattr(k, n, v)
+            mine = [r for r in records if r["shape"] == shape]
+            ref = {r["strategy"]: measure.quantile(r["times_s"], 0.5) for r in mine if "times_s" in r}
+            for r in mine:
+                med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
+                tag = r["strategy"] if r["strategy"] != "fusedrc" else \
+                    f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} " \
+                    f"z={r['CONV_Z']}"
+                ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
+                print(f"{str(shape):26s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
+                      f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
+        complete = True
+    except KeyboardInterrupt:
+        print(f"interrupted: writing the {len(records)} records measured so far", flush=True)
     name = measure.write_results(
         args.out, "conv_tradeoff_cuda", "conv_tradeoff", torch.device("cuda"), dtype=args.dtype, batch=args.batch,
         memory_format="NCHW" if args.nchw else "channels_last", shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
-        defaults=default, records=records)
+        defaults=default, complete=complete, records=records)
     print("wrote", name)
 
 
