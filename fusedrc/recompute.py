@@ -553,7 +553,23 @@ def mark(module, output_recompute=False):
     options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward")}
     module.__dict__[_MARK] = options
     module.__dict__["forward"] = _MarkedForward(module)
+    module.__dict__["_replicate_for_data_parallel"] = _ReplicateMarked(module)
     return module
+
+
+class _ReplicateMarked:
+    """``nn.DataParallel`` replicates a module by copying its ``__dict__``: a replica of a marked
+    module gets its own marked forward, bound to the replica (and its parameters)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self):
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        replica.__dict__.pop("_replicate_for_data_parallel", None)
+        replica.__dict__[_MARK] = dict(self.module.__dict__[_MARK])
+        replica.__dict__["forward"] = _MarkedForward(replica)
+        return replica
 
 
 class _MarkedForward:
@@ -595,6 +611,7 @@ def unmark(module):
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if _is_marked(module):
+        module.__dict__.pop("_replicate_for_data_parallel", None)
         inner = module.__dict__.pop(_MARK).get("inner")
         if inner is None:
             del module.__dict__["forward"]

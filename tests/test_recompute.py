@@ -576,3 +576,17 @@ def test_recompute_sequential_takes_use_reentrant_false():
     model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
     x = torch.randn(2, 3, requires_grad=True)
     assert torch.equal(fusedrc.recompute_sequential(model, 2, x, use_reentrant=False), model(x))
+
+
+def test_marked_module_replica_uses_its_own_parameters():
+    """nn.DataParallel's replicate copies a module's __dict__: the replica of a marked module must
+    run with the replica's parameters, not the original's (emulated on the CPU)."""
+    torch.manual_seed(0)
+    lin = fusedrc.mark(nn.Linear(3, 4))
+    replica = lin._replicate_for_data_parallel()
+    replica.weight, replica.bias = torch.randn(4, 3), lin.bias * 2  # as replicate() sets them: tensors
+    x = torch.randn(2, 3, requires_grad=True)
+    assert torch.equal(replica(x), nn.functional.linear(x, replica.weight, replica.bias))
+    assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
+    fusedrc.unmark(lin)
+    assert "_replicate_for_data_parallel" not in lin.__dict__
