@@ -98,8 +98,9 @@ class ConvConfig(NamedTuple):
     GROUP_M: int
     num_warps: int
     num_stages: int
-    # The backward kernel's epilogue on 1 or 2 column halves of the tile, one after the other
-    # (as the dense grad kernel's, kernels/_common.py): fewer registers live at once.
+    # The forward's normalize/ReLU epilogue and the backward kernel's epilogue on 1, 2 or 4 column
+    # slices of the tile, one after the other (as the dense grad kernel's, kernels/_common.py):
+    # fewer registers live at once.
     EPILOGUE_SPLIT: int = 1
 
 
@@ -116,8 +117,9 @@ _TABLE = {
     # thread, so 128x128 on 8 warps (and 128x64 on 4 warps) spills on sm_90 unsplit. Hence
     # 128x64 on 8 warps (two warpgroups, HGMMA) for both widths. The 7th field splits the
     # backward's epilogue (EPILOGUE_SPLIT; fusedrc.inspect, bf16, sm_90 128x64: reduce /
-    # emit_dz / eval 168 / 185 / 176 registers unsplit, 100 / 128 / 124 in quarters, so two
-    # CTAs fit an SM; 128x128 stops spilling from halves on). small_smem: not compiled there.
+    # emit_dz / eval 168 / 185 / 176 registers unsplit, 100 / 128 / 124 in quarters, the forward's
+    # apply pass 158 -> 80, so two CTAs fit an SM; 128x128 stops spilling from halves on, in
+    # both directions). small_smem: not compiled there.
     ("sm90", "16bit", "narrow"): ConvConfig(128, 64, 64, 8, 8, 4, 4),
     ("sm90", "16bit", "wide"): ConvConfig(128, 64, 64, 8, 8, 4, 4),
     ("sm90", "tf32", "narrow"): ConvConfig(128, 64, 32, 8, 8, 3, 4),
@@ -142,7 +144,7 @@ _TABLE = {
     ("small_smem", "fp32", "wide"): ConvConfig(64, 64, 16, 8, 4, 2),
 }
 # Elementwise passes over z (normalize in the forward, dz in the buffered backward).
-_ELEM_CONFIG = ConvConfig(64, 64, 16, 1, 4, 1)
+_ELEM_CONFIG = ConvConfig(64, 64, 16, 1, 4, 1, 2)  # halves: unsplit, from_z spills 8 bytes (sm_90 fp16)
 # Interpreter (CPU): tiny tiles so the tiny test shapes cover several tiles,
 # ragged edges and K loops.
 _INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1, 2)  # the split epilogue; the elementwise one is not split
@@ -343,7 +345,7 @@ def _conv_bn_fwd_kernel(
     FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
     APPLY: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
     row0 = pid_m * BLOCK_M
@@ -377,14 +379,50 @@ def _conv_bn_fwd_kernel(
         tl.store(pmean_ptr + p_offs, t_mean, mask=mask_n)
         tl.store(pm2_ptr + p_offs, t_m2, mask=mask_n)
     if APPLY:
-        mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
-                                                  HAS_W, HAS_B, BLOCK_N)
-        pre = _bn_pre(zf, mean, rstd, gamma, beta)
-        if HAS_RES:
-            r_offs = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)[:, None] + (offs_n * s_rc)[None, :]
-            pre = pre + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.where(pre < 0.0, 0.0, pre)  # ReLU; NaN stays NaN like torch.relu
-        tl.store(y_ptr + o_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
+        r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
+        if EPILOGUE_SPLIT == 1:
+            _apply_epilogue(zf, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_N)
+        elif EPILOGUE_SPLIT == 2:
+            HALF: tl.constexpr = BLOCK_N // 2
+            z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
+            _apply_epilogue(z0, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, HALF)
+            _apply_epilogue(z1, col0 + HALF, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, HALF)
+        else:
+            tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
+            HALF: tl.constexpr = BLOCK_N // 2
+            Q: tl.constexpr = BLOCK_N // 4
+            z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
+            q0, q1 = _column_halves(z0, BLOCK_M, HALF)
+            _apply_epilogue(q0, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
+            _apply_epilogue(q1, col0 + Q, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
+            q2, q3 = _column_halves(z1, BLOCK_M, HALF)
+            _apply_epilogue(q2, col0 + HALF, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
+            _apply_epilogue(q3, col0 + HALF + Q, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
+
+
+@triton.jit
+def _apply_epilogue(zf, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                    mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
+                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WIDTH: tl.constexpr):
+    """The forward's normalize + affine (+ residual) + ReLU on channels [c0, c0 + WIDTH) of its tile."""
+    offs_n = c0 + tl.arange(0, WIDTH)
+    mask_n = offs_n < C_OUT
+    mask = mask_m[:, None] & mask_n[None, :]
+    mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
+                                              HAS_W, HAS_B, WIDTH)
+    pre = _bn_pre(zf, mean, rstd, gamma, beta)
+    if HAS_RES:
+        pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(pre < 0.0, 0.0, pre)  # ReLU; NaN stays NaN like torch.relu
+    tl.store(y_ptr + o_pix[:, None] + (offs_n * s_oc)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -786,7 +824,8 @@ def conv_bn_act_forward(
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     with _device_guard(x):
@@ -1111,7 +1150,7 @@ def inspect_specs():
         else:  # no dot: BLOCK_K and the precision do not matter
             config = {"mode": mode, "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N,
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        if fn is _conv_bn_bwd_kernel:
+        if fn in (_conv_bn_fwd_kernel, _conv_bn_bwd_kernel):
             constexprs["EPILOGUE_SPLIT"] = config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
         return {"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,

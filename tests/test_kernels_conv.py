@@ -259,25 +259,30 @@ def test_aten_conv_cost_model(c_in, c_out, k, expected, monkeypatch):
     monkeypatch.setattr(K, "CONV_Z", "aten")
     assert K.conv_plan(x, w, 1, "ieee") == (True, False, False)
 
+@pytest.mark.parametrize("fwd_recompute", [False, True], ids=["zbuf", "fwdrc"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_epilogue_split_same_bits(training, monkeypatch):
-    """The backward kernel's epilogue on 1, 2 or 4 column slices gives the same bits (C_out 40 over
-    32-wide tiles: the second tile's slices are partly and wholly masked)."""
+def test_epilogue_split_same_bits(training, fwd_recompute, monkeypatch):
+    """The forward's and the backward's epilogues on 1, 2 or 4 column slices give the same bits
+    (C_out 40 over 32-wide tiles: the second tile's slices are partly and wholly masked). The
+    forward's split epilogue runs in eval and with FWD_RECOMPUTE (normalize in the conv pass)."""
     if not K.interpreting():
         pytest.skip("the interpreter's tile is patched here; a GPU run covers the table's splits")
+    monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
     torch.manual_seed(0)
     t, geom = _inputs((2, 6, 5, 5, 40, 3, 1, 1, 1), torch.float32, bias=True, affine=True, residual=True,
                       device="cpu")
     outs = []
     for split in (1, 2, 4):
         monkeypatch.setattr(K, "_INTERPRETER_CONFIG", K.ConvConfig(16, 32, 16, 2, 4, 1, split))
-        # split 1 also against the float64 reference
-        outs.append(_check_all(t, geom, training, torch.float32)[1] if split == 1 else
-                    _backward(K, t, geom, *_forward(K, t, geom, training)[1:], training))
+        if split == 1:  # also against the float64 reference
+            y, grads = _check_all(t, geom, training, torch.float32)
+            outs.append((y, *grads))
+        else:
+            y, mean, rstd = _forward(K, t, geom, training)
+            outs.append((y, *_backward(K, t, geom, mean, rstd, training)))
     for other in outs[1:]:
-        for name, a, b in zip(NAMES, outs[0], other):
+        for name, a, b in zip(("y",) + NAMES, outs[0], other):
             assert (a is None and b is None) or torch.equal(a, b), name
-
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
