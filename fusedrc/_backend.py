@@ -46,15 +46,24 @@ class use_backend:
 
     def __init__(self, name: str):
         _validate_backend_name(name)
-        self._previous = current_backend()
         self.name = name
+        # the setting before this call: what the first `with` restores
+        self._fresh = current_backend()
+        self._restore = []
         _state.name = name
 
     def __enter__(self):
+        # `with use_backend(x):` (entered while the call's own setting stands): restore what was there
+        # before the call; an object entered later, after other changes or again (kept in a variable),
+        # sets its backend anew and restores the then-current one
+        fresh = self._fresh is not None and current_backend() == self.name
+        self._restore.append(self._fresh if fresh else current_backend())
+        self._fresh = None
+        _state.name = self.name
         return self
 
     def __exit__(self, *exc):
-        _state.name = self._previous
+        _state.name = self._restore.pop()
         return False
 
     def __repr__(self):

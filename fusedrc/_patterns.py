@@ -143,8 +143,8 @@ def conv_bn_relu_call(conv, bn, x, residual=None):
             stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
             bias=conv.bias, residual=residual, activation="relu",
         )
-    except (TypeError, ValueError):
-        # rejected arguments (checked before anything runs): the call did not happen
+    except Exception:
+        # the call did not happen (rejected arguments, or the op raised): it counts no batch
         if counted:
             with torch.no_grad():
                 bn.num_batches_tracked.sub_(1)

@@ -99,8 +99,14 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     _check_linear(x, weight, bias)
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
-    y = ops.pick("linear_act", x, backend)(x.reshape(lead.numel(), x.shape[-1]), weight, bias, activation, backend)
+    y = ops.pick("linear_act", x, backend)(_rows(x), weight, bias, activation, backend)
     return _unview(y, lead, weight.shape[0])
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x as (rows, features): -1 keeps a dynamic batch dynamic under torch.export; 0 features need
+    the row count spelled out (-1 is ambiguous for an empty tensor)."""
+    return x.reshape(-1, x.shape[-1]) if x.shape[-1] != 0 else x.reshape(x.shape[:-1].numel(), 0)
 
 
 def fused_mlp(
@@ -138,7 +144,7 @@ def fused_mlp(
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
-    y = ops.pick("fused_mlp", x, backend)(x.reshape(lead.numel(), x.shape[-1]), w1, b1, w2, b2, activation, backend)
+    y = ops.pick("fused_mlp", x, backend)(_rows(x), w1, b1, w2, b2, activation, backend)
     return _unview(y, lead, w2.shape[0])
 
 
@@ -250,6 +256,17 @@ def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, 
     # with float64 input): at ResNet channel counts the launches, not the flops, are the cost.
     unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
     dtype = running_mean.dtype
-    # through .data, as BatchNorm's kernel updates them: no version-counter bump (a graph that saved
-    # the buffers stays valid)
-    torch._foreach_lerp_([running_mean.data, running_var.data], [mean.to(dtype), unbiased.to(dtype)], momentum)
+    bufs = [running_mean, running_var]
+    news = [mean.to(dtype), unbiased.to(dtype)]
+    if torch.compiler.is_compiling() or type(running_mean) not in (torch.Tensor, torch.nn.Parameter) \
+            or torch._C._len_torch_dispatch_stack() > 0:
+        torch._foreach_lerp_(bufs, news, momentum)  # traced (compile, export): a visible buffer mutation
+        return
+    # eager: BatchNorm's kernel updates its buffers without bumping their version counters, so a graph
+    # that saved them stays valid; do the same
+    versions = [b._version for b in bufs]
+    torch._foreach_lerp_(bufs, news, momentum)
+    try:
+        torch._C._autograd._unsafe_set_version_counter(bufs, versions)
+    except (AttributeError, TypeError, RuntimeError):  # not in this torch: the bump stays
+        pass

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import _patterns, _state
+from . import _backend, _patterns, _state
 from .errors import RecomputeError
 
 __all__ = ["recompute", "recompute_sequential", "mark", "unmark"]
@@ -85,6 +85,9 @@ class _ForwardState:
             for dev in {"cpu", self.device_type or "cpu"}
         }
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        # the backend the forward's fused ops ran on: the rerun uses it too, whatever is current
+        # when backward runs (another thread, or after the forward's `with use_backend(...)`)
+        self.backend = _backend.current_backend()
 
     @contextlib.contextmanager
     def replay(self):
@@ -98,6 +101,7 @@ class _ForwardState:
                     for i, s in zip(self.devices, self.device_states):
                         mod.set_rng_state(s, i)
             with contextlib.ExitStack() as stack:
+                stack.enter_context(_backend.use_backend(self.backend))
                 for dev, (enabled, dtype) in self.autocast.items():
                     stack.enter_context(
                         torch.autocast(dev, enabled=enabled, dtype=dtype, cache_enabled=self.autocast_cache)

@@ -335,3 +335,60 @@ def test_reference_eval_recompute_mask_matches_forward():
     assert 0 < (y > 0).sum() < y.numel()  # the data straddles 0
     # d bn_bias = number of elements the ReLU let through: exactly the count of y > 0
     assert torch.equal(beta.grad, (y > 0).sum((0, 2, 3)).float())
+
+
+def test_use_backend_object_reused_as_context_manager():
+    fusedrc.use_backend("auto")
+    ref = fusedrc.use_backend("reference")
+    fusedrc.use_backend("auto")
+    for _ in range(2):
+        with ref:
+            assert fusedrc.current_backend() == "reference"
+        assert fusedrc.current_backend() == "auto"
+    cm = fusedrc.use_backend("triton")
+    fusedrc.use_backend("reference")
+    with cm:
+        assert fusedrc.current_backend() == "triton"
+    assert fusedrc.current_backend() == "reference"
+    with fusedrc.use_backend("auto"):  # the usual form restores what was there before the call
+        pass
+    assert fusedrc.current_backend() == "reference"
+    fusedrc.use_backend("auto")
+
+
+def test_rerun_uses_the_forwards_backend(monkeypatch):
+    """A recompute region's backward reruns its fused ops on the backend its forward used, not on
+    the one current when backward runs."""
+    from fusedrc import ops
+
+    seen = []
+    real = ops.pick
+
+    def spy(op, x, backend):
+        seen.append(backend)
+        return real(op, x, backend)
+
+    monkeypatch.setattr(ops, "pick", spy)
+    block = nn.Sequential(fusedrc.nn.LinearReLU(4, 8), nn.Tanh())  # a generic region around a fused op
+    x = torch.randn(3, 4, requires_grad=True)
+    with fusedrc.use_backend("reference"):
+        y = fusedrc.recompute(block, x)
+    with fusedrc.use_backend("triton"):  # backward outside the forward's setting
+        y.sum().backward()
+    assert seen and all(b == "reference" for b in seen), seen
+
+
+def test_conv_bn_relu_call_that_raises_counts_no_batch(monkeypatch):
+    """Any exception from the op (a bad channel count; a RuntimeError from inside, such as backend
+    'triton' without CUDA or the interpreter) leaves num_batches_tracked as it was."""
+    m = fusedrc.nn.ConvBNReLU(3, 4, 3).train()
+    with pytest.raises(ValueError):
+        m(torch.randn(2, 5, 8, 8))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(fusedrc.functional, "conv_bn_act", fail)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        m(torch.randn(2, 3, 8, 8))
+    assert m.bn.num_batches_tracked.item() == 0

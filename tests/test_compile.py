@@ -450,3 +450,22 @@ def test_triton_ops_expose_their_kernels_to_the_compiler():
                  expect_ops=_FUSED_NET_OPS, steps=2, tol=1e-4)
     fw, bw = _launches(graphs)
     assert (fw, bw) == (5, 4)
+
+
+def test_export_training_batchnorm_and_dynamic_batch():
+    """torch.export of fused modules: a training-mode ConvBNReLU exports (strict or not) with its
+    running statistics updated by the exported program, and the dense modules keep a dynamic batch."""
+    torch.manual_seed(0)
+    for strict in (False, True):
+        m = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1).train()
+        ep = torch.export.export(m, (torch.randn(2, 3, 6, 6),), strict=strict)
+        out = ep.module()
+        before = out.bn.running_mean.clone()
+        out(torch.randn(2, 3, 6, 6))
+        assert not torch.equal(out.bn.running_mean, before), strict
+    batch = torch.export.Dim("batch", min=2)
+    for m, x in ((fusedrc.nn.LinearReLU(8, 16), torch.randn(3, 8)),
+                 (fusedrc.nn.FusedMLP(8, 16), torch.randn(3, 8))):
+        ep = torch.export.export(m, (x,), dynamic_shapes=({0: batch},), strict=False)
+        y = ep.module()(torch.randn(5, 8))
+        assert y.shape[0] == 5
