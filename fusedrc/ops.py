@@ -141,7 +141,7 @@ linear_act_op = _custom_op("linear_act", _linear_act_impl)
 
 @linear_act_op.register_fake
 def _(x, weight, bias, activation, backend):
-    return _empty((x.shape[0], weight.shape[0]), x)
+    return _empty((*x.shape[:-1], weight.shape[0]), x)  # the op takes (*, in) as F.linear does
 
 
 def _linear_act_backward_impl(
@@ -189,7 +189,7 @@ fused_mlp_op = _custom_op("fused_mlp", _fused_mlp_impl)
 
 @fused_mlp_op.register_fake
 def _(x, w1, b1, w2, b2, activation, backend):
-    return _empty((x.shape[0], w2.shape[0]), x)
+    return _empty((*x.shape[:-1], w2.shape[0]), x)
 
 
 def _fused_mlp_backward_impl(
