@@ -237,10 +237,11 @@ def run_sweep(argv):
                      "weights such as a Linear's weight.t() included, which saved_activation_bytes leaves "
                      "out): plan_baseline_bytes / plan_final_bytes are its counts; convert_s = time "
                      "fusedrc.convert took, budget planning included")
-    notes.append("memory: saved_activation_bytes = distinct tensors autograd saves during the forward "
-                 "(saved-tensor hooks, parameters and views of them excluded); peak_allocated_bytes = "
-                 "torch.cuda.max_memory_allocated over one step (CUDA only; for the real models, whose copies "
-                 "share the GPU, the plot shows peak_allocated_bytes - allocated_before_step_bytes)")
+    notes.append("memory: saved_activation_bytes = the storages autograd's saved tensors keep alive during the "
+                 "forward, each counted once at its size (saved-tensor hooks, parameters and views of them "
+                 "excluded); peak_allocated_bytes = torch.cuda.max_memory_allocated over one step (CUDA only; "
+                 "ratios and plots use peak_allocated_bytes - allocated_before_step_bytes: other workloads and "
+                 "model copies share the GPU)")
     if dev.type == "cpu":
         notes.append("CPU: fusedrc runs its reference backend (pure PyTorch); its GPU advantage comes from the "
                      "Triton kernels, so parity with torch.utils.checkpoint is the CPU expectation")
