@@ -347,30 +347,39 @@ def _gemm_act_kernel(
 
 
 @triton.jit
-def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
-                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = c0 + tl.arange(0, WIDTH)
-    mask_n = offs_n < N - col0
-    mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
-    offs = offs_m[:, None] * N + offs_n[None, :]
-    if STORE_ACT:
-        tl.store(act_ptr + base + offs, _act_fwd(h, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
-    g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-    gh = _act_grad(h, g, ACTIVATION)
-    tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
-    if HAS_BIAS:
-        # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
-        col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
-        tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
-
-
-@triton.jit
 def _column_halves(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """(x[:, :WIDTH // 2], x[:, WIDTH // 2:]) of a (ROWS, WIDTH) tile."""
     return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
+                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
+    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them), in
+    SPLIT column slices one after the other (halving recursively: each slice's temporaries are
+    live alone)."""
+    if SPLIT > 1:
+        h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
+        _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = c0 + tl.arange(0, WIDTH)
+        mask_n = offs_n < N - col0
+        mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
+        offs = offs_m[:, None] * N + offs_n[None, :]
+        if STORE_ACT:
+            tl.store(act_ptr + base + offs, _act_fwd(h, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
+        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        gh = _act_grad(h, g, ACTIVATION)
+        tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
+            col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
+            tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
 
 
 @triton.jit
@@ -392,31 +401,8 @@ def _gemm_act_grad_kernel(
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     base = row0.to(tl.int64) * N + col0
-    if EPILOGUE_SPLIT == 1:
-        _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, BLOCK_N)
-    elif EPILOGUE_SPLIT == 2:
-        HALF: tl.constexpr = BLOCK_N // 2
-        h0, h1 = _column_halves(acc, BLOCK_M, BLOCK_N)
-        _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, HALF)
-        _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, HALF,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, HALF)
-    else:
-        tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
-        HALF: tl.constexpr = BLOCK_N // 2
-        QUARTER: tl.constexpr = BLOCK_N // 4
-        h0, h1 = _column_halves(acc, BLOCK_M, BLOCK_N)
-        h00, h01 = _column_halves(h0, BLOCK_M, HALF)
-        _grad_epilogue(h00, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
-        _grad_epilogue(h01, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, QUARTER,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
-        h10, h11 = _column_halves(h1, BLOCK_M, HALF)
-        _grad_epilogue(h10, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, HALF,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
-        _grad_epilogue(h11, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, HALF + QUARTER,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, QUARTER)
+    _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
+                   HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers

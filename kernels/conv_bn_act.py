@@ -379,50 +379,38 @@ def _conv_bn_fwd_kernel(
         tl.store(pmean_ptr + p_offs, t_mean, mask=mask_n)
         tl.store(pm2_ptr + p_offs, t_m2, mask=mask_n)
     if APPLY:
+        # pixel offsets again rather than held across the main loop (registers)
         o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
         r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
-        if EPILOGUE_SPLIT == 1:
-            _apply_epilogue(zf, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_N)
-        elif EPILOGUE_SPLIT == 2:
-            HALF: tl.constexpr = BLOCK_N // 2
-            z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
-            _apply_epilogue(z0, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, HALF)
-            _apply_epilogue(z1, col0 + HALF, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, HALF)
-        else:
-            tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
-            HALF: tl.constexpr = BLOCK_N // 2
-            Q: tl.constexpr = BLOCK_N // 4
-            z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
-            q0, q1 = _column_halves(z0, BLOCK_M, HALF)
-            _apply_epilogue(q0, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
-            _apply_epilogue(q1, col0 + Q, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
-            q2, q3 = _column_halves(z1, BLOCK_M, HALF)
-            _apply_epilogue(q2, col0 + HALF, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
-            _apply_epilogue(q3, col0 + HALF + Q, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                            mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, Q)
+        _apply_epilogue(zf, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
+                        mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_M, BLOCK_N,
+                        EPILOGUE_SPLIT)
 
 
 @triton.jit
 def _apply_epilogue(zf, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                    mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
-                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WIDTH: tl.constexpr):
-    """The forward's normalize + affine (+ residual) + ReLU on channels [c0, c0 + WIDTH) of its tile."""
-    offs_n = c0 + tl.arange(0, WIDTH)
-    mask_n = offs_n < C_OUT
-    mask = mask_m[:, None] & mask_n[None, :]
-    mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
-                                              HAS_W, HAS_B, WIDTH)
-    pre = _bn_pre(zf, mean, rstd, gamma, beta)
-    if HAS_RES:
-        pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = tl.where(pre < 0.0, 0.0, pre)  # ReLU; NaN stays NaN like torch.relu
-    tl.store(y_ptr + o_pix[:, None] + (offs_n * s_oc)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+                    mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                    HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
+    """The forward's normalize + affine (+ residual) + ReLU on channels [c0, c0 + WIDTH) of its
+    tile, in SPLIT column slices one after the other (as the dense grad kernel's epilogue)."""
+    if SPLIT > 1:
+        z0, z1 = _column_halves(zf, BLOCK_M, WIDTH)
+        _apply_epilogue(z0, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr, rstd_ptr,
+                        gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _apply_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr,
+                        rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+    else:
+        offs_n = c0 + tl.arange(0, WIDTH)
+        mask_n = offs_n < C_OUT
+        mask = mask_m[:, None] & mask_n[None, :]
+        mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
+                                                  HAS_W, HAS_B, WIDTH)
+        pre = _bn_pre(zf, mean, rstd, gamma, beta)
+        if HAS_RES:
+            pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+        y = tl.where(pre < 0.0, 0.0, pre)  # ReLU; NaN stays NaN like torch.relu
+        tl.store(y_ptr + o_pix[:, None] + (offs_n * s_oc)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -487,7 +475,7 @@ def _conv_bn_bwd_kernel(
     REDUCE:  per-tile partials of g and g*xhat per channel (pg, pgx: (tiles_m, C_OUT));
     EMIT_DZ: dz in x.dtype, and per-tile partials of dz (pdb) for the conv bias;
     STORE_DRES: dresidual = g; STORE_Z: the rounded z (buffered variant).
-    EPILOGUE_SPLIT 2 runs all that on the tile's two column halves one after the other
+    EPILOGUE_SPLIT (1, 2 or 4) runs all that on column slices of the tile one after the other
     (fewer registers live at once; per-channel results, so the same bits).
     """
     pid_m, pid_n = _tile_ids(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
@@ -512,48 +500,14 @@ def _conv_bn_bwd_kernel(
         if STORE_Z:
             tl.store(z_ptr + o_offs, zq, mask=mask)
         zf = zq.to(tl.float32)
+    # pixel offsets again rather than held across the main loop (registers)
     o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
     r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
     g_pix = _pix_offsets(offs_m, OH, OW, s_gn, s_gh, s_gw)
-    if EPILOGUE_SPLIT == 1:
-        _bwd_epilogue(zf, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
-                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
-                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                      HAS_W, HAS_B, BLOCK_N)
-    elif EPILOGUE_SPLIT == 2:
-        HALF: tl.constexpr = BLOCK_N // 2
-        z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
-        _bwd_epilogue(z0, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
-                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
-                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                      HAS_W, HAS_B, HALF)
-        _bwd_epilogue(z1, col0 + HALF, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
-                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
-                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                      HAS_W, HAS_B, HALF)
-    else:
-        tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
-        HALF: tl.constexpr = BLOCK_N // 2
-        Q: tl.constexpr = BLOCK_N // 4
-        z0, z1 = _column_halves(zf, BLOCK_M, BLOCK_N)
-        q0, q1 = _column_halves(z0, BLOCK_M, HALF)
-        _bwd_epilogue(q0, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
-                      s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
-                      sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
-                      HAS_RES, HAS_W, HAS_B, Q)
-        _bwd_epilogue(q1, col0 + Q, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
-                      s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
-                      sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
-                      HAS_RES, HAS_W, HAS_B, Q)
-        q2, q3 = _column_halves(z1, BLOCK_M, HALF)
-        _bwd_epilogue(q2, col0 + HALF, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc,
-                      s_rc, s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
-                      sg_ptr, sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES,
-                      HAS_BIAS, HAS_RES, HAS_W, HAS_B, Q)
-        _bwd_epilogue(q3, col0 + HALF + Q, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count,
-                      s_oc, s_rc, s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
-                      sg_ptr, sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES,
-                      HAS_BIAS, HAS_RES, HAS_W, HAS_B, Q)
+    _bwd_epilogue(zf, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
+                  g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+                  pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
+                  HAS_W, HAS_B, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -563,41 +517,54 @@ def _bwd_epilogue(
     pg_ptr, pgx_ptr, pdb_ptr,
     REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr, TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """The backward kernel's epilogue on channels [c0, c0 + WIDTH) of its tile (zf holds them)."""
-    offs_n = c0 + tl.arange(0, WIDTH)
-    mask_n = offs_n < C_OUT
-    mask = mask_m[:, None] & mask_n[None, :]
-    o_offs = o_pix[:, None] + (offs_n * s_oc)[None, :]
-    mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
-                                              HAS_W, HAS_B, WIDTH)
-    pre = _bn_pre(zf, mean, rstd, gamma, beta)
-    if HAS_RES:
-        pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask, other=0.0).to(tl.float32)
-    gout = tl.load(g_ptr + g_pix[:, None] + (offs_n * s_gc)[None, :], mask=mask, other=0.0).to(tl.float32)
-    # threshold_backward(grad, pre, 0): pre <= 0 -> 0 (a NaN pre lets grad through, as in torch)
-    g = tl.where(mask & (pre <= 0.0), 0.0, gout)
-    g = tl.where(mask, g, 0.0)
-    xhat = (zf - mean[None, :]) * rstd[None, :]
-    if STORE_DRES:
-        tl.store(dres_ptr + o_offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
-    p_offs = pid_m.to(tl.int64) * C_OUT + offs_n
-    if REDUCE:
-        tl.store(pg_ptr + p_offs, tl.sum(g, axis=0), mask=mask_n)
-        tl.store(pgx_ptr + p_offs, tl.sum(tl.where(mask, g * xhat, 0.0), axis=0), mask=mask_n)
-    if EMIT_DZ:
-        scale = (rstd * gamma)[None, :]
-        if TRAINING:
-            sg = tl.load(sg_ptr + offs_n, mask=mask_n, other=0.0)
-            sgx = tl.load(sgx_ptr + offs_n, mask=mask_n, other=0.0)
-            dz = scale * (g - (sg * inv_count)[None, :] - xhat * (sgx * inv_count)[None, :])
-        else:
-            dz = scale * g
-        dzq = dz.to(dz_ptr.dtype.element_ty)
-        tl.store(dz_ptr + o_offs, dzq, mask=mask)
-        if HAS_BIAS:
-            tl.store(pdb_ptr + p_offs, tl.sum(tl.where(mask, dzq.to(tl.float32), 0.0), axis=0), mask=mask_n)
+    """The backward kernel's epilogue on channels [c0, c0 + WIDTH) of its tile (zf holds them),
+    in SPLIT column slices one after the other (as the dense grad kernel's epilogue)."""
+    if SPLIT > 1:
+        z0, z1 = _column_halves(zf, BLOCK_M, WIDTH)
+        _bwd_epilogue(z0, c0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
+                      g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
+                      pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
+                      HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _bwd_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
+                      s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
+                      sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
+                      HAS_RES, HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+    else:
+        offs_n = c0 + tl.arange(0, WIDTH)
+        mask_n = offs_n < C_OUT
+        mask = mask_m[:, None] & mask_n[None, :]
+        o_offs = o_pix[:, None] + (offs_n * s_oc)[None, :]
+        mean, rstd, gamma, beta = _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
+                                                  HAS_W, HAS_B, WIDTH)
+        pre = _bn_pre(zf, mean, rstd, gamma, beta)
+        if HAS_RES:
+            pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
+        gout = tl.load(g_ptr + g_pix[:, None] + (offs_n * s_gc)[None, :], mask=mask, other=0.0).to(tl.float32)
+        # threshold_backward(grad, pre, 0): pre <= 0 -> 0 (a NaN pre lets grad through, as in torch)
+        g = tl.where(mask & (pre <= 0.0), 0.0, gout)
+        g = tl.where(mask, g, 0.0)
+        xhat = (zf - mean[None, :]) * rstd[None, :]
+        if STORE_DRES:
+            tl.store(dres_ptr + o_offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
+        p_offs = pid_m.to(tl.int64) * C_OUT + offs_n
+        if REDUCE:
+            tl.store(pg_ptr + p_offs, tl.sum(g, axis=0), mask=mask_n)
+            tl.store(pgx_ptr + p_offs, tl.sum(tl.where(mask, g * xhat, 0.0), axis=0), mask=mask_n)
+        if EMIT_DZ:
+            scale = (rstd * gamma)[None, :]
+            if TRAINING:
+                sg = tl.load(sg_ptr + offs_n, mask=mask_n, other=0.0)
+                sgx = tl.load(sgx_ptr + offs_n, mask=mask_n, other=0.0)
+                dz = scale * (g - (sg * inv_count)[None, :] - xhat * (sgx * inv_count)[None, :])
+            else:
+                dz = scale * g
+            dzq = dz.to(dz_ptr.dtype.element_ty)
+            tl.store(dz_ptr + o_offs, dzq, mask=mask)
+            if HAS_BIAS:
+                tl.store(pdb_ptr + p_offs, tl.sum(tl.where(mask, dzq.to(tl.float32), 0.0), axis=0), mask=mask_n)
 
 
 @triton.jit
