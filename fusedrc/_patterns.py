@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod
 
 _ACT_MODULES = {nn.ReLU: "relu", nn.SiLU: "silu"}
 
@@ -33,8 +34,7 @@ def _has_hooks(module):
     hooks (module trackers, flop counters), or a forward replaced on the instance (adapters,
     accelerate; fusedrc's own, ``mark``'s and convert's fx forward, run the class's computation).
     The fused paths then leave the call to the module."""
-    from torch.nn.modules import module as _m
-
+    _m = _module_mod
     return bool(
         module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
         or getattr(module, "_backward_pre_hooks", None)

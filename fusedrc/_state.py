@@ -25,6 +25,13 @@ _hook_users = 0
 _hook_handle = None
 
 
+def traced(t: torch.Tensor) -> bool:
+    """Whether torch is tracing an op on ``t`` rather than running it eagerly: ``t`` is a fake or
+    functional tensor, or a dispatch mode is active (make_fx, torch.export, a triton_op's body
+    under compile)."""
+    return not (type(t) in (torch.Tensor, torch.nn.Parameter) and torch._C._len_torch_dispatch_stack() == 0)
+
+
 def in_recompute() -> bool:
     """True while the current thread is rerunning a recompute region in backward."""
     return getattr(_local, "depth", 0) > 0

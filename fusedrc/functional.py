@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import ops, reference
 from ._backend import resolve_backend
+from ._state import traced
 from ._validate import check_activation, check_device, check_number, check_same, check_tensor, check_vector, pair
 
 __all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
@@ -258,8 +259,7 @@ def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, 
     dtype = running_mean.dtype
     bufs = [running_mean, running_var]
     news = [mean.to(dtype), unbiased.to(dtype)]
-    if torch.compiler.is_compiling() or type(running_mean) not in (torch.Tensor, torch.nn.Parameter) \
-            or torch._C._len_torch_dispatch_stack() > 0:
+    if torch.compiler.is_compiling() or traced(running_mean):
         torch._foreach_lerp_(bufs, news, momentum)  # traced (compile, export): a visible buffer mutation
         return
     # eager: BatchNorm's kernel updates its buffers without bumping their version counters, so a graph

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedrc._state import traced
+
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -411,17 +413,12 @@ def _gemm_act_grad_kernel(
 # constexpr flag off) is an *input* of the launch, never one of its outputs: the traced graph
 # clones each argument a kernel may write separately, and an output passed twice would come
 # back as two tensors.
-def _traced(probe: torch.Tensor) -> bool:
-    """Whether torch is tracing a launch on ``probe`` (an operand): it is a fake or functional
-    tensor, or a dispatch mode is active."""
-    return not (type(probe) in (torch.Tensor, torch.nn.Parameter) and torch._C._len_torch_dispatch_stack() == 0)
-
-
 def launcher(kernel, probe: torch.Tensor):
-    """``kernel``, or ``wrap_triton(kernel)`` when torch is tracing this launch (``_traced``).
+    """``kernel``, or ``wrap_triton(kernel)`` when torch is tracing this launch (``traced``: a
+    fake or functional operand, or an active dispatch mode).
     In a plain eager call the kernel itself: wrap_triton's eager path is a higher-order-op
     dispatch per launch."""
-    return wrap_triton(kernel) if _traced(probe) else kernel
+    return wrap_triton(kernel) if traced(probe) else kernel
 
 
 def _device_guard(t: torch.Tensor):
@@ -463,7 +460,7 @@ def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
     (fp16/bf16, or fp32 as tf32: fp32 FMA tiles read from shared memory spill on sm_90), and the
     layout TMA needs: A and B^T K-contiguous, 16-byte aligned bases and row pitches. A pure
     function of the operands: a forward and its recompute decide alike."""
-    if GEMM_TMA is False or TensorDescriptor is None or _traced(a):
+    if GEMM_TMA is False or TensorDescriptor is None or traced(a):
         return False
     if operand_class(a.dtype, dot_precision(a)) == "fp32":
         return False
