@@ -86,7 +86,7 @@ from torch import nn
 from . import functional as F
 from ._patterns import _conv_padding, _has_hooks, _is_noop_dropout, activation_name, conv_bn_relu_call
 from ._saved import SavedBytes
-from .recompute import _MARK, _is_marked, mark, unmark
+from .recompute import _is_marked, _mark, unmark
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
@@ -333,16 +333,16 @@ class _FFNHead(nn.Linear):
     two others the activation and ``fc2``: each hook sees what it would see unconverted.
     """
 
-    def __init__(self, fc1, act_mod, act_name, fc2):
+    def __init__(self, fc1, act_mod, act_name, tail, act_slot):
         nn.Module.__init__(self)
         self.in_features, self.out_features = fc1.in_features, fc1.out_features
         self.weight, self.bias = fc1.weight, fc1.bias
-        self.__dict__["_fusedrc_ffn"] = (fc1, act_mod, act_name, fc2, _FFNAct(act_mod, fc2))
+        self.__dict__["_fusedrc_ffn"] = (act_mod, act_name, tail, act_slot)
         self.__dict__["site"] = Site()
         self.site.enabled = True
 
     def forward(self, x):
-        _, act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
+        act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
         if not _nohooks(self, act_slot, tail):
             tail.__dict__["_fusedrc_split"] = True
             return nn.functional.linear(x, self.weight, self.bias)
@@ -406,7 +406,7 @@ class _FusedSequential(nn.Sequential):
     @classmethod
     def wrap(cls, seq):
         new = Wrapper.wrap.__func__(cls, seq)
-        # start index -> (end index exclusive, kind, site, activation, the modules)
+        # start index -> (kind, site, activation, the group's modules)
         new.__dict__["groups"] = {}
         return new
 
@@ -420,10 +420,11 @@ class _FusedSequential(nn.Sequential):
         i = 0
         while i < len(mods):
             g = self.groups.get(i)
-            if g is not None and g[2].enabled and len(mods) >= g[0] \
-                    and all(a is b for a, b in zip(mods[i:g[0]], g[4])) and _nohooks(*mods[i:g[0]]):
-                end, kind, site, act, _ = g
-                chain = mods[i:end]
+            chain = mods[i:i + len(g[3])] if g is not None else ()
+            if g is not None and g[1].enabled and len(chain) == len(g[3]) \
+                    and all(a is b for a, b in zip(chain, g[3])) and _nohooks(*chain):
+                kind, site, act, _ = g
+                end = i + len(chain)
                 if kind == "conv_bn_relu" and _runtime_cbr_ok(chain[0], chain[1], chain[2], x):
                     x, i = _cbr(site, chain[0], chain[1], chain[2], x), end
                     continue
@@ -734,20 +735,16 @@ def _between(src, first, second):
     return [ln for ln in lines[i + 1:j] if ln and not ln.startswith("#")]
 
 
-_KV_CACHE_WARNED = []
-
-
 def _no_kv_cache(args, kwargs):
     """Whether a decoder layer's call may be recomputed: not when it is handed a KV cache, which
-    the call updates (a rerun would append the keys and values twice). Such calls run plainly."""
+    the call updates (a rerun would append the keys and values twice). Such calls run plainly
+    (warned about once per call site, by the warnings module's own registry)."""
     cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
     if cache is None and not kwargs.get("use_cache"):
         return True
-    if not _KV_CACHE_WARNED:
-        _KV_CACHE_WARNED.append(True)
-        warnings.warn("fusedrc: a decoder layer marked for recompute was called with a KV cache "
-                      "(use_cache=True); such calls run without recompute. Train with use_cache=False "
-                      "(config.use_cache = False) to recompute the layers.", stacklevel=3)
+    warnings.warn("fusedrc: a decoder layer marked for recompute was called with a KV cache "
+                  "(use_cache=True); such calls run without recompute. Train with use_cache=False "
+                  "(config.use_cache = False) to recompute the layers.", stacklevel=3)
     return False
 
 
@@ -788,8 +785,9 @@ def _opt_layer(ctx, name, m):
     # the head reads fc2's parameters from the tail, the module registered in the tree, so that
     # anything replacing registered parameters (load_state_dict(assign=True), FSDP2) reaches both
     tail = _FFNTail(fc2)
-    head = _FFNHead(fc1, act_mod, act, tail)
-    ctx.unit(unit, "ffn", _Switch(m, fc1=head, activation_fn=head.__dict__["_fusedrc_ffn"][4], fc2=tail),
+    act_slot = _FFNAct(act_mod, tail)
+    head = _FFNHead(fc1, act_mod, act, tail, act_slot)
+    ctx.unit(unit, "ffn", _Switch(m, fc1=head, activation_fn=act_slot, fc2=tail),
              _Switch(m, fc1=fc1, activation_fn=act_mod, fc2=fc2), (fc1,))
     return m
 
@@ -848,7 +846,7 @@ def _sequential(ctx, name, seq):
     keys = list(seq._modules.keys())
     for start, end, kind, act, rec in groups:
         site = _site_unit(ctx, new, _join(name, keys[start]), keys[start], kind, rec)
-        new.groups[start] = (end, kind, site, act, tuple(seq._modules.values())[start:end])
+        new.groups[start] = (kind, site, act, tuple(seq._modules.values())[start:end])
     return new
 
 
@@ -1023,9 +1021,7 @@ def _lookup(model, name):
 
 def _set_block(block, on):
     if on and not _is_marked(block.module):
-        mark(block.module)
-        if block.when is not None:
-            block.module.__dict__[_MARK]["when"] = block.when
+        _mark(block.module, when=block.when)
     elif not on and _is_marked(block.module):
         unmark(block.module)
 

@@ -542,6 +542,12 @@ def mark(module, output_recompute=False):
         >>> block = fusedrc.mark(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)))
         >>> block(torch.randn(2, 16, requires_grad=True)).sum().backward()
     """
+    return _mark(module, output_recompute)
+
+
+def _mark(module, output_recompute=False, when=None):
+    """``mark``, plus ``when(args, kwargs) -> bool``: calls it answers False for run plainly
+    (fusedrc.convert: decoder layers handed a KV cache, which a rerun would update twice)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if _is_marked(module):  # marking twice is marking once (MindSpore's Cell.recompute())
@@ -554,7 +560,7 @@ def mark(module, output_recompute=False):
                 "recomputed modules are not allowed (as in MindSpore). Unmark the inner one first."
             )
     # an instance forward already there (fusedrc.convert's fx rewrite) is what gets recomputed
-    options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward")}
+    options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward"), "when": when}
     module.__dict__[_MARK] = options
     module.__dict__["forward"] = _MarkedForward(module)
     module.__dict__["_replicate_for_data_parallel"] = _ReplicateMarked(module)
@@ -590,7 +596,7 @@ class _MarkedForward:
         options = module.__dict__[_MARK]
         original = options.get("inner") or type(module).forward.__get__(module)
         output_recompute = options["output_recompute"]
-        when = options.get("when")  # set by fusedrc.convert: calls a rerun would not repeat
+        when = options.get("when")
         if when is not None and not when(args, kwargs):
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
