@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import signal
 
 import torch
 from torch import nn
@@ -91,10 +90,7 @@ def main():
                                                       ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
     records = []
 
-    def stop(signum, frame):  # the session script's `timeout` sends SIGTERM: keep what was measured
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+    measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
     complete = False
     try:
         for shape in SHAPES:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 
 import torch
 
@@ -146,36 +145,36 @@ def sweep_conv(dtype, batch, records):
         k._TABLE.update(saved)
 
 
-# conv kernels that run in the default training path (dX/dW are cuDNN by default)
+# the implicit-GEMM conv passes (training: stats, reduce, emit_dz; eval / FWD_RECOMPUTE: apply);
+# dX/dW are cuDNN by default
 _STATIC_CONV_MODES = {"stats", "apply", "reduce", "emit_dz"}
 
 
+def _candidate_specs(module, config_cls, key, candidates, kind, keep):
+    """``module.inspect_specs()`` with its table swapped for one candidate at a time (at ``key``),
+    the specs ``keep`` accepts, each tagged with its kind and candidate."""
+    table = module._TABLE
+    specs = []
+    try:
+        for cand in candidates:
+            cfg = config_cls(*cand)
+            module._TABLE = {key: cfg}
+            specs += [dict(sp, kind=kind, candidate=list(cfg)) for sp in module.inspect_specs() if keep(sp)]
+    finally:
+        module._TABLE = table
+    return specs
+
+
 def _static_specs(dtype):
-    """sm_90 compile specs of every candidate, built by the kernels modules' own inspect_specs
-    with the table swapped for one candidate at a time."""
+    """sm_90 compile specs of every candidate, built by the kernels modules' own inspect_specs."""
     from fusedrc.kernels import _common
     from fusedrc.kernels import conv_bn_act as ck
 
-    specs = []
-    table = _common._TABLE
-    try:
-        for cand in DENSE_CANDIDATES:
-            cfg = _common.GemmConfig(*cand)
-            _common._TABLE = {("sm90", "16bit", "candidate"): cfg}
-            specs += [dict(sp, kind="dense", candidate=list(cfg)) for sp in _common.inspect_specs()
-                      if sp["dtype"] == dtype]
-    finally:
-        _common._TABLE = table
-    table = ck._TABLE
-    try:
-        for cand in CONV_CANDIDATES:
-            cfg = ck.ConvConfig(*cand)
-            ck._TABLE = {("sm90", "16bit", "wide"): cfg}
-            specs += [dict(sp, kind="conv", candidate=list(cfg)) for sp in ck.inspect_specs()
-                      if sp["dtype"] == dtype and sp["gemm"] and sp["config"].get("mode") in _STATIC_CONV_MODES]
-    finally:
-        ck._TABLE = table
-    return specs
+    return (_candidate_specs(_common, _common.GemmConfig, ("sm90", "16bit", "candidate"), DENSE_CANDIDATES,
+                             "dense", lambda sp: sp["dtype"] == dtype)
+            + _candidate_specs(ck, ck.ConvConfig, ("sm90", "16bit", "wide"), CONV_CANDIDATES, "conv",
+                               lambda sp: sp["dtype"] == dtype and sp["gemm"]
+                               and sp["config"].get("mode") in _STATIC_CONV_MODES))
 
 
 def _compile_one(i):
@@ -256,10 +255,7 @@ def main():
     torch.backends.cudnn.allow_tf32 = False
     records = []
 
-    def stop(signum, frame):  # `timeout` sends SIGTERM: keep what was measured
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+    measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
     complete = False
     try:
         if args.only in (None, "dense"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -155,6 +156,16 @@ def git_info():
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain", "--untracked-files=no") if commit else None
     return commit, (bool(status) if status is not None else None)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def interrupt_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout`` in benchmarks/gpu_session.sh) into KeyboardInterrupt, so a script
+    that catches it can still write the records it measured."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def write_results(out_dir, stem: str, kind: str, device: torch.device, **fields) -> Path:

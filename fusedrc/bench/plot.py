@@ -68,23 +68,14 @@ def _declutter(fig, ax, texts, tries=14):
 
 
 def _memory(doc, c):
-    """Synthetic workloads: saved activation bytes (CPU), or the step's peak above what was resident
-    before it (CUDA: the sweep's other workloads stay resident while one is measured)."""
+    """Saved activation bytes (CPU), or on CUDA the step's peak above what was resident before it
+    (the sweep's other workloads, and the real models' strategy copies, stay resident), or the
+    plain peak where a file has no resident figure."""
     if doc["device"]["type"] == "cuda" and c.get("peak_allocated_bytes"):
         if c.get("allocated_before_step_bytes") is not None:
             return ((c["peak_allocated_bytes"] - c["allocated_before_step_bytes"]) / 2**20,
                     "peak memory of a step above what was resident (MiB)")
         return c["peak_allocated_bytes"] / 2**20, "peak allocated memory per step (MiB)"
-    return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
-
-
-def _model_memory(doc, c):
-    """Real models: saved activation bytes (CPU), or the step's peak above what was resident before it
-    (CUDA: every strategy's model copy shares the GPU)."""
-    if doc["device"]["type"] == "cuda" and c.get("peak_allocated_bytes") is not None \
-            and c.get("allocated_before_step_bytes") is not None:
-        return ((c["peak_allocated_bytes"] - c["allocated_before_step_bytes"]) / 2**20,
-                "peak memory of a step above the resident weights (MiB)")
     return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
 
 
@@ -131,8 +122,8 @@ def _plot_model(doc, wl, cs, plots_dir):
                 pts += [(c, plabel or f"b={c['knob']:g}") for c in got]
             if len(pts) < 2:
                 continue
-            xs = [_model_memory(doc, c)[0] for c, _ in pts]
-            xlabel = _model_memory(doc, pts[-1][0])[1]
+            xs = [_memory(doc, c)[0] for c, _ in pts]
+            xlabel = _memory(doc, pts[-1][0])[1]
             ys = [c["median_s"] * 1e3 for c, _ in pts]
             handles[label] = ax.errorbar(xs, ys, yerr=_yerr([c for c, _ in pts]), color=color, marker=marker, ms=7, lw=1.6, capsize=3,
                                          label=label, zorder=3 if "fusedrc" in label else 2)
@@ -142,14 +133,14 @@ def _plot_model(doc, wl, cs, plots_dir):
                 texts.append(ax.annotate(plabel, (x, y), xytext=_MODEL_OFFSET[color], textcoords="offset points",
                                          fontsize=8, color=color, ha="center", va="center"))
         if base is not None:
-            m, xlabel = _model_memory(doc, base)
+            m, xlabel = _memory(doc, base)
             handles["original (no recompute)"] = ax.errorbar(
                 [m], [base["median_s"] * 1e3],
                 yerr=_yerr([base]),
                 color=STYLE["no_recompute"][1], marker="s", ms=9, ls="none", capsize=3, zorder=4,
                 label="original (no recompute)")
         unit = "images" if wl == "resnet50" else "sequences"
-        _finish_axes(ax, xlabel, f"batch {b} {unit}", max(_model_memory(doc, c)[0] for c in rows),
+        _finish_axes(ax, xlabel, f"batch {b} {unit}", max(_memory(doc, c)[0] for c in rows),
                      1.35 * max(c["median_s"] for c in rows) * 1e3)
         all_texts.append(texts)
     info = doc["workloads"].get(wl, {})
