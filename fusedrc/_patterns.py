@@ -2,8 +2,8 @@
 
 ``match(block, args, kwargs)`` returns a zero-argument callable running the fused
 op, or None when the block is not a recognised pattern or the call has
-something the fused op does not model (hooks, autocast, a dtype mismatch, a
-Dropout with p > 0 in training, a BatchNorm in an unusual configuration). None
+something the fused op does not model (hooks, a dtype mismatch, a dropout other
+than ``nn.Dropout`` between an FFN's layers, a BatchNorm in an unusual configuration). None
 means the generic recompute path, which is always correct.
 """
 from __future__ import annotations
@@ -46,6 +46,15 @@ def _has_hooks(module):
 
 def _is_noop_dropout(module):
     return isinstance(module, nn.Dropout) and (module.p == 0 or not module.training)
+
+
+def fused_dropout_p(module):
+    """The probability a fused FFN applies for ``module`` between its layers: 0.0 for None or a
+    dropout that does nothing now, ``p`` for a training ``nn.Dropout`` (the exact class: a
+    subclass may draw its mask otherwise), None for anything the fused op cannot stand for."""
+    if module is None or _is_noop_dropout(module):
+        return 0.0
+    return float(module.p) if type(module) is nn.Dropout else None
 
 
 def _dtype_ok(m, x):
@@ -110,12 +119,13 @@ def match(block, args, kwargs):
     if len(mods) == 2 and _plain_linear(mods[0], x) and activation_name(mods[1]):
         lin, act = mods[0], activation_name(mods[1])
         return lambda: F.linear_act(x, lin.weight, lin.bias, act)
+    p = fused_dropout_p(mods[2]) if len(mods) == 4 else 0.0
     if (
-        len(mods) == 3 and _plain_linear(mods[0], x) and activation_name(mods[1])
-        and _plain_linear(mods[2], x) and mods[2].in_features == mods[0].out_features
+        len(mods) in (3, 4) and p is not None and _plain_linear(mods[0], x) and activation_name(mods[1])
+        and _plain_linear(mods[-1], x) and mods[-1].in_features == mods[0].out_features
     ):
-        fc1, act, fc2 = mods[0], activation_name(mods[1]), mods[2]
-        return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act)
+        fc1, act, fc2 = mods[0], activation_name(mods[1]), mods[-1]
+        return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act, dropout_p=p)
     if (
         len(mods) == 3 and _plain_conv(mods[0], x) and _plain_bn(mods[1], mods[0].out_channels)
         and type(mods[2]) is nn.ReLU

@@ -6,9 +6,11 @@
   ``Conv2d -> BatchNorm2d -> (+ identity) -> ReLU`` residual tail (torchvision
   ``BasicBlock``/``Bottleneck`` and the ResNet stem): they run
   :func:`fusedrc.functional.conv_bn_act` (``residual=`` for the tail);
-* every FFN ``Linear -> act -> [Dropout(p=0)] -> Linear`` (plain ``nn.Sequential``,
+* every FFN ``Linear -> act -> [Dropout] -> Linear`` (plain ``nn.Sequential``,
   Hugging Face ``OPTDecoderLayer`` and ``T5DenseActDense``): it runs
-  :func:`fusedrc.functional.fused_mlp`; a lone ``Linear -> act`` runs ``linear_act``;
+  :func:`fusedrc.functional.fused_mlp`, an ``nn.Dropout`` between the layers fused into it
+  (mask regenerated in backward: same distribution, its own random stream); a lone
+  ``Linear -> act`` runs ``linear_act``;
 
 and, with ``policy="blocks"`` or a ``memory_budget``, recomputes whole blocks with
 :func:`fusedrc.mark` (MindSpore's ``Cell.recompute()``), fused ops inside.
@@ -29,7 +31,7 @@ How patterns are found
    [Dropout] -> Linear become one call of a parameter-free fused module.
 
 Anything that would change semantics is left as it is and reported in the plan
-(a ``Dropout(p>0)`` inside an FFN, an unknown activation, grouped convolutions,
+(a dropout inside an FFN other than one ``nn.Dropout``, an unknown activation, grouped convolutions,
 hooks on the modules, a forward that does not have the expected shape).
 
 How to add a rule
@@ -84,7 +86,7 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import _conv_padding, _has_hooks, _is_noop_dropout, activation_name, conv_bn_relu_call
+from ._patterns import _conv_padding, _has_hooks, activation_name, conv_bn_relu_call, fused_dropout_p
 from ._saved import SavedBytes
 from .recompute import _is_marked, _mark, unmark
 
@@ -297,13 +299,28 @@ class FusedResNet(Wrapper):
         return self.fc(x)
 
 
+def _chain_dropout_p(drops):
+    """The one dropout probability a fused FFN applies for the dropout modules between its
+    layers (0.0: none acts now), or None: one of them is not an ``nn.Dropout``, or two act."""
+    ps = [fused_dropout_p(d) for d in drops]
+    if None in ps or sum(p > 0 for p in ps) > 1:
+        return None
+    return max(ps, default=0.0)
+
+
+def _static_dropouts_ok(drops) -> bool:
+    """Whether the dropouts between an FFN's layers can be fused whatever the training mode."""
+    return all(isinstance(d, nn.Dropout) and (type(d) is nn.Dropout or d.p == 0) for d in drops) \
+        and sum(d.p > 0 for d in drops) <= 1
+
+
 def _ffn_runtime_ok(fc1, act_mod, drop, fc2, x):
     return (
         isinstance(x, torch.Tensor) and x.is_floating_point() and fc1.weight.dtype == fc2.weight.dtype
         # under autocast the input of a later FFN is already half: the op casts as F.linear does
         and (x.dtype == fc1.weight.dtype or torch.is_autocast_enabled(x.device.type))
         and x.device == fc1.weight.device
-        and (drop is None or _is_noop_dropout(drop) or (isinstance(drop, nn.Dropout) and drop.p == 0))
+        and fused_dropout_p(drop) is not None
         and _nohooks(fc1, act_mod, drop, fc2)
     )
 
@@ -318,7 +335,8 @@ class FusedT5DenseActDense(Wrapper):
             return self.plain(hidden_states)
         act = self.__dict__["_fusedrc_act"]
         return _run_site(
-            site, lambda x: F.fused_mlp(x, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, act),
+            site, lambda x: F.fused_mlp(x, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, act,
+                                        dropout_p=fused_dropout_p(self.dropout)),
             self.plain, hidden_states,
         )
 
@@ -429,15 +447,14 @@ class _FusedSequential(nn.Sequential):
                     x, i = _cbr(site, chain[0], chain[1], chain[2], x), end
                     continue
                 lin = [m for m in chain if isinstance(m, nn.Linear)]
-                drops = [m for m in chain if isinstance(m, nn.Dropout)]
-                if kind == "ffn" and _ffn_runtime_ok(lin[0], None, drops[0] if drops else None, lin[1], x) \
-                        and all(_is_noop_dropout(d) or d.p == 0 for d in drops):
+                p = _chain_dropout_p(chain[2:-1]) if kind == "ffn" else None
+                if p is not None and _ffn_runtime_ok(lin[0], None, None, lin[1], x):
                     def plain(x, chain=chain):
                         for m in chain:
                             x = m(x)
                         return x
-                    x = _run_site(site, lambda x, a=lin[0], b=lin[1], act=act:
-                                  F.fused_mlp(x, a.weight, a.bias, b.weight, b.bias, act), plain, x)
+                    x = _run_site(site, lambda x, a=lin[0], b=lin[1], act=act, p=p:
+                                  F.fused_mlp(x, a.weight, a.bias, b.weight, b.bias, act, dropout_p=p), plain, x)
                     i = end
                     continue
                 if kind == "linear_act" and _ffn_runtime_ok(lin[0], None, None, lin[0], x):
@@ -473,13 +490,13 @@ class _FxFused(nn.Module):
             return x
 
         lin = [m for m in mods if isinstance(m, nn.Linear)]
-        drops = [m for m in mods if isinstance(m, nn.Dropout)]
-        if not (self.site.enabled and _ffn_runtime_ok(lin[0], None, drops[0] if drops else None, lin[-1], x)
+        p = _chain_dropout_p(mods[2:-1]) if self.kind == "ffn" else 0.0
+        if not (self.site.enabled and p is not None and _ffn_runtime_ok(lin[0], None, None, lin[-1], x)
                 and _nohooks(*mods)):
             return plain(x)
         if self.kind == "ffn":
             return _run_site(self.site, lambda x: F.fused_mlp(x, lin[0].weight, lin[0].bias, lin[1].weight,
-                                                             lin[1].bias, self.act), plain, x)
+                                                             lin[1].bias, self.act, dropout_p=p), plain, x)
         return _run_site(self.site, lambda x: F.linear_act(x, lin[0].weight, lin[0].bias, self.act), plain, x)
 
     def extra_repr(self):
@@ -706,8 +723,8 @@ def _t5_dense(ctx, name, m):
     if act is None:
         ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
         return m
-    if isinstance(m.dropout, nn.Dropout) and m.dropout.p > 0:
-        ctx.skip(name, f"Dropout(p={m.dropout.p}) between wi and wo (config dropout_rate): fusing would drop it")
+    if not _static_dropouts_ok([m.dropout]):
+        ctx.skip(name, f"{type(m.dropout).__name__} between wi and wo has no fused form")
         return m
     if not (type(m.wi) is nn.Linear and type(m.wo) is nn.Linear):
         ctx.skip(name, "wi/wo are not plain nn.Linear")
@@ -819,8 +836,9 @@ def _seq_groups(seq, prefix, ctx):
             if j < len(mods) and type(mods[j]) is nn.Linear and mods[j].in_features == m.out_features:
                 if act is None:
                     ctx.skip(_join(prefix, keys[i]), f"activation {type(mods[i + 1]).__name__} has no fused form")
-                elif any(d.p > 0 for d in drops):
-                    ctx.skip(_join(prefix, keys[i]), "Dropout(p>0) between the FFN's Linears: fusing would drop it")
+                elif not _static_dropouts_ok(drops):
+                    ctx.skip(_join(prefix, keys[i]), "dropouts between the FFN's Linears other than one "
+                                                     "nn.Dropout: no fused form")
                 else:
                     groups.append((i, j + 1, "ffn", act, (m,)))
                     i = j + 1
@@ -942,8 +960,9 @@ def _fx_pass(ctx, model):
                     cur = nxt
                     nxt = single(cur)
                 if nxt and type(mod(nxt)) is nn.Linear and mod(nxt).in_features == m.out_features:
-                    if any(mod(d).p > 0 for d in drops):
-                        ctx.skip(node.target, "Dropout(p>0) between the FFN's Linears: fusing would drop it")
+                    if not _static_dropouts_ok([mod(d) for d in drops]):
+                        ctx.skip(node.target, "dropouts between the FFN's Linears other than one nn.Dropout: "
+                                              "no fused form")
                     else:
                         chain = [node, n1, *drops, nxt]
                         kind, modules = "ffn", [m, a, *[mod(d) for d in drops], mod(nxt)]

@@ -111,18 +111,27 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def fused_mlp(
-    x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str = "relu"
+    x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str = "relu",
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """The transformer FFN ``act(x W1ᵀ + b1) W2ᵀ + b2``, keeping only ``x`` for backward.
 
     Backward runs 5 GEMMs (the output GEMM is not rerun) and never stores the
     hidden activation: 7 GEMMs a step, like ``torch.utils.checkpoint``.
 
+    With ``dropout_p > 0`` the hidden activation goes through dropout
+    (``F.dropout(act(h), dropout_p)``, training semantics: pass 0 in eval). Its mask is
+    never stored: it is a function of a seed drawn from the default generator of
+    ``x``'s device (so ``torch.manual_seed`` and the RNG replay of a recompute region
+    reproduce it) and the backward regenerates it. The mask follows its own stream:
+    equal in distribution to ``F.dropout``'s, not element for element.
+
     Args:
         x: ``(*, in_features)``, floating point.
         w1, b1: first layer, ``(hidden, in_features)`` and ``(hidden,)`` or None.
         w2, b2: second layer, ``(out_features, hidden)`` and ``(out_features,)`` or None.
         activation: as in :func:`linear_act`.
+        dropout_p: probability of zeroing a hidden element, in ``[0, 1]``.
 
     Returns:
         ``(*, out_features)``, in ``x``'s dtype.
@@ -139,13 +148,18 @@ def fused_mlp(
     check_tensor(x, "input", min_ndim=1)
     _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w2, "w2", 2, False), (b2, "b2", 1, True))
     check_activation(activation)
+    dropout_p = check_number(dropout_p, "dropout_p", min_value=0.0)
+    if not isinstance(dropout_p, (torch.SymFloat, torch.SymInt)) and dropout_p > 1:
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_linear(x, w1, b1, "w1", "b1")
     _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
-    y = ops.pick("fused_mlp", x, backend)(_rows(x), w1, b1, w2, b2, activation, backend)
+    # the mask's seed, from x's device's default generator: a device-side draw, no host sync
+    seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None
+    y = ops.pick("fused_mlp", x, backend)(_rows(x), w1, b1, w2, b2, activation, backend, float(dropout_p), seed)
     return _unview(y, lead, w2.shape[0])
 
 

@@ -79,6 +79,13 @@ class LinearReLU(nn.Linear):
         return super().extra_repr() + f", activation={self.activation!r}"
 
 
+def _check_p(p) -> float:
+    p = check_number(p, "dropout", min_value=0.0)
+    if p > 1:
+        raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
+    return p
+
+
 class FusedMLP(nn.Module):
     """The transformer FFN ``fc2(act(fc1(x)))``, keeping only ``x`` for backward.
 
@@ -91,6 +98,8 @@ class FusedMLP(nn.Module):
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for both layers.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+        dropout: dropout probability on the hidden activation in training mode (``nn.Dropout``
+            between the layers), fused: its mask is regenerated in backward, never stored.
 
     Example::
 
@@ -100,38 +109,51 @@ class FusedMLP(nn.Module):
     """
 
     def __init__(self, in_features, hidden_features, out_features=None, bias=True, activation="relu",
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, dropout=0.0):
         check_int(in_features, "in_features")
         check_int(hidden_features, "hidden_features")
         if out_features is not None:
             check_int(out_features, "out_features")
         check_activation(activation)
+        dropout = _check_p(dropout)
         super().__init__()
+        self.dropout = dropout
         out_features = in_features if out_features is None else out_features
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
         self.activation = check_activation(activation)
 
     @classmethod
-    def from_modules(cls, fc1: nn.Linear, act: nn.Module | str, fc2: nn.Linear):
-        """Wrap two ``nn.Linear`` layers (sharing their parameters) and an activation module or name."""
+    def from_modules(cls, fc1: nn.Linear, act: nn.Module | str, fc2: nn.Linear, dropout: float = 0.0):
+        """Wrap two ``nn.Linear`` layers (sharing their parameters), an activation module or name and
+        a dropout probability (or the ``nn.Dropout`` between them)."""
         check_module(fc1, "fc1", nn.Linear)
         check_module(fc2, "fc2", nn.Linear)
         name = _act_name(act)
         if fc2.in_features != fc1.out_features:
             raise ValueError(f"fc2.in_features ({fc2.in_features}) must equal fc1.out_features ({fc1.out_features})")
+        if isinstance(dropout, nn.Module):
+            if type(dropout) is not nn.Dropout:
+                raise TypeError(f"dropout must be a float or an nn.Dropout, got {type(dropout).__name__}")
+            dropout = dropout.p
+        p = _check_p(dropout)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.fc1, m.fc2, m.activation = fc1, fc2, name
+        m.fc1, m.fc2, m.activation, m.dropout = fc1, fc2, name, p
         return m
 
     def forward(self, x):
-        """``fc2(act(fc1(x)))`` for ``x`` of shape ``(*, in_features)``."""
+        """``fc2(dropout(act(fc1(x))))`` for ``x`` of shape ``(*, in_features)``."""
         _check_features(x, "in_features", self.fc1.in_features, type(self).__name__)
-        return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation)
+        return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation,
+                           dropout_p=self.dropout if self.training else 0.0)
 
     def extra_repr(self):
-        return f"activation={self.activation!r}"
+        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
+
+    def __setstate__(self, state):
+        state.setdefault("dropout", 0.0)  # pickled before dropout existed
+        super().__setstate__(state)
 
 
 class ConvBNReLU(nn.Module):

@@ -395,7 +395,7 @@ def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use
     A drop-in for ``torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)``
     and for ``mindspore.recompute(block, *args)``. ``block`` is any callable or
     ``nn.Module``. When it is a recognised pattern (``nn.Sequential(Linear, act)``,
-    ``nn.Sequential(Linear, act, [Dropout(p=0)], Linear)``,
+    ``nn.Sequential(Linear, act, [Dropout], Linear)``, dropout fused,
     ``nn.Sequential(Conv2d, BatchNorm2d, ReLU)`` or a ``fusedrc.nn`` module) a fused
     op runs instead: its backward recomputes inside the kernel and never reruns
     the output op.

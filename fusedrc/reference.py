@@ -65,20 +65,78 @@ def linear_act_backward(x, weight, bias, grad_out, activation):
     return dx, dweight, dbias
 
 
+# --------------------------------------------------------------------------- FFN dropout
+# The mask of a fused FFN's dropout is never stored: the backward regenerates it from a seed
+# (a 1-element int64 tensor drawn from the device's default generator at the forward).
+# This backend draws it with torch's Bernoulli sampler from a generator seeded so; the Triton
+# kernels hash (seed, row, column) with Philox (``philox_keep`` is their oracle). Both keep
+# an element with probability 1 - p and scale it by 1/(1 - p), as F.dropout does; the masks
+# of the two backends differ (as eager's and inductor's do).
+def dropout_factor(seed, shape, p, like):
+    """Dropout's multiplier (0 or 1/(1-p)) for a tensor of ``shape`` like ``like``."""
+    gen = torch.Generator(device=like.device)
+    gen.manual_seed(int(seed.reshape(()).item()))
+    keep = torch.empty(shape, device=like.device, dtype=like.dtype).bernoulli_(1 - p, generator=gen)
+    return keep.mul_(1.0 / (1 - p)) if p < 1 else keep
+
+
+def _dropped(a, dropout_p, seed):
+    return a if dropout_p == 0 else a * dropout_factor(seed, a.shape, dropout_p, a)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a, b: int):
+    """(high, low) 32-bit words of a * b for int64 tensors of uint32 values, without overflowing int64."""
+    hi = (a >> 16) * b
+    lo = (a & 0xFFFF) * b
+    return (hi + (lo >> 16)) >> 16, (((hi & 0xFFFF) << 16) + lo) & _M32
+
+
+def philox4x32(seed: int, c0: torch.Tensor, c1: torch.Tensor, rounds: int = 10):
+    """The 4 words of Philox 4x32 (``rounds`` rounds) of counters (c0, c1, 0, 0), int64 tensors of
+    uint32 values, under the 64-bit key ``seed``, as Triton's ``tl.philox`` computes them."""
+    c2 = c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mul32(c0, 0xD2511F53)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def philox_keep(seed: int, rows: int, cols: int, p: float) -> torch.Tensor:
+    """The Triton FFN's dropout mask (bool, (rows, cols), True = kept), its oracle: element (m, j)
+    takes word j % 4 of Philox 4x32-10 of the counter (j // 4, m, 0, 0) under the key ``seed``, and
+    is kept when that word's top 24 bits are >= round(p * 2**24)."""
+    quads = torch.arange(-(-cols // 4), dtype=torch.int64)
+    c0 = quads.expand(rows, -1)
+    c1 = torch.arange(rows, dtype=torch.int64)[:, None].expand_as(c0)
+    words = torch.stack(philox4x32(seed, c0, c1), dim=-1).reshape(rows, -1)[:, :cols]
+    return (words >> 8) >= round(p * 2**24)
+
+
 # --------------------------------------------------------------------------- FFN
-def fused_mlp_forward(x, w1, b1, w2, b2, activation):
-    """out = act(x W1^T + b1) W2^T + b2; x is (M, K)."""
-    return F.linear(activation_forward(F.linear(x, w1, b1), activation), w2, b2)
+def fused_mlp_forward(x, w1, b1, w2, b2, activation, dropout_p=0.0, seed=None):
+    """out = dropout(act(x W1^T + b1)) W2^T + b2; x is (M, K)."""
+    return F.linear(_dropped(activation_forward(F.linear(x, w1, b1), activation), dropout_p, seed), w2, b2)
 
 
-def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation):
+def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, seed=None):
     """5 GEMMs: g_a = g W2, recompute h, dW2 = g^T a, dX = g_h W1, dW1 = g_h^T x.
 
-    The output GEMM is not rerun. Returns (dx, dw1, db1, dw2, db2).
+    The output GEMM is not rerun; a dropout mask is regenerated from ``seed``.
+    Returns (dx, dw1, db1, dw2, db2).
     """
     grad_a = grad_out.mm(w2)
     h = F.linear(x, w1, b1)
     a = activation_forward(h, activation)
+    if dropout_p != 0:
+        factor = dropout_factor(seed, a.shape, dropout_p, a)
+        a, grad_a = a * factor, grad_a * factor
+        del factor
     dw2 = grad_out.t().mm(a)
     del a
     db2 = grad_out.sum(0) if b2 is not None else None

@@ -321,31 +321,41 @@ def _add_bias(acc, bias_ptr, N, col0, BLOCK_N: tl.constexpr):
     return acc + bias[None, :]
 
 
-# --------------------------------------------------------------------------- kernels
-# Outputs (and the incoming gradient of the grad kernel) are contiguous (M, N):
-# one 32-bit in-tile offset tensor serves all of them, from a 64-bit tile base.
 @triton.jit
-def _gemm_act_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    if HAS_BIAS:
-        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
-    y = _act_fwd(acc, ACTIVATION)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
-    base = row0.to(tl.int64) * N + col0
-    tl.store(c_ptr + base + (offs_m[:, None] * N + offs_n[None, :]), y.to(c_ptr.dtype.element_ty), mask=mask)
+def _dropout_factor(seed, rows, col_start, threshold, scale, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Dropout's factor (``scale`` = 1/(1-p), or 0) for columns [col_start, col_start + WIDTH) of
+    ``rows``: a pure function of the seed and each element's (row, column), whatever the tile, so
+    the backward regenerates the forward's mask and nothing is stored. Philox 4x32-10 of the
+    counter (column // 4, row, 0, 0) gives the words of 4 adjacent columns at once (its oracle:
+    ``fusedrc.reference.philox_keep``); a word's top 24 bits against ``threshold`` =
+    round(p * 2**24). A factor, not a select: a dropped NaN stays NaN, as ``x * mask`` in torch."""
+    quad = (col_start // 4 + tl.arange(0, WIDTH // 4)).to(tl.uint32)
+    c0 = tl.broadcast_to(quad[None, :], (ROWS, WIDTH // 4))
+    c1 = tl.broadcast_to(rows.to(tl.uint32)[:, None], (ROWS, WIDTH // 4))
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (ROWS, WIDTH))  # column 4q + i <- r_i
+    return tl.where((r >> 8).to(tl.int32) >= threshold, scale, 0.0)
+
+
+@triton.jit
+def _fwd_epilogue(y, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
+                  DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
+    """Store columns [c0, c0 + WIDTH) of the forward's tile (y holds them, activated), through
+    dropout, in SPLIT column slices one after the other (the mask's temporaries live per slice)."""
+    if SPLIT > 1:
+        y0, y1 = _column_halves(y, BLOCK_M, WIDTH)
+        _fwd_epilogue(y0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
+                      DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _fwd_epilogue(y1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold, drop_scale,
+                      DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = c0 + tl.arange(0, WIDTH)
+        if DROPOUT:
+            y = y * _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
+        mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
+        tl.store(c_ptr + base + (offs_m[:, None] * N + offs_n[None, :]), y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -354,9 +364,35 @@ def _column_halves(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
 
 
+# --------------------------------------------------------------------------- kernels
+# Outputs (and the incoming gradient of the grad kernel) are contiguous (M, N):
+# one 32-bit in-tile offset tensor serves all of them, from a 64-bit tile base.
+@triton.jit
+def _gemm_act_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    _fwd_epilogue(_act_fwd(acc, ACTIVATION), c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
+                  drop_threshold, drop_scale, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
 @triton.jit
 def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
-                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+                   seed, drop_threshold, drop_scale,
+                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them), in
     SPLIT column slices one after the other (halving recursively: each slice's temporaries are
@@ -364,18 +400,27 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0,
     if SPLIT > 1:
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
         _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                       seed, drop_threshold, drop_scale,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                       seed, drop_threshold, drop_scale,
+                       HAS_BIAS, STORE_ACT, ACTIVATION, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = c0 + tl.arange(0, WIDTH)
         mask_n = offs_n < N - col0
         mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
         offs = offs_m[:, None] * N + offs_n[None, :]
-        if STORE_ACT:
-            tl.store(act_ptr + base + offs, _act_fwd(h, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
         g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
+            factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
+            if STORE_ACT:
+                tl.store(act_ptr + base + offs, (_act_fwd(h, ACTIVATION) * factor).to(act_ptr.dtype.element_ty),
+                         mask=mask)
+            g = g * factor
+        elif STORE_ACT:
+            tl.store(act_ptr + base + offs, _act_fwd(h, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
         gh = _act_grad(h, g, ACTIVATION)
         tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -386,10 +431,10 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0,
 
 @triton.jit
 def _gemm_act_grad_kernel(
-    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr,
+    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -403,8 +448,10 @@ def _gemm_act_grad_kernel(
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     base = row0.to(tl.int64) * N + col0
+    seed = tl.load(seed_ptr) if DROPOUT else 0
     _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
-                   HAS_BIAS, STORE_ACT, ACTIVATION, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+                   seed, drop_threshold, drop_scale,
+                   HAS_BIAS, STORE_ACT, ACTIVATION, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -489,11 +536,22 @@ def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
     return precision, cfg
 
 
+def _dropout_args(dropout, probe: torch.Tensor):
+    """(seed pointer, threshold, scale, DROPOUT) of a launch; ``dropout`` is None or (p, seed), seed a
+    1-element int64 tensor on the operands' device."""
+    if dropout is None or dropout[0] == 0:
+        return probe, 0, 1.0, False
+    p, seed = dropout
+    return seed, min(round(p * 2**24), 2**24), (1.0 / (1.0 - p) if p < 1 else 0.0), True
+
+
 def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", out_dtype=None,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: GemmConfig | None = None, dropout=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N) of any strides; output (M, N) contiguous.
 
-    ``config`` overrides the table (tests only: callers that recompute must not).
+    ``dropout``: None or ``(p, seed)``: dropout on act(...), its mask a function of the seed
+    and the element's index (``_dropout_factor``). ``config`` overrides the table (tests only:
+    callers that recompute must not).
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
     M, K = a.shape
@@ -510,14 +568,17 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     tma = _use_tma(a, b)
     a_arg, b_arg = _operands(a, b, cfg, tma)
+    seed, threshold, scale, has_dropout = _dropout_args(dropout, a)
     with _device_guard(a):
         launcher(_gemm_act_kernel, a)[grid](
-            a_arg, b_arg, bias if bias is not None else a, out,
+            a_arg, b_arg, bias if bias is not None else a, out, seed,
             M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            HAS_BIAS=bias is not None, ACTIVATION=activation,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale,
+            HAS_BIAS=bias is not None, ACTIVATION=activation, DROPOUT=has_dropout,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
+            # a plain epilogue is light: in one piece; the dropout mask's in the grad kernel's slices
+            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT if has_dropout else 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
@@ -549,12 +610,14 @@ def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None) -> t
 
 
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
-                  store_act: bool = False, config: GemmConfig | None = None):
+                  store_act: bool = False, config: GemmConfig | None = None, dropout=None):
     """Recompute h = a @ b + bias in tiles and return (g_h, act(h) or None, dbias or None).
 
     g_h = act'(h) * grad, in a's dtype; dbias = sum over rows of g_h (fp32 partial
     sums per row tile, reduced here), in bias's dtype. Uses the same tile table
     entry as ``gemm_act`` for the same (a, b), hence the same h bit for bit.
+    With ``dropout`` (as given to ``gemm_act``) ``grad`` is the gradient of dropout(act(h)):
+    g_h = act'(h) * mask * grad, and the stored activation is dropout(act(h)).
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
     M, K = a.shape
@@ -577,13 +640,14 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     grad = grad.contiguous()  # no copy in the usual case
     tma = _use_tma(a, b)
     a_arg, b_arg = _operands(a, b, cfg, tma)
+    seed, threshold, scale, has_dropout = _dropout_args(dropout, a)
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
             a_arg, b_arg, bias if bias is not None else a, grad, gh, act if act is not None else a,
-            part if part is not None else a,
+            part if part is not None else a, seed,
             M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale,
+            HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation, DROPOUT=has_dropout,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
             EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -622,9 +686,10 @@ def _inspect_signature(kernel, dtype: torch.dtype):
     else:
         sig = {"a_ptr": ptr, "b_ptr": ptr, "bias_ptr": ptr, "g_ptr": ptr, "gh_ptr": ptr, "act_ptr": ptr,
                "part_ptr": "*fp32"}
+    sig["seed_ptr"] = "*i64"
     aligned = list(sig)
     sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
-                "stride_bk": "constexpr", "stride_bn": "i32"})
+                "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
     aligned += ["M", "N", "K", "stride_am", "stride_bn"]
     return sig, aligned
 
@@ -635,7 +700,8 @@ def inspect_specs():
     matching input precision for "tf32"/"fp32" entries; activation "gelu" (the
     heaviest epilogue), bias on, EVEN_K, and STORE_ACT on for the grad kernel
     (as ``fused_mlp`` launches it). sm_90 entries also with TMA loads (``GEMM_TMA``;
-    config ``"loads": "tma"``)."""
+    config ``"loads": "tma"``); bf16 entries also with the FFN's dropout in the epilogue
+    (config ``"dropout": true``: Philox per element, the heaviest epilogue)."""
     specs = []
     by_key = {}
     for (family, opclass, bucket), cfg in _TABLE.items():
@@ -648,17 +714,19 @@ def inspect_specs():
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
         tma_ok = arch == "sm_90" and opclass != "fp32" and TensorDescriptor is not None
         loads = (False, True) if tma_ok else (False,)
-        for (kernel, name), dtype_precision, tma in itertools.product(
+        for (kernel, name), dtype_precision, tma, dropout in itertools.product(
                 ((_gemm_act_kernel, "_gemm_act_kernel"), (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")),
-                variants, loads):
+                variants, loads, (False, True)):
             dtype, precision = dtype_precision
-            key = (name, arch, dtype, precision, cfg, tma)
+            if dropout and (tma or dtype != torch.bfloat16):
+                continue  # the epilogue's cost: one dtype, pointer loads
+            key = (name, arch, dtype, precision, cfg, tma, dropout)
             label = f"{family}/{opclass}/{bucket}"
             if key in by_key:  # identical compile: one spec, both table entries named
                 by_key[key]["source"] += "," + label
                 continue
             sig, aligned = _inspect_signature(kernel, dtype)
-            constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True}
+            constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "DROPOUT": dropout}
             if tma:  # descriptors of A (M, K) and B^T (N, K) with the entry's boxes
                 elt = _TRITON_PTR[dtype][1:]
                 sig["a_ptr"] = f"tensordesc<{elt}[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>"
@@ -666,7 +734,8 @@ def inspect_specs():
                 aligned = [n for n in aligned if n not in ("a_ptr", "b_ptr")]
             if kernel is _gemm_act_grad_kernel:
                 constexprs["STORE_ACT"] = True
-                constexprs["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
+            split = cfg.EPILOGUE_SPLIT if kernel is _gemm_act_grad_kernel or dropout else 1
+            constexprs["EPILOGUE_SPLIT"] = split
             constexprs.update({
                 "ACTIVATION": "gelu",
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
@@ -677,12 +746,14 @@ def inspect_specs():
                 sig[c] = "constexpr"
             config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            if kernel is _gemm_act_grad_kernel:
-                config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
+            if kernel is _gemm_act_grad_kernel or dropout:
+                config["EPILOGUE_SPLIT"] = split
             if dtype == torch.float32:
                 config["input_precision"] = precision
             if tma:
                 config["loads"] = "tma"
+            if dropout:
+                config["dropout"] = True
             spec = {
                 "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs,

@@ -157,8 +157,11 @@ def _layout_cases(device, backend, ops_by_name):
     yield op("linear_act"), (x, w1, b1, "relu", backend)
     yield op("linear_act_backward"), (x, w1, b1, g, "relu", backend)
     yield op("linear_act_backward"), (x, w1, None, g, "gelu", backend)
-    yield op("fused_mlp"), (x, w1, None, w2, b2, "silu", backend)
-    yield op("fused_mlp_backward"), (x, w1, None, w2, b2, t(4, 5), "silu", backend)
+    yield op("fused_mlp"), (x, w1, None, w2, b2, "silu", backend, 0.0, None)
+    yield op("fused_mlp_backward"), (x, w1, None, w2, b2, t(4, 5), "silu", backend, 0.0, None)
+    seed = torch.tensor([7], device=device)
+    yield op("fused_mlp"), (x, w1, b1, w2, b2, "gelu", backend, 0.25, seed)
+    yield op("fused_mlp_backward"), (x, w1, b1, w2, b2, t(4, 5), "gelu", backend, 0.25, seed)
     geometry = (1e-5, [1, 1], [1, 1], [1, 1], "relu", backend)
     for dtype, cl in ((torch.float32, True), (torch.float32, False), (torch.float16, True), (torch.float64, False)):
         if dtype == torch.float16 and device == "cpu" and backend == "reference":

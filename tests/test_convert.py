@@ -277,13 +277,33 @@ def test_t5_forward_backward_bytes_steps():
     assert _train_losses(copy.deepcopy(conv), batches, call) == pytest.approx(ref, rel=1e-4)
 
 
-def test_t5_dropout_between_is_left_and_reported():
+def test_t5_dropout_between_is_fused(monkeypatch):
+    # T5's default dropout_rate (0.1) sits between wi and wo: the fused FFN applies it, its mask
+    # regenerated in backward (own stream: equal to the original's in eval, in distribution in training)
     model = _t5(dropout_rate=0.1)
-    with pytest.warns(UserWarning, match=r"Dropout\(p=0.1\) between wi and wo"):
-        conv = fusedrc.convert(model)
+    conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
-    assert not plan.fused and len(plan.skipped) == 4
-    assert type(conv.encoder.block[0].layer[1].DenseReluDense).__name__ == "T5DenseActDense"
+    assert len(plan.fused) == 4 and not plan.skipped
+    ps = []
+    real = fusedrc.functional.fused_mlp
+
+    def spy(*args, dropout_p=0.0, **kwargs):
+        ps.append(dropout_p)
+        return real(*args, dropout_p=dropout_p, **kwargs)
+    monkeypatch.setattr(fusedrc.functional, "fused_mlp", spy)
+    ids, dec = torch.randint(1, 128, (2, 8)), torch.randint(1, 128, (2, 4))
+    model.eval(), conv.eval()
+    assert rel_err(conv(input_ids=ids, labels=dec).loss, model(input_ids=ids, labels=dec).loss) <= TOL
+    assert ps == [0.0] * 4
+    conv.train()
+    ps.clear()
+    torch.manual_seed(1)
+    la = conv(input_ids=ids, labels=dec).loss
+    torch.manual_seed(1)
+    lb = conv(input_ids=ids, labels=dec).loss
+    assert ps == [0.1] * 8 and torch.equal(la, lb)
+    la.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in conv.parameters() if p.requires_grad)
 
 
 # --------------------------------------------------------------------------- plain models
@@ -318,10 +338,10 @@ def test_sequential_patterns_and_dropout_report():
                       nn.Flatten()),
         nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.0), nn.Linear(32, 8)),
         nn.Sequential(nn.Linear(8, 16), nn.ReLU()),
-        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 16)),
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Dropout(0.2), nn.Linear(32, 16)),
     ).train()
     x = torch.randn(4, 3, 8, 8)
-    with pytest.warns(UserWarning, match=r"Dropout\(p>0\)"):
+    with pytest.warns(UserWarning, match=r"other than one nn.Dropout"):
         conv = fusedrc.convert(model, example_inputs=(x,), verbose=True)
     plan = conv.fusedrc_plan
     assert [(u.name, u.kind) for u in plan.units] == [("0.0", "conv_bn_relu"), ("1.0", "ffn"), ("2.0", "linear_act")]
@@ -604,3 +624,34 @@ def test_saved_bytes_counts_each_storage_once():
     x = torch.randn(4, 8, 16, requires_grad=True)
     nbytes = x.numel() * x.element_size()
     assert saved_bytes(TwoViews(), (x,)) == nbytes  # h, saved by sin and (as a view) by cos
+
+
+class _DropNet(nn.Module):
+    """An FFN with dropout between its layers, found by torch.fx."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.drop, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8)),
+    _DropNet,
+], ids=["sequential", "fx"])
+def test_ffn_dropout_is_fused(make):
+    torch.manual_seed(0)
+    model = make().train()
+    x = torch.randn(5, 8)
+    conv = fusedrc.convert(model, example_inputs=(x,))
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["ffn"] and not conv.fusedrc_plan.skipped
+    fc1, fc2 = (model[0], model[3]) if isinstance(model, nn.Sequential) else (model.fc1, model.fc2)
+    torch.manual_seed(2)
+    y = conv(x)
+    torch.manual_seed(2)
+    ref = fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, "gelu", dropout_p=0.3)
+    assert torch.equal(y, ref) and (y != model.eval()(x)).any()
+    conv.eval()
+    assert torch.equal(conv(x), model(x))
