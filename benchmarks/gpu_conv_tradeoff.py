@@ -40,7 +40,12 @@ SHAPES = [
 SWITCHES = ("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD", "CONV_Z")
 
 
-def _peak(step):
+def _peak(block, x, step):
+    """The step's peak above what was allocated before it, with the gradients the timing runs left
+    freed first (step() frees and rebuilds them: counted in `before` they would lower the peak)."""
+    x.grad = None
+    for p in block.parameters():
+        p.grad = None
     peak, before = measure.peak_allocated(torch.device("cuda"), step)
     return peak - before
 
@@ -105,7 +110,7 @@ def main():
             for name, fwd in strategies.items():
                 try:
                     records.append(dict(shape=shape, strategy=name, times_s=measure.do_bench_times(lambda: step(fwd)),
-                                        peak_bytes=_peak(lambda: step(fwd))))
+                                        peak_bytes=_peak(block, x, lambda: step(fwd))))
                 except Exception as e:  # record and go on: one failing strategy must not hide the rest
                     records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
             with fusedrc.use_backend("triton"):
@@ -114,7 +119,8 @@ def main():
                         setattr(k, n, v)
                     fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
                     try:
-                        rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)), peak_bytes=_peak(lambda: step(fwd)))
+                        rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)),
+                                   peak_bytes=_peak(block, x, lambda: step(fwd)))
                     except Exception as e:
                         rec = dict(error=f"{type(e).__name__}: {e}"[:500])
                     records.append(dict(shape=shape, strategy="fusedrc", **variant, **rec))
@@ -133,11 +139,13 @@ def main():
         complete = True
     except KeyboardInterrupt:
         print(f"interrupted: writing the {len(records)} records measured so far", flush=True)
-    name = measure.write_results(
-        args.out, "conv_tradeoff_cuda", "conv_tradeoff", torch.device("cuda"), dtype=args.dtype, batch=args.batch,
-        memory_format="NCHW" if args.nchw else "channels_last", shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
-        defaults=default, complete=complete, records=records)
-    print("wrote", name)
+    finally:  # any other error too: the shapes measured before it are kept
+        name = measure.write_results(
+            args.out, "conv_tradeoff_cuda", "conv_tradeoff", torch.device("cuda"), dtype=args.dtype,
+            batch=args.batch, memory_format="NCHW" if args.nchw else "channels_last",
+            shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"], defaults=default, complete=complete,
+            records=records)
+        print("wrote", name)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,17 @@
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 # Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
-# 156 s on 12 workers, so the suite alone takes most of a call):
+# 156 s on 12 workers, so the suite alone takes most of a call). Commit first: the device tool
+# ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
+# Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
+# step hung in a CUDA call that never returns is killed 30 s later.
+# In order of priority (a session has 30 device minutes, machine start included: the first three
+# calls fit; the timeouts of one call add up to at most ~520 s):
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tests
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" kernels tiles
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv sweep
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models opt
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
 set -u
 out=${1:?results folder}
 shift
@@ -25,7 +31,8 @@ steps=("$@")
 w=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$w/results" "$w/plots"
-pack() { tar czf "$out/gpu.tgz" -C "$w" . ; }
+# to a temporary name, then renamed: a call killed mid-pack keeps the previous archive
+pack() { tar czf "$out/.gpu.tgz.part" -C "$w" . && mv "$out/.gpu.tgz.part" "$out/gpu.tgz"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 opts=(--no-progress --results-dir "$w/results" --plots-dir "$w/plots")
@@ -33,20 +40,21 @@ for step in "${steps[@]}"; do
     echo "=== $step"
     case $step in
         tests)
-            timeout 540 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
+            # SIGINT: pytest stops and still prints its summary of failures
+            timeout -s INT -k 30 500 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
                 --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
-        kernels) timeout 90 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
-        conv) timeout 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
+        kernels) timeout -k 30 90 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
+        conv) timeout -k 30 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
-        conv_compile) timeout 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
+        conv_compile) timeout -k 30 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
-        tiles) timeout 250 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
-               timeout 250 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
-        sweep) timeout 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
-        models) timeout 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
+        tiles) timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
+               timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
+        sweep) timeout -k 30 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
+        models) timeout -k 30 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
-        opt) timeout 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
+        opt) timeout -k 30 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
     esac
     pack

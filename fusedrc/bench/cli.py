@@ -245,9 +245,21 @@ def run_sweep(argv):
     if dev.type == "cpu":
         notes.append("CPU: fusedrc runs its reference backend (pure PyTorch); its GPU advantage comes from the "
                      "Triton kernels, so parity with torch.utils.checkpoint is the CPU expectation")
-    with fusedrc.use_backend(backend):  # thread-local, restored afterwards
-        infos, records, compile_reason = sweep.run(settings, dev, dtype, compile_reason,
-                                                   progress=not args.no_progress, skipped=skipped)
+    # a `timeout` (benchmarks/gpu_session.sh) or Ctrl-C still writes what was measured
+    measure.interrupt_on_sigterm()
+    infos, records, complete = {}, [], False
+    try:
+        with fusedrc.use_backend(backend):  # thread-local, restored afterwards
+            infos, records, compile_reason = sweep.run(settings, dev, dtype, compile_reason,
+                                                       progress=not args.no_progress, skipped=skipped,
+                                                       infos=infos, records=records)
+        complete = True
+    except KeyboardInterrupt:
+        print("interrupted: writing the configurations measured so far", flush=True)
+        notes.append("interrupted (SIGTERM or Ctrl-C) before the end: the configurations measured so far")
+        compile_reason = compile_reason or "interrupted"
+        if not records:
+            raise SystemExit("interrupted before any configuration was measured: nothing written")
     for s in skipped:
         print(f"skipped {s['what']}: {s['reason']}", flush=True)
     if compile_reason:
@@ -260,11 +272,18 @@ def run_sweep(argv):
     doc["settings"] = {k: settings[k] for k in ("workloads", "batch_sizes", "fractions", "compile_budgets",
                                                  "compile_batch_sizes", "budgets", "channels_last")}
     doc["workloads"] = infos
+    doc["complete"] = complete
     doc["configs"] = records
     doc["ratios"] = sweep.ratios(records)
     doc["model_ratios"] = sweep.model_ratios(records)
     _print_sweep(doc)
     return _finish(doc, args, t_start)
+
+
+def _step_peak(c):
+    """A step's peak above what was allocated before it (other workloads and model copies share the GPU)."""
+    peak, before = c.get("peak_allocated_bytes"), c.get("allocated_before_step_bytes")
+    return None if peak is None else peak - (before or 0)
 
 
 def _print_sweep(doc):
@@ -276,13 +295,13 @@ def _print_sweep(doc):
             base[c["workload"], c["batch_size"]] = c["median_s"]
     print()
     print(f"{'workload':>8} {'batch':>6} {'strategy':>24} {'knob':>6} {'median ms':>10} {'p20-p80 ms':>15} "
-          f"{'vs none':>8} {'saved MiB':>10} {'peak MiB':>9}")
+          f"{'vs none':>8} {'saved MiB':>10} {'step peak MiB':>13}")
     for c in doc["configs"]:
         knob = f"{c['knob']:g}" if c["knob_name"] == "recompute_fraction" else f"b={c['knob']:g}"
         print(f"{c['workload']:>8} {c['batch_size']:>6} {SHORT[c['strategy']][:24]:>24} {knob:>6} "
               f"{c['median_s'] * 1e3:10.1f} {c['p20_s'] * 1e3:7.1f}-{c['p80_s'] * 1e3:<7.1f} "
               f"{c['median_s'] / base[c['workload'], c['batch_size']]:8.3f} "
-              f"{_fmt_mib(c['saved_activation_bytes']):>10} {_fmt_mib(c['peak_allocated_bytes']):>9}")
+              f"{_fmt_mib(c['saved_activation_bytes']):>10} {_fmt_mib(_step_peak(c)):>13}")
     print()
     for r in doc["ratios"]:
         print(f"{r['workload']} batch {r['batch_size']}, all blocks recomputed: step time fusedrc/checkpoint "

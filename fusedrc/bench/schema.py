@@ -75,6 +75,7 @@ TIMING = {"times_s": [NUM], "median_s": NUM, "p20_s": NUM, "p80_s": NUM}
 
 SWEEP = {
     **COMMON,
+    "complete?": bool,  # false: interrupted (a timeout's SIGTERM), the configurations measured so far
     "settings": {"workloads": [str], "batch_sizes": dict, "fractions": [NUM], "compile_budgets": dict,
                  "compile_batch_sizes": dict, "budgets?": dict, "channels_last?": bool},
     "workloads": dict,

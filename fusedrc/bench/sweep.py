@@ -39,11 +39,13 @@ def _budgets(settings, name, batch):
 
 
 def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason, progress=True, log=print,
-        skipped=None):
+        skipped=None, infos=None, records=None):
     """Run the sweep described by ``settings``.
 
     Returns ``(workload infos, configuration records, compile_reason)``; ``compile_reason`` is None when
     torch.compile ran, else why it was skipped (the check that it works runs only after the eager phase).
+    ``infos``/``records``, when given, are filled as measurements complete (one workload and batch size
+    at a time): a caller interrupted half-way still holds what was measured.
     Configurations that could not be built (a ``memory_budget`` convert cannot meet) are appended to
     ``skipped`` as ``{"what", "reason"}``.
 
@@ -59,7 +61,9 @@ def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason
     n_compile = 0 if compile_reason else sum(len(_budgets(settings, n, b)) for n, b in groups)
     total = (n_eager + n_compile) * (warmup + repeats + 1)
     pbar = bar(total, "fusedrc-bench", disable=not progress)
-    infos, records, built, pending = {}, [], {}, []
+    infos = {} if infos is None else infos
+    records = [] if records is None else records
+    built, pending = {}, []
     try:
         for name in settings["workloads"]:
             if name in models.MODEL_WORKLOADS:
