@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import matplotlib.image as mpimg  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fusedrc.bench import cli, schema  # noqa: E402
+from fusedrc.bench import cli, measure, schema  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -328,3 +329,27 @@ def test_channels_last_option(tmp_path):
     doc = json.loads(f.read_text())
     schema.validate(doc)
     assert doc["settings"]["channels_last"] is True
+
+
+def test_interrupted_sweep_writes_what_it_measured(tmp_path, monkeypatch):
+    """A timeout's SIGTERM (turned into KeyboardInterrupt) during the second batch size: the file
+    holds the first one's configurations, marked incomplete, and validates."""
+    from fusedrc.bench import sweep
+
+    real, calls = sweep._run_group, []
+
+    def group(wl, batch, *args, **kwargs):
+        calls.append(batch)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(wl, batch, *args, **kwargs)
+    monkeypatch.setattr(sweep, "_run_group", group)
+    res = tmp_path / "results"
+    cli.main(["--workload", "ffn", "--quick", "--no-compile", "--batch-sizes", "8,16", "--warmup", "0",
+              "--repeats", "1", "--no-progress", "--results-dir", str(res), "--plots-dir", str(tmp_path / "plots")])
+    (f,) = res.glob("bench_sweep_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    assert doc["complete"] is False and calls == [8, 16]
+    assert doc["configs"] and {c["batch_size"] for c in doc["configs"]} == {8}
+    assert signal.getsignal(signal.SIGTERM) is not measure._interrupt  # the handler is put back

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import signal
 import sys
 import time
 
@@ -246,7 +247,7 @@ def run_sweep(argv):
         notes.append("CPU: fusedrc runs its reference backend (pure PyTorch); its GPU advantage comes from the "
                      "Triton kernels, so parity with torch.utils.checkpoint is the CPU expectation")
     # a `timeout` (benchmarks/gpu_session.sh) or Ctrl-C still writes what was measured
-    measure.interrupt_on_sigterm()
+    prev_handler = measure.interrupt_on_sigterm()
     infos, records, complete = {}, [], False
     try:
         with fusedrc.use_backend(backend):  # thread-local, restored afterwards
@@ -260,6 +261,8 @@ def run_sweep(argv):
         compile_reason = compile_reason or "interrupted"
         if not records:
             raise SystemExit("interrupted before any configuration was measured: nothing written")
+    finally:
+        signal.signal(signal.SIGTERM, prev_handler)
     for s in skipped:
         print(f"skipped {s['what']}: {s['reason']}", flush=True)
     if compile_reason:

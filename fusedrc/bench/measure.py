@@ -162,10 +162,11 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def interrupt_on_sigterm() -> None:
+def interrupt_on_sigterm():
     """Turn SIGTERM (``timeout`` in benchmarks/gpu_session.sh) into KeyboardInterrupt, so a script
-    that catches it can still write the records it measured."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    that catches it can still write the records it measured. Returns the previous handler."""
+    prev = signal.signal(signal.SIGTERM, _interrupt)
+    return signal.SIG_DFL if prev is None else prev
 
 
 def write_results(out_dir, stem: str, kind: str, device: torch.device, **fields) -> Path:
