@@ -99,3 +99,12 @@ def inside_marked():
         yield
     finally:
         _local.marked -= 1
+
+
+def tf32_matmul_allowed() -> bool:
+    """Whether torch's fp32 matmuls on CUDA may use tf32, by either API: torch >= 2.9 raises on
+    reading ``allow_tf32`` once ``fp32_precision`` (its own or the global one) was set, and
+    reports "tf32" there after ``allow_tf32 = True`` or ``set_float32_matmul_precision("high")``."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedrc._state import traced
+from fusedrc._state import tf32_matmul_allowed, traced
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -169,7 +169,7 @@ def gemm_config(M: int, N: int, K: int, dtype: torch.dtype, precision: str, capa
 
 def dot_precision(t: torch.Tensor) -> str:
     """"tf32" only when torch itself allows tf32 for fp32 matmuls on CUDA, else "ieee"."""
-    if t.dtype == torch.float32 and t.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if t.dtype == torch.float32 and t.device.type == "cuda" and tf32_matmul_allowed():
         return "tf32"
     return "ieee"
 

@@ -713,7 +713,19 @@ def _supported(x, weight, activation, stride, padding, dilation) -> bool:
     if x.numel() == 0 or weight.numel() == 0:
         return False
     oh, ow = _out_hw(x.shape[2], x.shape[3], weight.shape[2], weight.shape[3], stride, padding, dilation)
+    # offsets inside one sample (channel, row, column) are 32-bit in the kernels; only the sample's
+    # base is 64-bit: a sample of 2**31 elements or more (x's, or the output's) runs the reference
+    if _sample_extent(x) >= _I32_LIMIT or weight.shape[0] * max(oh, 0) * max(ow, 0) >= _I32_LIMIT:
+        return False
     return oh > 0 and ow > 0
+
+
+_I32_LIMIT = 2**31
+
+
+def _sample_extent(t) -> int:
+    """One past the largest element offset inside one sample of a 4-D tensor."""
+    return 1 + sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:]))
 
 
 def _geom_constexprs(KH, KW, stride, padding, dilation):

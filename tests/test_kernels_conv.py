@@ -396,3 +396,17 @@ def test_functional_autograd_matches_modules(device):
     for o, r in ((y, y_ref), (gx, gx_r), (gw, gw_r), (gg, gg_r), (gb, gb_r)):
         assert _rel(o, r.double()) < 1e-5
     assert torch.allclose(rm, bn.running_mean, atol=1e-6) and torch.allclose(rv, bn.running_var, atol=1e-6)
+
+
+def test_samples_past_32_bit_offsets_take_the_reference_path():
+    # in-sample offsets are 32-bit in the kernels: a sample of >= 2**31 elements (x's or the
+    # output's) must not reach them (shapes only: meta tensors)
+    w = torch.empty(64, 48, 1, 1, device="meta")
+    small = torch.empty(2, 48, 64, 64, device="meta")
+    assert K._supported(small, w, "relu", (1, 1), (0, 0), (1, 1))
+    big_x = torch.empty(1, 48, 8192, 8192, device="meta")  # 3.2e9 elements in one sample
+    assert not K._supported(big_x, w, "relu", (4096, 4096), (0, 0), (1, 1))
+    wide_out = torch.empty(1, 48, 6000, 6000, device="meta")  # x fits (1.7e9), the output (2.3e9) does not
+    assert not K._supported(wide_out, w, "relu", (1, 1), (0, 0), (1, 1))
+    strided = small.as_strided(small.shape, (48 * 64 * 64, 2**26, 64, 1))  # a huge channel stride
+    assert not K._supported(strided, w, "relu", (1, 1), (0, 0), (1, 1))

@@ -373,3 +373,20 @@ def test_tma_recompute_mask_matches_forward_sign(device, monkeypatch):
     assert torch.equal(mask[nz], (y > 0)[nz])
     h_fwd = _common.gemm_act(x, w.t(), b, "none")
     assert torch.equal(mask, ~torch.signbit(h_fwd) & ((h_fwd != 0) | mask))
+
+
+def test_dot_precision_follows_either_tf32_api():
+    # torch >= 2.9 raises on reading allow_tf32 once fp32_precision was set: the kernels must not
+    matmul = torch.backends.cuda.matmul
+    if getattr(matmul, "fp32_precision", None) is None:
+        pytest.skip("this torch has no fp32_precision API")
+    cuda_fp32 = type("T", (), {"dtype": torch.float32, "device": torch.device("cuda")})()
+    prev = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert _common.dot_precision(cuda_fp32) == "tf32"
+        matmul.fp32_precision = "ieee"
+        assert _common.dot_precision(cuda_fp32) == "ieee"
+    finally:
+        matmul.fp32_precision = prev
+    assert _common.dot_precision(cuda_fp32) == ("tf32" if matmul.allow_tf32 else "ieee")

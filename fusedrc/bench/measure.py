@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import _saved
+from .._state import tf32_matmul_allowed
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -106,8 +107,7 @@ def device_info(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(name=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_bytes=props.total_memory, tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
-                    tf32_cudnn=torch.backends.cudnn.allow_tf32)
+                    memory_bytes=props.total_memory, tf32_matmul=tf32_matmul_allowed(), tf32_cudnn=_tf32_cudnn())
     else:
         info.update(name=cpu_name() or "cpu", capability=torch.backends.cpu.get_cpu_capability())
     return info
@@ -118,7 +118,17 @@ def match_fp32_precision(device: torch.device) -> None:
     torch's matmuls, and fusedrc's fused ops (they follow the matmul setting), default to IEEE fp32.
     cuDNN is set to the matmul setting; ``device_info`` records both."""
     if device.type == "cuda":
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        try:
+            torch.backends.cudnn.allow_tf32 = tf32_matmul_allowed()
+        except RuntimeError:  # the new API was used (torch >= 2.9): stay with it
+            torch.backends.cudnn.conv.fp32_precision = "tf32" if tf32_matmul_allowed() else "ieee"
+
+
+def _tf32_cudnn() -> bool:
+    try:
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:  # set through the new API (torch >= 2.9), which the legacy flag refuses to read
+        return torch.backends.cudnn.conv.fp32_precision == "tf32"
 
 
 def cpu_name():
