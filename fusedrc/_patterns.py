@@ -32,7 +32,7 @@ def _foreign_forward(module):
 def _has_hooks(module):
     """Whether calling ``module`` does more than its class's forward: hooks on it or global module
     hooks (module trackers, flop counters), or a forward replaced on the instance (adapters,
-    accelerate; fusedrc's own, ``mark``'s and convert's fx forward, run the class's computation).
+    accelerate; ``mark``'s forward, marked ``_fusedrc_forward``, runs the class's computation).
     The fused paths then leave the call to the module."""
     _m = _module_mod
     return bool(
@@ -44,15 +44,17 @@ def _has_hooks(module):
     )
 
 
-def _is_noop_dropout(module):
-    return isinstance(module, nn.Dropout) and (module.p == 0 or not module.training)
+def _is_noop_dropout(module, training=None):
+    training = module.training if training is None else training
+    return isinstance(module, nn.Dropout) and (module.p == 0 or not training)
 
 
-def fused_dropout_p(module):
+def fused_dropout_p(module, training=None):
     """The probability a fused FFN applies for ``module`` between its layers: 0.0 for None or a
     dropout that does nothing now, ``p`` for a training ``nn.Dropout`` (the exact class: a
-    subclass may draw its mask otherwise), None for anything the fused op cannot stand for."""
-    if module is None or _is_noop_dropout(module):
+    subclass may draw its mask otherwise), None for anything the fused op cannot stand for.
+    ``training`` overrides the module's mode (True: whether it can be fused in either mode)."""
+    if module is None or _is_noop_dropout(module, training):
         return 0.0
     return float(module.p) if type(module) is nn.Dropout else None
 

@@ -20,10 +20,11 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         self.seen = {}
 
         def pack(t):
-            ptr = t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
             if isinstance(t, nn.Parameter) or ptr in self.param_storages:
                 return t
-            self.seen.setdefault(ptr, t.untyped_storage().nbytes())
+            self.seen.setdefault(ptr, storage.nbytes())
             # detached: a saved output packed as itself would hold its own grad_fn, a reference cycle
             # that leaks the graph (about the activations' size) when no backward follows
             return t.detach()

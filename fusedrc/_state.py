@@ -101,6 +101,20 @@ def inside_marked():
         _local.marked -= 1
 
 
+def forward_region_depth() -> int:
+    """Generic recompute regions whose forward is running in this thread."""
+    return getattr(_local, "forward_regions", 0)
+
+
+@contextlib.contextmanager
+def inside_forward_region():
+    _local.forward_regions = forward_region_depth() + 1
+    try:
+        yield
+    finally:
+        _local.forward_regions -= 1
+
+
 def tf32_matmul_allowed() -> bool:
     """Whether torch's fp32 matmuls on CUDA may use tf32, by either API: torch >= 2.9 raises on
     reading ``allow_tf32`` once ``fp32_precision`` (its own or the global one) was set, and

@@ -87,6 +87,14 @@ def check_number(v, name, *, min_value=None):
     return float(v)
 
 
+def check_probability(v, name):
+    """``v`` must be a real number in ``[0, 1]`` (symbolic numbers under ``torch.compile`` pass)."""
+    v = check_number(v, name, min_value=0.0)
+    if not isinstance(v, (torch.SymFloat, torch.SymInt)) and v > 1:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {v}")
+    return v
+
+
 def check_module(m, name, cls):
     """``m`` must be an instance of ``cls`` (a ``torch.nn`` module class)."""
     if not isinstance(m, cls):

@@ -299,30 +299,48 @@ class FusedResNet(Wrapper):
         return self.fc(x)
 
 
-def _chain_dropout_p(drops):
+def _chain_dropout_p(drops, training=None):
     """The one dropout probability a fused FFN applies for the dropout modules between its
-    layers (0.0: none acts now), or None: one of them is not an ``nn.Dropout``, or two act."""
-    ps = [fused_dropout_p(d) for d in drops]
+    layers (0.0: none acts now), or None: one of them is not an ``nn.Dropout``, or two act.
+    ``training=True`` asks whether the chain can be fused in either mode (convert's static check)."""
+    ps = [fused_dropout_p(d, training) for d in drops]
     if None in ps or sum(p > 0 for p in ps) > 1:
         return None
     return max(ps, default=0.0)
 
 
 def _static_dropouts_ok(drops) -> bool:
-    """Whether the dropouts between an FFN's layers can be fused whatever the training mode."""
-    return all(isinstance(d, nn.Dropout) and (type(d) is nn.Dropout or d.p == 0) for d in drops) \
-        and sum(d.p > 0 for d in drops) <= 1
+    return _chain_dropout_p(drops, training=True) is not None
 
 
-def _ffn_runtime_ok(fc1, act_mod, drop, fc2, x):
+def _dense_runtime_ok(x, first, *more):
+    """Whether the dense fused ops model a call on ``x`` with these Linears (hooks: the callers')."""
     return (
-        isinstance(x, torch.Tensor) and x.is_floating_point() and fc1.weight.dtype == fc2.weight.dtype
+        isinstance(x, torch.Tensor) and x.is_floating_point()
+        and all(m.weight.dtype == first.weight.dtype for m in more)
         # under autocast the input of a later FFN is already half: the op casts as F.linear does
-        and (x.dtype == fc1.weight.dtype or torch.is_autocast_enabled(x.device.type))
-        and x.device == fc1.weight.device
-        and fused_dropout_p(drop) is not None
-        and _nohooks(fc1, act_mod, drop, fc2)
+        and (x.dtype == first.weight.dtype or torch.is_autocast_enabled(x.device.type))
+        and x.device == first.weight.device
     )
+
+
+def _run_dense(site, kind, act, mods, x):
+    """A ``Linear -> act -> [Dropout...] -> Linear`` (``kind`` "ffn") or ``Linear -> act`` group:
+    fused where ``site`` is on and the call is modelled, else module by module."""
+    def plain(x):
+        for m in mods:
+            x = m(x)
+        return x
+
+    first, last = mods[0], mods[-1]
+    p = _chain_dropout_p(mods[2:-1]) if kind == "ffn" else 0.0
+    linears = (first, last) if kind == "ffn" else (first,)
+    if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _dense_runtime_ok(x, *linears):
+        return plain(x)
+    if kind == "ffn":
+        return _run_site(site, lambda x: F.fused_mlp(x, first.weight, first.bias, last.weight, last.bias, act,
+                                                     dropout_p=p), plain, x)
+    return _run_site(site, lambda x: F.linear_act(x, first.weight, first.bias, act), plain, x)
 
 
 class FusedT5DenseActDense(Wrapper):
@@ -330,13 +348,15 @@ class FusedT5DenseActDense(Wrapper):
 
     def forward(self, hidden_states):
         site = self.sites.get("ffn")
-        if (site is None or not site.enabled or not _nohooks(self)
-                or not _ffn_runtime_ok(self.wi, self.act, self.dropout, self.wo, hidden_states)):
+        p = fused_dropout_p(self.dropout)
+        if (site is None or not site.enabled or p is None
+                or not _nohooks(self, self.wi, self.act, self.dropout, self.wo)
+                or not _dense_runtime_ok(hidden_states, self.wi, self.wo)):
             return self.plain(hidden_states)
         act = self.__dict__["_fusedrc_act"]
         return _run_site(
             site, lambda x: F.fused_mlp(x, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, act,
-                                        dropout_p=fused_dropout_p(self.dropout)),
+                                        dropout_p=p),
             self.plain, hidden_states,
         )
 
@@ -369,7 +389,7 @@ class _FFNHead(nn.Linear):
         def plain(x):
             return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
 
-        if not _ffn_runtime_ok(self, None, None, tail, x):
+        if not _dense_runtime_ok(x, self, tail):
             return plain(x)
         return _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
                          plain, x)
@@ -439,29 +459,12 @@ class _FusedSequential(nn.Sequential):
         while i < len(mods):
             g = self.groups.get(i)
             chain = mods[i:i + len(g[3])] if g is not None else ()
-            if g is not None and g[1].enabled and len(chain) == len(g[3]) \
-                    and all(a is b for a, b in zip(chain, g[3])) and _nohooks(*chain):
+            if g is not None and len(chain) == len(g[3]) and all(a is b for a, b in zip(chain, g[3])):
+                # a group runs fused, or module by module when its call is not modelled
                 kind, site, act, _ = g
-                end = i + len(chain)
-                if kind == "conv_bn_relu" and _runtime_cbr_ok(chain[0], chain[1], chain[2], x):
-                    x, i = _cbr(site, chain[0], chain[1], chain[2], x), end
-                    continue
-                lin = [m for m in chain if isinstance(m, nn.Linear)]
-                p = _chain_dropout_p(chain[2:-1]) if kind == "ffn" else None
-                if p is not None and _ffn_runtime_ok(lin[0], None, None, lin[1], x):
-                    def plain(x, chain=chain):
-                        for m in chain:
-                            x = m(x)
-                        return x
-                    x = _run_site(site, lambda x, a=lin[0], b=lin[1], act=act, p=p:
-                                  F.fused_mlp(x, a.weight, a.bias, b.weight, b.bias, act, dropout_p=p), plain, x)
-                    i = end
-                    continue
-                if kind == "linear_act" and _ffn_runtime_ok(lin[0], None, None, lin[0], x):
-                    x = _run_site(site, lambda x, a=lin[0], act=act: F.linear_act(x, a.weight, a.bias, act),
-                                  lambda x, c=chain: c[1](c[0](x)), x)
-                    i = end
-                    continue
+                x = _cbr(site, *chain, x) if kind == "conv_bn_relu" else _run_dense(site, kind, act, chain, x)
+                i += len(chain)
+                continue
             x = mods[i](x)
             i += 1
         return x
@@ -482,22 +485,8 @@ class _FxFused(nn.Module):
     def forward(self, x):
         mods = self.__dict__["_fusedrc_mods"]
         if self.kind == "conv_bn_relu":
-            return _cbr(self.site, mods[0], mods[1], mods[2], x)
-
-        def plain(x):
-            for m in mods:
-                x = m(x)
-            return x
-
-        lin = [m for m in mods if isinstance(m, nn.Linear)]
-        p = _chain_dropout_p(mods[2:-1]) if self.kind == "ffn" else 0.0
-        if not (self.site.enabled and p is not None and _ffn_runtime_ok(lin[0], None, None, lin[-1], x)
-                and _nohooks(*mods)):
-            return plain(x)
-        if self.kind == "ffn":
-            return _run_site(self.site, lambda x: F.fused_mlp(x, lin[0].weight, lin[0].bias, lin[1].weight,
-                                                             lin[1].bias, self.act, dropout_p=p), plain, x)
-        return _run_site(self.site, lambda x: F.linear_act(x, lin[0].weight, lin[0].bias, self.act), plain, x)
+            return _cbr(self.site, *mods, x)
+        return _run_dense(self.site, self.kind, self.act, mods, x)
 
     def extra_repr(self):
         return f"kind={self.kind!r}"

@@ -11,7 +11,8 @@ from torch import Tensor
 from . import ops, reference
 from ._backend import resolve_backend
 from ._state import traced
-from ._validate import check_activation, check_device, check_number, check_same, check_tensor, check_vector, pair
+from ._validate import (check_activation, check_device, check_number, check_probability, check_same, check_tensor,
+                        check_vector, pair)
 
 __all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
 
@@ -148,9 +149,7 @@ def fused_mlp(
     check_tensor(x, "input", min_ndim=1)
     _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w2, "w2", 2, False), (b2, "b2", 1, True))
     check_activation(activation)
-    dropout_p = check_number(dropout_p, "dropout_p", min_value=0.0)
-    if not isinstance(dropout_p, (torch.SymFloat, torch.SymInt)) and dropout_p > 1:
-        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
+    dropout_p = check_probability(dropout_p, "dropout_p")
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _check_linear(x, w1, b1, "w1", "b1")
     _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],

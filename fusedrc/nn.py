@@ -10,7 +10,7 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import _conv_padding, activation_name, conv_bn_relu_call
-from ._validate import check_activation, check_int, check_module, check_number, check_tensor, pair
+from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 
 __all__ = ["LinearReLU", "FusedMLP", "ConvBNReLU"]
 
@@ -79,13 +79,6 @@ class LinearReLU(nn.Linear):
         return super().extra_repr() + f", activation={self.activation!r}"
 
 
-def _check_p(p) -> float:
-    p = check_number(p, "dropout", min_value=0.0)
-    if p > 1:
-        raise ValueError(f"dropout must be a probability in [0, 1], got {p}")
-    return p
-
-
 class FusedMLP(nn.Module):
     """The transformer FFN ``fc2(act(fc1(x)))``, keeping only ``x`` for backward.
 
@@ -115,7 +108,7 @@ class FusedMLP(nn.Module):
         if out_features is not None:
             check_int(out_features, "out_features")
         check_activation(activation)
-        dropout = _check_p(dropout)
+        dropout = check_probability(dropout, "dropout")
         super().__init__()
         self.dropout = dropout
         out_features = in_features if out_features is None else out_features
@@ -136,7 +129,7 @@ class FusedMLP(nn.Module):
             if type(dropout) is not nn.Dropout:
                 raise TypeError(f"dropout must be a float or an nn.Dropout, got {type(dropout).__name__}")
             dropout = dropout.p
-        p = _check_p(dropout)
+        p = check_probability(dropout, "dropout")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.fc1, m.fc2, m.activation, m.dropout = fc1, fc2, name, p

@@ -14,7 +14,6 @@ op whose backward recomputes inside the kernel.
 from __future__ import annotations
 
 import contextlib
-import threading
 import uuid
 import weakref
 from collections import defaultdict
@@ -326,13 +325,9 @@ def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_
     )
     dummy = torch.empty((0,), requires_grad=True)
     frame.input_saver = _SaveInputs.apply(dummy, *flat)
-    outer = getattr(_forward_regions, "depth", 0)
-    _forward_regions.depth = outer + 1
-    try:
-        with _ForwardHook(frame), fwd_context:
-            out = fn(*args, **kwargs)
-    finally:
-        _forward_regions.depth = outer
+    outer = _state.forward_region_depth()
+    with _state.inside_forward_region(), _ForwardHook(frame), fwd_context:
+        out = fn(*args, **kwargs)
     frame.forward_completed = True
     # Outputs are left to regeneration only where it is safe: not inside an outer region (its
     # inputs are then the outer region's placeholders, which one backward unpacks once) and
@@ -340,9 +335,6 @@ def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_
     if output_recompute and outer == 0 and not _state.in_recompute() and context_fn is None:
         _tag_outputs(out, frame, flat)
     return out
-
-
-_forward_regions = threading.local()  # generic regions whose forward is running, per thread
 
 
 def _compiled(fn, args, kwargs, *, preserve_rng_state, context_fn):
@@ -386,6 +378,16 @@ def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recom
         fn, args, kwargs, preserve_rng_state=preserve_rng_state, output_recompute=output_recompute,
         context_fn=context_fn, determinism_check=determinism_check, early_stop=early_stop,
     )
+
+
+def _reject_reentrant(use_reentrant):
+    if use_reentrant:
+        raise ValueError(
+            "use_reentrant=True is not supported: reentrant checkpointing runs the block inside an "
+            "autograd.Function, which breaks torch.autograd.grad, backward(inputs=...), nested "
+            "outputs and inputs that do not require grad, and PyTorch itself deprecates it. "
+            "Use use_reentrant=False (the default)."
+        )
 
 
 def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use_reentrant=False,
@@ -450,13 +452,7 @@ def recompute(block, *args, preserve_rng_state=True, output_recompute=False, use
     """
     if not callable(block):
         raise TypeError(f"block must be a callable or nn.Module, got {type(block).__name__}")
-    if use_reentrant:
-        raise ValueError(
-            "use_reentrant=True is not supported: reentrant checkpointing runs the block inside an "
-            "autograd.Function, which breaks torch.autograd.grad, backward(inputs=...), nested "
-            "outputs and inputs that do not require grad, and PyTorch itself deprecates it. "
-            "Use use_reentrant=False (the default)."
-        )
+    _reject_reentrant(use_reentrant)
     return _recompute(
         block, block, args, kwargs, preserve_rng_state=preserve_rng_state,
         output_recompute=output_recompute, context_fn=context_fn,
@@ -493,8 +489,7 @@ def recompute_sequential(functions, segments, input, *extra, preserve_rng_state=
             f"recompute_sequential takes one input, got {1 + len(extra)} positional inputs; "
             "pass several tensors as one tuple and let the first function unpack it"
         )
-    if kwargs.pop("use_reentrant", False):  # False is what torch asks callers to pass: accepted
-        raise ValueError("use_reentrant=True is not supported: fusedrc's recompute is the non-reentrant kind")
+    _reject_reentrant(kwargs.pop("use_reentrant", False))  # False is what torch asks callers to pass: accepted
     if kwargs:
         raise TypeError(f"recompute_sequential got unexpected keyword arguments {sorted(kwargs)}")
     if isinstance(functions, nn.Sequential):
