@@ -40,19 +40,22 @@ SHAPES = [
 SWITCHES = ("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD", "CONV_Z")
 
 
-def _peak(block, x, step):
-    """The step's peak above what was allocated before it, with the gradients the timing runs left
-    freed first (step() frees and rebuilds them: counted in `before` they would lower the peak)."""
-    x.grad = None
-    for p in block.parameters():
-        p.grad = None
-    peak, before = measure.peak_allocated(torch.device("cuda"), step)
-    return peak - before
+def _measure(step, fwd):
+    """Timings and the step's peak above what was allocated before it (the gradients the timing
+    runs left are freed first: counted as resident they would lower the peak), or the error."""
+    try:
+        times = measure.do_bench_times(lambda: step(fwd))
+        step.clear()
+        peak, before = measure.peak_allocated(torch.device("cuda"), lambda: step(fwd))
+        return dict(times_s=times, peak_bytes=peak - before)
+    except Exception as e:  # record and go on: one failing strategy must not hide the rest
+        return dict(error=f"{type(e).__name__}: {e}"[:500])
 
 
 def conv_layer(shape, batch, dtype, channels_last):
     """A Conv2d -> BatchNorm2d -> ReLU layer of ``shape`` on the GPU, its input and output
-    gradient, and ``step(fwd)``: one training step (grads cleared, ``fwd()``, backward)."""
+    gradient, and ``step(fwd)``: one training step (grads cleared, ``fwd()``, backward);
+    ``step.clear()`` frees the gradients."""
     cin, cout, k, s, hw = shape
     block = nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -63,12 +66,16 @@ def conv_layer(shape, batch, dtype, channels_last):
         g = torch.randn_like(block(x))
     params = list(block.parameters())
 
-    def step(fwd):
+    def clear():
         x.grad = None
         for p in params:
             p.grad = None
+
+    def step(fwd):
+        clear()
         fwd().backward(g)
 
+    step.clear = clear
     return block, x, g, step
 
 
@@ -108,22 +115,13 @@ def main():
                 compiled = torch.compile(block)
                 strategies["torch_compile"] = lambda: compiled(x)
             for name, fwd in strategies.items():
-                try:
-                    records.append(dict(shape=shape, strategy=name, times_s=measure.do_bench_times(lambda: step(fwd)),
-                                        peak_bytes=_peak(block, x, lambda: step(fwd))))
-                except Exception as e:  # record and go on: one failing strategy must not hide the rest
-                    records.append(dict(shape=shape, strategy=name, error=f"{type(e).__name__}: {e}"[:500]))
+                records.append(dict(shape=shape, strategy=name, **_measure(step, fwd)))
             with fusedrc.use_backend("triton"):
                 for variant in variants:
                     for n, v in variant.items():
                         setattr(k, n, v)
                     fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
-                    try:
-                        rec = dict(times_s=measure.do_bench_times(lambda: step(fwd)),
-                                   peak_bytes=_peak(block, x, lambda: step(fwd)))
-                    except Exception as e:
-                        rec = dict(error=f"{type(e).__name__}: {e}"[:500])
-                    records.append(dict(shape=shape, strategy="fusedrc", **variant, **rec))
+                    records.append(dict(shape=shape, strategy="fusedrc", **variant, **_measure(step, fwd)))
                 for n, v in default.items():
                     setattr(k, n, v)
             mine = [r for r in records if r["shape"] == shape]

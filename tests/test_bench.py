@@ -353,3 +353,27 @@ def test_interrupted_sweep_writes_what_it_measured(tmp_path, monkeypatch):
     assert doc["complete"] is False and calls == [8, 16]
     assert doc["configs"] and {c["batch_size"] for c in doc["configs"]} == {8}
     assert signal.getsignal(signal.SIGTERM) is not measure._interrupt  # the handler is put back
+
+
+def test_interrupted_model_sweep_keeps_its_first_batch_size(tmp_path, monkeypatch):
+    """The same for a real model: a batch size measured before the interrupt is written."""
+    from fusedrc.bench import models, sweep
+
+    if why := models.require("resnet50"):
+        pytest.skip(why)
+    real, calls = sweep._time, []
+
+    def timed(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sweep, "_time", timed)
+    res = tmp_path / "results"
+    cli.main(["--workload", "resnet50", "--quick", "--batch-sizes", "2,3", "--warmup", "0", "--repeats", "1",
+              "--no-progress", "--results-dir", str(res), "--plots-dir", str(tmp_path / "plots")])
+    (f,) = res.glob("bench_sweep_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    assert doc["complete"] is False and {c["batch_size"] for c in doc["configs"]} == {2}
+    assert doc["workloads"]["resnet50"]["units"] > 0

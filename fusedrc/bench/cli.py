@@ -283,13 +283,8 @@ def run_sweep(argv):
     return _finish(doc, args, t_start)
 
 
-def _step_peak(c):
-    """A step's peak above what was allocated before it (other workloads and model copies share the GPU)."""
-    peak, before = c.get("peak_allocated_bytes"), c.get("allocated_before_step_bytes")
-    return None if peak is None else peak - (before or 0)
-
-
 def _print_sweep(doc):
+    from . import results
     from .plot import SHORT
 
     base = {}
@@ -304,7 +299,7 @@ def _print_sweep(doc):
         print(f"{c['workload']:>8} {c['batch_size']:>6} {SHORT[c['strategy']][:24]:>24} {knob:>6} "
               f"{c['median_s'] * 1e3:10.1f} {c['p20_s'] * 1e3:7.1f}-{c['p80_s'] * 1e3:<7.1f} "
               f"{c['median_s'] / base[c['workload'], c['batch_size']]:8.3f} "
-              f"{_fmt_mib(c['saved_activation_bytes']):>10} {_fmt_mib(_step_peak(c)):>13}")
+              f"{_fmt_mib(c['saved_activation_bytes']):>10} {_fmt_mib(results.own_peak(c)):>13}")
     print()
     for r in doc["ratios"]:
         print(f"{r['workload']} batch {r['batch_size']}, all blocks recomputed: step time fusedrc/checkpoint "

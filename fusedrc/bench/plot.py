@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .results import own_peak, step_peak  # noqa: E402
+
 STYLE = {  # strategy: (label, color, marker)
     "no_recompute": ("no recompute", "#444444", "s"),
     "torch_checkpoint": ("torch.utils.checkpoint", "#1f77b4", "o"),
@@ -72,10 +74,9 @@ def _memory(doc, c):
     (the sweep's other workloads, and the real models' strategy copies, stay resident), or the
     plain peak where a file has no resident figure."""
     if doc["device"]["type"] == "cuda" and c.get("peak_allocated_bytes"):
-        if c.get("allocated_before_step_bytes") is not None:
-            return ((c["peak_allocated_bytes"] - c["allocated_before_step_bytes"]) / 2**20,
-                    "peak memory of a step above what was resident (MiB)")
-        return c["peak_allocated_bytes"] / 2**20, "peak allocated memory per step (MiB)"
+        label = ("peak memory of a step above what was resident (MiB)" if step_peak(c) is not None
+                 else "peak allocated memory per step (MiB)")
+        return own_peak(c) / 2**20, label
     return c["saved_activation_bytes"] / 2**20, "activation bytes kept by autograd (MiB)"
 
 

@@ -7,6 +7,20 @@ from pathlib import Path
 
 from . import schema
 
+
+def step_peak(r):
+    """Peak bytes one step allocated above what was resident before it (CUDA), else None."""
+    if r.get("peak_allocated_bytes") is None or r.get("allocated_before_step_bytes") is None:
+        return None
+    return r["peak_allocated_bytes"] - r["allocated_before_step_bytes"]
+
+
+def own_peak(r):
+    """The step's own peak: above what was resident where the file records that, else the plain
+    peak (older files); None without a peak (CPU)."""
+    p = step_peak(r)
+    return p if p is not None else r.get("peak_allocated_bytes")
+
 _CSV_SWEEP = ("workload", "strategy", "batch_size", "knob_name", "knob", "recomputed_blocks", "n_blocks",
               "median_s", "p20_s", "p80_s", "saved_activation_bytes", "peak_allocated_bytes", "compile_s",
               "recomputed_units", "n_units", "convert_s")

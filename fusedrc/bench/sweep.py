@@ -16,6 +16,7 @@ import time
 import torch
 
 from . import measure, models, strategies, workloads
+from .results import own_peak, step_peak
 from .progress import bar
 
 
@@ -67,9 +68,7 @@ def run(settings: dict, device: torch.device, dtype: torch.dtype, compile_reason
     try:
         for name in settings["workloads"]:
             if name in models.MODEL_WORKLOADS:
-                infos[name], recs = _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats,
-                                               skipped)
-                records += recs
+                _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats, skipped, infos, records)
                 continue
             wl = built[name] = workloads.build(name, device, dtype, settings["quick"],
                                                channels_last=settings.get("channels_last", False))
@@ -140,25 +139,27 @@ def _time(runners, device, timer, pbar, warmup, repeats):
     return [_record(r, out[id(r)]) for r in runners]
 
 
-def _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats, skipped):
-    """A real model (``models.py``): build, convert, time every strategy at each batch size."""
+def _run_model(name, device, dtype, settings, timer, pbar, warmup, repeats, skipped, infos, records):
+    """A real model (``models.py``): build, convert, time every strategy at each batch size, adding
+    to ``records`` batch size by batch size (and the model's entry to ``infos`` once built)."""
     pbar.set_postfix_str(f"{name}: building")
     wl = models.build(name, device, dtype, settings["quick"], channels_last=settings.get("channels_last", False))
-    records = []
     for batch in settings["batch_sizes"][name]:
         pbar.set_postfix_str(f"{name} batch {batch}: fusedrc.convert (budget planning)")
         n_skipped = len(skipped)
         runners = models.runners_for(wl, batch, device, dtype, settings["budgets"][name], skipped)
         pbar.update((len(skipped) - n_skipped) * (warmup + repeats + 1))  # budgets convert could not meet
         pbar.set_postfix_str(f"{name} batch {batch}")
-        records += _time(runners, device, timer, pbar, warmup, repeats)
+        recs = _time(runners, device, timer, pbar, warmup, repeats)
         del runners
-    info = {"description": wl.description, "blocks": wl.n_blocks, "units": wl.n_units, "shapes": wl.shapes,
+        # after convert has run (units, plan_info), and before the records: none without its model's entry
+        infos[name] = {
+            "description": wl.description, "blocks": wl.n_blocks, "units": wl.n_units, "shapes": wl.shapes,
             "input_shape": list(wl.make_batch(1, "cpu", torch.float32)[0][0].shape[1:]),
             "parameters": sum(p.numel() for p in wl.model.parameters()),
             "step": f"zero_grad + forward + {wl.loss_desc} + backward + SGD.step", "model": True,
             "budgets": list(settings["budgets"][name]), **wl.plan_info}  # unit_names, block_names, ...
-    return info, records
+        records += recs
 
 
 def _run_group(wl, batch, device, dtype, settings, compile_ok, timer, pbar, warmup, repeats):
@@ -225,16 +226,8 @@ def ratios(records):
     return out
 
 
-def step_peak(r):
-    """Peak bytes one step allocated above what was resident before it (CUDA), else None."""
-    if r.get("peak_allocated_bytes") is None or r.get("allocated_before_step_bytes") is None:
-        return None
-    return r["peak_allocated_bytes"] - r["allocated_before_step_bytes"]
-
-
 def _own_peak(r):
-    p = step_peak(r)
-    return max(p if p is not None else r["peak_allocated_bytes"], 1)
+    return max(own_peak(r), 1)
 
 
 CHECKPOINT_OF = {"convert_all": "torch_checkpoint", "convert_budget": "torch_checkpoint",
