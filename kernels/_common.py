@@ -411,16 +411,17 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0,
         mask_n = offs_n < N - col0
         mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
         offs = offs_m[:, None] * N + offs_n[None, :]
-        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
             # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
             factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
-            if STORE_ACT:
-                tl.store(act_ptr + base + offs, (_act_fwd(h, ACTIVATION) * factor).to(act_ptr.dtype.element_ty),
-                         mask=mask)
+        if STORE_ACT:
+            a = _act_fwd(h, ACTIVATION)
+            if DROPOUT:
+                a = a * factor
+            tl.store(act_ptr + base + offs, a.to(act_ptr.dtype.element_ty), mask=mask)
+        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
             g = g * factor
-        elif STORE_ACT:
-            tl.store(act_ptr + base + offs, _act_fwd(h, ACTIVATION).to(act_ptr.dtype.element_ty), mask=mask)
         gh = _act_grad(h, g, ACTIVATION)
         tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -500,7 +501,7 @@ def _tile_safe(t: torch.Tensor, block_rows: int, block_cols: int, name: str) -> 
 GEMM_TMA = False
 
 
-def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _use_tma(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> bool:
     """Whether the dense kernels load a (M, K) and b (K, N) through TMA descriptors: the switch,
     Triton's host descriptors, the hardware (sm_90+; the interpreter only when forced), an eager
     launch (descriptors are not handed to torch's tracing of user kernels), tensor-core operands
@@ -509,10 +510,10 @@ def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
     function of the operands: a forward and its recompute decide alike."""
     if GEMM_TMA is False or TensorDescriptor is None or traced(a):
         return False
-    if operand_class(a.dtype, dot_precision(a)) == "fp32":
+    if operand_class(a.dtype, precision or dot_precision(a)) == "fp32":
         return False
     if a.is_cuda:
-        if torch.cuda.get_device_capability(a.device)[0] < 9:
+        if device_capability(a)[0] < 9:
             return False
     elif GEMM_TMA == "auto" or not interpreting():
         return False
@@ -536,13 +537,45 @@ def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
     return precision, cfg
 
 
-def _dropout_args(dropout, probe: torch.Tensor):
-    """(seed pointer, threshold, scale, DROPOUT) of a launch; ``dropout`` is None or (p, seed), seed a
+def _epilogue_split(cfg: GemmConfig, grad_kernel: bool, dropout: bool) -> int:
+    # the forward's plain epilogue is light: in one piece; the grad kernel's, and the dropout
+    # mask's, in the table's slices
+    return cfg.EPILOGUE_SPLIT if grad_kernel or dropout else 1
+
+
+def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_kernel: bool):
+    """What a launch of either dense kernel on a (M, K) @ b (K, N) needs besides its own outputs:
+    ``(cfg, pointers, seed, scalars, meta)``: the table entry, the A, B and bias arguments (the
+    operands made tile-safe, or TMA descriptors), the dropout seed pointer, the integer and float
+    arguments, and the constexprs and launch options. One builder for the forward and its recompute:
+    both take the same tiles, precision and loads. ``dropout`` is None or (p, seed), seed a
     1-element int64 tensor on the operands' device."""
-    if dropout is None or dropout[0] == 0:
-        return probe, 0, 1.0, False
-    p, seed = dropout
-    return seed, min(round(p * 2**24), 2**24), (1.0 / (1.0 - p) if p < 1 else 0.0), True
+    M, K = a.shape
+    N = b.shape[1]
+    precision, cfg = _launch_params(a, M, N, K)
+    cfg = config or cfg
+    a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
+    b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
+    if bias is not None:
+        bias = bias.contiguous()  # (N,): the kernels read it with unit stride
+    tma = _use_tma(a, b, precision)
+    a_arg, b_arg = _operands(a, b, cfg, tma)
+    has_dropout = dropout is not None and dropout[0] != 0
+    if has_dropout:
+        p, seed = dropout
+        threshold, scale = min(round(p * 2**24), 2**24), (1.0 / (1.0 - p) if p < 1 else 0.0)
+    else:
+        seed, threshold, scale = a, 0, 1.0
+    meta = dict(
+        HAS_BIAS=bias is not None, DROPOUT=has_dropout,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
+        EPILOGUE_SPLIT=_epilogue_split(cfg, grad_kernel, has_dropout),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    pointers = (a_arg, b_arg, bias if bias is not None else a)
+    scalars = (M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale)
+    return cfg, pointers, seed, scalars, meta
 
 
 def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", out_dtype=None,
@@ -559,28 +592,10 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0 or N == 0:
         return out
-    precision, cfg = _launch_params(a, M, N, K)
-    cfg = config or cfg
-    a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
-    b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
-    if bias is not None:
-        bias = bias.contiguous()  # (N,): the kernels read it with unit stride
+    cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=False)
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
-    tma = _use_tma(a, b)
-    a_arg, b_arg = _operands(a, b, cfg, tma)
-    seed, threshold, scale, has_dropout = _dropout_args(dropout, a)
     with _device_guard(a):
-        launcher(_gemm_act_kernel, a)[grid](
-            a_arg, b_arg, bias if bias is not None else a, out, seed,
-            M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale,
-            HAS_BIAS=bias is not None, ACTIVATION=activation, DROPOUT=has_dropout,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
-            # a plain epilogue is light: in one piece; the dropout mask's in the grad kernel's slices
-            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT if has_dropout else 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, ACTIVATION=activation, **meta)
     return out
 
 
@@ -628,29 +643,15 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     if M == 0 or N == 0:
         dbias = torch.zeros((N,), device=a.device, dtype=bias.dtype) if bias is not None else None
         return gh, act, dbias
-    precision, cfg = _launch_params(a, M, N, K)
-    cfg = config or cfg
-    a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
-    b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
-    if bias is not None:
-        bias = bias.contiguous()  # (N,): the kernels read it with unit stride
+    cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=True)
     num_pid_m = cdiv(M, cfg.BLOCK_M)
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
     grid = (num_pid_m * cdiv(N, cfg.BLOCK_N),)
     grad = grad.contiguous()  # no copy in the usual case
-    tma = _use_tma(a, b)
-    a_arg, b_arg = _operands(a, b, cfg, tma)
-    seed, threshold, scale, has_dropout = _dropout_args(dropout, a)
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
-            a_arg, b_arg, bias if bias is not None else a, grad, gh, act if act is not None else a,
-            part if part is not None else a, seed,
-            M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale,
-            HAS_BIAS=bias is not None, STORE_ACT=store_act, ACTIVATION=activation, DROPOUT=has_dropout,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
-            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed, *scalars,
+            STORE_ACT=store_act, ACTIVATION=activation, **meta,
         )
     # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
     dbias = part.sum(0).to(bias.dtype) if bias is not None else None
@@ -734,7 +735,7 @@ def inspect_specs():
                 aligned = [n for n in aligned if n not in ("a_ptr", "b_ptr")]
             if kernel is _gemm_act_grad_kernel:
                 constexprs["STORE_ACT"] = True
-            split = cfg.EPILOGUE_SPLIT if kernel is _gemm_act_grad_kernel or dropout else 1
+            split = _epilogue_split(cfg, kernel is _gemm_act_grad_kernel, dropout)
             constexprs["EPILOGUE_SPLIT"] = split
             constexprs.update({
                 "ACTIVATION": "gelu",

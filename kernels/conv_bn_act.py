@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision, interpreting, launcher,
-    operand_class,
+    _I32_MAX, _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision,
+    interpreting, launcher, operand_class,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
@@ -544,8 +544,7 @@ def _bwd_epilogue(
                                 other=0.0).to(tl.float32)
         gout = tl.load(g_ptr + g_pix[:, None] + (offs_n * s_gc)[None, :], mask=mask, other=0.0).to(tl.float32)
         # threshold_backward(grad, pre, 0): pre <= 0 -> 0 (a NaN pre lets grad through, as in torch)
-        g = tl.where(mask & (pre <= 0.0), 0.0, gout)
-        g = tl.where(mask, g, 0.0)
+        g = tl.where(pre <= 0.0, 0.0, gout)  # gout is 0 outside the mask already
         xhat = (zf - mean[None, :]) * rstd[None, :]
         if STORE_DRES:
             tl.store(dres_ptr + o_offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
@@ -715,12 +714,7 @@ def _supported(x, weight, activation, stride, padding, dilation) -> bool:
     oh, ow = _out_hw(x.shape[2], x.shape[3], weight.shape[2], weight.shape[3], stride, padding, dilation)
     # offsets inside one sample (channel, row, column) are 32-bit in the kernels; only the sample's
     # base is 64-bit: a sample of 2**31 elements or more (x's, or the output's) runs the reference
-    if _sample_extent(x) >= _I32_LIMIT or weight.shape[0] * max(oh, 0) * max(ow, 0) >= _I32_LIMIT:
-        return False
-    return oh > 0 and ow > 0
-
-
-_I32_LIMIT = 2**31
+    return oh > 0 and ow > 0 and _sample_extent(x) <= _I32_MAX and weight.shape[0] * oh * ow <= _I32_MAX
 
 
 def _sample_extent(t) -> int:
