@@ -18,7 +18,7 @@ import matplotlib.image as mpimg  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fusedrc.bench import cli, measure, schema  # noqa: E402
+from fusedrc.bench import cli, kernels, measure, schema  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,13 +78,17 @@ def test_quick_kernels(quick_run):
     res, plots = quick_run
     doc = json.loads(_one(res, "kernels").read_text())
     schema.validate(doc)
-    assert {c["pattern"] for c in doc["configs"]} == {"linear_act", "fused_mlp", "conv_bn_act"}
+    assert {c["pattern"] for c in doc["configs"]} == set(kernels.PATTERNS)
     assert {c["strategy"] for c in doc["configs"]} == {"eager", "torch_checkpoint", "fusedrc"}
     for c in doc["configs"]:
         assert c["tflops"] > 0 and c["flops"] > 0
         if c["strategy"] != "eager":  # the recompute is counted
             eager = next(e for e in doc["configs"] if e["pattern"] == c["pattern"] and e["strategy"] == "eager")
             assert c["flops"] > eager["flops"]
+    saved = {(c["pattern"], c["strategy"]): c["saved_activation_bytes"] for c in doc["configs"]}
+    # the fused FFN with dropout keeps x and its 8-byte Philox seed, never a mask
+    assert saved["fused_mlp_dropout", "fusedrc"] == saved["fused_mlp", "fusedrc"] + 8
+    assert saved["fused_mlp_dropout", "eager"] > saved["fused_mlp", "eager"]
     if doc["device"]["type"] == "cpu":
         assert any("interpreter" in n for n in doc["notes"])
     _assert_png_not_blank(plots / f"bench_kernels_quick_{doc['device']['type']}.png")
@@ -276,7 +280,7 @@ def test_module_entry_point_help():
 
 def test_kernels_pattern_at_two_shapes(quick_run, tmp_path):
     """On CUDA the FFN runs at both shapes its targets name; the plot draws one panel per shape."""
-    from fusedrc.bench import kernels, plot
+    from fusedrc.bench import plot
 
     cuda = kernels.shapes("cuda", quick=False)
     assert [s for p, s in cuda if p == "fused_mlp"] == [dict(M=8192, d=4096, h=16384), dict(M=16384, d=1024, h=4096)]

@@ -345,10 +345,10 @@ def run_kernels(argv):
     doc["configs"] = records
     print()
     print(f"GEMM rate ({'x'.join(map(str, gemm['shape']))} matmul): {gemm['tflops']:.3f} TFLOP/s")
-    print(f"{'pattern':>12} {'strategy':>17} {'median ms':>10} {'p20-p80 ms':>15} {'GEMMs':>6} {'TFLOP/s':>8} "
+    print(f"{'pattern':>17} {'strategy':>17} {'median ms':>10} {'p20-p80 ms':>15} {'GEMMs':>6} {'TFLOP/s':>8} "
           f"{'saved MiB':>10}")
     for c in records:
-        print(f"{c['pattern']:>12} {c['strategy']:>17} {c['median_s'] * 1e3:10.2f} "
+        print(f"{c['pattern']:>17} {c['strategy']:>17} {c['median_s'] * 1e3:10.2f} "
               f"{c['p20_s'] * 1e3:7.2f}-{c['p80_s'] * 1e3:<7.2f} {c['gemm_units']:>6g} {c['tflops']:8.3f} "
               f"{_fmt_mib(c['saved_activation_bytes']):>10}")
     return _finish(doc, args, t_start)

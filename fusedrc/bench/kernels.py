@@ -6,6 +6,8 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
 
 * ``linear_act`` (``relu(x Wᵀ + b)``): eager 3, checkpoint 4, fusedrc 4
 * ``fused_mlp`` (``Linear → GELU → Linear``): eager 6, checkpoint 7 (early stop), fusedrc 7
+* ``fused_mlp_dropout`` (``Linear → GELU → Dropout(0.1) → Linear``, the fused op regenerates
+  the mask in backward from a Philox seed): same counts as ``fused_mlp``
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 
@@ -25,7 +27,8 @@ import fusedrc
 from . import measure
 from .progress import bar
 
-PATTERNS = ("linear_act", "fused_mlp", "conv_bn_act")
+PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "conv_bn_act")
+DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
             "Triton's interpreter is not representative and is not timed.")
@@ -33,15 +36,18 @@ CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kern
 
 def shapes(device_type: str, quick: bool) -> list:
     """The (pattern, shape) cases of a run. On CUDA the FFN runs at both shapes its
-    targets name: d=4096, hidden=16384, 8192 tokens and d=1024, hidden=4096, 16384 tokens."""
+    targets name: d=4096, hidden=16384, 8192 tokens and d=1024, hidden=4096, 16384 tokens;
+    the FFN with dropout at the smaller one, where the mask's cost weighs most."""
     if quick:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
+                ("fused_mlp_dropout", dict(M=256, d=128, h=512)),
                 ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
-                ("fused_mlp", dict(M=16384, d=1024, h=4096)),
+                ("fused_mlp", dict(M=16384, d=1024, h=4096)), ("fused_mlp_dropout", dict(M=16384, d=1024, h=4096)),
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
+            ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)),
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3))]
 
 
@@ -72,9 +78,10 @@ class _Case:
             xs, ys = (M, K), (M, N)
             self.gemm_flops = 2 * M * K * N
             self.units = {"eager": 3, "torch_checkpoint": 4, "fusedrc": 4}
-        elif pattern == "fused_mlp":
+        elif pattern in ("fused_mlp", "fused_mlp_dropout"):
             M, d, h = shape["M"], shape["d"], shape["h"]
-            self.block = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+            mid = [nn.Dropout(DROPOUT_P)] if pattern == "fused_mlp_dropout" else []
+            self.block = nn.Sequential(nn.Linear(d, h), nn.GELU(), *mid, nn.Linear(h, d))
             xs, ys = (M, d), (M, d)
             self.gemm_flops = 2 * M * d * h  # one of the FFN's two GEMMs
             self.units = {"eager": 6, "torch_checkpoint": 7, "fusedrc": 7}
