@@ -88,7 +88,7 @@ from torch import nn
 from . import functional as F
 from ._patterns import _conv_padding, _has_hooks, activation_name, conv_bn_relu_call, fused_dropout_p
 from ._saved import SavedBytes
-from .recompute import _is_marked, _mark, unmark
+from .recompute import _is_marked, _mark, bind_replicas, unmark
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
@@ -361,6 +361,12 @@ class FusedT5DenseActDense(Wrapper):
         )
 
 
+def _is_replica(module):
+    """An ``nn.DataParallel`` replica: the references an inlined FFN's modules hold to each other
+    are the original's (a replica is built before its siblings exist), so it runs unfused."""
+    return module.__dict__.get("_is_replica", False)
+
+
 class _FFNHead(nn.Linear):
     """Stands in for an FFN's first Linear (same parameters, same key) and runs the whole FFN.
 
@@ -381,6 +387,8 @@ class _FFNHead(nn.Linear):
 
     def forward(self, x):
         act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
+        if _is_replica(self):  # its peers are the original's: the replicas of all three run split
+            return nn.functional.linear(x, self.weight, self.bias)
         if not _nohooks(self, act_slot, tail):
             tail.__dict__["_fusedrc_split"] = True
             return nn.functional.linear(x, self.weight, self.bias)
@@ -408,7 +416,7 @@ class _FFNAct(nn.Module):
 
     def forward(self, x):
         act_mod, tail = self.__dict__["_fusedrc_act"]
-        return act_mod(x) if "_fusedrc_split" in tail.__dict__ else x
+        return act_mod(x) if _is_replica(self) or "_fusedrc_split" in tail.__dict__ else x
 
     def _get_name(self):
         return "FusedFFN(activation, computed in fc1)"
@@ -424,12 +432,36 @@ class _FFNTail(nn.Linear):
         self.weight, self.bias = fc2.weight, fc2.bias
 
     def forward(self, x):
-        if self.__dict__.pop("_fusedrc_split", False):
+        if self.__dict__.pop("_fusedrc_split", False) or _is_replica(self):
             return nn.functional.linear(x, self.weight, self.bias)
         return x
 
     def _get_name(self):
         return "FusedFFN(fc2, computed in fc1)"
+
+
+def _in_place(seq, start, chain, placed):
+    """Whether a group's modules (or, on a replica, its keys) still sit where convert found them."""
+    if isinstance(seq.groups, _ReplicaGroups):
+        return list(seq._modules.keys())[start:start + len(chain)] == list(placed)
+    return all(a is b for a, b in zip(chain, placed))
+
+
+class _Groups(dict):
+    """A fused Sequential's groups: start index -> (kind, site, activation, the group's modules)."""
+
+    def _fusedrc_rebind(self, replica):
+        # nn.DataParallel: the replica still holds the original's children when this runs and gets
+        # their replicas at the same keys afterwards, so the groups in place carry over by key
+        mods, keys = list(replica._modules.values()), list(replica._modules.keys())
+        return _ReplicaGroups({i: (kind, site, act, tuple(keys[i:i + len(chain)]))
+                               for i, (kind, site, act, chain) in self.items()
+                               if len(mods[i:i + len(chain)]) == len(chain)
+                               and all(a is b for a, b in zip(mods[i:], chain))})
+
+
+class _ReplicaGroups(dict):
+    """The groups of a replica: a group's keys in place of its modules."""
 
 
 class _FusedSequential(nn.Sequential):
@@ -444,8 +476,8 @@ class _FusedSequential(nn.Sequential):
     @classmethod
     def wrap(cls, seq):
         new = Wrapper.wrap.__func__(cls, seq)
-        # start index -> (kind, site, activation, the group's modules)
-        new.__dict__["groups"] = {}
+        new.__dict__["groups"] = _Groups()
+        bind_replicas(new)
         return new
 
     def __getitem__(self, idx):
@@ -459,7 +491,7 @@ class _FusedSequential(nn.Sequential):
         while i < len(mods):
             g = self.groups.get(i)
             chain = mods[i:i + len(g[3])] if g is not None else ()
-            if g is not None and len(chain) == len(g[3]) and all(a is b for a, b in zip(chain, g[3])):
+            if g is not None and len(chain) == len(g[3]) and _in_place(self, i, chain, g[3]):
                 # a group runs fused, or module by module when its call is not modelled
                 kind, site, act, _ = g
                 x = _cbr(site, *chain, x) if kind == "conv_bn_relu" else _run_dense(site, kind, act, chain, x)
@@ -474,16 +506,21 @@ class _FusedSequential(nn.Sequential):
 
 
 class _FxFused(nn.Module):
-    """A parameter-free fused call inserted by the fx pass; holds references to the modules."""
+    """A parameter-free fused call inserted by the fx pass. The graph hands it the chain's modules
+    as arguments (``get_attr`` of their names), so a call reaches the modules registered at those
+    names on the module running the graph (an ``nn.DataParallel`` replica's own, for one);
+    ``fixed`` maps a chain position to a module the model does not hold (a functional
+    activation's equivalent)."""
 
-    def __init__(self, kind, mods, act):
+    def __init__(self, kind, fixed, act):
         super().__init__()
-        self.__dict__["_fusedrc_mods"] = tuple(mods)
+        self.__dict__["_fusedrc_fixed"] = dict(fixed)
         self.__dict__["site"] = Site()
         self.kind, self.act = kind, act
 
-    def forward(self, x):
-        mods = self.__dict__["_fusedrc_mods"]
+    def forward(self, x, *registered):
+        fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
+        mods = [fixed[i] if i in fixed else next(live) for i in range(len(fixed) + len(registered))]
         if self.kind == "conv_bn_relu":
             return _cbr(self.site, *mods, x)
         return _run_dense(self.site, self.kind, self.act, mods, x)
@@ -860,10 +897,14 @@ def _sequential(ctx, name, seq):
 class _FxForward:
     """The instance ``forward`` of a model rewritten by the fx pass: the rewritten graph's code run
     on the model itself, so its attributes, methods, hooks and live parameters and buffers are the
-    model's (``model.to(...)`` reaches them). An object, not a closure: the model pickles."""
+    model's (``model.to(...)`` reaches them). An object, not a closure: the model pickles, and an
+    ``nn.DataParallel`` replica gets one bound to itself."""
 
     def __init__(self, module, gm):
         self.module, self.gm = module, gm
+
+    def _fusedrc_rebind(self, replica):
+        return _FxForward(replica, self.gm)
 
     def __call__(self, *args, **kwargs):
         return type(self.gm).forward(self.module, *args, **kwargs)
@@ -960,11 +1001,15 @@ def _fx_pass(ctx, model):
         if chain is None or not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
                 or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])):
             continue
-        fused = _FxFused(kind, modules, act)
+        fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules)) if n.op != "call_module"}
+        if kind == "conv_bn_relu":
+            fixed = {2: modules[2]}  # the ReLU, module or function, runs as a fresh nn.ReLU
+        fused = _FxFused(kind, fixed, act)
         sub = f"_fusedrc_fx_{found}"
         gm.add_submodule(sub, fused)
         with gm.graph.inserting_before(chain[-1]):
-            new_node = gm.graph.call_module(sub, (node.args[0],))
+            registered = [gm.graph.get_attr(n.target) for i, n in enumerate(chain) if i not in fixed]
+            new_node = gm.graph.call_module(sub, (node.args[0], *registered))
         chain[-1].replace_all_uses_with(new_node)
         for c in reversed(chain):
             gm.graph.erase_node(c)
@@ -982,6 +1027,7 @@ def _fx_pass(ctx, model):
         if isinstance(sub, _FxFused):  # parameter-free; reached as self.<name> by the graph's code
             model.__dict__[name] = sub
     model.__dict__["forward"] = _FxForward(model, gm)
+    bind_replicas(model)
     return model
 
 

@@ -558,22 +558,41 @@ def _mark(module, output_recompute=False, when=None):
     options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward"), "when": when}
     module.__dict__[_MARK] = options
     module.__dict__["forward"] = _MarkedForward(module)
-    module.__dict__["_replicate_for_data_parallel"] = _ReplicateMarked(module)
+    bind_replicas(module)
     return module
 
 
-class _ReplicateMarked:
-    """``nn.DataParallel`` replicates a module by copying its ``__dict__``: a replica of a marked
-    module gets its own marked forward, bound to the replica (and its parameters)."""
+def bind_replicas(module):
+    """Make ``nn.DataParallel`` replicas of ``module`` rebind its instance-level objects.
+
+    ``replicate`` builds a replica by copying the module's ``__dict__``: an instance ``forward``
+    holding the module (``mark``'s, ``convert``'s fx rewrite) would run the original, with the
+    original's parameters. Objects with a ``_fusedrc_rebind(replica)`` method are rebuilt for the
+    replica instead, and the replica gets this hook in turn."""
+    module.__dict__["_replicate_for_data_parallel"] = _Replicate(module)
+
+
+def _rebound(value, replica):
+    rebind = getattr(value, "_fusedrc_rebind", None)
+    return value if rebind is None else rebind(replica)
+
+
+class _Replicate:
+    """The instance ``_replicate_for_data_parallel`` that :func:`bind_replicas` installs."""
 
     def __init__(self, module):
         self.module = module
 
+    def _fusedrc_rebind(self, replica):
+        return _Replicate(replica)
+
     def __call__(self):
         replica = type(self.module)._replicate_for_data_parallel(self.module)
-        replica.__dict__.pop("_replicate_for_data_parallel", None)
-        replica.__dict__[_MARK] = dict(self.module.__dict__[_MARK])
-        replica.__dict__["forward"] = _MarkedForward(replica)
+        d = replica.__dict__
+        for key, value in list(d.items()):
+            d[key] = _rebound(value, replica)
+        if _MARK in d:  # the options of a marked module: its own copy, the wrapped forward rebound
+            d[_MARK] = dict(d[_MARK], inner=_rebound(d[_MARK].get("inner"), replica))
         return replica
 
 
@@ -585,6 +604,9 @@ class _MarkedForward:
 
     def __init__(self, module):
         self.module = module
+
+    def _fusedrc_rebind(self, replica):
+        return _MarkedForward(replica)
 
     def __call__(self, *args, **kwargs):
         module = self.module
@@ -616,10 +638,10 @@ def unmark(module):
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if _is_marked(module):
-        module.__dict__.pop("_replicate_for_data_parallel", None)
         inner = module.__dict__.pop(_MARK).get("inner")
         if inner is None:
             del module.__dict__["forward"]
-        else:
+            module.__dict__.pop("_replicate_for_data_parallel", None)
+        else:  # the wrapped instance forward (convert's fx rewrite) keeps its replica hook
             module.__dict__["forward"] = inner
     return module

@@ -57,3 +57,23 @@ class GemmCounter(TorchDispatchMode):
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def replicate_on_cpu(network, scale=2.0):
+    """``torch.nn.parallel.replicate`` for one replica, on the CPU: each module's
+    ``_replicate_for_data_parallel()`` in ``network.modules()`` order, then children, parameters
+    (as non-leaf tensors, scaled by ``scale`` so that a replica reading the original's shows)
+    and buffers set on the replicas the way replicate sets them."""
+    modules = list(network.modules())
+    copies = [m._replicate_for_data_parallel() for m in modules]
+    index = {m: i for i, m in enumerate(modules)}
+    for m, r in zip(modules, copies):
+        for key, child in m._modules.items():
+            setattr(r, key, None if child is None else copies[index[child]])
+        for key, p in m._parameters.items():
+            if p is not None:
+                setattr(r, key, p * scale)
+        for key, b in m._buffers.items():
+            if b is not None:
+                setattr(r, key, b.clone())
+    return copies[0]

@@ -17,7 +17,7 @@ from torch import nn
 import fusedrc
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
 
-from _utils import rel_err
+from _utils import GemmCounter, rel_err, replicate_on_cpu
 
 TOL = 1e-4
 
@@ -407,6 +407,69 @@ def test_fx_functional_activations():
     assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("c", "conv_bn_relu"), ("l", "linear_act")]
     x = torch.randn(2, 3, 8, 8)
     _assert_same_step(model, conv, x, loss=torch.sum)
+
+
+# --------------------------------------------------------------------------- nn.DataParallel
+def _fused_ops(model, x):
+    with GemmCounter() as counter:
+        model(x)
+    return sorted(op for op in counter.ops if op.startswith("fusedrc."))
+
+
+@pytest.mark.parametrize("build", ["fx", "fx_marked", "sequential"])
+def test_data_parallel_replica_runs_fused_on_its_own_parameters(build):
+    """nn.DataParallel's replicate builds each replica from a copy of the module's __dict__, then
+    sets its children and parameters (emulated on the CPU, replica parameters = 2 x the original's):
+    a replica of a converted model runs the same fused ops, on its own parameters."""
+    torch.manual_seed(0)
+    if build == "sequential":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                              nn.Flatten(), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+    else:
+        model = _Net()
+    model.train()
+    conv = fusedrc.convert(model)
+    if build == "fx_marked":
+        fusedrc.mark(conv)
+    x = torch.randn(4, 3, 8, 8)
+    replica = replicate_on_cpu(conv, scale=2.0)
+    assert _fused_ops(replica, x) == _fused_ops(conv, x) and _fused_ops(conv, x)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(2)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(xa), replica(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert rel_err(xb.grad, xa.grad) <= TOL
+    # d/dp of f(2p) = 2 f'(2p); an absolute floor for the conv bias before BN (zero in theory)
+    for (n, p), q in zip(ref.named_parameters(), conv.parameters()):
+        assert (q.grad - 2 * p.grad).norm() <= TOL * (2 * p.grad).norm() + 1e-5, n
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_data_parallel_replica_of_an_inlined_ffn_runs_unfused():
+    """OPT's FFN is inlined in the decoder layer: its replica's three modules cannot reach each
+    other (replicate builds a replica before its siblings), so they run fc1, act, fc2 plainly."""
+    transformers = _transformers()
+    cfg = transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                 num_attention_heads=2, max_position_embeddings=32, dropout=0.0,
+                                 attention_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    layer = transformers.models.opt.modeling_opt.OPTDecoderLayer(cfg).train()
+    conv = fusedrc.convert(layer, policy=["fc1"])
+    replica = replicate_on_cpu(conv, scale=2.0)
+    assert type(replica.fc1).__name__ == "_FFNHead"
+    ref = copy.deepcopy(layer)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(2)
+    x = torch.randn(2, 5, 16)
+    assert rel_err(replica(x)[0], ref(x)[0]) <= TOL
+    assert torch.equal(conv(x)[0], conv(x)[0])  # the original still runs (its split flag left clean)
+    assert "_fusedrc_split" not in conv.fc2.__dict__
 
 
 # --------------------------------------------------------------------------- the converted object
