@@ -118,7 +118,23 @@ def inside_forward_region():
 def tf32_matmul_allowed() -> bool:
     """Whether torch's fp32 matmuls on CUDA may use tf32, by either API: torch >= 2.9 raises on
     reading ``allow_tf32`` once ``fp32_precision`` (its own or the global one) was set, and
-    reports "tf32" there after ``allow_tf32 = True`` or ``set_float32_matmul_precision("high")``."""
+    reports "tf32" there after ``allow_tf32 = True`` or ``set_float32_matmul_precision("high")``.
+    Inside :func:`pinned_tf32`, the pinned answer."""
+    pinned = getattr(_local, "tf32", None)
+    if pinned is not None:
+        return pinned
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, "fp32_precision", None)
     return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)
+
+
+@contextlib.contextmanager
+def pinned_tf32(allowed: bool):
+    """Answer ``allowed`` from :func:`tf32_matmul_allowed` in this thread: a fused op's backward
+    recomputes at the precision its forward ran at, whatever torch's setting is by then."""
+    previous = getattr(_local, "tf32", None)
+    _local.tf32 = bool(allowed)
+    try:
+        yield
+    finally:
+        _local.tf32 = previous

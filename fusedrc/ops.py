@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._backend import get_impl
+from ._state import pinned_tf32, tf32_matmul_allowed
 
 _EMPTY = (0,)
 
@@ -321,5 +322,23 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
 
 
 _AUTOGRAD["conv_bn_act"] = (_conv_bn_act_backward, _conv_bn_act_setup)
+
+
+def _pinning_precision(backward, setup):
+    """``backward`` runs at the fp32 GEMM precision (tf32 or not) that torch allowed when the
+    forward ran: its recompute must equal the forward bit for bit (the ReLU mask, the dropout
+    scale), even if ``torch.backends.cuda.matmul`` changed in between."""
+    def pinned_setup(ctx, inputs, output):
+        setup(ctx, inputs, output)
+        ctx.tf32 = tf32_matmul_allowed()
+
+    def pinned_backward(ctx, *grads):
+        with pinned_tf32(ctx.tf32):
+            return backward(ctx, *grads)
+
+    return pinned_backward, pinned_setup
+
+
+_AUTOGRAD.update({name: _pinning_precision(*pair) for name, pair in _AUTOGRAD.items()})
 for _name, (_backward, _setup) in _AUTOGRAD.items():
     _CUSTOM_OPS[_name].register_autograd(_backward, setup_context=_setup)

@@ -378,6 +378,41 @@ def test_rerun_uses_the_forwards_backend(monkeypatch):
     assert seen and all(b == "reference" for b in seen), seen
 
 
+@pytest.mark.parametrize("fn", ["linear_act_backward", "fused_mlp_backward", "conv_bn_act_backward"])
+def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn):
+    """torch's tf32 setting flipped between forward and backward: the backward (whose recompute
+    must match the forward bit for bit) still sees the forward's precision."""
+    from fusedrc import _state, reference
+
+    seen = []
+    real = getattr(reference, fn)
+
+    def spy(*args):
+        seen.append(_state.tf32_matmul_allowed())
+        return real(*args)
+
+    monkeypatch.setattr(reference, fn, spy)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    try:
+        for forward_tf32 in (False, True):
+            matmul.fp32_precision = "tf32" if forward_tf32 else "ieee"
+            with fusedrc.use_backend("reference"):
+                if fn == "conv_bn_act_backward":
+                    y = fusedrc.nn.ConvBNReLU(4, 5, 3)(x)
+                elif fn == "fused_mlp_backward":
+                    y = fusedrc.nn.FusedMLP(6, 8)(x)
+                else:
+                    y = fusedrc.nn.LinearReLU(6, 8)(x)
+            matmul.fp32_precision = "ieee" if forward_tf32 else "tf32"
+            y.sum().backward()
+            assert seen.pop() is forward_tf32
+            assert _state.tf32_matmul_allowed() is not forward_tf32  # the pin ends with the backward
+    finally:
+        matmul.fp32_precision = before
+
+
 def test_conv_bn_relu_call_that_raises_counts_no_batch(monkeypatch):
     """Any exception from the op (a bad channel count; a RuntimeError from inside, such as backend
     'triton' without CUDA or the interpreter) leaves num_batches_tracked as it was."""
