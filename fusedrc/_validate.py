@@ -10,6 +10,7 @@ import math
 import numbers
 
 import torch
+from torch.autograd import forward_ad
 
 
 def check_tensor(t, name, *, ndim=None, min_ndim=None, floating=True):
@@ -115,3 +116,16 @@ def pair(v, name, *, min_value=None):
         kind = {0: "non-negative", 1: "positive"}.get(min_value, f">= {min_value}")
         raise ValueError(f"{name} must be {kind}, got {v!r}")
     return out
+
+
+def needs_unfused(*tensors) -> bool:
+    """Whether forward-mode AD (``torch.autograd.forward_ad``) or a ``torch.func`` transform (grad,
+    vmap, jvp, ...) tracks one of these tensors. The fused ops define a reverse-mode backward only,
+    so such a call runs as the plain composition of torch ops: correct, differentiable by the
+    transform, not recomputed."""
+    if torch.compiler.is_compiling():
+        return False
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in ts):
+        return True
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)

@@ -12,7 +12,7 @@ from . import ops, reference
 from ._backend import resolve_backend
 from ._state import traced
 from ._validate import (check_activation, check_device, check_number, check_probability, check_same, check_tensor,
-                        check_vector, pair)
+                        check_vector, needs_unfused, pair)
 
 __all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
 
@@ -99,6 +99,8 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     check_activation(activation)
     x, weight, bias = _autocast(x, weight, bias)
     _check_linear(x, weight, bias)
+    if needs_unfused(x, weight, bias):
+        return reference.linear_act_forward(x, weight, bias, activation)
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
     y = ops.pick("linear_act", x, backend)(_rows(x), weight, bias, activation, backend)
@@ -154,6 +156,9 @@ def fused_mlp(
     _check_linear(x, w1, b1, "w1", "b1")
     _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
+    if needs_unfused(x, w1, b1, w2, b2):
+        a = torch.nn.functional.dropout(reference.linear_act_forward(x, w1, b1, activation), dropout_p)
+        return torch.nn.functional.linear(a, w2, b2)
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
     # the mask's seed, from x's device's default generator: a device-side draw, no host sync
@@ -241,11 +246,12 @@ def conv_bn_act(
         check_same(x, "input", residual, "residual")
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
-    if x.shape[0] == 0:
-        # an empty batch: eager BatchNorm returns an empty output and leaves the statistics alone
+    if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias, residual):
+        # an empty batch (eager BatchNorm returns an empty output and leaves the statistics alone),
+        # or a transform the op has no rule for: the plain composition, running statistics included
         y = torch.nn.functional.batch_norm(
             torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation), running_mean, running_var,
-            bn_weight, bn_bias, training, momentum, eps)
+            bn_weight, bn_bias, use_batch_stats, momentum, eps)
         return reference.activation_forward(y if residual is None else y + residual, activation)
     if use_batch_stats:
         oh, ow = expected[2:]

@@ -413,6 +413,52 @@ def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn):
         matmul.fp32_precision = before
 
 
+def _fused_and_plain(op):
+    torch.manual_seed(0)
+    if op == "linear_act":
+        fused, x = fusedrc.nn.LinearReLU(6, 8), torch.randn(3, 6)
+        plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU())
+        plain[0].load_state_dict(fused.state_dict())
+    elif op == "fused_mlp":
+        fused, x = fusedrc.nn.FusedMLP(6, 8, activation="gelu"), torch.randn(3, 6)
+        plain = nn.Sequential(copy.deepcopy(fused.fc1), nn.GELU(), copy.deepcopy(fused.fc2))
+    else:
+        fused, x = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1), torch.randn(2, 3, 5, 5)
+        plain = nn.Sequential(copy.deepcopy(fused.conv), copy.deepcopy(fused.bn), nn.ReLU())
+    return fused, plain, x
+
+
+@pytest.mark.parametrize("op", ["linear_act", "fused_mlp", "conv_bn_act"])
+def test_torch_func_and_forward_ad_run_the_plain_composition(op):
+    """The fused ops define a reverse-mode backward only: under torch.func transforms and forward-mode
+    AD they run as the plain composition of torch ops, with the unfused layers' derivatives."""
+    import torch.autograd.forward_ad as fwad
+
+    fused, plain, x = _fused_and_plain(op)
+    for argnum in (0, 1):  # d/d input, d/d parameters; buffers are arguments (BatchNorm updates them)
+        grads = []
+        for m in (fused, plain):
+            def loss(x, params, buffers, m=m):
+                return torch.func.functional_call(m, {**params, **buffers}, (x,)).square().sum()
+
+            buffers = {k: v.clone() for k, v in m.named_buffers()}
+            g = torch.func.grad(loss, argnums=argnum)(x, dict(m.named_parameters()), buffers)
+            grads.append(torch.cat([t.flatten() for t in (g.values() if isinstance(g, dict) else [g])]))
+        assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6), argnum
+    tangent = torch.randn_like(x)
+    tangents = []
+    for m in (fused, plain):
+        with fwad.dual_level():
+            tangents.append(fwad.unpack_dual(m(fwad.make_dual(x, tangent))).tangent)
+    assert tangents[0] is not None and torch.allclose(tangents[0], tangents[1], rtol=1e-5, atol=1e-6)
+    if op != "conv_bn_act":  # vmap over training-mode BatchNorm is torch's own limitation
+        xs = torch.randn(4, *x.shape)
+        assert torch.allclose(torch.func.vmap(fused)(xs), torch.func.vmap(plain)(xs), rtol=1e-5, atol=1e-6)
+    # outside the transforms the fused op still runs
+    with fusedrc.use_backend("reference"):
+        assert "fusedrc" in type(fused(x).grad_fn).__name__
+
+
 def test_conv_bn_relu_call_that_raises_counts_no_batch(monkeypatch):
     """Any exception from the op (a bad channel count; a RuntimeError from inside, such as backend
     'triton' without CUDA or the interpreter) leaves num_batches_tracked as it was."""
