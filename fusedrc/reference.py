@@ -135,7 +135,8 @@ def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, s
     a = activation_forward(h, activation)
     if dropout_p != 0:
         factor = dropout_factor(seed, a.shape, dropout_p, a)
-        a, grad_a = a * factor, grad_a * factor
+        a.mul_(factor)  # both fresh here (the op runs outside autograd): no extra full-size copies
+        grad_a.mul_(factor)
         del factor
     dw2 = grad_out.t().mm(a)
     del a
