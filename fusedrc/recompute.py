@@ -555,7 +555,8 @@ def _mark(module, output_recompute=False, when=None):
                 "recomputed modules are not allowed (as in MindSpore). Unmark the inner one first."
             )
     # an instance forward already there (fusedrc.convert's fx rewrite) is what gets recomputed
-    options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward"), "when": when}
+    options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward"), "when": when,
+               "own_hook": "_replicate_for_data_parallel" in module.__dict__}  # convert's: unmark keeps it
     module.__dict__[_MARK] = options
     module.__dict__["forward"] = _MarkedForward(module)
     bind_replicas(module)
@@ -608,6 +609,10 @@ class _MarkedForward:
     def _fusedrc_rebind(self, replica):
         return _MarkedForward(replica)
 
+    @property
+    def __code__(self):  # read as a plain function's by torch.export (non-strict) for its shape env's name
+        return type(self.module).forward.__code__
+
     def __call__(self, *args, **kwargs):
         module = self.module
         options = module.__dict__[_MARK]
@@ -638,10 +643,12 @@ def unmark(module):
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if _is_marked(module):
-        inner = module.__dict__.pop(_MARK).get("inner")
+        options = module.__dict__.pop(_MARK)
+        inner = options.get("inner")
         if inner is None:
             del module.__dict__["forward"]
-            module.__dict__.pop("_replicate_for_data_parallel", None)
-        else:  # the wrapped instance forward (convert's fx rewrite) keeps its replica hook
+        else:
             module.__dict__["forward"] = inner
+        if not options.get("own_hook"):
+            module.__dict__.pop("_replicate_for_data_parallel", None)
     return module

@@ -71,9 +71,13 @@ def replicate_on_cpu(network, scale=2.0):
         for key, child in m._modules.items():
             setattr(r, key, None if child is None else copies[index[child]])
         for key, p in m._parameters.items():
-            if p is not None:
+            if p is None:
+                r._parameters[key] = None
+            else:
                 setattr(r, key, p * scale)
         for key, b in m._buffers.items():
-            if b is not None:
+            if b is None:
+                r._buffers[key] = None
+            else:
                 setattr(r, key, b.clone())
     return copies[0]

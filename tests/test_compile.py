@@ -455,6 +455,35 @@ def test_triton_ops_expose_their_kernels_to_the_compiler():
     assert (fw, bw) == (5, 4)
 
 
+class _TracedNet(nn.Module):
+    """Not a Sequential: convert rewrites it with torch.fx (an instance forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_an_fx_converted_model(strict):
+    """torch.export reads an instance forward as a function (its __code__, non-strict): an
+    fx-rewritten model, marked or not, exports and runs as the eager one (a marked one non-strict:
+    a strict export of a checkpoint region fails in torch itself)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    for marked in (False, True) if not strict else (False,):
+        m = fusedrc.convert(_TracedNet().eval())
+        assert [u.kind for u in m.fusedrc_plan.units] == ["conv_bn_relu", "ffn"]
+        if marked:
+            fusedrc.mark(m)
+        ep = torch.export.export(m, (x,), strict=strict)
+        assert rel_err(ep.module()(x), m(x)) <= 1e-6, marked
+
+
 def test_export_training_batchnorm_and_dynamic_batch():
     """torch.export of fused modules: a training-mode ConvBNReLU exports (strict or not) with its
     running statistics updated by the exported program, and the dense modules keep a dynamic batch."""

@@ -450,6 +450,22 @@ def test_data_parallel_replica_runs_fused_on_its_own_parameters(build):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_unmark_keeps_converts_replica_hook_and_a_marked_root_is_not_rewritten():
+    """mark then unmark on a fused Sequential leaves convert's replica hook (its replicas stay fused);
+    convert leaves a marked root as it is (no fx rewrite under the mark)."""
+    torch.manual_seed(0)
+    conv = fusedrc.convert(nn.Sequential(nn.Linear(6, 16, bias=False), nn.ReLU(), nn.Linear(16, 6)))
+    x = torch.randn(3, 6)
+    fusedrc.unmark(fusedrc.mark(conv))
+    assert _fused_ops(replicate_on_cpu(conv), x) == _fused_ops(conv, x) == ["fusedrc.fused_mlp.default"]
+    marked = fusedrc.mark(_Net().train())
+    with pytest.warns(UserWarning):
+        out = fusedrc.convert(marked)
+    assert not out.fusedrc_plan.units and type(out.__dict__["forward"]).__name__ == "_MarkedForward"
+    fusedrc.unmark(out)
+    assert "forward" not in out.__dict__ and "_replicate_for_data_parallel" not in out.__dict__
+
+
 def test_data_parallel_replica_of_an_inlined_ffn_runs_unfused():
     """OPT's FFN is inlined in the decoder layer: its replica's three modules cannot reach each
     other (replicate builds a replica before its siblings), so they run fc1, act, fc2 plainly."""
