@@ -1297,6 +1297,12 @@ def _import_torchvision():
 
     try:
         return importlib.import_module("torchvision")
+    except ModuleNotFoundError as e:
+        if e.name != "torchvision":
+            raise
+        raise ModuleNotFoundError("torchvision is not installed: pip install torchvision (a build matching "
+                                  "torch's), or fusedrc's test extra: pip install -e \".[test]\"",
+                                  name="torchvision") from e
     except ImportError:
         raise
     except RuntimeError as e:

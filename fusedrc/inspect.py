@@ -148,10 +148,20 @@ def _module_specs(module_name: str):
     return out
 
 
+# the fused ops whose launchers run a kernel kept in a shared module (kernels/_common.py)
+_SHARED_BY = {"_gemm_act_kernel": ("linear_act", "fused_mlp"), "_gemm_act_grad_kernel": ("linear_act", "fused_mlp")}
+
+
+def _names(spec) -> tuple:
+    """What ``--kernel`` matches a spec by: its kernel, its module and the ops that use it."""
+    return (spec.kernel, spec.module, *_SHARED_BY.get(spec.kernel, ()))
+
+
 def discover_specs(arch: str = "all", kernel: str | None = None):
     """(specs, failures): the specs of every kernels module with ``inspect_specs``, filtered
-    by arch and by a substring of the kernel name; a module that fails to import or to
-    list its specs gives a failure entry instead."""
+    by arch and by a substring of the kernel's name, its module's or an op's that runs it
+    (``_gemm_act_kernel``, ``conv_bn_act``, ``fused_mlp``); a module that fails to import or to list its specs gives a
+    failure entry instead."""
     if arch != "all" and arch not in ARCHS:
         raise ValueError(f"arch must be 'all' or one of {sorted(ARCHS)}, got {arch!r}")
     specs, failures = [], []
@@ -162,7 +172,7 @@ def discover_specs(arch: str = "all", kernel: str | None = None):
             failures.append({"module": name, "error": traceback.format_exc()})
             continue
         specs += [s for s in found
-                  if (arch == "all" or s.arch == arch) and (kernel is None or kernel in s.kernel)]
+                  if (arch == "all" or s.arch == arch) and (kernel is None or any(kernel in n for n in _names(s)))]
     return specs, failures
 
 
@@ -493,7 +503,9 @@ def main(argv=None) -> int:
     """
     ap = argparse.ArgumentParser(prog="python -m fusedrc.inspect", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="all", choices=["all", *ARCHS])
-    ap.add_argument("--kernel", default=None, help="only kernels whose name contains SUBSTRING")
+    ap.add_argument("--kernel", default=None, metavar="SUBSTRING",
+                    help="only kernels whose name or kernels module (linear_act, fused_mlp, conv_bn_act) "
+                         "contains SUBSTRING")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     ap.add_argument("--json", action="store_true", help="print a JSON list, one object per configuration")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -510,6 +522,11 @@ def main(argv=None) -> int:
             print(f"\r{done}/{total} compiled", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     report = inspect_kernels(args.arch, args.kernel, max(1, args.jobs), progress)
+    if args.kernel is not None and not report.results and not report.failures:
+        names = sorted({n for s in discover_specs(args.arch)[0] for n in _names(s)})
+        print(f"fusedrc.inspect: --kernel {args.kernel!r} matches no kernel; expected a substring of one "
+              f"of {names}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report.results, indent=1))
     else:

@@ -734,3 +734,11 @@ def test_ffn_dropout_is_fused(make):
     assert torch.equal(y, ref) and (y != model.eval()(x)).any()
     conv.eval()
     assert torch.equal(conv(x), model(x))
+
+
+def test_import_torchvision_missing_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"torchvision is not installed: pip install"):
+        _import_torchvision()

@@ -121,3 +121,19 @@ def test_hgmma_for_16bit_gemms_on_sm90(inspection):
     # and tensor cores (HMMA) for the same kernels on sm_80
     assert all(r["mma"] == "HMMA" for r in results
                if r["gemm"] and r["arch"] == "sm_80" and r["dtype"] in ("float16", "bfloat16"))
+
+
+def test_kernel_filter_matches_kernel_or_module_names(capsys):
+    """--kernel takes a substring of a kernel's or its module's name; one matching nothing says
+    so and lists the names instead of printing an empty table."""
+    by_module, _ = fi.discover_specs(kernel="conv_bn_act")
+    by_kernel, _ = fi.discover_specs(kernel="_conv_dw")
+    assert by_module and {s.module for s in by_module} == {"conv_bn_act"}
+    assert by_kernel and {s.kernel for s in by_kernel} == {"_conv_dw_kernel"}
+    for op in ("linear_act", "fused_mlp"):  # the dense kernels live in _common.py, shared by both ops
+        assert {s.kernel for s in fi.discover_specs(kernel=op)[0]} == DENSE_KERNELS
+    if fi.toolchain_problem():
+        pytest.skip("no ptxas/cuobjdump: main() stops before filtering")
+    assert fi.main(["--kernel", "no_such_kernel"]) == 1
+    err = capsys.readouterr().err
+    assert "matches no kernel" in err and "_gemm_act_kernel" in err and "linear_act" in err
