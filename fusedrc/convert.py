@@ -440,28 +440,29 @@ class _FFNTail(nn.Linear):
         return "FusedFFN(fc2, computed in fc1)"
 
 
-def _in_place(seq, start, chain, placed):
-    """Whether a group's modules (or, on a replica, its keys) still sit where convert found them."""
-    if isinstance(seq.groups, _ReplicaGroups):
-        return list(seq._modules.keys())[start:start + len(chain)] == list(placed)
-    return all(a is b for a, b in zip(chain, placed))
-
-
 class _Groups(dict):
     """A fused Sequential's groups: start index -> (kind, site, activation, the group's modules)."""
+
+    @staticmethod
+    def in_place(seq, start, placed):
+        """Whether the group's modules still sit where convert found them."""
+        chain = list(seq._modules.values())[start:start + len(placed)]
+        return len(chain) == len(placed) and all(a is b for a, b in zip(chain, placed))
 
     def _fusedrc_rebind(self, replica):
         # nn.DataParallel: the replica still holds the original's children when this runs and gets
         # their replicas at the same keys afterwards, so the groups in place carry over by key
-        mods, keys = list(replica._modules.values()), list(replica._modules.keys())
-        return _ReplicaGroups({i: (kind, site, act, tuple(keys[i:i + len(chain)]))
-                               for i, (kind, site, act, chain) in self.items()
-                               if len(mods[i:i + len(chain)]) == len(chain)
-                               and all(a is b for a, b in zip(mods[i:], chain))})
+        keys = list(replica._modules.keys())
+        return _ReplicaGroups({i: (kind, site, act, tuple(keys[i:i + len(placed)]))
+                               for i, (kind, site, act, placed) in self.items() if self.in_place(replica, i, placed)})
 
 
 class _ReplicaGroups(dict):
     """The groups of a replica: a group's keys in place of its modules."""
+
+    @staticmethod
+    def in_place(seq, start, placed):
+        return list(seq._modules.keys())[start:start + len(placed)] == list(placed)
 
 
 class _FusedSequential(nn.Sequential):
@@ -490,10 +491,10 @@ class _FusedSequential(nn.Sequential):
         i = 0
         while i < len(mods):
             g = self.groups.get(i)
-            chain = mods[i:i + len(g[3])] if g is not None else ()
-            if g is not None and len(chain) == len(g[3]) and _in_place(self, i, chain, g[3]):
+            if g is not None and self.groups.in_place(self, i, g[3]):
                 # a group runs fused, or module by module when its call is not modelled
-                kind, site, act, _ = g
+                kind, site, act, placed = g
+                chain = mods[i:i + len(placed)]
                 x = _cbr(site, *chain, x) if kind == "conv_bn_relu" else _run_dense(site, kind, act, chain, x)
                 i += len(chain)
                 continue
@@ -1005,9 +1006,9 @@ def _fx_pass(ctx, model):
         if chain is None or not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
                 or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])):
             continue
-        fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules)) if n.op != "call_module"}
-        if kind == "conv_bn_relu":
-            fixed = {2: modules[2]}  # the ReLU, module or function, runs as a fresh nn.ReLU
+        # the modules the model does not hold at the chain's node (a functional activation's
+        # equivalent; conv+BN's ReLU, always a fresh nn.ReLU) travel with the call, the rest by name
+        fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules)) if c is not mod(n)}
         fused = _FxFused(kind, fixed, act)
         sub = f"_fusedrc_fx_{found}"
         gm.add_submodule(sub, fused)

@@ -555,12 +555,18 @@ def _mark(module, output_recompute=False, when=None):
                 "recomputed modules are not allowed (as in MindSpore). Unmark the inner one first."
             )
     # an instance forward already there (fusedrc.convert's fx rewrite) is what gets recomputed
-    options = {"output_recompute": bool(output_recompute), "inner": module.__dict__.get("forward"), "when": when,
-               "own_hook": "_replicate_for_data_parallel" in module.__dict__}  # convert's: unmark keeps it
+    options = _MarkOptions(output_recompute=bool(output_recompute), inner=module.__dict__.get("forward"), when=when)
     module.__dict__[_MARK] = options
     module.__dict__["forward"] = _MarkedForward(module)
     bind_replicas(module)
     return module
+
+
+class _MarkOptions(dict):
+    """A marked module's options; a replica gets its own copy, the wrapped forward rebound."""
+
+    def _fusedrc_rebind(self, replica):
+        return _MarkOptions(self, inner=_rebound(self.get("inner"), replica))
 
 
 def bind_replicas(module):
@@ -592,8 +598,6 @@ class _Replicate:
         d = replica.__dict__
         for key, value in list(d.items()):
             d[key] = _rebound(value, replica)
-        if _MARK in d:  # the options of a marked module: its own copy, the wrapped forward rebound
-            d[_MARK] = dict(d[_MARK], inner=_rebound(d[_MARK].get("inner"), replica))
         return replica
 
 
@@ -643,12 +647,13 @@ def unmark(module):
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if _is_marked(module):
-        options = module.__dict__.pop(_MARK)
-        inner = options.get("inner")
+        inner = module.__dict__.pop(_MARK).get("inner")
         if inner is None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = inner
-        if not options.get("own_hook"):
+        # the replica hook stays while something else bound to the module needs it (convert's)
+        if not any(hasattr(v, "_fusedrc_rebind") for k, v in module.__dict__.items()
+                   if k != "_replicate_for_data_parallel"):
             module.__dict__.pop("_replicate_for_data_parallel", None)
     return module
