@@ -77,6 +77,7 @@ import copy
 import fnmatch
 import inspect as _inspect
 import numbers
+import re as _re
 import types
 import warnings
 from collections import OrderedDict
@@ -628,7 +629,6 @@ class ConvertPlan:
 class _Context:
     def __init__(self):
         self.units, self.blocks, self.skipped = [], [], []
-        self._block_stack = []
 
     def unit(self, name, kind, enable, disable, recompute_modules=()):
         self.units.append(_Unit(name, kind, enable, disable, tuple(recompute_modules)))
@@ -768,23 +768,39 @@ def _t5_layer_ff(ctx, name, m):
     return m
 
 
-def _between(src, first, second):
-    """Code lines strictly between the lines calling ``first`` and ``second`` in ``src``, or None."""
+def _inline_ffn(src):
+    """Check that a layer's forward runs ``fc1 -> activation_fn -> [dropout] -> fc2`` on one
+    variable, as OPT's ``x = fc1(x); x = act(x); x = fc2(x)`` or BART's
+    ``x = act(fc1(x)); x = dropout(x, p=self.activation_dropout); x = fc2(x)``.
+    Returns ``(reason or None, whether a dropout of p=activation_dropout sits between)``."""
     lines = [ln.strip() for ln in src.splitlines()]
-    try:
-        i = next(k for k, ln in enumerate(lines) if first in ln)
-        j = next(k for k, ln in enumerate(lines) if second in ln and k > i)
-    except StopIteration:
-        return None
-    return [ln for ln in lines[i + 1:j] if ln and not ln.startswith("#")]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    if src.count("self.fc1(") != 1 or src.count("self.fc2(") != 1 or src.count("self.activation_fn(") != 1:
+        return "the forward does not call fc1 -> activation_fn -> fc2 once each", False
+    i = next(k for k, ln in enumerate(lines) if "self.fc1(" in ln)
+    j = next((k for k, ln in enumerate(lines) if "self.fc2(" in ln), -1)
+    first = _re.fullmatch(r"(\w+) = (self\.activation_fn\()?self\.fc1\(\w+\)(\))?", lines[i])
+    if j <= i or first is None or bool(first.group(2)) != bool(first.group(3)):
+        return f"unexpected code at fc1: {lines[i]!r}", False
+    v, dropout = first.group(1), False
+    for ln in lines[i + 1:j]:
+        if ln == f"{v} = self.activation_fn({v})":
+            continue
+        if ln.startswith(f"{v} = ") and f"({v}," in ln and "dropout" in ln and "activation_dropout" in ln:
+            dropout = True
+            continue
+        return f"unexpected code between fc1 and fc2: {ln!r}", False
+    if lines[j] != f"{v} = self.fc2({v})":
+        return f"unexpected code at fc2: {lines[j]!r}", False
+    return None, dropout
 
 
 def _no_kv_cache(args, kwargs):
     """Whether a decoder layer's call may be recomputed: not when it is handed a KV cache, which
     the call updates (a rerun would append the keys and values twice). Such calls run plainly
     (warned about once per call site, by the warnings module's own registry)."""
-    cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
-    if cache is None and not kwargs.get("use_cache"):
+    caches = [kwargs.get(k) for k in ("past_key_values", "past_key_value", "layer_past", "cache")]
+    if all(c is None for c in caches) and not kwargs.get("use_cache"):
         return True
     warnings.warn("fusedrc: a decoder layer marked for recompute was called with a KV cache "
                   "(use_cache=True); such calls run without recompute. Train with use_cache=False "
@@ -792,32 +808,38 @@ def _no_kv_cache(args, kwargs):
     return False
 
 
-@register_rule("OPTDecoderLayer")
-def _opt_layer(ctx, name, m):
+_INLINE_FFN_LAYERS = (
+    "OPTDecoderLayer", "BartEncoderLayer", "BartDecoderLayer", "MBartEncoderLayer", "MBartDecoderLayer",
+    "PLBartEncoderLayer", "PLBartDecoderLayer", "MarianEncoderLayer", "MarianDecoderLayer",
+    "WhisperEncoderLayer", "WhisperDecoderLayer", "M2M100EncoderLayer", "M2M100DecoderLayer",
+    "NllbMoeEncoderLayer", "XGLMDecoderLayer", "BlenderbotEncoderLayer", "BlenderbotDecoderLayer",
+    "PegasusEncoderLayer", "PegasusDecoderLayer",
+)
+
+
+@register_rule(*_INLINE_FFN_LAYERS)
+def _inline_ffn_layer(ctx, name, m):
+    """Hugging Face layers whose forward inlines the FFN on ``self.fc1``/``activation_fn``/``fc2``
+    (OPT, BART and its descendants, Whisper, ...)."""
     ctx.block(name, m, when=_no_kv_cache)
     unit = _join(name, "fc1")
+    cls = type(m).__name__
     try:
         src = _inspect.getsource(type(m).forward)
     except (OSError, TypeError):
-        ctx.skip(unit, "cannot read OPTDecoderLayer.forward to check the FFN")
+        ctx.skip(unit, f"cannot read {cls}.forward to check the FFN")
         return m
-    mid = _between(src, "self.fc1(", "self.fc2(")
-    if mid is None or not any("self.activation_fn(" in ln for ln in mid):
-        ctx.skip(unit, "OPTDecoderLayer.forward does not call fc1 -> activation_fn -> fc2")
+    reason, dropout = _inline_ffn(src)
+    if reason is not None:
+        ctx.skip(unit, f"{cls}: {reason}")
         return m
-    for ln in mid:
-        if "self.activation_fn(" in ln:
-            continue
-        if "dropout" in ln and "activation_dropout" in ln:
-            p = getattr(m, "activation_dropout", None)
-            if p is None:
-                p = getattr(getattr(m, "config", None), "activation_dropout", 1.0)
-            if p and p > 0:
-                ctx.skip(unit, f"activation_dropout={p} between fc1 and fc2: fusing would drop it")
-                return m
-            continue
-        ctx.skip(unit, f"unexpected code between fc1 and fc2: {ln!r}")
-        return m
+    if dropout:
+        p = getattr(m, "activation_dropout", None)
+        if p is None:
+            p = getattr(getattr(m, "config", None), "activation_dropout", 1.0)
+        if p and p > 0:
+            ctx.skip(unit, f"activation_dropout={p} between fc1 and fc2: fusing would drop it")
+            return m
     act = _act_name(m.activation_fn)
     if act is None:
         ctx.skip(unit, f"activation {type(m.activation_fn).__name__} has no fused form")
@@ -915,33 +937,55 @@ class _FxForward:
         return type(self.gm).forward(self.module, *args, **kwargs)
 
 
-def _fx_trace(ctx, model):
-    """The fx graph of ``model``, or None (reported) when it cannot be traced or its graph depends
-    on ``training`` (fx would freeze the mode it was traced in, e.g. ``F.dropout(training=self.training)``)."""
+def _fx_trace(model):
+    """``(graph, None)`` for a ``model`` whose torch.fx graph holds for every call, else
+    ``(None, reason)``: it does not trace, its graph depends on ``training`` (fx would freeze the
+    mode it was traced in, e.g. ``F.dropout(training=self.training)``), or on whether a defaulted
+    argument is passed (fx traces ``if mask is not None:`` as taken, and a call without ``mask``
+    would then fail or compute something else)."""
     import torch.fx as fx
 
+    cls = type(model).__name__
+    try:
+        params = list(_inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None, f"{cls}.forward has no readable signature; no fx rewrite"
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None, f"{cls}.forward takes *args or **kwargs; no fx rewrite"
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
     modes = [(m, m.training) for m in model.modules()]
     try:
         gm = fx.symbolic_trace(model)
         model.train(not model.training)
         other = fx.symbolic_trace(model)
+        for m, training in modes:
+            m.training = training
+        as_default = fx.symbolic_trace(model, concrete_args=defaults) if defaults else gm
     except Exception as e:  # noqa: BLE001 - any tracing failure means: no fx rewrite
-        ctx.skip("", f"torch.fx cannot trace {type(model).__name__} ({type(e).__name__}); no fx rewrite")
-        return None
+        return None, f"torch.fx cannot trace {cls} ({type(e).__name__}); no fx rewrite"
     finally:
         for m, training in modes:
             m.training = training
     if gm.code != other.code:
-        ctx.skip("", f"{type(model).__name__}.forward reads the training mode (torch.fx would freeze it); "
-                     "no fx rewrite")
-        return None
-    return gm
+        return None, f"{cls}.forward reads the training mode (torch.fx would freeze it); no fx rewrite"
+    if _graph_ops(gm) != _graph_ops(as_default):
+        return None, (f"{cls}.forward computes something else when its defaulted arguments "
+                      f"({', '.join(defaults)}) are left out (torch.fx traces one case); no fx rewrite")
+    return gm, None
 
 
-def _fx_pass(ctx, model):
-    gm = _fx_trace(ctx, model)
+def _graph_ops(gm):
+    """A graph's computation: its nodes but the inputs and concrete_args' value checks."""
+    return [(n.op, str(n.target), repr(n.args), repr(n.kwargs)) for n in gm.graph.nodes
+            if n.op != "placeholder" and getattr(n.target, "__name__", "") != "_assert_is_none"]
+
+
+def _fx_pass(ctx, model, prefix=""):
+    """Rewrite ``model``'s fused chains through its fx graph: the number found, or the reason it
+    could not be traced (a str)."""
+    gm, reason = _fx_trace(model)
     if gm is None:
-        return model
+        return reason
     mods = dict(gm.named_modules())
 
     def mod(node):
@@ -996,7 +1040,7 @@ def _fx_pass(ctx, model):
                     nxt = single(cur)
                 if nxt and type(mod(nxt)) is nn.Linear and mod(nxt).in_features == m.out_features:
                     if not _static_dropouts_ok([mod(d) for d in drops]):
-                        ctx.skip(node.target, "dropouts between the FFN's Linears other than one nn.Dropout: "
+                        ctx.skip(_join(prefix, node.target), "dropouts between the FFN's Linears other than one nn.Dropout: "
                                               "no fused form")
                     else:
                         chain = [node, n1, *drops, nxt]
@@ -1018,22 +1062,48 @@ def _fx_pass(ctx, model):
         chain[-1].replace_all_uses_with(new_node)
         for c in reversed(chain):
             gm.graph.erase_node(c)
-        ctx.unit(node.target, kind, *_site_switches(fused.site), (m,))
+        ctx.unit(_join(prefix, node.target), kind, *_site_switches(fused.site), (m,))
         found += 1
     if not found:
-        return model
+        return 0
     gm.graph.lint()
     gm.recompile()
-    if set(gm.state_dict().keys()) != set(model.state_dict().keys()):
+    # the graph runs on the model itself; it may reach fewer names (a tied weight), never others
+    if not set(gm.state_dict().keys()) <= set(model.state_dict().keys()):
         del ctx.units[len(ctx.units) - found:]
-        ctx.skip("", "torch.fx rewrite would change the state_dict keys; not applied")
-        return model
+        ctx.skip(prefix, "torch.fx rewrite would change the state_dict keys; not applied")
+        return 0
     for name, sub in gm.named_children():
         if isinstance(sub, _FxFused):  # parameter-free; reached as self.<name> by the graph's code
             model.__dict__[name] = sub
     model.__dict__["forward"] = _FxForward(model, gm)
     bind_replicas(model)
-    return model
+    return found
+
+
+def _fx_tree(ctx, module, prefix=""):
+    """The fx pass on the outermost modules that trace, below any rule's or Sequential's finds:
+    most Hugging Face models do not trace as a whole, but their MLP modules do. The reason the
+    root could not be traced, or None."""
+    names = [u.name for u in ctx.units] + [b.name for b in ctx.blocks]
+    claimed = any(not prefix or n == prefix or n.startswith(prefix + ".") for n in names)
+    # a Sequential below the root had its runs found by the Sequential pass
+    if not claimed and any(type(m) in (nn.Linear, nn.Conv2d) for m in module.modules()) \
+            and not isinstance(module, (nn.ModuleList, nn.ModuleDict)) \
+            and not (prefix and type(module) is nn.Sequential):
+        reason = _fx_pass(ctx, module, prefix)
+        if not isinstance(reason, str):
+            return None
+    else:
+        reason = None
+    for key, child in module._modules.items():
+        # torch's own modules are fx leaves, its containers are not
+        if child is None or _is_marked(child) or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused)) \
+                or type(child).__module__.startswith("torch.") \
+                and not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            continue
+        _fx_tree(ctx, child, _join(prefix, key))
+    return reason
 
 
 def _rewrite(ctx, module, prefix=""):
@@ -1043,10 +1113,7 @@ def _rewrite(ctx, module, prefix=""):
         return module
     rule = _RULES.get(type(module).__name__)
     if rule is not None:
-        n_before = len(ctx.units) + len(ctx.blocks)
         module = rule(ctx, prefix, module)
-        if len(ctx.units) + len(ctx.blocks) > n_before:
-            ctx._block_stack.append(prefix)
     elif type(module) is nn.Sequential:
         module = _sequential(ctx, prefix, module)
     for key, child in list(module._modules.items()):
@@ -1056,6 +1123,23 @@ def _rewrite(ctx, module, prefix=""):
         if new is not child:
             module._modules[key] = new
     return module
+
+
+def _layer_blocks(ctx, model):
+    """Hugging Face layers (subclasses of transformers' ``GradientCheckpointingLayer``: what its
+    own gradient checkpointing recomputes) become blocks where no rule made one in, around or
+    inside them."""
+    taken = [b.name for b in ctx.blocks]
+
+    def nested(a, b):
+        return not b or a == b or a.startswith(b + ".")
+
+    for name, m in model.named_modules():
+        if not any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__[1:]) or _is_marked(m) \
+                or any(nested(name, t) or nested(t, name) for t in taken):
+            continue
+        ctx.block(name, m, when=_no_kv_cache)
+        taken.append(name)
 
 
 # --------------------------------------------------------------------------- policy and budget
@@ -1224,8 +1308,11 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
         model = copy.deepcopy(model)
     ctx = _Context()
     model = _rewrite(ctx, model)
-    if not ctx.units and not ctx.blocks and not _is_marked(model):  # a marked root is left as it is
-        model = _fx_pass(ctx, model)
+    if not _is_marked(model):  # a marked root is left as it is
+        reason = _fx_tree(ctx, model)
+        _layer_blocks(ctx, model)
+        if reason is not None and not ctx.units and not ctx.blocks:
+            ctx.skip("", reason)
     for u in ctx.units:
         u.block = _block_of(u.name, ctx.blocks)
     candidates = [u for u in ctx.units if _matches(policy, u.name, _lookup(model, u.name))]
