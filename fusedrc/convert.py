@@ -23,12 +23,20 @@ How patterns are found
 ----------------------
 1. **Rules** for known block classes, looked up by class name (so fusedrc never
    imports torchvision or transformers): ``BasicBlock``, ``Bottleneck``, ``ResNet``
-   (the stem) from ``torchvision.models.resnet``; ``OPTDecoderLayer`` and
-   ``T5DenseActDense`` / ``T5LayerFF`` from ``transformers``.
+   (the stem) from ``torchvision.models.resnet``; from ``transformers``,
+   ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
+   (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
+   ``T5DenseActDense`` / ``T5LayerFF``.
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
-3. **torch.fx**, for a model that no rule or Sequential matched and that traces:
-   ``call_module`` chains Conv2d -> BatchNorm2d -> ReLU and Linear -> act ->
-   [Dropout] -> Linear become one call of a parameter-free fused module.
+3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
+   that trace (the model itself when it does; Hugging Face models mostly do not, their
+   MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> ReLU and
+   Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act) become one call of
+   a parameter-free fused module. A graph is used only where it holds for every call
+   (see ``_fx_trace``).
+
+Every Hugging Face ``GradientCheckpointingLayer`` that no rule made a block in, around
+or inside becomes a block too.
 
 Anything that would change semantics is left as it is and reported in the plan
 (a dropout inside an FFN other than one ``nn.Dropout``, an unknown activation, grouped convolutions,
@@ -946,6 +954,8 @@ def _fx_trace(model):
     import torch.fx as fx
 
     cls = type(model).__name__
+    if "forward" in model.__dict__:  # set by a library's hook (accelerate's, for one)
+        return None, f"{cls} has an instance forward (torch.fx traces the class's); no fx rewrite"
     try:
         params = list(_inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
@@ -968,16 +978,26 @@ def _fx_trace(model):
             m.training = training
     if gm.code != other.code:
         return None, f"{cls}.forward reads the training mode (torch.fx would freeze it); no fx rewrite"
-    if _graph_ops(gm) != _graph_ops(as_default):
+    required = [p.name for p in params if p.default is p.empty]
+    if _graph_ops(gm) != _graph_ops(as_default, bool(defaults), required):
         return None, (f"{cls}.forward computes something else when its defaulted arguments "
                       f"({', '.join(defaults)}) are left out (torch.fx traces one case); no fx rewrite")
     return gm, None
 
 
-def _graph_ops(gm):
-    """A graph's computation: its nodes but the inputs and concrete_args' value checks."""
-    return [(n.op, str(n.target), repr(n.args), repr(n.kwargs)) for n in gm.graph.nodes
-            if n.op != "placeholder" and getattr(n.target, "__name__", "") != "_assert_is_none"]
+def _graph_ops(gm, specialized=False, required=()):
+    """A graph's computation without its inputs; with ``specialized``, also without the checks
+    fx adds for ``concrete_args`` (the nodes reading an input not named in ``required``)."""
+    checks, ops = set(), []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if specialized and n.target not in required:
+                checks.add(n)
+        elif checks.intersection(n.all_input_nodes):
+            checks.add(n)
+        else:
+            ops.append((n.op, str(n.target), repr(n.args), repr(n.kwargs)))
+    return ops
 
 
 def _fx_pass(ctx, model, prefix=""):
@@ -1281,8 +1301,8 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     """Rewrite ``model`` so its Conv-BN-ReLU chains, residual tails and FFNs are fused recompute ops.
 
     Args:
-        model: an ``nn.Module`` (torchvision ResNet, Hugging Face OPT/T5, anything with
-            ``nn.Sequential`` patterns or that ``torch.fx`` traces).
+        model: an ``nn.Module`` (torchvision ResNet, Hugging Face OPT/T5/BART/Llama/BERT/...,
+            anything with ``nn.Sequential`` patterns or submodules that ``torch.fx`` traces).
         policy: ``"all"`` (every fused unit), ``"blocks"`` (every unit, and every known
             block recomputed whole with :func:`fusedrc.mark`), a list of submodule names or
             glob patterns (a unit is chosen when its name or one of its ancestors' matches),

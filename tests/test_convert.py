@@ -306,6 +306,59 @@ def test_t5_dropout_between_is_fused(monkeypatch):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in conv.parameters() if p.requires_grad)
 
 
+def _hf_family(family):
+    """Tiny Hugging Face models of other families, their inputs and the units convert finds."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    ids, dec = torch.randint(3, 100, (2, 12)), torch.randint(3, 100, (2, 6))
+    if family == "llama":  # gated MLP: fx on LlamaMLP fuses gate_proj + SiLU (linear_act)
+        cfg = tr.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        model, args, kwargs = tr.LlamaForCausalLM(cfg), (ids,), {}
+        units = [f"model.layers.{i}.mlp.gate_proj" for i in range(2)]
+    elif family == "bert":  # fx on BertIntermediate (dense + GELU) and the MLM head's transform
+        cfg = tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model, args, kwargs = tr.BertForMaskedLM(cfg), (ids,), {}
+        units = [f"bert.encoder.layer.{i}.intermediate.dense" for i in range(2)] + ["cls.predictions.transform.dense"]
+    else:  # BART inlines its FFN as x = act(fc1(x)): the inline-FFN rule
+        cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
+                            decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                            dropout=0.0, use_cache=False)
+        model, args, kwargs = tr.BartForConditionalGeneration(cfg), (ids,), {"decoder_input_ids": dec}
+        units = ["model.encoder.layers.0.fc1", "model.decoder.layers.0.fc1"]
+    return model.train(), args, kwargs, units
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "bart"])
+def test_other_hugging_face_families(family):
+    """Beyond the OPT and T5 rules: fx on the submodules that trace, the inline-FFN rule for
+    BART-style layers, and every GradientCheckpointingLayer a block (policy="blocks", budgets)."""
+    model, args, kwargs, units = _hf_family(family)
+    conv = fusedrc.convert(model, example_inputs=args)
+    plan = conv.fusedrc_plan
+    assert plan.fused == units and not plan.skipped
+    assert list(conv.state_dict()) == list(model.state_dict())
+    assert plan.final_bytes < plan.baseline_bytes
+    assert plan.final_bytes <= _checkpoint_bytes(conv, args)
+    ya, yb = model(*args, **kwargs).logits, conv(*args, **kwargs).logits
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, conv)
+    blocks = fusedrc.convert(model, policy="blocks", example_inputs=args)
+    assert len(blocks.fusedrc_plan.recomputed_blocks) == 2
+    assert blocks.fusedrc_plan.final_bytes < 0.5 * plan.baseline_bytes
+    model.zero_grad()
+    ya, yb = model(*args, **kwargs).logits, blocks(*args, **kwargs).logits
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, blocks)
+    budget = fusedrc.convert(model, memory_budget=0.5, example_inputs=args).fusedrc_plan
+    assert budget.final_bytes <= budget.target_bytes and budget.recomputed_blocks
+
+
 # --------------------------------------------------------------------------- plain models
 class _Net(nn.Module):
     """Not a Sequential: found by torch.fx."""
@@ -329,6 +382,105 @@ def test_fx_traced_model():
     assert set(conv.state_dict()) == set(model.state_dict())
     _assert_same_step(model, conv, x)
     assert conv.fusedrc_plan.final_bytes < conv.fusedrc_plan.baseline_bytes
+
+
+class _MaskedNet(nn.Module):
+    """fx traces ``if mask is not None`` as taken: its graph is wrong for a call without mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            x = x * mask
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _UnusedDefaultNet(_MaskedNet):
+    def forward(self, x, return_dict=True):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _VarArgsNet(_MaskedNet):
+    def forward(self, *xs):
+        return self.fc2(torch.relu(self.fc1(xs[0])))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, gate=False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.up = nn.Linear(8, 32) if gate else None
+
+    def forward(self, x):
+        h = nn.functional.silu(self.fc1(x))
+        return self.fc2(h * self.up(x) if self.up is not None else h)
+
+
+class _DataDependentNet(nn.Module):
+    """Does not trace (a branch on a tensor's value); its MLP submodules do."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.gated = _Mlp(), _Mlp(gate=True)
+        self.head = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+
+    def forward(self, x):
+        x = self.mlp(x)
+        if x.sum() > 0:
+            x = -x
+        return self.head(self.gated(x))
+
+
+def test_fx_graph_must_hold_without_the_defaulted_arguments():
+    """A forward whose fx graph changes when a defaulted argument is left out is not rewritten
+    (the rewrite used to fail on model(x) once traced as model(x, mask)); an argument the graph
+    does not depend on is fine, with and without it; *args forwards are left alone."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _MaskedNet()
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = fusedrc.convert(model)
+    assert any("defaulted arguments (mask)" in r for _, r in conv.fusedrc_plan.skipped)
+    assert torch.equal(conv(x), model(x)) and torch.equal(conv(x, x), model(x, x))
+    model = _UnusedDefaultNet()
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused == ["fc1"]
+    assert rel_err(conv(x), model(x)) <= TOL and rel_err(conv(x, return_dict=False), model(x)) <= TOL
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = fusedrc.convert(_VarArgsNet())
+    assert any("*args" in r for _, r in conv.fusedrc_plan.skipped)
+
+
+def test_fx_rewrites_the_traceable_submodules_of_an_untraceable_model():
+    torch.manual_seed(0)
+    model = _DataDependentNet().train()
+    x = torch.randn(6, 8)
+    conv = fusedrc.convert(model, example_inputs=(x,))
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [
+        ("head.0", "linear_act"), ("mlp.fc1", "ffn"), ("gated.fc1", "linear_act")]
+    assert not plan.skipped and type(conv.mlp) is _Mlp and list(conv.state_dict()) == list(model.state_dict())
+    assert _fused_ops(conv, x) == ["fusedrc.fused_mlp.default", "fusedrc.linear_act.default",
+                                   "fusedrc.linear_act.default"]
+    _assert_same_step(model, conv, x)
+    assert plan.final_bytes < plan.baseline_bytes
+    # a DataParallel replica's submodule forward runs on the replica's parameters
+    replica = replicate_on_cpu(conv, scale=2.0)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(2)
+    assert rel_err(replica(x), ref(x)) <= TOL
+    # an untraceable model with no pattern below says why; fx traces the class's forward, so
+    # modules with an instance forward are left alone
+    model = _DataDependentNet()
+    model.mlp.fc2, model.gated.fc2, model.head = nn.Identity(), nn.Identity(), nn.Identity()
+    model.mlp.forward = model.gated.forward = lambda x: x
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(model).fusedrc_plan
+    assert not plan.units and [r for _, r in plan.skipped if "cannot trace _DataDependentNet" in r]
 
 
 def test_sequential_patterns_and_dropout_report():
