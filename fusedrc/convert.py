@@ -26,7 +26,7 @@ How patterns are found
    (the stem) from ``torchvision.models.resnet``; from ``transformers``,
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
-   ``T5DenseActDense`` / ``T5LayerFF``.
+   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5LayerFF``.
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
@@ -767,6 +767,57 @@ def _t5_dense(ctx, name, m):
     new = FusedT5DenseActDense.wrap(m)
     new.__dict__["_fusedrc_act"] = act
     _site_unit(ctx, new, name, "ffn", "ffn", (m.wi,))
+    return new
+
+
+class FusedConv1DMLP(Wrapper):
+    """Hugging Face ``GPT2MLP`` and its copies: c_fc -> act -> c_proj -> dropout, the two layers
+    ``Conv1D`` (``x @ weight + bias``: the weight held as (in, out)); c_fc -> act -> c_proj run as
+    one fused FFN on the weights' transposed views (read through their strides, no copy)."""
+
+    def forward(self, hidden_states):
+        site, fc, proj = self.sites.get("ffn"), self.c_fc, self.c_proj
+        if (site is None or not site.enabled or not _nohooks(self, fc, self.act, proj)
+                or not _dense_runtime_ok(hidden_states, fc, proj)):
+            return self.plain(hidden_states)
+        act = self.__dict__["_fusedrc_act"]
+        hidden_states = _run_site(
+            site, lambda x: F.fused_mlp(x, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, act),
+            lambda x: proj(self.act(fc(x))), hidden_states)
+        return self.dropout(hidden_states)
+
+
+_CONV1D_MLP_BODY = [
+    "hidden_states = self.c_fc(hidden_states)", "hidden_states = self.act(hidden_states)",
+    "hidden_states = self.c_proj(hidden_states)", "hidden_states = self.dropout(hidden_states)",
+    "return hidden_states",
+]
+
+
+@register_rule("GPT2MLP", "ImageGPTMLP", "DecisionTransformerGPT2MLP")
+def _conv1d_mlp(ctx, name, m):
+    cls = type(m).__name__
+    try:
+        src = _inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        ctx.skip(name, f"cannot read {cls}.forward to check the FFN")
+        return m
+    body = [ln.strip() for ln in src.splitlines()[1:] if ln.strip() and not ln.strip().startswith("#")]
+    if body != _CONV1D_MLP_BODY:
+        ctx.skip(name, f"{cls}.forward is not c_fc -> act -> c_proj -> dropout")
+        return m
+    act = _act_name(m.act)
+    if act is None:
+        ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
+        return m
+    # Conv1D(nf, nx) holds weight (nx, nf) and computes x @ weight + bias
+    if not all(type(c).__name__ == "Conv1D" and c.bias is not None and c.weight.dim() == 2
+               and c.weight.shape[1] == getattr(c, "nf", None) for c in (m.c_fc, m.c_proj)):
+        ctx.skip(name, "c_fc/c_proj are not transformers' Conv1D (x @ weight + bias)")
+        return m
+    new = FusedConv1DMLP.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, name, "ffn", "ffn", (m.c_fc,))
     return new
 
 

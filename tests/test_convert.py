@@ -321,6 +321,11 @@ def _hf_family(family):
                             num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model, args, kwargs = tr.BertForMaskedLM(cfg), (ids,), {}
         units = [f"bert.encoder.layer.{i}.intermediate.dense" for i in range(2)] + ["cls.predictions.transform.dense"]
+    elif family == "gpt2":  # GPT2MLP's Conv1D layers hold (in, out) weights: fused on their transposes
+        cfg = tr.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.0, attn_pdrop=0.0,
+                            resid_pdrop=0.0, use_cache=False)
+        model, args, kwargs = tr.GPT2LMHeadModel(cfg), (ids,), {}
+        units = [f"transformer.h.{i}.mlp" for i in range(2)]
     else:  # BART inlines its FFN as x = act(fc1(x)): the inline-FFN rule
         cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
                             decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -330,9 +335,9 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
-@pytest.mark.parametrize("family", ["llama", "bert", "bart"])
+@pytest.mark.parametrize("family", ["llama", "bert", "gpt2", "bart"])
 def test_other_hugging_face_families(family):
-    """Beyond the OPT and T5 rules: fx on the submodules that trace, the inline-FFN rule for
+    """Beyond the OPT and T5 rules: fx on the submodules that trace, the rules for GPT-2's MLP and
     BART-style layers, and every GradientCheckpointingLayer a block (policy="blocks", budgets)."""
     model, args, kwargs, units = _hf_family(family)
     conv = fusedrc.convert(model, example_inputs=args)
