@@ -143,13 +143,21 @@ def _flops(module, inp, out):
         return 2 * out.numel() * k
     if isinstance(module, nn.Linear):
         return 2 * out.numel() * module.in_features
+    if _is_conv1d(module):
+        return 2 * out.numel() * module.weight.shape[0]
     return 0
+
+
+def _is_conv1d(module):
+    """transformers' ``Conv1D`` (GPT-2): ``x @ weight + bias``, weight (in, out)."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor) \
+        and module.weight.dim() == 2 and module.weight.shape[1] == getattr(module, "nf", None)
 
 
 def _measure_flops(model, example_inputs):
     flops, handles = {}, []
     for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
+        if isinstance(m, (nn.Conv2d, nn.Linear)) or _is_conv1d(m):
             def hook(mod, i, o):
                 if isinstance(o, torch.Tensor):
                     flops[id(mod)] = flops.get(id(mod), 0) + _flops(mod, i, o)
@@ -810,9 +818,7 @@ def _conv1d_mlp(ctx, name, m):
     if act is None:
         ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
         return m
-    # Conv1D(nf, nx) holds weight (nx, nf) and computes x @ weight + bias
-    if not all(type(c).__name__ == "Conv1D" and c.bias is not None and c.weight.dim() == 2
-               and c.weight.shape[1] == getattr(c, "nf", None) for c in (m.c_fc, m.c_proj)):
+    if not all(_is_conv1d(c) and c.bias is not None for c in (m.c_fc, m.c_proj)):
         ctx.skip(name, "c_fc/c_proj are not transformers' Conv1D (x @ weight + bias)")
         return m
     new = FusedConv1DMLP.wrap(m)

@@ -361,7 +361,9 @@ def test_other_hugging_face_families(family):
     yb.square().mean().backward()
     _assert_close_models(model, blocks)
     budget = fusedrc.convert(model, memory_budget=0.5, example_inputs=args).fusedrc_plan
-    assert budget.final_bytes <= budget.target_bytes and budget.recomputed_blocks
+    assert budget.final_bytes <= budget.target_bytes
+    assert bool(budget.recomputed_blocks) == (plan.final_bytes > budget.target_bytes)  # blocks when units fall short
+    assert all(u.cost > 0 for u in budget.units)
 
 
 # --------------------------------------------------------------------------- plain models
