@@ -1,8 +1,10 @@
-"""Train a small Hugging Face OPT on synthetic tokens, original vs ``fusedrc.convert``.
+"""Train a small Hugging Face causal LM on synthetic tokens, original vs ``fusedrc.convert``.
 
-Builds ``OPTForCausalLM`` from a small ``OPTConfig`` (no download), converts a copy
+Builds ``OPTForCausalLM`` from a small ``OPTConfig`` (no download; ``--arch llama`` a
+``LlamaForCausalLM``, ``--arch gpt2`` a ``GPT2LMHeadModel`` of the same size), converts a copy
 with ``fusedrc.convert`` (each decoder layer's FFN fc1 -> ReLU -> fc2 becomes one
-fused recompute op; ``--policy blocks`` also recomputes whole decoder layers with
+fused recompute op; Llama's gate_proj -> SiLU a fused Linear+act; GPT-2's MLP a fused FFN;
+``--policy blocks`` also recomputes whole decoder layers with
 ``fusedrc.mark``; ``--budget 0.3`` lets convert choose), and trains both from the
 same weights on the same random token batches (causal LM loss). Prints each
 step's loss, the median step time, the activation bytes autograd keeps per step
@@ -13,6 +15,7 @@ Run::
 
     python examples/train_opt.py                    # 4 layers, d=128, seq 64, batch 4, 5 steps: CPU, < 1 min
     python examples/train_opt.py --policy blocks
+    python examples/train_opt.py --arch llama --budget 0.5
     python examples/train_opt.py --device cuda --layers 12 --hidden 768 --seq 512 --batch 8
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fusedrc.convert import import_torchvision  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", default="opt", choices=["opt", "llama", "gpt2"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -40,7 +44,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--activation", default="relu", help="OPT activation_function (relu, gelu, gelu_new, silu)")
+    p.add_argument("--activation", default=None,
+                   help="activation function (relu, gelu, gelu_new, silu); default: the architecture's "
+                        "(OPT relu, Llama silu, GPT-2 gelu_new)")
     p.add_argument("--policy", default="all", choices=["all", "blocks"])
     p.add_argument("--budget", type=float, default=None, help="memory_budget for convert (fraction)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -52,16 +58,29 @@ def main(argv=None):
         import_torchvision()
     except ImportError:
         pass
-    from transformers import OPTConfig, OPTForCausalLM
+    import transformers as tr
 
-    cfg = OPTConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, word_embed_proj_dim=args.hidden,
-        num_hidden_layers=args.layers, ffn_dim=4 * args.hidden, num_attention_heads=args.heads,
-        max_position_embeddings=max(args.seq, 64), dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, activation_function=args.activation, use_cache=False,
-    )
+    h, act = args.hidden, args.activation
+    if args.arch == "opt":
+        cfg = tr.OPTConfig(
+            vocab_size=args.vocab, hidden_size=h, word_embed_proj_dim=h, num_hidden_layers=args.layers,
+            ffn_dim=4 * h, num_attention_heads=args.heads, max_position_embeddings=max(args.seq, 64),
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, activation_function=act or "relu",
+            use_cache=False)
+        model_cls, name = tr.OPTForCausalLM, "OPT"
+    elif args.arch == "llama":
+        cfg = tr.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.heads, hidden_act=act or "silu",
+            max_position_embeddings=max(args.seq, 64), use_cache=False)
+        model_cls, name = tr.LlamaForCausalLM, "Llama"
+    else:
+        cfg = tr.GPT2Config(
+            vocab_size=args.vocab, n_embd=h, n_layer=args.layers, n_head=args.heads, n_positions=max(args.seq, 64),
+            activation_function=act or "gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        model_cls, name = tr.GPT2LMHeadModel, "GPT-2"
     torch.manual_seed(args.seed)
-    original = OPTForCausalLM(cfg).to(device).train()
+    original = model_cls(cfg).to(device).train()
     gen = torch.Generator().manual_seed(args.seed + 1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
                for _ in range(args.steps)]
@@ -69,7 +88,7 @@ def main(argv=None):
         original, args, batches, (batches[0],), device,
         lambda params: torch.optim.AdamW(params, lr=args.lr),
         lambda model, ids: model(ids, labels=ids).loss,
-        f"OPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps} steps")
+        f"{name} {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps} steps")
 
 
 if __name__ == "__main__":
