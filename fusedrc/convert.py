@@ -804,15 +804,11 @@ _CONV1D_MLP_BODY = [
 
 @register_rule("GPT2MLP", "ImageGPTMLP", "DecisionTransformerGPT2MLP")
 def _conv1d_mlp(ctx, name, m):
-    cls = type(m).__name__
-    try:
-        src = _inspect.getsource(type(m).forward)
-    except (OSError, TypeError):
-        ctx.skip(name, f"cannot read {cls}.forward to check the FFN")
+    body = _forward_lines(ctx, name, m)
+    if body is None:
         return m
-    body = [ln.strip() for ln in src.splitlines()[1:] if ln.strip() and not ln.strip().startswith("#")]
-    if body != _CONV1D_MLP_BODY:
-        ctx.skip(name, f"{cls}.forward is not c_fc -> act -> c_proj -> dropout")
+    if body[1:] != _CONV1D_MLP_BODY:
+        ctx.skip(name, f"{type(m).__name__}.forward is not c_fc -> act -> c_proj -> dropout")
         return m
     act = _act_name(m.act)
     if act is None:
@@ -833,13 +829,23 @@ def _t5_layer_ff(ctx, name, m):
     return m
 
 
-def _inline_ffn(src):
+def _forward_lines(ctx, unit, m):
+    """The code lines of ``m``'s class forward (stripped, no blanks or comments; the ``def``
+    line first), or None, reported: a rule reads them to check the shape of the code it fuses."""
+    try:
+        src = _inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        ctx.skip(unit, f"cannot read {type(m).__name__}.forward to check the FFN")
+        return None
+    return [ln.strip() for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
+def _inline_ffn(lines):
     """Check that a layer's forward runs ``fc1 -> activation_fn -> [dropout] -> fc2`` on one
     variable, as OPT's ``x = fc1(x); x = act(x); x = fc2(x)`` or BART's
     ``x = act(fc1(x)); x = dropout(x, p=self.activation_dropout); x = fc2(x)``.
     Returns ``(reason or None, whether a dropout of p=activation_dropout sits between)``."""
-    lines = [ln.strip() for ln in src.splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    src = "\n".join(lines)
     if src.count("self.fc1(") != 1 or src.count("self.fc2(") != 1 or src.count("self.activation_fn(") != 1:
         return "the forward does not call fc1 -> activation_fn -> fc2 once each", False
     i = next(k for k, ln in enumerate(lines) if "self.fc1(" in ln)
@@ -888,15 +894,12 @@ def _inline_ffn_layer(ctx, name, m):
     (OPT, BART and its descendants, Whisper, ...)."""
     ctx.block(name, m, when=_no_kv_cache)
     unit = _join(name, "fc1")
-    cls = type(m).__name__
-    try:
-        src = _inspect.getsource(type(m).forward)
-    except (OSError, TypeError):
-        ctx.skip(unit, f"cannot read {cls}.forward to check the FFN")
+    lines = _forward_lines(ctx, unit, m)
+    if lines is None:
         return m
-    reason, dropout = _inline_ffn(src)
+    reason, dropout = _inline_ffn(lines)
     if reason is not None:
-        ctx.skip(unit, f"{cls}: {reason}")
+        ctx.skip(unit, f"{type(m).__name__}: {reason}")
         return m
     if dropout:
         p = getattr(m, "activation_dropout", None)
