@@ -853,6 +853,8 @@ def _inline_ffn(lines):
     first = _re.fullmatch(r"(\w+) = (self\.activation_fn\()?self\.fc1\(\w+\)(\))?", lines[i])
     if j <= i or first is None or bool(first.group(2)) != bool(first.group(3)):
         return f"unexpected code at fc1: {lines[i]!r}", False
+    if not any("self.activation_fn(" in ln for ln in lines[i:j]):
+        return "unexpected code: activation_fn is not called between fc1 and fc2", False
     v, dropout = first.group(1), False
     for ln in lines[i + 1:j]:
         if ln == f"{v} = self.activation_fn({v})":

@@ -366,6 +366,37 @@ def test_other_hugging_face_families(family):
     assert all(u.cost > 0 for u in budget.units)
 
 
+@pytest.mark.parametrize("code, reason, dropout", [
+    ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(h)", None, False),
+    ("h = self.activation_fn(self.fc1(x))\nh = nn.functional.dropout(h, p=self.activation_dropout, "
+     "training=self.training)\nh = self.fc2(h)", None, True),
+    ("h = self.fc1(h)\nh = self.activation_fn(h) * 2\nh = self.fc2(h)", "between fc1 and fc2", False),
+    ("h = self.fc1(h)\ng = self.activation_fn(h)\nh = self.fc2(h)", "between fc1 and fc2", False),
+    ("h = self.fc1(h) + 1\nh = self.activation_fn(h)\nh = self.fc2(h)", "at fc1", False),
+    ("h = self.activation_fn(self.fc1(h))\nh = self.fc2(h + r)", "at fc2", False),
+    ("h = self.fc1(h)\nh = self.fc2(h)\nh = self.activation_fn(h)", "unexpected code", False),
+    ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(self.fc1(h))", "once each", False),
+])
+def test_inline_ffn_code_check(code, reason, dropout):
+    """The inline-FFN rule fuses only a forward whose fc1 -> activation_fn -> [dropout] -> fc2
+    lines carry one variable straight through."""
+    from fusedrc.convert import _inline_ffn
+
+    got, got_dropout = _inline_ffn(["def forward(self, h):", *code.splitlines(), "return h"])
+    assert (got is None) == (reason is None) and (reason is None or reason in got), got
+    assert got_dropout == dropout
+
+
+def test_bart_activation_dropout_is_reported_not_fused():
+    tr = _transformers()
+    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                        activation_dropout=0.1, use_cache=False)
+    with pytest.warns(UserWarning, match="activation_dropout=0.1 between fc1 and fc2"):
+        plan = fusedrc.convert(tr.BartForConditionalGeneration(cfg)).fusedrc_plan
+    assert not plan.units and len(plan.blocks) == 2
+
+
 # --------------------------------------------------------------------------- plain models
 class _Net(nn.Module):
     """Not a Sequential: found by torch.fx."""
