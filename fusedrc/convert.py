@@ -823,6 +823,70 @@ def _conv1d_mlp(ctx, name, m):
     return new
 
 
+class FusedGatedMLP(Wrapper):
+    """A gated MLP in Llama's form, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama,
+    Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP and the other Hugging Face classes with
+    that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`)."""
+
+    def forward(self, x):
+        site, g, u, d = self.sites.get("gated_ffn"), self.gate_proj, self.up_proj, self.down_proj
+        if (site is None or not site.enabled or not _nohooks(self, g, u, d, self.act_fn)
+                or not _dense_runtime_ok(x, g, u, d)):
+            return self.plain(x)
+        act = self.__dict__["_fusedrc_act"]
+        return _run_site(
+            site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act),
+            self.plain, x)
+
+
+_GATED_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def _gated_mlp_body(lines):
+    """Whether a forward's code lines are Llama's MLP: one argument ``v`` and
+    ``return self.down_proj(self.act_fn(self.gate_proj(v)) * self.up_proj(v))``, directly or
+    through one local variable."""
+    head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
+    if head is None:
+        return False
+    v = head.group(1)
+    expr = f"self.down_proj(self.act_fn(self.gate_proj({v})) * self.up_proj({v}))"
+    body = lines[1:]
+    if body == [f"return {expr}"]:
+        return True
+    out = _re.fullmatch(r"(\w+) = (.*)", body[0]) if len(body) == 2 else None
+    return out is not None and out.group(2) == expr and body[1] == f"return {out.group(1)}"
+
+
+def _looks_gated_mlp(m):
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in _GATED_MLP_ATTRS) \
+        and not type(m).__module__.startswith("torch.") and not isinstance(m, Wrapper)
+
+
+def _gated_mlp(ctx, name, m):
+    """Found by shape, not class name: a module holding ``gate_proj``/``up_proj``/``down_proj``
+    Linears and ``act_fn`` whose forward is Llama's MLP, word for word."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    if not _gated_mlp_body(lines):
+        ctx.skip(name, f"{type(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
+        return m
+    act = _act_name(m.act_fn)
+    if act is None:
+        ctx.skip(name, f"activation {type(m.act_fn).__name__} has no fused form")
+        return m
+    g, u, d = m.gate_proj, m.up_proj, m.down_proj
+    if not all(type(lin) is nn.Linear for lin in (g, u, d)) or g.weight.shape != u.weight.shape \
+            or d.in_features != g.out_features or (g.bias is None) != (u.bias is None):
+        ctx.skip(name, "gate_proj/up_proj/down_proj are not plain nn.Linear of matching shapes")
+        return m
+    new = FusedGatedMLP.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (g, u))
+    return new
+
+
 @register_rule("T5LayerFF")
 def _t5_layer_ff(ctx, name, m):
     ctx.block(name, m)
@@ -1194,6 +1258,8 @@ def _rewrite(ctx, module, prefix=""):
         ctx.skip(prefix, "already marked with fusedrc.mark")
         return module
     rule = _RULES.get(type(module).__name__)
+    if rule is None and _looks_gated_mlp(module):
+        rule = _gated_mlp
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif type(module) is nn.Sequential:

@@ -14,7 +14,7 @@ from ._state import traced
 from ._validate import (check_activation, check_device, check_number, check_probability, check_same, check_tensor,
                         check_vector, needs_unfused, pair)
 
-__all__ = ["linear_act", "fused_mlp", "conv_bn_act"]
+__all__ = ["linear_act", "fused_mlp", "gated_mlp", "conv_bn_act"]
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -165,6 +165,56 @@ def fused_mlp(
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None
     y = ops.pick("fused_mlp", x, backend)(_rows(x), w1, b1, w2, b2, activation, backend, float(dropout_p), seed)
     return _unview(y, lead, w2.shape[0])
+
+
+def gated_mlp(
+    x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
+    b_down: Tensor | None, activation: str = "silu",
+) -> Tensor:
+    """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
+
+    Llama's, Mistral's and Qwen2's MLP (``act = "silu"``: SwiGLU), Gemma's
+    (``"gelu_tanh"``: GeGLU). Backward recomputes the gate and up projections
+    (one kernel, both in one main loop, emitting their gradients) and never reruns
+    the down projection: 11 GEMMs a step where ``torch.utils.checkpoint`` runs 12,
+    and none of the three hidden-sized intermediates is stored.
+
+    Args:
+        x: ``(*, in_features)``, floating point.
+        w_gate, b_gate: gate projection, ``(hidden, in_features)`` and ``(hidden,)`` or None.
+        w_up, b_up: up projection, same shapes as the gate's.
+        w_down, b_down: down projection, ``(out_features, hidden)`` and ``(out_features,)`` or None.
+        activation: as in :func:`linear_act`; ``"silu"`` by default.
+
+    Returns:
+        ``(*, out_features)``, in ``x``'s dtype.
+
+    Example::
+
+        >>> g, u, d = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        >>> x = torch.randn(2, 3, 16, requires_grad=True)
+        >>> y = fusedrc.functional.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias)
+        >>> torch.allclose(y, d(torch.nn.functional.silu(g(x)) * u(x)), atol=1e-6)
+        True
+        >>> y.sum().backward()
+    """
+    check_tensor(x, "input", min_ndim=1)
+    _check_params(x, (w_gate, "w_gate", 2, False), (b_gate, "b_gate", 1, True), (w_up, "w_up", 2, False),
+                  (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True))
+    check_activation(activation)
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down = _autocast(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    _check_linear(x, w_gate, b_gate, "w_gate", "b_gate")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    _check_linear(x, w_up, b_up, "w_up", "b_up")
+    _check_linear(x, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
+                  what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
+    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+        return reference.gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    backend = resolve_backend(x, "gated_mlp", "gated_mlp_forward")
+    lead = x.shape[:-1]
+    y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend)
+    return _unview(y, lead, w_down.shape[0])
 
 
 def conv_bn_act(

@@ -2,7 +2,8 @@
 
 Parameters and buffers are laid out exactly as in the unfused modules, so
 state_dicts load both ways (``LinearReLU`` <-> ``nn.Linear``; ``FusedMLP`` holds
-``fc1``/``fc2``; ``ConvBNReLU`` holds ``conv``/``bn``).
+``fc1``/``fc2``; ``GatedMLP`` ``gate_proj``/``up_proj``/``down_proj`` as Llama's MLP;
+``ConvBNReLU`` holds ``conv``/``bn``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from . import functional as F
 from ._patterns import _conv_padding, activation_name, conv_bn_relu_call
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 
-__all__ = ["LinearReLU", "FusedMLP", "ConvBNReLU"]
+__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "ConvBNReLU"]
 
 
 def _act_name(act):
@@ -147,6 +148,71 @@ class FusedMLP(nn.Module):
     def __setstate__(self, state):
         state.setdefault("dropout", 0.0)  # pickled before dropout existed
         super().__setstate__(state)
+
+
+class GatedMLP(nn.Module):
+    """The gated FFN ``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU with ``"silu"``, as in
+    Llama, Mistral and Qwen2; GeGLU with ``"gelu_tanh"``, as in Gemma), keeping only ``x`` for backward.
+
+    Holds ``gate_proj``, ``up_proj`` and ``down_proj`` as ``nn.Linear`` submodules, the names
+    Hugging Face's ``LlamaMLP`` uses, so its state_dict loads as is. The forward runs
+    :func:`fusedrc.functional.gated_mlp`: no hidden-sized intermediate is kept, and backward
+    never reruns ``down_proj``.
+
+    Args:
+        in_features, hidden_features: widths of the input and the hidden layer.
+        out_features: width of the output (default ``in_features``).
+        bias, device, dtype: as in ``nn.Linear``, for the three layers (Llama: ``bias=False``).
+        activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"`` or ``"gelu_tanh"``.
+
+    Example::
+
+        >>> mlp = fusedrc.nn.GatedMLP(16, 48, bias=False)
+        >>> mlp(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(self, in_features, hidden_features, out_features=None, bias=False, activation="silu",
+                 device=None, dtype=None):
+        check_int(in_features, "in_features")
+        check_int(hidden_features, "hidden_features")
+        if out_features is not None:
+            check_int(out_features, "out_features")
+        super().__init__()
+        out_features = in_features if out_features is None else out_features
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(in_features, hidden_features, **kw)
+        self.up_proj = nn.Linear(in_features, hidden_features, **kw)
+        self.down_proj = nn.Linear(hidden_features, out_features, **kw)
+        self.activation = check_activation(activation)
+
+    @classmethod
+    def from_modules(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act: nn.Module | str):
+        """Wrap three ``nn.Linear`` layers (sharing their parameters) and an activation module or name."""
+        check_module(gate_proj, "gate_proj", nn.Linear)
+        check_module(up_proj, "up_proj", nn.Linear)
+        check_module(down_proj, "down_proj", nn.Linear)
+        name = _act_name(act)
+        if up_proj.weight.shape != gate_proj.weight.shape:
+            raise ValueError(f"up_proj must have gate_proj's shape (out_features={gate_proj.out_features}, "
+                             f"in_features={gate_proj.in_features}), got ({up_proj.out_features}, "
+                             f"{up_proj.in_features})")
+        if down_proj.in_features != gate_proj.out_features:
+            raise ValueError(f"down_proj.in_features ({down_proj.in_features}) must equal "
+                             f"gate_proj.out_features ({gate_proj.out_features})")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.gate_proj, m.up_proj, m.down_proj, m.activation = gate_proj, up_proj, down_proj, name
+        return m
+
+    def forward(self, x):
+        """``down_proj(act(gate_proj(x)) * up_proj(x))`` for ``x`` of shape ``(*, in_features)``."""
+        _check_features(x, "in_features", self.gate_proj.in_features, type(self).__name__)
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
 
 
 class ConvBNReLU(nn.Module):

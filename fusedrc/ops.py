@@ -235,6 +235,58 @@ def _fused_mlp_backward(ctx, grad_out):
 _AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
 
 
+# --------------------------------------------------------------------------- gated FFN
+def _gated_mlp_impl(
+    x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
+    b_down: Optional[Tensor], activation: str, backend: str,
+) -> Tensor:
+    return _laid_out(get_impl(backend, "gated_mlp", "gated_mlp_forward")(
+        x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
+
+
+gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
+
+
+@gated_mlp_op.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend):
+    return _empty((*x.shape[:-1], w_down.shape[0]), x)
+
+
+def _gated_mlp_backward_impl(
+    x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
+    b_down: Optional[Tensor], grad_out: Tensor, activation: str, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = get_impl(backend, "gated_mlp", "gated_mlp_backward")(
+        x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation)
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
+
+
+gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_impl)
+
+
+@gated_mlp_backward_op.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend):
+    return tuple(_empty(t.shape, t) if t is not None else _empty(_EMPTY, x)
+                 for t in (x, w_gate, b_gate, w_up, b_up, w_down, b_down))
+
+
+def _gated_mlp_setup(ctx, inputs, output):
+    *tensors, activation, backend = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _gated_mlp_backward(ctx, grad_out):
+    _no_double_backward("gated_mlp")
+    saved = ctx.saved_tensors
+    grads = pick("gated_mlp_backward", saved[0], ctx.backend)(
+        *saved, grad_out.contiguous(), ctx.activation, ctx.backend)
+    return (*(_none_if_empty(g, t) for g, t in zip(grads, saved)), None, None)
+
+
+_AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
+
+
 # --------------------------------------------------------------------------- Conv + BN + act
 def _conv_bn_act_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],

@@ -149,6 +149,34 @@ def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, s
     return dx, dw1, db1, dw2, db2
 
 
+# --------------------------------------------------------------------------- gated FFN
+def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+    """out = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu); x is (M, K)."""
+    return F.linear(activation_forward(F.linear(x, w_gate, b_gate), activation) * F.linear(x, w_up, b_up),
+                    w_down, b_down)
+
+
+def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation):
+    """Recompute the gate and up projections (not the down one); returns
+    (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), None for an absent bias."""
+    grad_a = grad_out.mm(w_down)
+    hg = F.linear(x, w_gate, b_gate)
+    hu = F.linear(x, w_up, b_up)
+    act = activation_forward(hg, activation)
+    dw_down = grad_out.t().mm(act * hu)
+    db_down = grad_out.sum(0) if b_down is not None else None
+    grad_hu = grad_a * act
+    del act
+    grad_hg = activation_backward(grad_a * hu, hg, activation)
+    del hg, hu, grad_a
+    dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up))
+    dw_gate = grad_hg.t().mm(x)
+    dw_up = grad_hu.t().mm(x)
+    db_gate = grad_hg.sum(0) if b_gate is not None else None
+    db_up = grad_hu.sum(0) if b_up is not None else None
+    return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down
+
+
 # --------------------------------------------------------------------------- Conv + BN + act
 def conv_bn_act_forward(
     x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,

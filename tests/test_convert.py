@@ -311,11 +311,11 @@ def _hf_family(family):
     tr = _transformers()
     torch.manual_seed(0)
     ids, dec = torch.randint(3, 100, (2, 12)), torch.randint(3, 100, (2, 6))
-    if family == "llama":  # gated MLP: fx on LlamaMLP fuses gate_proj + SiLU (linear_act)
+    if family == "llama":  # gated MLP: LlamaMLP found by its forward, one fused gated FFN
         cfg = tr.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         model, args, kwargs = tr.LlamaForCausalLM(cfg), (ids,), {}
-        units = [f"model.layers.{i}.mlp.gate_proj" for i in range(2)]
+        units = [f"model.layers.{i}.mlp" for i in range(2)]
     elif family == "bert":  # fx on BertIntermediate (dense + GELU) and the MLM head's transform
         cfg = tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -1,0 +1,310 @@
+"""Gated FFN (SwiGLU / GeGLU, Llama's MLP): out = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd.
+
+Pure-torch reference: ``fusedrc.reference.gated_mlp_forward`` / ``gated_mlp_backward``.
+
+Forward (3 GEMMs, 2 kernels): ``_gated_act_kernel`` computes the gate and up
+pre-activations of one tile in one main loop (each x tile loaded once, two
+accumulators) and writes only a = act(h_g) * h_u; then the down GEMM. Only x is
+kept for backward.
+
+Backward (8 GEMMs; the down GEMM is never rerun):
+  g_a = grad_out Wd                                      (GEMM)
+  ``_gated_act_grad_kernel`` recomputes h_g and h_u with the forward's main loop
+    and tiles (bit-identical) and emits, in its epilogue,
+    g_hg = act'(h_g) * (g_a * h_u), g_hu = g_a * act(h_g), a = act(h_g) * h_u
+    and per-row-tile partial column sums of g_hg and g_hu (the biases' gradients).
+    h_g, h_u, act(h_g) never reach global memory.
+  dWd = grad_out^T a, dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x (GEMMs)
+torch.utils.checkpoint on the same block runs 12 GEMMs (it reruns the down GEMM too)
+and writes h_g, h_u, act(h_g) and a to memory in its recompute.
+
+Numerics: the product act(h_g) * h_u is formed in fp32 and rounded once (eager
+rounds act(h_g) first); the tolerance tests compare both against float64.
+Tiles: the dense table's entry for the (M, H, K) GEMM with BLOCK_N halved (two
+fp32 accumulators hold what one full-width tile would); forward and recompute
+read the same entry.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _tile_ids, _tile_safe,
+    _upcast_flag, cdiv, check_activation, device_capability, dot_precision, gemm_config, launcher, plain_gemm,
+    uses_aten_gemm,
+)
+
+__all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
+
+
+def gated_config(cfg):
+    """The dual kernels' tile from a dense table entry: BLOCK_N halved (at least 16)."""
+    return cfg._replace(BLOCK_N=max(16, cfg.BLOCK_N // 2), EPILOGUE_SPLIT=1)
+
+
+@triton.jit
+def _dual_mainloop(
+    a_ptr, bg_ptr, bu_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    pid_m, pid_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """fp32 tiles of A @ Bg and A @ Bu (Bg, Bu of the same strides), K ascending, each A tile loaded
+    once. As ``_mainloop``: 64-bit tile bases, out-of-range rows/columns wrapped onto valid ones."""
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M) % (M - row0)
+    offs_n = tl.arange(0, BLOCK_N) % (N - col0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_offs = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    bg_ptrs = (bg_ptr + col0.to(tl.int64) * stride_bn) + b_offs
+    bu_ptrs = (bu_ptr + col0.to(tl.int64) * stride_bn) + b_offs
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(bg_ptrs)
+            bu = tl.load(bu_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            bg = tl.load(bg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            bu = tl.load(bu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        bg_ptrs += BLOCK_K * stride_bk
+        bu_ptrs += BLOCK_K * stride_bk
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gated_act_kernel(
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    if HAS_BIAS:
+        hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
+        hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
+    y = _act_fwd(hg, ACTIVATION) * hu
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
+    base = row0.to(tl.int64) * N + col0
+    tl.store(c_ptr + base + (offs_m[:, None] * N + offs_n[None, :]), y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_act_grad_kernel(
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # the forward's pre-activations, exactly as _gated_act_kernel computes them
+    hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    if HAS_BIAS:
+        hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
+        hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N - col0
+    mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
+    offs = (row0.to(tl.int64) * N + col0) + (offs_m[:, None] * N + offs_n[None, :])
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    act = _act_fwd(hg, ACTIVATION)
+    if STORE_ACT:
+        tl.store(act_ptr + offs, (act * hu).to(act_ptr.dtype.element_ty), mask=mask)
+    ghu = g * act
+    ghg = _act_grad(hg, g * hu, ACTIVATION)
+    tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
+    tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        part = (pid_m.to(tl.int64) * N + col0) + offs_n
+        tl.store(partg_ptr + part, tl.sum(tl.where(mask, ghg, 0.0), axis=0), mask=mask_n)
+        tl.store(partu_ptr + part, tl.sum(tl.where(mask, ghu, 0.0), axis=0), mask=mask_n)
+
+
+# --------------------------------------------------------------------------- launchers
+def _dual_launch(x, w_gate, w_up, b_gate, b_up):
+    """Operands, table entry, constexprs and grid of a launch of either dual kernel on x (M, K)
+    and the (H, K) weights: one builder, so the forward and its recompute take the same tiles."""
+    M, K = x.shape
+    N = w_gate.shape[0]
+    precision = dot_precision(x)
+    cfg = gated_config(gemm_config(M, N, K, x.dtype, precision, device_capability(x)))
+    if w_gate.stride() != w_up.stride():  # one set of strides serves both B operands
+        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
+    bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
+    bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
+    if bg.stride() != bu.stride():
+        bg, bu = bg.contiguous(), bu.contiguous()
+    has_bias = b_gate is not None or b_up is not None
+    if has_bias:  # a missing one of the two adds zeros: x + 0 is x
+        b_gate = b_gate.contiguous() if b_gate is not None else torch.zeros_like(b_up)
+        b_up = b_up.contiguous() if b_up is not None else torch.zeros_like(b_gate)
+    else:
+        b_gate = b_up = a
+    meta = dict(
+        HAS_BIAS=has_bias, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1))
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
+    return cfg, (a, bg, bu, b_gate, b_up), scalars, meta, grid
+
+
+def gated_act(x, w_gate, w_up, b_gate, b_up, activation):
+    """a = act(x Wg^T + bg) * (x Wu^T + bu), (M, H) in x.dtype; the pre-activations are not stored."""
+    M, H = x.shape[0], w_gate.shape[0]
+    out = torch.empty((M, H), device=x.device, dtype=x.dtype)
+    if M == 0 or H == 0:
+        return out
+    _, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up)
+    with _device_guard(x):
+        launcher(_gated_act_kernel, x)[grid](*operands, out, *scalars, ACTIVATION=activation, **meta)
+    return out
+
+
+def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True):
+    """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None)."""
+    M, H = x.shape[0], w_gate.shape[0]
+    ghg = torch.empty((M, H), device=x.device, dtype=x.dtype)
+    ghu = torch.empty_like(ghg)
+    act = torch.empty_like(ghg) if store_act else None
+
+    def bias_grad(part, bias):
+        if bias is None:
+            return None
+        return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
+
+    if M == 0 or H == 0:
+        return ghg, ghu, act, bias_grad(None, b_gate), bias_grad(None, b_up)
+    cfg, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up)
+    parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
+             for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
+    grad_a = grad_a.contiguous()
+    fill = operands[0]  # an unused pointer argument is an input, never an output (see launcher)
+    with _device_guard(x):
+        launcher(_gated_act_grad_kernel, x)[grid](
+            *operands, grad_a, ghg, ghu, act if act is not None else fill,
+            parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill,
+            *scalars, STORE_ACT=store_act, ACTIVATION=activation, **meta,
+        )
+    # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows: deterministic
+    return ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
+
+
+def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+    """out = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd; x (M, K), Wg/Wu (H, K), Wd (N, H)."""
+    assert x.dim() == 2, "gated_mlp_forward expects a 2-D x"
+    check_activation(activation)
+    a = gated_act(x, w_gate, w_up, b_gate, b_up, activation)
+    return plain_gemm(a, w_down.t(), bias=b_down)   # never rerun: cuBLAS on CUDA
+
+
+def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation):
+    """Returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); a bias's gradient is None
+    when the bias is None."""
+    assert x.dim() == 2, "gated_mlp_backward expects a 2-D x"
+    check_activation(activation)
+    grad_a = plain_gemm(grad_out, w_down, out_dtype=x.dtype)          # (M, N) @ (N, H)
+    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation)
+    del grad_a
+    dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype)     # (N, M) @ (M, H)
+    del a
+    db_down = grad_out.sum(0, dtype=torch.float32).to(b_down.dtype) if b_down is not None else None
+    if uses_aten_gemm(ghu, w_up):
+        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)                   # the second GEMM accumulates
+    else:
+        dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
+        dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
+    dx = dx.to(x.dtype)
+    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype)          # (H, M) @ (M, K)
+    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype)
+    return dx, dw_gate, dbg, dw_up, dbu, dw_down, db_down
+
+
+# --------------------------------------------------------------------------- ahead-of-time inspection
+def inspect_specs():
+    """One spec per distinct compile of the two dual kernels for the sm90/sm80 dense table entries
+    (BLOCK_N halved, ``gated_config``): fp16 and bf16 for "16bit" entries, fp32 for the others;
+    activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it)."""
+    specs, seen = [], {}
+    kernels = ((_gated_act_kernel, "_gated_act_kernel"), (_gated_act_grad_kernel, "_gated_act_grad_kernel"))
+    for (family, opclass, bucket), entry in _TABLE.items():
+        arch = _INSPECT_ARCH.get(family)
+        if arch is None:
+            continue
+        cfg = gated_config(entry)
+        if opclass == "16bit":
+            variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
+        else:
+            variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
+        for (kernel, name), (dtype, precision) in itertools.product(kernels, variants):
+            key = (name, arch, dtype, precision, cfg)
+            label = f"{family}/{opclass}/{bucket}"
+            if key in seen:
+                seen[key]["source"] += "," + label
+                continue
+            ptr = _TRITON_PTR[dtype]
+            names = ["a_ptr", "bg_ptr", "bu_ptr", "biasg_ptr", "biasu_ptr"]
+            if kernel is _gated_act_kernel:
+                names += ["c_ptr"]
+            else:
+                names += ["g_ptr", "ghg_ptr", "ghu_ptr", "act_ptr"]
+            sig = {n: ptr for n in names}
+            if kernel is _gated_act_grad_kernel:
+                sig.update(partg_ptr="*fp32", partu_ptr="*fp32")
+            aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
+            sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
+                        "stride_bk": "constexpr", "stride_bn": "i32"})
+            constexprs = {
+                "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu",
+                "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
+                "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
+            }
+            if kernel is _gated_act_grad_kernel:
+                constexprs["STORE_ACT"] = True
+            for c in constexprs:
+                sig[c] = "constexpr"
+            config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
+                      "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            if dtype == torch.float32:
+                config["input_precision"] = precision
+            spec = {
+                "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
+                "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages, "gemm": True, "aligned": aligned, "source": label,
+            }
+            seen[key] = spec
+            specs.append(spec)
+    return specs

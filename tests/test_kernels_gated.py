@@ -1,0 +1,237 @@
+"""Gated FFN (SwiGLU/GeGLU) Triton kernels against the float64 reference, and the op around them.
+
+Under Triton's interpreter on the CPU (tests/conftest.py): small awkward shapes, several tiles in
+M and H, a ragged K loop.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as TF
+
+triton = pytest.importorskip("triton")
+
+import fusedrc  # noqa: E402
+from fusedrc import reference as R  # noqa: E402
+from fusedrc.kernels import _common, gated_mlp  # noqa: E402
+from _utils import GemmCounter, SavedBytes, rel_err  # noqa: E402
+from test_kernels_dense import TOL, _check, _d, _near_zero_inputs, _rand  # noqa: E402
+
+SHAPES = [(1, 1, 1, 1), (37, 33, 50, 20)]  # (M, K, H, N)
+NAMES = ["out", "dx", "dw_gate", "db_gate", "dw_up", "db_up", "dw_down", "db_down"]
+
+
+def _inputs(M, K, H, N, dtype, device, bias=True, up_bias=None):
+    up_bias = bias if up_bias is None else up_bias
+    x = _rand(M, K, dtype=dtype, device=device)
+    wg = _rand(H, K, dtype=dtype, device=device, scale=max(K, 1) ** -0.5)
+    wu = _rand(H, K, dtype=dtype, device=device, scale=max(K, 1) ** -0.5)
+    wd = _rand(N, H, dtype=dtype, device=device, scale=H ** -0.5)
+    bg = _rand(H, dtype=dtype, device=device, scale=0.5) if bias else None
+    bu = _rand(H, dtype=dtype, device=device, scale=0.5) if up_bias else None
+    bd = _rand(N, dtype=dtype, device=device, scale=0.5) if bias else None
+    g = _rand(M, N, dtype=dtype, device=device)
+    return x, wg, bg, wu, bu, wd, bd, g
+
+
+def _check_gated(x, wg, bg, wu, bu, wd, bd, g, act, dtype):
+    out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act)
+    grads = gated_mlp.gated_mlp_backward(x, wg, bg, wu, bu, wd, bd, g, act)
+    ref_args = [_d(t) for t in (x, wg, bg, wu, bu, wd, bd)]
+    out_ref = R.gated_mlp_forward(*ref_args, act)
+    grads_ref = R.gated_mlp_backward(*ref_args, _d(g), act)
+    _check([out, *grads], [out_ref, *grads_ref], dtype, NAMES)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gated_mlp(shape, dtype, act, bias, device):
+    _check_gated(*_inputs(*shape, dtype, device, bias), act, dtype)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu2"])
+def test_gated_mlp_other_activations_and_one_bias(act, device):
+    """The remaining activations; a gate bias without an up bias (the kernel adds zeros for it)."""
+    _check_gated(*_inputs(29, 40, 36, 11, torch.float32, device, bias=True, up_bias=False), act, torch.float32)
+
+
+def test_gated_mlp_noncontiguous(device):
+    """Transposed operands, and gate/up weights of different strides."""
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(21, 18, 40, 13, torch.float32, device)
+    x = x.t().contiguous().t()
+    wg = wg.t().contiguous().t()
+    wd = wd.t().contiguous().t()
+    g = g.t().contiguous().t()
+    assert wg.stride() != wu.stride()
+    _check_gated(x, wg, bg, wu, bu, wd, bd, g, "silu", torch.float32)
+
+
+def test_gated_mlp_empty(device):
+    x, wg, bg, wu, bu, wd, bd, _ = _inputs(0, 5, 6, 7, torch.float32, device)
+    out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu")
+    assert out.shape == (0, 7)
+    dx, dwg, dbg, dwu, dbu, dwd, dbd = gated_mlp.gated_mlp_backward(
+        x, wg, bg, wu, bu, wd, bd, torch.empty(0, 7, device=device), "silu")
+    assert dx.shape == (0, 5) and float(dwg.abs().sum()) == 0 and float(dbg.abs().sum()) == 0
+    assert dwd.shape == wd.shape and float(dbd.abs().sum()) == 0
+
+
+def test_gated_mlp_bf16_upcast(device):
+    """bf16 through the interpreter's upcast path (GPU: native bf16), against float64."""
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(20, 24, 40, 16, torch.bfloat16, device)
+    out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu")
+    ref = R.gated_mlp_forward(*[_d(t) for t in (x, wg, bg, wu, bu, wd, bd)], "silu")
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_recompute_matches_forward_bit_for_bit(dtype, device):
+    """The backward kernel's a = act(h_g) * h_u equals the forward's bit for bit, for every
+    activation, on data whose gate pre-activation sits on the ReLU's kink; the ReLU mask of
+    g_hg is the forward's sign."""
+    M, K, H = 40, 100, 36
+    x, wg, bg = _near_zero_inputs(M, K, H, dtype, device)
+    wu = _rand(H, K, dtype=dtype, device=device, scale=K ** -0.5)
+    bu = _rand(H, dtype=dtype, device=device)
+    ones = torch.ones(M, H, dtype=dtype, device=device)
+    for act in ("relu", "relu2", "gelu", "gelu_tanh", "silu"):
+        a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
+        ghg, ghu, a_bwd, _, _ = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ones, act)
+        assert torch.equal(a_bwd, a), act
+        if act == "relu":
+            # g_hu = act(h_g): zero exactly where the forward's gate was cut
+            gate_on = ghu != 0
+            nz = a != 0
+            assert torch.equal(gate_on[nz], torch.ones_like(gate_on[nz]))
+            assert torch.equal(ghg != 0, gate_on & (ghg != 0))
+            assert 0.2 < gate_on.float().mean() < 0.8  # the data really sits on the kink
+
+
+def test_gated_mlp_nan_propagates(device):
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(9, 12, 10, 6, torch.float32, device)
+    x[3, 5] = float("nan")
+    for act in ("relu", "silu"):
+        out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act)
+        ref = R.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act)
+        assert torch.isnan(ref[3]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+def test_gated_mlp_kernel_launches(device, monkeypatch):
+    """Forward: one dual kernel + the down GEMM; backward: one recompute kernel and 6 plain GEMMs
+    (g_a, dWd, dX in two, dWg, dWu): the down GEMM is never rerun."""
+    calls = []
+
+    class _Spy:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            calls.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")
+    monkeypatch.setattr(_common, "_gemm_act_kernel", _Spy(_common._gemm_act_kernel, "gemm"))
+    monkeypatch.setattr(gated_mlp, "_gated_act_kernel", _Spy(gated_mlp._gated_act_kernel, "dual"))
+    monkeypatch.setattr(gated_mlp, "_gated_act_grad_kernel", _Spy(gated_mlp._gated_act_grad_kernel, "recompute"))
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(8, 8, 16, 8, torch.float32, device)
+    gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu")
+    assert calls == ["dual", "gemm"]
+    calls.clear()
+    gated_mlp.gated_mlp_backward(x, wg, bg, wu, bu, wd, bd, g, "silu")
+    assert calls.count("recompute") == 1 and calls.count("gemm") == 6 and len(calls) == 7
+
+
+# --------------------------------------------------------------------------- the op, the module
+def _llama_mlp(d, h, bias=False):
+    gate, up, down = nn.Linear(d, h, bias=bias), nn.Linear(d, h, bias=bias), nn.Linear(h, d, bias=bias)
+    return gate, up, down, lambda x: down(TF.silu(gate(x)) * up(x))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_functional_keeps_only_x(backend, device):
+    gate, up, down, plain = _llama_mlp(16, 40)
+    for m in (gate, up, down):
+        m.to(device)
+    base = torch.randn(3, 24, 16, device=device)
+    x = base[:, ::2].detach().requires_grad_()  # N-D and sliced
+    with fusedrc.use_backend(backend), SavedBytes() as saved, GemmCounter() as c:
+        y = fusedrc.functional.gated_mlp(x, gate.weight, None, up.weight, None, down.weight, None)
+        y.backward(torch.ones_like(y))
+    assert saved.bytes == x.numel() * 4, "only x is kept for backward"
+    if backend == "triton":
+        from fusedrc.kernels import _common as common
+        plain_gemms = 7 if common.uses_aten_gemm(x, gate.weight) else 0  # down, g_a, dWd, dX x2, dWg, dWu
+        assert c.gemms == plain_gemms, c.ops
+    grads = [x.grad.clone()] + [p.grad.clone() for p in (gate.weight, up.weight, down.weight)]
+    x.grad = None
+    for p in (gate.weight, up.weight, down.weight):
+        p.grad = None
+    ref = plain(x)
+    ref.backward(torch.ones_like(ref))
+    assert y.shape == ref.shape and rel_err(y, ref) < 1e-5
+    for a, b in zip(grads, [x.grad, gate.weight.grad, up.weight.grad, down.weight.grad]):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_module_state_dict_and_from_modules(device):
+    gate, up, down, plain = _llama_mlp(12, 30, bias=True)
+    m = fusedrc.nn.GatedMLP(12, 30, bias=True).to(device)
+    holder = nn.Module()
+    holder.gate_proj, holder.up_proj, holder.down_proj = gate, up, down
+    m.load_state_dict(holder.state_dict())
+    assert list(m.state_dict()) == list(holder.state_dict())
+    x = torch.randn(5, 12, device=device)
+    with fusedrc.use_backend("triton"):
+        assert rel_err(m(x), plain(x)) < 1e-5
+        w = fusedrc.nn.GatedMLP.from_modules(gate, up, down, nn.SiLU())
+        assert w.gate_proj is gate and rel_err(w(x), plain(x)) < 1e-5
+    with pytest.raises(ValueError, match="up_proj"):
+        fusedrc.nn.GatedMLP.from_modules(gate, nn.Linear(12, 31), down, "silu")
+    with pytest.raises(ValueError, match="act"):
+        fusedrc.nn.GatedMLP.from_modules(gate, up, down, nn.Tanh())
+
+
+def test_bad_input_names_the_argument(device):
+    x = torch.randn(4, 8, device=device)
+    wg, wu, wd = torch.randn(16, 8, device=device), torch.randn(16, 8, device=device), torch.randn(8, 16, device=device)
+    f = fusedrc.functional.gated_mlp
+    with pytest.raises(ValueError, match="w_up"):
+        f(x, wg, None, torch.randn(15, 8, device=device), None, wd, None)
+    with pytest.raises(ValueError, match="w_down"):
+        f(x, wg, None, wu, None, torch.randn(8, 15, device=device), None)
+    with pytest.raises(ValueError, match="b_down"):
+        f(x, wg, None, wu, None, wd, torch.randn(7, device=device))
+    with pytest.raises(ValueError, match="w_gate"):
+        f(torch.randn(4, 9, device=device), wg, None, wu, None, wd, None)
+    with pytest.raises(TypeError, match="w_up"):
+        f(x, wg, None, wu.half(), None, wd, None)
+    with pytest.raises(ValueError, match="activation"):
+        f(x, wg, None, wu, None, wd, None, activation="tanh")
+
+
+def test_double_backward_raises(device):
+    gate, up, down, _ = _llama_mlp(8, 16)
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    y = fusedrc.functional.gated_mlp(x, gate.weight, None, up.weight, None, down.weight, None)
+    with pytest.raises(RuntimeError, match="double backward through the fused op fusedrc::gated_mlp"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_compile_no_graph_breaks():
+    """torch.compile over the op (reference backend on the CPU): one graph, eager's results."""
+    gate, up, down, _ = _llama_mlp(8, 24)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def f(x):
+        return fusedrc.functional.gated_mlp(x, gate.weight, None, up.weight, None, down.weight, None).square().sum()
+
+    with fusedrc.use_backend("reference"):
+        explain = torch._dynamo.explain(f)(x)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        torch._dynamo.reset()
+        y = torch.compile(f, backend="aot_eager")(x)
+        (gx,) = torch.autograd.grad(y, x)
+        ye = f(x)
+        (gxe,) = torch.autograd.grad(ye, x)
+    assert rel_err(y, ye) < 1e-6 and rel_err(gx, gxe) < 1e-6
