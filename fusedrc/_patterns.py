@@ -110,7 +110,7 @@ def match(block, args, kwargs):
     x = args[0]
     if not x.is_floating_point():
         return None
-    if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.ConvBNReLU)):
+    if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.GatedMLP, fnn.ConvBNReLU)):
         # the class's forward, not block(x): a marked module's call comes back here
         return None if _has_hooks(block) else (lambda: type(block).forward(block, x))
     if type(block) is not nn.Sequential or _has_hooks(block):

@@ -504,7 +504,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fusedrc.inspect", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="all", choices=["all", *ARCHS])
     ap.add_argument("--kernel", default=None, metavar="SUBSTRING",
-                    help="only kernels whose name or kernels module (linear_act, fused_mlp, conv_bn_act) "
+                    help="only kernels whose name or kernels module (linear_act, fused_mlp, gated_mlp, conv_bn_act) "
                          "contains SUBSTRING")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     ap.add_argument("--json", action="store_true", help="print a JSON list, one object per configuration")

@@ -49,6 +49,11 @@ def mlp(x, w1, b1, w2, b2, **kw):
     return lambda: F.fused_mlp(c(x), c(w1), c(b1), c(w2), c(b2), **kw)
 
 
+def gated(x, wg, bg, wu, bu, wd, bd, **kw):
+    c = lambda v: v() if callable(v) else v  # noqa: E731
+    return lambda: F.gated_mlp(c(x), c(wg), c(bg), c(wu), c(bu), c(wd), c(bd), **kw)
+
+
 def cba(x=x4, w=w4, gamma=None, beta=None, rm=None, rv=None, **kw):
     c = lambda v: v() if callable(v) else v  # noqa: E731
     return lambda: F.conv_bn_act(c(x), c(w), c(gamma), c(beta), c(rm), c(rv), **kw)
@@ -156,6 +161,25 @@ CASES = [
      r"dropout_p must be a finite float"),
     ("fused_mlp/dropout_p-str", mlp(x2, r(8, 3), None, r(3, 8), None, dropout_p="0.1"), TypeError,
      r"dropout_p must be a float, got str"),
+    # ------------------------------------------------------------ functional.gated_mlp
+    ("gated_mlp/input-3-vs-w_gate", gated(x2, r(8, 4), None, r(8, 4), None, r(3, 8), None), ValueError,
+     r"w_gate must have shape \(out_features, 3\) to match input's last dimension 3, got \(8, 4\)"),
+    ("gated_mlp/w_up-shape", gated(x2, r(8, 3), None, r(7, 3), None, r(3, 8), None), ValueError,
+     r"w_up must have w_gate's shape \(8, 3\), got \(7, 3\)"),
+    ("gated_mlp/w_up-none", gated(x2, r(8, 3), None, None, None, r(3, 8), None), TypeError,
+     r"w_up must be a torch\.Tensor, got NoneType"),
+    ("gated_mlp/b_gate-size", gated(x2, r(8, 3), r(7), r(8, 3), None, r(3, 8), None), ValueError,
+     r"b_gate must have shape \(8,\), got \(7,\)"),
+    ("gated_mlp/b_up-dtype", gated(x2, r(8, 3), None, r(8, 3), r(8, dtype=f64), r(3, 8), None), TypeError,
+     r"b_up has dtype torch\.float64 but input has dtype torch\.float32"),
+    ("gated_mlp/w_down-hidden", gated(x2, r(8, 3), None, r(8, 3), None, r(3, 6), None), ValueError,
+     r"w_down must have shape \(out_features, 8\) to match w_gate's out_features \(the hidden size 8\)"),
+    ("gated_mlp/b_down-size", gated(x2, r(8, 3), None, r(8, 3), None, r(3, 8), r(8)), ValueError,
+     r"b_down must have shape \(3,\), got \(8,\)"),
+    ("gated_mlp/w_up-device", gated(x2, r(8, 3), None, r(8, 3, device=META), None, r(3, 8), None), ValueError,
+     r"w_up is on meta but input is on cpu"),
+    ("gated_mlp/activation", gated(x2, r(8, 3), None, r(8, 3), None, r(3, 8), None, activation="swish"), ValueError,
+     ACT + ", got 'swish'"),
     # ------------------------------------------------------------ functional.conv_bn_act
     ("conv_bn_act/input-3d", cba(x=lambda: r(3, 5, 5)), ValueError, r"input must be 4-D, got 3-D"),
     ("conv_bn_act/input-int", cba(x=lambda: torch.ones(2, 3, 5, 5, dtype=torch.int32)), TypeError,
@@ -233,6 +257,18 @@ CASES = [
      r"act must be a supported activation .*got Tanh"),
     ("LinearReLU/from_modules-act-name", lambda: fnn.LinearReLU.from_modules(nn.Linear(3, 4), "tanh"), ValueError,
      r"act must be one of .*, got 'tanh'"),
+    # ------------------------------------------------------------ nn.GatedMLP
+    ("GatedMLP/hidden-negative", lambda: fnn.GatedMLP(3, -8), ValueError,
+     r"hidden_features must be a non-negative int, got -8"),
+    ("GatedMLP/activation", lambda: fnn.GatedMLP(3, 8, activation="swish"), ValueError, ACT + ", got 'swish'"),
+    ("GatedMLP/forward-features", lambda: fnn.GatedMLP(3, 8)(r(2, 4)), ValueError,
+     r"input must have last dimension in_features=3 for GatedMLP, got shape \(2, 4\)"),
+    ("GatedMLP/from_modules-up_proj", lambda: fnn.GatedMLP.from_modules(nn.Linear(3, 8), nn.Conv1d(3, 8, 1),
+                                                                         nn.Linear(8, 3), "silu"),
+     TypeError, r"up_proj must be an nn\.Linear, got Conv1d"),
+    ("GatedMLP/from_modules-down_proj", lambda: fnn.GatedMLP.from_modules(nn.Linear(3, 8), nn.Linear(3, 8),
+                                                                           nn.Linear(7, 3), "silu"),
+     ValueError, r"down_proj\.in_features \(7\) must equal gate_proj\.out_features \(8\)"),
     # ------------------------------------------------------------ nn.FusedMLP
     ("FusedMLP/hidden-negative", lambda: fnn.FusedMLP(3, -8), ValueError,
      r"hidden_features must be a non-negative int, got -8"),
@@ -398,7 +434,8 @@ def test_bad_input(call, exc, pattern):
 def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
-    public = {"linear_act", "fused_mlp", "conv_bn_act", "LinearReLU", "FusedMLP", "ConvBNReLU", "recompute",
+    public = {"linear_act", "fused_mlp", "gated_mlp", "conv_bn_act", "LinearReLU", "FusedMLP", "GatedMLP",
+              "ConvBNReLU", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public
     assert {n for n in fusedrc.__all__ if callable(getattr(fusedrc, n))} - {"current_backend", "RecomputeError"} \

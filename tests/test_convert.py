@@ -17,7 +17,7 @@ from torch import nn
 import fusedrc
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
 
-from _utils import GemmCounter, rel_err, replicate_on_cpu
+from _utils import GemmCounter, SavedBytes, rel_err, replicate_on_cpu
 
 TOL = 1e-4
 
@@ -932,3 +932,60 @@ def test_import_torchvision_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed
     with pytest.raises(ModuleNotFoundError, match=r"torchvision is not installed: pip install"):
         _import_torchvision()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_gated_mlps_found_by_their_forward(family):
+    """Llama-form MLPs of other classes (Qwen2: SiLU; Gemma: tanh GELU) become one fused gated FFN
+    each, found by the module's forward, not its class name; outputs and gradients as before."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 10))
+    common = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, use_cache=False)
+    if family == "qwen2":
+        model = tr.Qwen2ForCausalLM(tr.Qwen2Config(**common))
+    else:
+        model = tr.GemmaForCausalLM(tr.GemmaConfig(head_dim=8, hidden_act="gelu_pytorch_tanh", **common))
+    model.train()
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert plan.fused == [f"model.layers.{i}.mlp" for i in range(2)] and not plan.skipped
+    assert all(u.kind == "gated_ffn" for u in plan.units)
+    with SavedBytes() as a:
+        ya = model(ids).logits
+    with SavedBytes() as b:
+        yb = conv(ids).logits
+    assert b.bytes < a.bytes
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, conv)
+
+
+def test_gated_mlp_look_alike_with_another_forward_is_reported():
+    """gate_proj/up_proj/down_proj/act_fn with a forward that is not Llama's: not a gated FFN, said why
+    (fx still finds its act(gate_proj(x)), a Linear+act)."""
+    class GatedLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+    class Llamaish(GatedLike):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return out
+
+    model = nn.ModuleDict({"a": GatedLike(), "b": Llamaish()})
+    with pytest.warns(UserWarning, match=r"a: GatedLike\.forward is not down_proj"):
+        conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert {u.name: u.kind for u in plan.units if u.selected} == {"a.gate_proj": "linear_act", "b": "gated_ffn"}
+    assert [n for n, _ in plan.skipped] == ["a"]
+    x = torch.randn(3, 8)
+    for key in ("a", "b"):
+        assert rel_err(conv[key](x), model[key](x)) < 1e-6

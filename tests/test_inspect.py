@@ -21,6 +21,7 @@ from fusedrc import inspect as fi  # noqa: E402  (needs triton)
 RESULT_TYPES = {"kernel": str, "arch": str, "dtype": str, "config": dict, "registers": int,
                 "shared_bytes": int, "spill_bytes": int, "mma": str, "gemm": bool}
 DENSE_KERNELS = {"_gemm_act_kernel", "_gemm_act_grad_kernel"}
+GATED_KERNELS = {"_gated_act_kernel", "_gated_act_grad_kernel"}
 CONV_KERNELS = {"_conv_bn_fwd_kernel", "_bn_stats_finalize_kernel", "_conv_bn_bwd_kernel",
                 "_conv_dx_kernel", "_conv_dw_kernel"}
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
@@ -65,10 +66,10 @@ def test_every_spec_compiled(inspection):
     assert Counter(_key(r) for r in results) == expected
     assert {r["arch"] for r in results} == {"sm_90", "sm_80"}
     kernels = {r["kernel"] for r in results}
-    assert DENSE_KERNELS | CONV_KERNELS <= kernels
+    assert DENSE_KERNELS | GATED_KERNELS | CONV_KERNELS <= kernels
     # a new @triton.jit kernel in kernels/ must be added to its module's inspect_specs()
     assert _jit_kernels_in_source() <= kernels
-    for name in DENSE_KERNELS | CONV_KERNELS:
+    for name in DENSE_KERNELS | GATED_KERNELS | CONV_KERNELS:
         assert {r["arch"] for r in results if r["kernel"] == name} == {"sm_90", "sm_80"}, name
     for name in ("_gemm_act_kernel", "_conv_bn_fwd_kernel", "_conv_dx_kernel", "_conv_dw_kernel"):
         assert {r["dtype"] for r in results if r["kernel"] == name} == {"float16", "bfloat16", "float32"}, name
@@ -132,6 +133,7 @@ def test_kernel_filter_matches_kernel_or_module_names(capsys):
     assert by_kernel and {s.kernel for s in by_kernel} == {"_conv_dw_kernel"}
     for op in ("linear_act", "fused_mlp"):  # the dense kernels live in _common.py, shared by both ops
         assert {s.kernel for s in fi.discover_specs(kernel=op)[0]} == DENSE_KERNELS
+    assert {s.kernel for s in fi.discover_specs(kernel="gated_mlp")[0]} == GATED_KERNELS
     if fi.toolchain_problem():
         pytest.skip("no ptxas/cuobjdump: main() stops before filtering")
     assert fi.main(["--kernel", "no_such_kernel"]) == 1

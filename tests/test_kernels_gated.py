@@ -235,3 +235,31 @@ def test_compile_no_graph_breaks():
         ye = f(x)
         (gxe,) = torch.autograd.grad(ye, x)
     assert rel_err(y, ye) < 1e-6 and rel_err(gx, gxe) < 1e-6
+
+
+def test_recompute_and_mark_run_the_fused_op():
+    """recompute(GatedMLP) and a marked GatedMLP run the fused op once (only x kept), not a generic
+    region around it, whose backward would rerun the module's forward op."""
+    m = fusedrc.nn.GatedMLP(12, 28, bias=True)
+    x = torch.randn(4, 6, 12, requires_grad=True)
+
+    def forward_ops(call):
+        with fusedrc.use_backend("reference"), SavedBytes() as saved, GemmCounter() as c:
+            y = call()
+            (gx,) = torch.autograd.grad(y.sum(), x)
+        assert saved.bytes == x.numel() * 4
+        return y, gx, sum(op.startswith("fusedrc.gated_mlp.") for op in c.ops)
+
+    y, gx, n = forward_ops(lambda: fusedrc.recompute(m, x))
+    assert n == 1
+    fusedrc.mark(m)
+    y_marked, _, n_marked = forward_ops(lambda: m(x))
+    fusedrc.unmark(m)
+    assert n_marked == 1 and torch.equal(y, y_marked)
+    generic = fusedrc.recompute(lambda t: m(t) * 1.0, x)  # a callable: the generic region, for contrast
+    with GemmCounter() as c:
+        generic.sum().backward()
+    assert sum(op.startswith("fusedrc.gated_mlp.") for op in c.ops) == 1  # its rerun
+    ref = m.down_proj(TF.silu(m.gate_proj(x)) * m.up_proj(x))
+    (gx_ref,) = torch.autograd.grad(ref.sum(), x)
+    assert rel_err(y, ref) < 1e-5 and rel_err(gx, gx_ref) < 1e-5
