@@ -26,7 +26,10 @@ How patterns are found
    (the stem) from ``torchvision.models.resnet``; from ``transformers``,
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
-   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5LayerFF``.
+   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5Block``;
+   and, by shape rather than class name, every module holding ``gate_proj`` /
+   ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
+   (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
@@ -95,7 +98,7 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import _conv_padding, _has_hooks, activation_name, conv_bn_relu_call, fused_dropout_p
+from ._patterns import _conv_padding, _foreign_forward, _has_hooks, activation_name, conv_bn_relu_call, fused_dropout_p
 from ._saved import SavedBytes
 from .recompute import _is_marked, _mark, bind_replicas, unmark
 
@@ -341,6 +344,13 @@ def _dense_runtime_ok(x, first, *more):
     )
 
 
+def _still(act, act_mod, *linears, linear_type=nn.Linear):
+    """Whether the modules a fused unit reads are still of the kinds convert fused: plain Linears
+    (not, say, a LoRA wrapper put in their place later) and an activation module of the same fused
+    activation (not one swapped in). Otherwise the unit runs its modules as they now are."""
+    return all(type(m) is linear_type for m in linears) and _act_name(act_mod) == act
+
+
 def _run_dense(site, kind, act, mods, x):
     """A ``Linear -> act -> [Dropout...] -> Linear`` (``kind`` "ffn") or ``Linear -> act`` group:
     fused where ``site`` is on and the call is modelled, else module by module."""
@@ -352,7 +362,8 @@ def _run_dense(site, kind, act, mods, x):
     first, last = mods[0], mods[-1]
     p = _chain_dropout_p(mods[2:-1]) if kind == "ffn" else 0.0
     linears = (first, last) if kind == "ffn" else (first,)
-    if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _dense_runtime_ok(x, *linears):
+    if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _still(act, mods[1], *linears) \
+            or not _dense_runtime_ok(x, *linears):
         return plain(x)
     if kind == "ffn":
         return _run_site(site, lambda x: F.fused_mlp(x, first.weight, first.bias, last.weight, last.bias, act,
@@ -368,6 +379,7 @@ class FusedT5DenseActDense(Wrapper):
         p = fused_dropout_p(self.dropout)
         if (site is None or not site.enabled or p is None
                 or not _nohooks(self, self.wi, self.act, self.dropout, self.wo)
+                or not _still(self.__dict__["_fusedrc_act"], self.act, self.wi, self.wo)
                 or not _dense_runtime_ok(hidden_states, self.wi, self.wo)):
             return self.plain(hidden_states)
         act = self.__dict__["_fusedrc_act"]
@@ -394,19 +406,34 @@ class _FFNHead(nn.Linear):
     two others the activation and ``fc2``: each hook sees what it would see unconverted.
     """
 
-    def __init__(self, fc1, act_mod, act_name, tail, act_slot):
+    def __init__(self, fc1, act_mod, act_name, tail, act_slot, layer, dropout):
         nn.Module.__init__(self)
         self.in_features, self.out_features = fc1.in_features, fc1.out_features
         self.weight, self.bias = fc1.weight, fc1.bias
         self.__dict__["_fusedrc_ffn"] = (act_mod, act_name, tail, act_slot)
+        # the layer whose forward inlines the FFN, and whether a dropout of p=activation_dropout
+        # sits between fc1 and fc2 there (fused only while that p is 0 or the layer is in eval)
+        self.__dict__["_fusedrc_layer"] = (layer, dropout)
         self.__dict__["site"] = Site()
         self.site.enabled = True
+
+    def _in_place(self, act_slot, tail):
+        """Whether the layer still holds the three stand-ins at their keys (not, say, a LoRA wrapper
+        put around fc1 or fc2, or another activation, after convert) and its dropout between them
+        does nothing now."""
+        layer, dropout = self.__dict__.get("_fusedrc_layer", (None, False))
+        if layer is None:  # pickled before the layer was recorded
+            return True
+        mods = layer._modules
+        if mods.get("fc1") is not self or mods.get("activation_fn") is not act_slot or mods.get("fc2") is not tail:
+            return False
+        return not (dropout and layer.training and (getattr(layer, "activation_dropout", 0) or 0) > 0)
 
     def forward(self, x):
         act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
         if _is_replica(self):  # its peers are the original's: the replicas of all three run split
             return nn.functional.linear(x, self.weight, self.bias)
-        if not _nohooks(self, act_slot, tail):
+        if not _nohooks(self, act_slot, tail) or not self._in_place(act_slot, tail):
             tail.__dict__["_fusedrc_split"] = True
             return nn.functional.linear(x, self.weight, self.bias)
         tail.__dict__.pop("_fusedrc_split", None)  # left by a call that raised half-way
@@ -786,6 +813,7 @@ class FusedConv1DMLP(Wrapper):
     def forward(self, hidden_states):
         site, fc, proj = self.sites.get("ffn"), self.c_fc, self.c_proj
         if (site is None or not site.enabled or not _nohooks(self, fc, self.act, proj)
+                or not (_is_conv1d(fc) and _is_conv1d(proj) and _act_name(self.act) == self.__dict__["_fusedrc_act"])
                 or not _dense_runtime_ok(hidden_states, fc, proj)):
             return self.plain(hidden_states)
         act = self.__dict__["_fusedrc_act"]
@@ -831,6 +859,7 @@ class FusedGatedMLP(Wrapper):
     def forward(self, x):
         site, g, u, d = self.sites.get("gated_ffn"), self.gate_proj, self.up_proj, self.down_proj
         if (site is None or not site.enabled or not _nohooks(self, g, u, d, self.act_fn)
+                or not _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d)
                 or not _dense_runtime_ok(x, g, u, d)):
             return self.plain(x)
         act = self.__dict__["_fusedrc_act"]
@@ -887,9 +916,11 @@ def _gated_mlp(ctx, name, m):
     return new
 
 
-@register_rule("T5LayerFF")
-def _t5_layer_ff(ctx, name, m):
-    ctx.block(name, m)
+@register_rule("T5Block")
+def _t5_block(ctx, name, m):
+    # the whole layer (attention and FFN sublayers), as Hugging Face's gradient checkpointing
+    # recomputes it; not while a KV cache is handed to it
+    ctx.block(name, m, when=_no_kv_cache)
     return m
 
 
@@ -932,6 +963,9 @@ def _inline_ffn(lines):
     return None, dropout
 
 
+_KV_CACHE_CALLS = [0]  # calls of block-marked layers refused for their KV cache (the budget's error hint)
+
+
 def _no_kv_cache(args, kwargs):
     """Whether a decoder layer's call may be recomputed: not when it is handed a KV cache, which
     the call updates (a rerun would append the keys and values twice). Such calls run plainly
@@ -939,6 +973,7 @@ def _no_kv_cache(args, kwargs):
     caches = [kwargs.get(k) for k in ("past_key_values", "past_key_value", "layer_past", "cache")]
     if all(c is None for c in caches) and not kwargs.get("use_cache"):
         return True
+    _KV_CACHE_CALLS[0] += 1
     warnings.warn("fusedrc: a decoder layer marked for recompute was called with a KV cache "
                   "(use_cache=True); such calls run without recompute. Train with use_cache=False "
                   "(config.use_cache = False) to recompute the layers.", stacklevel=3)
@@ -949,7 +984,7 @@ _INLINE_FFN_LAYERS = (
     "OPTDecoderLayer", "BartEncoderLayer", "BartDecoderLayer", "MBartEncoderLayer", "MBartDecoderLayer",
     "PLBartEncoderLayer", "PLBartDecoderLayer", "MarianEncoderLayer", "MarianDecoderLayer",
     "WhisperEncoderLayer", "WhisperDecoderLayer", "M2M100EncoderLayer", "M2M100DecoderLayer",
-    "NllbMoeEncoderLayer", "XGLMDecoderLayer", "BlenderbotEncoderLayer", "BlenderbotDecoderLayer",
+    "XGLMDecoderLayer", "BlenderbotEncoderLayer", "BlenderbotDecoderLayer",
     "PegasusEncoderLayer", "PegasusDecoderLayer",
 )
 
@@ -960,6 +995,12 @@ def _inline_ffn_layer(ctx, name, m):
     (OPT, BART and its descendants, Whisper, ...)."""
     ctx.block(name, m, when=_no_kv_cache)
     unit = _join(name, "fc1")
+    if _foreign_forward(m):
+        ctx.skip(unit, f"{type(m).__name__} has a forward set on the instance: its code is not the class's")
+        return m
+    if isinstance(m.__dict__["_modules"].get("fc1"), _FFNHead):
+        ctx.skip(unit, "converted already, by an earlier fusedrc.convert")
+        return m
     lines = _forward_lines(ctx, unit, m)
     if lines is None:
         return m
@@ -986,7 +1027,7 @@ def _inline_ffn_layer(ctx, name, m):
     # anything replacing registered parameters (load_state_dict(assign=True), FSDP2) reaches both
     tail = _FFNTail(fc2)
     act_slot = _FFNAct(act_mod, tail)
-    head = _FFNHead(fc1, act_mod, act, tail, act_slot)
+    head = _FFNHead(fc1, act_mod, act, tail, act_slot, m, dropout)
     ctx.unit(unit, "ffn", _Switch(m, fc1=head, activation_fn=act_slot, fc2=tail),
              _Switch(m, fc1=fc1, activation_fn=act_mod, fc2=fc2), (fc1,))
     return m
@@ -1071,13 +1112,33 @@ class _FxForward:
         return type(self.gm).forward(self.module, *args, **kwargs)
 
 
+def _own_hooks(m):
+    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None)
+                or getattr(m, "_backward_pre_hooks", None) or _foreign_forward(m))
+
+
+def _symbolic_trace(model, concrete_args=None):
+    """``torch.fx.symbolic_trace``, keeping as called modules (leaves, not inlined) the activation
+    modules of any library (Hugging Face's GELUActivation, ...) and the modules with hooks or an
+    instance forward: the graph then calls whatever sits at their names at run time, so an
+    activation swapped in, a hook added or removed after convert, act as they would unconverted."""
+    import torch.fx as fx
+
+    class _Tracer(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m)
+
+    tracer = _Tracer()
+    graph = tracer.trace(model, concrete_args=concrete_args)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def _fx_trace(model):
     """``(graph, None)`` for a ``model`` whose torch.fx graph holds for every call, else
     ``(None, reason)``: it does not trace, its graph depends on ``training`` (fx would freeze the
     mode it was traced in, e.g. ``F.dropout(training=self.training)``), or on whether a defaulted
     argument is passed (fx traces ``if mask is not None:`` as taken, and a call without ``mask``
     would then fail or compute something else)."""
-    import torch.fx as fx
 
     cls = type(model).__name__
     if "forward" in model.__dict__:  # set by a library's hook (accelerate's, for one)
@@ -1091,12 +1152,12 @@ def _fx_trace(model):
     defaults = {p.name: p.default for p in params if p.default is not p.empty}
     modes = [(m, m.training) for m in model.modules()]
     try:
-        gm = fx.symbolic_trace(model)
+        gm = _symbolic_trace(model)
         model.train(not model.training)
-        other = fx.symbolic_trace(model)
+        other = _symbolic_trace(model)
         for m, training in modes:
             m.training = training
-        as_default = fx.symbolic_trace(model, concrete_args=defaults) if defaults else gm
+        as_default = _symbolic_trace(model, concrete_args=defaults) if defaults else gm
     except Exception as e:  # noqa: BLE001 - any tracing failure means: no fx rewrite
         return None, f"torch.fx cannot trace {cls} ({type(e).__name__}); no fx rewrite"
     finally:
@@ -1244,7 +1305,9 @@ def _fx_tree(ctx, module, prefix=""):
         reason = None
     for key, child in module._modules.items():
         # torch's own modules are fx leaves, its containers are not
-        if child is None or _is_marked(child) or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused)) \
+        # a Wrapper or fused Sequential: converted already (by a rule, or an earlier convert)
+        if child is None or _is_marked(child) \
+                or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused, Wrapper, _FusedSequential)) \
                 or type(child).__module__.startswith("torch.") \
                 and not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             continue
@@ -1288,6 +1351,21 @@ def _layer_blocks(ctx, model):
             continue
         ctx.block(name, m, when=_no_kv_cache)
         taken.append(name)
+
+
+def _drop_nesting_blocks(ctx, model):
+    """Blocks that would nest with a module the user (or an earlier convert) marked already: marks
+    cannot nest, so they stay unmarked, reported."""
+    kept = []
+    for b in ctx.blocks:
+        parts = b.name.split(".") if b.name else []
+        above = [_lookup(model, ".".join(parts[:k])) for k in range(len(parts))]
+        if any(_is_marked(m) for m in b.module.modules()) or any(m is not None and _is_marked(m) for m in above):
+            ctx.skip(b.name, "a module in or around it is already marked with fusedrc.mark (marks cannot "
+                             "nest): not recomputed as a block")
+        else:
+            kept.append(b)
+    ctx.blocks[:] = kept
 
 
 # --------------------------------------------------------------------------- policy and budget
@@ -1356,6 +1434,7 @@ def _block_of(unit_name, blocks):
 
 
 def _plan_budget(model, example_inputs, units, blocks, target, baseline):
+    _KV_CACHE_CALLS[0] = 0
     flops = _measure_flops(model, example_inputs)
 
     def measure():
@@ -1417,10 +1496,15 @@ def _plan_budget(model, example_inputs, units, blocks, target, baseline):
         for b in blocks:
             b.selected = False
         _apply(units, blocks)
+        hint = ""
+        if _KV_CACHE_CALLS[0]:
+            hint = ("; some layers were called with a KV cache and cannot be recomputed then: train with "
+                    "config.use_cache = False (for an encoder-decoder, the decoder's config too)")
         raise ValueError(
             f"memory_budget cannot be met: it asks for at most {target} bytes kept "
             f"({target / baseline:.3f} of the original's {baseline}); the smallest reachable with the "
             f"candidates allowed by the policy is {smallest} bytes ({smallest / baseline:.3f} of the original)"
+            + hint
         )
     return current
 
@@ -1459,6 +1543,7 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     if not _is_marked(model):  # a marked root is left as it is
         reason = _fx_tree(ctx, model)
         _layer_blocks(ctx, model)
+        _drop_nesting_blocks(ctx, model)
         if reason is not None and not ctx.units and not ctx.blocks:
             ctx.skip("", reason)
     for u in ctx.units:

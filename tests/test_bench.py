@@ -89,6 +89,8 @@ def test_quick_kernels(quick_run):
     # the fused FFN with dropout keeps x and its 8-byte Philox seed, never a mask
     assert saved["fused_mlp_dropout", "fusedrc"] == saved["fused_mlp", "fusedrc"] + 8
     assert saved["fused_mlp_dropout", "eager"] > saved["fused_mlp", "eager"]
+    # the gated FFN keeps x alone, as checkpoint does; eager keeps its hidden-sized intermediates
+    assert saved["gated_mlp", "fusedrc"] == saved["gated_mlp", "torch_checkpoint"] < saved["gated_mlp", "eager"]
     if doc["device"]["type"] == "cpu":
         assert any("interpreter" in n for n in doc["notes"])
     _assert_png_not_blank(plots / f"bench_kernels_quick_{doc['device']['type']}.png")

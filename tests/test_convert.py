@@ -8,6 +8,7 @@ norm of the reference) of at most 1e-4 in float32; transformer FFNs are bitwise
 equal in practice, still held to the same bound.
 """
 import copy
+import types
 import warnings
 
 import pytest
@@ -989,3 +990,135 @@ def test_gated_mlp_look_alike_with_another_forward_is_reported():
     x = torch.randn(3, 8)
     for key in ("a", "b"):
         assert rel_err(conv[key](x), model[key](x)) < 1e-6
+
+
+class _LoraLinear(nn.Module):
+    """A LoRA adapter in PEFT's form (``peft.tuners.lora.Linear``): holds the base layer, exposes
+    its weight and bias, adds a low-rank update."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base_layer = base
+        n_in, n_out = base.weight.shape[1], base.weight.shape[0]
+        self.lora_A, self.lora_B = nn.Linear(n_in, rank, bias=False), nn.Linear(rank, n_out, bias=False)
+        nn.init.normal_(self.lora_B.weight)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def _swap(model, path, make):
+    parent, _, key = path.rpartition(".")
+    owner = model.get_submodule(parent)
+    setattr(owner, key, make(getattr(owner, key)))
+
+
+@pytest.mark.parametrize("case", [
+    "opt-lora-fc1", "opt-lora-fc2", "opt-act", "t5-lora-wi", "t5-act", "llama-lora-up", "llama-act",
+    "bert-lora-intermediate", "bert-act",
+])
+def test_modules_replaced_after_convert_are_honoured(case):
+    """A LoRA adapter (as PEFT's get_peft_model puts it) or another activation module swapped into a
+    fused unit after convert: the unit runs the modules as they now are, as the original would."""
+    tr = _transformers()
+    family, what, *rest = case.split("-")
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 8))
+    if family == "opt":
+        model = _opt(vocab_size=100, hidden_size=32, ffn_dim=64)
+        path = {"lora": f"model.decoder.layers.0.{rest[0] if rest else 'fc1'}",
+                "act": "model.decoder.layers.0.activation_fn"}
+    elif family == "t5":
+        model = _t5(vocab_size=100, d_model=32, d_ff=64)
+        path = {"lora": "encoder.block.0.layer.1.DenseReluDense.wi", "act": "encoder.block.0.layer.1.DenseReluDense.act"}
+    elif family == "llama":
+        model = tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48,
+                                                   num_hidden_layers=1, num_attention_heads=4, use_cache=False))
+        path = {"lora": "model.layers.0.mlp.up_proj", "act": "model.layers.0.mlp.act_fn"}
+    else:
+        model = tr.BertForMaskedLM(tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=4, hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0))
+        path = {"lora": "bert.encoder.layer.0.intermediate.dense",
+                "act": "bert.encoder.layer.0.intermediate.intermediate_act_fn"}
+    model.eval()
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused
+    make = (lambda base: _LoraLinear(base)) if what == "lora" else (lambda act: nn.Tanh())
+    for m in (model, conv):
+        torch.manual_seed(1)
+        _swap(m, path[what], make)
+    args = (ids, None, ids[:, :4]) if family == "t5" else (ids,)
+    with torch.no_grad():
+        assert rel_err(conv(*args).logits, model(*args).logits) <= TOL
+
+
+def test_bart_activation_dropout_set_after_convert_is_applied():
+    """A BART-style layer's activation_dropout raised after convert: the FFN runs split, the dropout
+    lands on the hidden activation as in the original (same RNG draws: equal outputs)."""
+    tr = _transformers()
+    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = tr.BartModel(cfg).train()
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused
+    for m in (model, conv):
+        for layer in (m.encoder.layers[0], m.decoder.layers[0]):
+            layer.activation_dropout = 0.5
+    ids = torch.randint(3, 100, (2, 8))
+    torch.manual_seed(3)
+    ya = model(ids).last_hidden_state
+    torch.manual_seed(3)
+    yb = conv(ids).last_hidden_state
+    assert rel_err(yb, ya) <= TOL
+
+
+def test_blocks_around_a_marked_module_are_left_unmarked():
+    """policy="blocks" on a model in which the user marked a submodule already: the layer around it
+    is not made a block (marks cannot nest), reported; the other layers are."""
+    tr = _transformers()
+    model = tr.BertModel(tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0))
+    fusedrc.mark(model.encoder.layer[0].attention)
+    with pytest.warns(UserWarning, match="already marked"):
+        conv = fusedrc.convert(model, policy="blocks", inplace=True)
+    plan = conv.fusedrc_plan
+    assert plan.recomputed_blocks == ["encoder.layer.1"]
+    assert "encoder.layer.0" in dict(plan.skipped)
+
+
+def test_t5_blocks_are_whole_layers():
+    """T5's unit of recompute for policy="blocks" is the T5Block (attention and FFN), as in Hugging
+    Face's own gradient checkpointing."""
+    model = _t5(vocab_size=100, d_model=32, d_ff=64)
+    ids, dec = torch.randint(1, 100, (2, 12)), torch.randint(1, 100, (2, 6))
+    conv = fusedrc.convert(model, policy="blocks", example_inputs=(ids, None, dec))
+    plan = conv.fusedrc_plan
+    assert plan.recomputed_blocks == [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(2)]
+    assert plan.final_bytes < 0.3 * plan.baseline_bytes
+    la, lb = model(input_ids=ids, labels=dec).loss, conv(input_ids=ids, labels=dec).loss
+    assert rel_err(lb, la) <= TOL
+    la.backward()
+    lb.backward()
+    _assert_close_models(model, conv)
+
+
+def test_layer_with_an_instance_forward_is_not_rewritten():
+    model = _opt(vocab_size=100, hidden_size=32, ffn_dim=64)
+    layer = model.model.decoder.layers[0]
+    layer.forward = types.MethodType(type(layer).forward, layer)
+    with pytest.warns(UserWarning, match="forward set on the instance"):
+        conv = fusedrc.convert(model, inplace=True)
+    assert conv.fusedrc_plan.fused == ["model.decoder.layers.1.fc1"]
+    assert type(layer.fc1) is nn.Linear

@@ -8,6 +8,8 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
 * ``fused_mlp`` (``Linear → GELU → Linear``): eager 6, checkpoint 7 (early stop), fusedrc 7
 * ``fused_mlp_dropout`` (``Linear → GELU → Dropout(0.1) → Linear``, the fused op regenerates
   the mask in backward from a Philox seed): same counts as ``fused_mlp``
+* ``gated_mlp`` (Llama's SwiGLU MLP ``down(silu(gate(x)) * up(x))``, in units of one of its three
+  equal GEMMs): eager 9, checkpoint 12, fusedrc 11 (the down projection is never rerun)
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 
@@ -27,7 +29,7 @@ import fusedrc
 from . import measure
 from .progress import bar
 
-PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "conv_bn_act")
+PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "conv_bn_act")
 DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
@@ -40,14 +42,15 @@ def shapes(device_type: str, quick: bool) -> list:
     the FFN with dropout at the smaller one, where the mask's cost weighs most."""
     if quick:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
-                ("fused_mlp_dropout", dict(M=256, d=128, h=512)),
+                ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
                 ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
                 ("fused_mlp", dict(M=16384, d=1024, h=4096)), ("fused_mlp_dropout", dict(M=16384, d=1024, h=4096)),
+                ("gated_mlp", dict(M=8192, d=4096, h=11008)),  # Llama-2 7B's MLP, 8192 tokens
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
-            ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)),
+            ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3))]
 
 
@@ -63,6 +66,18 @@ def _conv_units(backend: str, strategy: str, x, weight) -> float:
     precision = k.dot_precision(x)
     _, fwd_rerun, bwd_twice = k.conv_plan(x, weight, m, precision)
     return 1 + int(fwd_rerun) + 2 + (2 if bwd_twice else 1)
+
+
+class _SwiGLU(nn.Module):
+    """Llama's MLP as eager PyTorch writes it."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False), \
+            nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _Case:
@@ -85,6 +100,12 @@ class _Case:
             xs, ys = (M, d), (M, d)
             self.gemm_flops = 2 * M * d * h  # one of the FFN's two GEMMs
             self.units = {"eager": 6, "torch_checkpoint": 7, "fusedrc": 7}
+        elif pattern == "gated_mlp":
+            M, d, h = shape["M"], shape["d"], shape["h"]
+            self.block = _SwiGLU(d, h)
+            xs, ys = (M, d), (M, d)
+            self.gemm_flops = 2 * M * d * h  # one of its three GEMMs
+            self.units = {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
         else:
             N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
             self.block = nn.Sequential(nn.Conv2d(C, K, k, 1, k // 2, bias=False), nn.BatchNorm2d(K), nn.ReLU())
@@ -96,13 +117,17 @@ class _Case:
             self.units = {s: _conv_units(backend, s, self.x, self.block[0].weight) for s in STRATEGIES}
         self.grad = torch.randn(ys, generator=g).to(device=device, dtype=dtype)
         self.params = list(self.block.parameters())
+        self.fused = self.block
+        if pattern == "gated_mlp":  # the same parameters in fusedrc's module
+            b = self.block
+            self.fused = fusedrc.nn.GatedMLP.from_modules(b.gate_proj, b.up_proj, b.down_proj, "silu")
 
     def forward(self, strategy):
         if strategy == "eager":
             return self.block(self.x)
         if strategy == "torch_checkpoint":
             return checkpoint(self.block, self.x, use_reentrant=False)
-        return fusedrc.recompute(self.block, self.x)  # a recognised pattern: the fused op
+        return fusedrc.recompute(self.fused, self.x)  # a recognised pattern: the fused op
 
     def step(self, strategy):
         self.x.grad = None
