@@ -578,7 +578,11 @@ class _FxFused(nn.Module):
 
 _HF_ACTS = {
     "ReLU": "relu", "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu", "FastGELUActivation": None,
+    "PytorchGELUTanh": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu", "ReLUSquaredActivation": "relu2",
+    # activations without a fused form: named so that fx keeps them as calls and the plan says why
+    "FastGELUActivation": None, "QuickGELUActivation": None, "ClippedGELUActivation": None,
+    "AccurateGELUActivation": None, "MishActivation": None, "LaplaceActivation": None,
+    "SqrtSoftplusActivation": None, "XIELUActivation": None,
 }
 
 
@@ -1238,6 +1242,8 @@ def _fx_pass(ctx, model, prefix=""):
         elif type(m) is nn.Linear:
             n1 = single(node)
             act, a = act_of(n1)
+            if act is None and n1 and _is_act_module(mod(n1)):
+                ctx.skip(_join(prefix, node.target), f"activation {type(mod(n1)).__name__} has no fused form")
             if act is not None:
                 cur, drops = n1, []
                 nxt = single(cur)
@@ -1449,7 +1455,7 @@ def _plan_budget(model, example_inputs, units, blocks, target, baseline):
         _apply([u], [])
     for b in blocks:
         b.units = [u for u in units if u.block is b]
-        b.cost = sum(flops.get(id(m), 0) for m in b.module.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+        b.cost = sum(flops.get(id(m), 0) for m in b.module.modules())
         for u in b.units:
             u.selected = True
         b.selected = True

@@ -364,7 +364,7 @@ def test_other_hugging_face_families(family):
     budget = fusedrc.convert(model, memory_budget=0.5, example_inputs=args).fusedrc_plan
     assert budget.final_bytes <= budget.target_bytes
     assert bool(budget.recomputed_blocks) == (plan.final_bytes > budget.target_bytes)  # blocks when units fall short
-    assert all(u.cost > 0 for u in budget.units)
+    assert all(u.cost > 0 for u in budget.units) and all(b.cost > 0 for b in budget.blocks)  # GPT-2: Conv1D FLOPs
 
 
 @pytest.mark.parametrize("code, reason, dropout", [
