@@ -3,7 +3,7 @@
 Builds ``OPTForCausalLM`` from a small ``OPTConfig`` (no download; ``--arch llama`` a
 ``LlamaForCausalLM``, ``--arch gpt2`` a ``GPT2LMHeadModel`` of the same size), converts a copy
 with ``fusedrc.convert`` (each decoder layer's FFN fc1 -> ReLU -> fc2 becomes one
-fused recompute op; Llama's gate_proj -> SiLU a fused Linear+act; GPT-2's MLP a fused FFN;
+fused recompute op; Llama's gated MLP a fused gated FFN; GPT-2's MLP a fused FFN;
 ``--policy blocks`` also recomputes whole decoder layers with
 ``fusedrc.mark``; ``--budget 0.3`` lets convert choose), and trains both from the
 same weights on the same random token batches (causal LM loss). Prints each
