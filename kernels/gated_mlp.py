@@ -90,14 +90,13 @@ def _dual_mainloop(
 
 
 @triton.jit
-def _gated_act_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _gated_preacts(
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """(h_g, h_u, pid_m, row0, col0) of this program's tile: one function for the forward and its
+    recompute, so both compute the pre-activations alike, bit for bit."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                             pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
@@ -106,6 +105,21 @@ def _gated_act_kernel(
     if HAS_BIAS:
         hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
         hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
+    return hg, hu, pid_m, row0, col0
+
+
+@triton.jit
+def _gated_act_kernel(
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    hg, hu, pid_m, row0, col0 = _gated_preacts(
+        a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     y = _act_fwd(hg, ACTIVATION) * hu
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -123,15 +137,10 @@ def _gated_act_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the forward's pre-activations, exactly as _gated_act_kernel computes them
-    hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    if HAS_BIAS:
-        hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
-        hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
+    hg, hu, pid_m, row0, col0 = _gated_preacts(
+        a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N - col0

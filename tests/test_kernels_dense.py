@@ -45,6 +45,23 @@ def _rand(*shape, dtype, device, scale=1.0):
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
 
 
+class _LaunchSpy:
+    """Stands for a @triton.jit kernel: records its name at each launch, then launches it."""
+
+    def __init__(self, kernel, name, calls):
+        self.kernel, self.name, self.calls = kernel, name, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(self.name)
+        return self.kernel[grid]
+
+
+def spy_launches(monkeypatch, calls, module, **names):
+    """Replace ``module``'s kernels (attribute -> label) by spies appending their label to ``calls``."""
+    for attr, label in names.items():
+        monkeypatch.setattr(module, attr, _LaunchSpy(getattr(module, attr), label, calls))
+
+
 # --------------------------------------------------------------------------- Linear + act
 LIN_SHAPES = [(1, 1, 1), (17, 33, 65), (64, 32, 48)]  # (M, K, N)
 
@@ -214,19 +231,8 @@ def test_fused_mlp_gemm_count(device, monkeypatch):
     """7 GEMMs forward + backward, the output GEMM not rerun; with PLAIN_GEMM="triton" (as under
     the interpreter) all of them run in the two kernels, only one of them recomputing."""
     calls = []
-    real_fwd, real_grad = _common._gemm_act_kernel, _common._gemm_act_grad_kernel
-
-    class _Spy:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):
-            calls.append(self.name)
-            return self.kernel[grid]
-
     monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")  # on CUDA too: count every GEMM here
-    monkeypatch.setattr(_common, "_gemm_act_kernel", _Spy(real_fwd, "gemm"))
-    monkeypatch.setattr(_common, "_gemm_act_grad_kernel", _Spy(real_grad, "recompute"))
+    spy_launches(monkeypatch, calls, _common, _gemm_act_kernel="gemm", _gemm_act_grad_kernel="recompute")
     x, w1, b1, w2, b2, g = _mlp_inputs(8, 8, 16, 8, torch.float32, device, True)
     fused_mlp.fused_mlp_forward(x, w1, b1, w2, b2, "gelu")
     assert calls == ["gemm", "gemm"]

@@ -14,7 +14,7 @@ import fusedrc  # noqa: E402
 from fusedrc import reference as R  # noqa: E402
 from fusedrc.kernels import _common, gated_mlp  # noqa: E402
 from _utils import GemmCounter, SavedBytes, rel_err  # noqa: E402
-from test_kernels_dense import TOL, _check, _d, _near_zero_inputs, _rand  # noqa: E402
+from test_kernels_dense import TOL, _check, _d, _near_zero_inputs, _rand, spy_launches  # noqa: E402
 
 SHAPES = [(1, 1, 1, 1), (37, 33, 50, 20)]  # (M, K, H, N)
 NAMES = ["out", "dx", "dw_gate", "db_gate", "dw_up", "db_up", "dw_down", "db_down"]
@@ -121,19 +121,9 @@ def test_gated_mlp_kernel_launches(device, monkeypatch):
     """Forward: one dual kernel + the down GEMM; backward: one recompute kernel and 6 plain GEMMs
     (g_a, dWd, dX in two, dWg, dWu): the down GEMM is never rerun."""
     calls = []
-
-    class _Spy:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):
-            calls.append(self.name)
-            return self.kernel[grid]
-
     monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")
-    monkeypatch.setattr(_common, "_gemm_act_kernel", _Spy(_common._gemm_act_kernel, "gemm"))
-    monkeypatch.setattr(gated_mlp, "_gated_act_kernel", _Spy(gated_mlp._gated_act_kernel, "dual"))
-    monkeypatch.setattr(gated_mlp, "_gated_act_grad_kernel", _Spy(gated_mlp._gated_act_grad_kernel, "recompute"))
+    spy_launches(monkeypatch, calls, _common, _gemm_act_kernel="gemm")
+    spy_launches(monkeypatch, calls, gated_mlp, _gated_act_kernel="dual", _gated_act_grad_kernel="recompute")
     x, wg, bg, wu, bu, wd, bd, g = _inputs(8, 8, 16, 8, torch.float32, device)
     gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu")
     assert calls == ["dual", "gemm"]
