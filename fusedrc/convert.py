@@ -860,12 +860,16 @@ class FusedGatedMLP(Wrapper):
     Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP and the other Hugging Face classes with
     that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`)."""
 
-    def forward(self, x):
+    def forward(self, *args, **kwargs):
+        # the original forward's one argument, by position or by its own name (not always ``x``)
+        if len(args) + len(kwargs) != 1 or (kwargs and next(iter(kwargs)) != self.__dict__["_fusedrc_arg"]):
+            return self.plain(*args, **kwargs)
+        x = args[0] if args else next(iter(kwargs.values()))
         site, g, u, d = self.sites.get("gated_ffn"), self.gate_proj, self.up_proj, self.down_proj
         if (site is None or not site.enabled or not _nohooks(self, g, u, d, self.act_fn)
                 or not _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d)
                 or not _dense_runtime_ok(x, g, u, d)):
-            return self.plain(x)
+            return self.plain(*args, **kwargs)
         act = self.__dict__["_fusedrc_act"]
         return _run_site(
             site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act),
@@ -876,19 +880,19 @@ _GATED_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
 def _gated_mlp_body(lines):
-    """Whether a forward's code lines are Llama's MLP: one argument ``v`` and
+    """The name of a forward's one argument ``v`` when its code lines are Llama's MLP,
     ``return self.down_proj(self.act_fn(self.gate_proj(v)) * self.up_proj(v))``, directly or
-    through one local variable."""
+    through one local variable; else None."""
     head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
     if head is None:
-        return False
+        return None
     v = head.group(1)
     expr = f"self.down_proj(self.act_fn(self.gate_proj({v})) * self.up_proj({v}))"
     body = lines[1:]
     if body == [f"return {expr}"]:
-        return True
+        return v
     out = _re.fullmatch(r"(\w+) = (.*)", body[0]) if len(body) == 2 else None
-    return out is not None and out.group(2) == expr and body[1] == f"return {out.group(1)}"
+    return v if out is not None and out.group(2) == expr and body[1] == f"return {out.group(1)}" else None
 
 
 def _looks_gated_mlp(m):
@@ -902,7 +906,8 @@ def _gated_mlp(ctx, name, m):
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
-    if not _gated_mlp_body(lines):
+    arg = _gated_mlp_body(lines)
+    if arg is None:
         ctx.skip(name, f"{type(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
         return m
     act = _act_name(m.act_fn)
@@ -916,6 +921,7 @@ def _gated_mlp(ctx, name, m):
         return m
     new = FusedGatedMLP.wrap(m)
     new.__dict__["_fusedrc_act"] = act
+    new.__dict__["_fusedrc_arg"] = arg
     _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (g, u))
     return new
 

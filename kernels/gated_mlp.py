@@ -18,8 +18,10 @@ Backward (8 GEMMs; the down GEMM is never rerun):
 torch.utils.checkpoint on the same block runs 12 GEMMs (it reruns the down GEMM too)
 and writes h_g, h_u, act(h_g) and a to memory in its recompute.
 
-Numerics: the product act(h_g) * h_u is formed in fp32 and rounded once (eager
-rounds act(h_g) first); the tolerance tests compare both against float64.
+Numerics: h_g, h_u and the product act(h_g) * h_u stay in fp32 and only the product is
+rounded to the input's dtype (eager rounds h_g, h_u and act(h_g) to it first: with fp16
+inputs a pre-activation beyond fp16's range is inf there, finite here); the tolerance
+tests compare both against float64.
 Tiles: the dense table's entry for the (M, H, K) GEMM with BLOCK_N halved (two
 fp32 accumulators hold what one full-width tile would); forward and recompute
 read the same entry.

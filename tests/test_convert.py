@@ -977,8 +977,8 @@ def test_gated_mlp_look_alike_with_another_forward_is_reported():
             return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
 
     class Llamaish(GatedLike):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+            out = self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
             return out
 
     model = nn.ModuleDict({"a": GatedLike(), "b": Llamaish()})
@@ -990,6 +990,10 @@ def test_gated_mlp_look_alike_with_another_forward_is_reported():
     x = torch.randn(3, 8)
     for key in ("a", "b"):
         assert rel_err(conv[key](x), model[key](x)) < 1e-6
+    # called by its own argument name, as a parent module may
+    assert rel_err(conv["b"](hidden_state=x), model["b"](x)) < 1e-6
+    with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
+        conv["b"](x=x)
 
 
 class _LoraLinear(nn.Module):
