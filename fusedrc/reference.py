@@ -24,7 +24,8 @@ def _relu2(h):
 # kernels autograd itself uses, so gradients match the unfused modules'.
 ACTIVATIONS = {
     "relu": (torch.relu, lambda g, h: aten.threshold_backward(g, h, 0)),
-    "relu2": (_relu2, lambda g, h: g * (2 * torch.relu(h))),
+    # as autograd of square(relu(h)): threshold_backward last, so h <= 0 gives 0 even for g = inf/NaN
+    "relu2": (_relu2, lambda g, h: aten.threshold_backward(g * (2 * torch.relu(h)), h, 0)),
     "gelu": (lambda h: F.gelu(h), lambda g, h: aten.gelu_backward(g, h, approximate="none")),
     "gelu_tanh": (
         lambda h: F.gelu(h, approximate="tanh"),

@@ -228,8 +228,9 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "relu":
         gh = tl.where(h <= 0.0, 0.0, g)  # threshold_backward: a NaN h lets g through, as in torch
     elif ACTIVATION == "relu2":
+        # autograd of square(relu(h)) ends in threshold_backward: 0 where h <= 0 even for g = inf/NaN
         r = tl.where(h < 0.0, 0.0, h)
-        gh = g * (2.0 * r)
+        gh = tl.where(h <= 0.0, 0.0, g * (2.0 * r))
     elif ACTIVATION == "gelu":
         cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
         pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327

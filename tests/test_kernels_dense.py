@@ -131,6 +131,25 @@ def test_relu_propagates_nan(device):
         assert torch.equal(torch.isnan(linear_act.linear_act_forward(x, w, b, act)), torch.isnan(y_ref))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_relu2_gradient_of_nonfinite_where_cut(backend, device):
+    """relu2's gradient is 0 where h <= 0 even for an infinite or NaN incoming gradient, as autograd
+    of square(relu(h)) gives it (threshold_backward last); NaN h lets it through."""
+    import fusedrc
+
+    x = torch.tensor([[-1.0], [2.0], [float("nan")]], device=device)
+    w = torch.ones(3, 1, device=device)
+    g = torch.tensor([[float("inf"), float("nan"), 1.0]] * 3, device=device)
+    xe = x.clone().requires_grad_()
+    h_e = torch.nn.functional.linear(xe, w)
+    torch.square(torch.relu(h_e)).backward(g)
+    xf = x.clone().requires_grad_()
+    with fusedrc.use_backend(backend):
+        fusedrc.functional.linear_act(xf, w, None, "relu2").backward(g)
+    assert xe.grad[0].item() == 0.0 and torch.isnan(xe.grad[1:]).all()
+    assert torch.equal(torch.isnan(xf.grad), torch.isnan(xe.grad)) and xf.grad[0].item() == 0.0
+
+
 def _near_zero_inputs(M, K, N, dtype, device):
     """h = x W^T + b with most entries within rounding noise of 0.
 
