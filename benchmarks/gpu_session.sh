@@ -6,7 +6,8 @@
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_compile  the same shapes against torch.compile of the layer
-#   tiles    candidate tile-table entries, dense (issue 3's GEMMs) and conv (batch 256), vs cuBLAS
+#   tiles    candidate tile-table entries, dense (issue 3's GEMMs), the gated FFN's dual kernels and
+#            conv (batch 256), vs cuBLAS
 #            and eager (benchmarks/gpu_tile_sweep.py)
 #   sweep    the default memory-vs-speed sweep without torch.compile (images in channels_last)
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
@@ -44,12 +45,13 @@ for step in "${steps[@]}"; do
             timeout -s INT -k 30 500 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
                 --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
-        kernels) timeout -k 30 90 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
+        kernels) timeout -k 30 150 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
         conv) timeout -k 30 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         conv_compile) timeout -k 30 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
         tiles) timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
+               timeout -k 20 120 python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
                timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
         sweep) timeout -k 30 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
         models) timeout -k 30 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \

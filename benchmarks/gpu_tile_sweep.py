@@ -9,6 +9,10 @@ script is how entries are chosen offline (issues 3 and 4):
   kernel (``gemm_act``, bias + ReLU epilogue) and the recompute kernel (``gemm_act_grad``,
   bias, ReLU, incoming gradient, bias-gradient partials), checked against torch first, timed
   against cuBLAS (``torch.addmm`` + ReLU, and the same GEMM alone);
+- gated: for Llama-2 7B's MLP on 8192 tokens, candidate tiles of the gated FFN's dual kernels
+  (``gated_act``: gate and up in one main loop; ``gated_act_grad``: their recompute), checked
+  against torch, timed against cuBLAS running the two GEMMs (the table's choice is
+  ``gated_config``: the dense entry with BLOCK_N halved, a static guess);
 - conv: for ResNet-50 conv+BN+ReLU shapes at batch 256, every candidate ``ConvConfig``
   replaces the sm_90 16-bit table entries and a fused training step
   (``fusedrc.recompute`` of the layer, forward + backward) is checked against eager and timed.
@@ -55,6 +59,13 @@ DENSE_CANDIDATES = [
 # the pointer loads cannot hold without spilling
 TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 256, 64, 8, 8, 3, 4),
                   (128, 256, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3, 4), (128, 128, 128, 8, 8, 3, 4)]
+# (M, K, H) of the gated FFN's dual GEMMs: Llama-2 7B, 8192 tokens; and a smaller model's
+GATED_SHAPES = [(8192, 4096, 11008), (16384, 2048, 5632)]
+# two fp32 accumulators: a BLOCK_M x BLOCK_N dual tile holds what a BLOCK_M x 2*BLOCK_N one does
+GATED_CANDIDATES = [
+    (128, 64, 64, 8, 8, 3), (128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3),
+    (64, 128, 64, 8, 4, 4), (128, 64, 32, 8, 8, 5), (256, 64, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4),
+]
 # (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
 CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
                (256, 64, 1, 1, 56), (1024, 256, 1, 1, 14)]
@@ -112,6 +123,38 @@ def sweep_dense(dtype, records):
             records.append(rec)
             _print(rec, records)
         _common.GEMM_TMA = saved_tma
+        torch.cuda.empty_cache()
+
+
+def sweep_gated(dtype, records):
+    from fusedrc.kernels import _common, gated_mlp
+
+    for M, K, H in GATED_SHAPES:
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        wg = torch.randn(H, K, device="cuda", dtype=dtype) / K ** 0.5
+        wu = torch.randn(H, K, device="cuda", dtype=dtype) / K ** 0.5
+        g = torch.randn(M, H, device="cuda", dtype=dtype)
+        base = dict(kind="gated", shape=[M, K, H])
+        hg, hu = x @ wg.t(), x @ wu.t()
+        ref_a = torch.nn.functional.silu(hg.float()) * hu.float()
+        records.append(dict(base, impl="cublas_two_mm", times_s=_time(lambda: (x @ wg.t(), x @ wu.t()))))
+        records.append(dict(base, impl="eager_swiglu",
+                            times_s=_time(lambda: torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t()))))
+        table = gated_mlp.gated_config(_common.gemm_config(M, H, K, dtype, "ieee", torch.cuda.get_device_capability()))
+        cands = [_common.GemmConfig(*c) for c in GATED_CANDIDATES]
+        for cfg in [table] + [c for c in cands if c != table]:
+            rec = dict(base, config=list(cfg), in_table=cfg == table)
+            try:
+                a = gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg)
+                _, _, a_bwd, _, _ = gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg)
+                rec.update(err_forward=_rel_err(a, ref_a), recompute_bitwise=bool(torch.equal(a, a_bwd)))
+                rec["forward_times_s"] = _time(lambda: gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg))
+                rec["grad_times_s"] = _time(
+                    lambda: gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg))
+            except Exception as e:  # out of resources, a compile error: record it and go on
+                rec["error"] = f"{type(e).__name__}: {e}"[:400]
+            records.append(rec)
+            _print(rec, records)
         torch.cuda.empty_cache()
 
 
@@ -217,13 +260,14 @@ def _print(rec, records):
         print(f"{head} ERROR {rec['error'][:120]}", flush=True)
         return
     med = lambda ts: measure.quantile(ts, 0.5) * 1e3  # noqa: E731
-    ref_impl = "cublas_addmm_relu" if rec["kind"] == "dense" else "eager"
+    ref_impl = {"dense": "cublas_addmm_relu", "gated": "cublas_two_mm"}.get(rec["kind"], "eager")
     ref = med(next(r["times_s"] for r in records if r["kind"] == rec["kind"] and r["shape"] == rec["shape"]
                    and r.get("impl") == ref_impl))
-    if rec["kind"] == "dense":
+    if rec["kind"] in ("dense", "gated"):
         f, gr = med(rec["forward_times_s"]), med(rec["grad_times_s"])
-        body = (f"fwd {f:7.3f} ms ({ref / f:5.1%} of cuBLAS)  grad {gr:7.3f} ms ({ref / gr:5.1%})  "
-                f"err {rec['err_forward']:.1e}/{rec['err_grad']:.1e}")
+        check = (f"err {rec['err_forward']:.1e}/{rec['err_grad']:.1e}" if rec["kind"] == "dense"
+                 else f"err {rec['err_forward']:.1e} bitwise {rec['recompute_bitwise']}")
+        body = f"fwd {f:7.3f} ms ({ref / f:5.1%} of cuBLAS)  grad {gr:7.3f} ms ({ref / gr:5.1%})  {check}"
     else:
         t = med(rec["times_s"])
         body = f"step {t:7.3f} ms (x{t / ref:4.2f} eager)  err_dx {rec['err_dx']:.1e}"
@@ -235,7 +279,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--batch", type=int, default=256, help="conv batch")
-    ap.add_argument("--only", choices=("dense", "conv"))
+    ap.add_argument("--only", choices=("dense", "gated", "conv"))
     ap.add_argument("--static", action="store_true", help="no GPU: compile the candidates for sm_90 and report")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compiles with --static")
     args = ap.parse_args()
@@ -260,6 +304,8 @@ def main():
     try:
         if args.only in (None, "dense"):
             sweep_dense(dtype, records)
+        if args.only in (None, "gated"):
+            sweep_gated(dtype, records)
         if args.only in (None, "conv"):
             sweep_conv(dtype, args.batch, records)
         complete = True
@@ -269,7 +315,7 @@ def main():
         name = measure.write_results(
             args.out, "tile_sweep_cuda", "tile_sweep", torch.device("cuda"), dtype=args.dtype, complete=complete,
             dense_config_fields=list(_common.GemmConfig._fields), conv_config_fields=list(ck.ConvConfig._fields),
-            dense_shape_fields=["M", "K", "N"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
+            dense_shape_fields=["M", "K", "N"], gated_shape_fields=["M", "K", "H"], conv_shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"],
             records=records)
         print("wrote", name)
 

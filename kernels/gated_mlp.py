@@ -163,13 +163,14 @@ def _gated_act_grad_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-def _dual_launch(x, w_gate, w_up, b_gate, b_up):
+def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None):
     """Operands, table entry, constexprs and grid of a launch of either dual kernel on x (M, K)
-    and the (H, K) weights: one builder, so the forward and its recompute take the same tiles."""
+    and the (H, K) weights: one builder, so the forward and its recompute take the same tiles.
+    ``config`` overrides the tile (tile sweeps and tests only: callers that recompute must not)."""
     M, K = x.shape
     N = w_gate.shape[0]
     precision = dot_precision(x)
-    cfg = gated_config(gemm_config(M, N, K, x.dtype, precision, device_capability(x)))
+    cfg = config or gated_config(gemm_config(M, N, K, x.dtype, precision, device_capability(x)))
     if w_gate.stride() != w_up.stride():  # one set of strides serves both B operands
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
@@ -193,19 +194,19 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up):
     return cfg, (a, bg, bu, b_gate, b_up), scalars, meta, grid
 
 
-def gated_act(x, w_gate, w_up, b_gate, b_up, activation):
+def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None):
     """a = act(x Wg^T + bg) * (x Wu^T + bu), (M, H) in x.dtype; the pre-activations are not stored."""
     M, H = x.shape[0], w_gate.shape[0]
     out = torch.empty((M, H), device=x.device, dtype=x.dtype)
     if M == 0 or H == 0:
         return out
-    _, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up)
+    _, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config)
     with _device_guard(x):
         launcher(_gated_act_kernel, x)[grid](*operands, out, *scalars, ACTIVATION=activation, **meta)
     return out
 
 
-def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True):
+def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None):
     """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None)."""
     M, H = x.shape[0], w_gate.shape[0]
     ghg = torch.empty((M, H), device=x.device, dtype=x.dtype)
@@ -219,7 +220,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
 
     if M == 0 or H == 0:
         return ghg, ghu, act, bias_grad(None, b_gate), bias_grad(None, b_up)
-    cfg, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up)
+    cfg, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config)
     parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
     grad_a = grad_a.contiguous()
