@@ -29,6 +29,14 @@ def _foreign_forward(module):
     return f is not None and not getattr(f, "_fusedrc_forward", False)
 
 
+def _own_hooks(module):
+    """Hooks registered on the module itself, or a forward replaced on the instance."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
+        or getattr(module, "_backward_pre_hooks", None) or _foreign_forward(module)
+    )
+
+
 def _has_hooks(module):
     """Whether calling ``module`` does more than its class's forward: hooks on it or global module
     hooks (module trackers, flop counters), or a forward replaced on the instance (adapters,
@@ -36,9 +44,7 @@ def _has_hooks(module):
     The fused paths then leave the call to the module."""
     _m = _module_mod
     return bool(
-        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
-        or getattr(module, "_backward_pre_hooks", None)
-        or _foreign_forward(module)
+        _own_hooks(module)
         or _m._global_forward_hooks or _m._global_backward_hooks or getattr(_m, "_global_backward_pre_hooks", None)
         or any(not getattr(h, "_fusedrc_hook", False) for h in _m._global_forward_pre_hooks.values())
     )

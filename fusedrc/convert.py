@@ -98,7 +98,8 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import _conv_padding, _foreign_forward, _has_hooks, activation_name, conv_bn_relu_call, fused_dropout_p
+from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_relu_call,
+                        fused_dropout_p)
 from ._saved import SavedBytes
 from .recompute import _is_marked, _mark, bind_replicas, unmark
 
@@ -344,11 +345,11 @@ def _dense_runtime_ok(x, first, *more):
     )
 
 
-def _still(act, act_mod, *linears, linear_type=nn.Linear):
+def _still(act, act_mod, *linears):
     """Whether the modules a fused unit reads are still of the kinds convert fused: plain Linears
     (not, say, a LoRA wrapper put in their place later) and an activation module of the same fused
     activation (not one swapped in). Otherwise the unit runs its modules as they now are."""
-    return all(type(m) is linear_type for m in linears) and _act_name(act_mod) == act
+    return all(type(m) is nn.Linear for m in linears) and _act_name(act_mod) == act
 
 
 def _run_dense(site, kind, act, mods, x):
@@ -1120,11 +1121,6 @@ class _FxForward:
 
     def __call__(self, *args, **kwargs):
         return type(self.gm).forward(self.module, *args, **kwargs)
-
-
-def _own_hooks(m):
-    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None)
-                or getattr(m, "_backward_pre_hooks", None) or _foreign_forward(m))
 
 
 def _symbolic_trace(model, concrete_args=None):

@@ -171,12 +171,10 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None):
     N = w_gate.shape[0]
     precision = dot_precision(x)
     cfg = config or gated_config(gemm_config(M, N, K, x.dtype, precision, device_capability(x)))
-    if w_gate.stride() != w_up.stride():  # one set of strides serves both B operands
-        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
     bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
     bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
-    if bg.stride() != bu.stride():
+    if bg.stride() != bu.stride():  # one set of strides serves both B operands
         bg, bu = bg.contiguous(), bu.contiguous()
     has_bias = b_gate is not None or b_up is not None
     if has_bias:  # a missing one of the two adds zeros: x + 0 is x
