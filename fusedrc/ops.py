@@ -83,8 +83,24 @@ def _no_double_backward(name):
         )
 
 
-def _none_if_empty(t: Tensor, like: Optional[Tensor]) -> Optional[Tensor]:
-    return None if like is None else t
+def _output_mask(ctx, positions) -> List[bool]:
+    """Which of the op's inputs at ``positions`` autograd wants a gradient for: the backward
+    ops skip the work of the others (a frozen weight's GEMM, a first layer's dX)."""
+    return [bool(ctx.needs_input_grad[i]) for i in positions]
+
+
+def _wanted_grads(grads, inputs, mask):
+    """The backward op's outputs as autograd takes them: None for an absent input or a
+    gradient masked off (which travels as an empty tensor)."""
+    return tuple(None if t is None or not m else g for g, t, m in zip(grads, inputs, mask))
+
+
+def _fake_grads(inputs, output_mask, x: Tensor, channels_last: bool = False, images=(0,)):
+    """The layouts of a backward op's outputs: each gradient like its input; empty where the
+    input is absent or ``output_mask`` masks it off."""
+    mask = output_mask if output_mask is not None else [True] * len(inputs)
+    return tuple(_empty(t.shape, t, channels_last=channels_last and i in images) if t is not None and m
+                 else _empty(_EMPTY, x) for i, (t, m) in enumerate(zip(inputs, mask)))
 
 
 def _or_empty(t: Optional[Tensor], ref: Tensor) -> Tensor:
@@ -146,19 +162,20 @@ def _(x, weight, bias, activation, backend):
 
 
 def _linear_act_backward_impl(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor], grad_out: Tensor, activation: str, backend: str
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], grad_out: Tensor, activation: str, backend: str,
+    output_mask: Optional[List[bool]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = get_impl(backend, "linear_act", "linear_act_backward")(x, weight, bias, grad_out, activation)
-    return _laid_out(dx), _laid_out(dw), _laid_out(_or_empty(db, x))
+    grads = get_impl(backend, "linear_act", "linear_act_backward")(x, weight, bias, grad_out, activation,
+                                                                   output_mask)
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
 linear_act_backward_op = _custom_op("linear_act_backward", _linear_act_backward_impl)
 
 
 @linear_act_backward_op.register_fake
-def _(x, weight, bias, grad_out, activation, backend):
-    db = _empty((weight.shape[0],) if bias is not None else _EMPTY, x)
-    return _empty(x.shape, x), _empty(weight.shape, weight), db
+def _(x, weight, bias, grad_out, activation, backend, output_mask=None):
+    return _fake_grads((x, weight, bias), output_mask, x)
 
 
 def _linear_act_setup(ctx, inputs, output):
@@ -171,8 +188,9 @@ def _linear_act_backward(ctx, grad_out):
     _no_double_backward("linear_act")
     x, weight, bias = ctx.saved_tensors
     op = pick("linear_act_backward", x, ctx.backend)
-    dx, dw, db = op(x, weight, bias, grad_out.contiguous(), ctx.activation, ctx.backend)
-    return dx, dw, _none_if_empty(db, bias), None, None
+    mask = _output_mask(ctx, range(3))
+    grads = op(x, weight, bias, grad_out.contiguous(), ctx.activation, ctx.backend, mask)
+    return (*_wanted_grads(grads, (x, weight, bias), mask), None, None)
 
 
 _AUTOGRAD["linear_act"] = (_linear_act_backward, _linear_act_setup)
@@ -200,21 +218,20 @@ def _(x, w1, b1, w2, b2, activation, backend, dropout_p, seed):
 def _fused_mlp_backward_impl(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], grad_out: Tensor,
     activation: str, backend: str, dropout_p: float, seed: Optional[Tensor],
+    output_mask: Optional[List[bool]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dx, dw1, db1, dw2, db2 = get_impl(backend, "fused_mlp", "fused_mlp_backward")(
-        x, w1, b1, w2, b2, grad_out, activation, dropout_p, seed
+    grads = get_impl(backend, "fused_mlp", "fused_mlp_backward")(
+        x, w1, b1, w2, b2, grad_out, activation, dropout_p, seed, output_mask
     )
-    return tuple(_laid_out(g) for g in (dx, dw1, _or_empty(db1, x), dw2, _or_empty(db2, x)))
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
 fused_mlp_backward_op = _custom_op("fused_mlp_backward", _fused_mlp_backward_impl)
 
 
 @fused_mlp_backward_op.register_fake
-def _(x, w1, b1, w2, b2, grad_out, activation, backend, dropout_p, seed):
-    db1 = _empty((w1.shape[0],) if b1 is not None else _EMPTY, x)
-    db2 = _empty((w2.shape[0],) if b2 is not None else _EMPTY, x)
-    return _empty(x.shape, x), _empty(w1.shape, w1), db1, _empty(w2.shape, w2), db2
+def _(x, w1, b1, w2, b2, grad_out, activation, backend, dropout_p, seed, output_mask=None):
+    return _fake_grads((x, w1, b1, w2, b2), output_mask, x)
 
 
 def _fused_mlp_setup(ctx, inputs, output):
@@ -226,10 +243,11 @@ def _fused_mlp_setup(ctx, inputs, output):
 def _fused_mlp_backward(ctx, grad_out):
     _no_double_backward("fused_mlp")
     x, w1, b1, w2, b2, seed = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = pick("fused_mlp_backward", x, ctx.backend)(
-        x, w1, b1, w2, b2, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed
+    mask = _output_mask(ctx, range(5))
+    grads = pick("fused_mlp_backward", x, ctx.backend)(
+        x, w1, b1, w2, b2, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed, mask
     )
-    return dx, dw1, _none_if_empty(db1, b1), dw2, _none_if_empty(db2, b2), None, None, None, None
+    return (*_wanted_grads(grads, (x, w1, b1, w2, b2), mask), None, None, None, None)
 
 
 _AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
@@ -255,9 +273,10 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend):
 def _gated_mlp_backward_impl(
     x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
     b_down: Optional[Tensor], grad_out: Tensor, activation: str, backend: str,
+    output_mask: Optional[List[bool]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "gated_mlp", "gated_mlp_backward")(
-        x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation)
+        x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, output_mask)
     return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
@@ -265,9 +284,8 @@ gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_imp
 
 
 @gated_mlp_backward_op.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend):
-    return tuple(_empty(t.shape, t) if t is not None else _empty(_EMPTY, x)
-                 for t in (x, w_gate, b_gate, w_up, b_up, w_down, b_down))
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend, output_mask=None):
+    return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down), output_mask, x)
 
 
 def _gated_mlp_setup(ctx, inputs, output):
@@ -279,9 +297,10 @@ def _gated_mlp_setup(ctx, inputs, output):
 def _gated_mlp_backward(ctx, grad_out):
     _no_double_backward("gated_mlp")
     saved = ctx.saved_tensors
+    mask = _output_mask(ctx, range(7))
     grads = pick("gated_mlp_backward", saved[0], ctx.backend)(
-        *saved, grad_out.contiguous(), ctx.activation, ctx.backend)
-    return (*(_none_if_empty(g, t) for g, t in zip(grads, saved)), None, None)
+        *saved, grad_out.contiguous(), ctx.activation, ctx.backend, mask)
+    return (*_wanted_grads(grads, saved, mask), None, None)
 
 
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
@@ -328,11 +347,11 @@ def _conv_bn_act_backward_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
     mean: Tensor, rstd: Tensor, residual: Optional[Tensor], grad_out: Tensor,
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
-    activation: str, backend: str,
+    activation: str, backend: str, output_mask: Optional[List[bool]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "conv_bn_act", "conv_bn_act_backward")(
         x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-        training, eps, stride, padding, dilation, activation,
+        training, eps, stride, padding, dilation, activation, output_mask,
     )
     cl = _channels_last(x)
     return tuple(_laid_out(_or_empty(g, x), cl and i in (0, 5)) for i, g in enumerate(grads))
@@ -343,11 +362,9 @@ conv_bn_act_backward_op = _custom_op("conv_bn_act_backward", _conv_bn_act_backwa
 
 @conv_bn_act_backward_op.register_fake
 def _(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-      training, eps, stride, padding, dilation, activation, backend):
-    cl = _channels_last(x)
-    like = (x, weight, bias, bn_weight, bn_bias, residual)
-    return tuple(_empty(t.shape, t, channels_last=cl and i in (0, 5)) if t is not None else _empty(_EMPTY, x)
-                 for i, t in enumerate(like))
+      training, eps, stride, padding, dilation, activation, backend, output_mask=None):
+    return _fake_grads((x, weight, bias, bn_weight, bn_bias, residual), output_mask, x,
+                       channels_last=_channels_last(x), images=(0, 5))
 
 
 def _conv_bn_act_setup(ctx, inputs, output):
@@ -365,11 +382,13 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     # in x's memory format: the kernels read strides, and a channels_last model's gradient is
     # channels_last already (a plain .contiguous() would copy it to NCHW every step)
     fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
+    mask = _output_mask(ctx, (0, 1, 2, 3, 4, 7))
     grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
-        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt), *ctx.args
+        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt),
+        *ctx.args, mask,
     )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
-    dx, dw, db, dgamma, dbeta, dres = (_none_if_empty(g, t) for g, t in zip(grads, inputs))
+    dx, dw, db, dgamma, dbeta, dres = _wanted_grads(grads, inputs, mask)
     return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None
 
 

@@ -7,6 +7,11 @@ so on the CPU a fused op's forward is bitwise equal to the unfused modules', and
 the recompute in backward reproduces the forward's pre-activation bit for bit.
 
 Dense patterns take ``x`` as a 2-D ``(M, K)`` tensor; the ops flatten leading dims.
+
+Every backward takes ``output_mask``, one bool per gradient it returns (as
+``aten.convolution_backward`` does): a gradient masked off is returned as None and
+the work only it needs is skipped (a frozen weight's GEMM, the input gradient of a
+model's first layer). None means all.
 """
 from __future__ import annotations
 
@@ -35,6 +40,15 @@ ACTIVATIONS = {
 }
 
 
+def wanted(output_mask, n: int) -> tuple:
+    """``output_mask`` as ``n`` bools (None: all wanted)."""
+    if output_mask is None:
+        return (True,) * n
+    if len(output_mask) != n:
+        raise ValueError(f"output_mask must hold {n} bools, got {len(output_mask)}")
+    return tuple(bool(m) for m in output_mask)
+
+
 def check_activation(activation) -> str:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
@@ -55,14 +69,15 @@ def linear_act_forward(x, weight, bias, activation):
     return activation_forward(F.linear(x, weight, bias), activation)
 
 
-def linear_act_backward(x, weight, bias, grad_out, activation):
+def linear_act_backward(x, weight, bias, grad_out, activation, output_mask=None):
     """Recompute h = x W^T + b, then (dx, dweight, dbias); dbias is None without bias."""
+    need_dx, need_dw, need_db = wanted(output_mask, 3)
     h = F.linear(x, weight, bias)
     grad_h = activation_backward(grad_out, h, activation)
     del h
-    dx = grad_h.mm(weight)
-    dweight = grad_h.t().mm(x)
-    dbias = grad_h.sum(0) if bias is not None else None
+    dx = grad_h.mm(weight) if need_dx else None
+    dweight = grad_h.t().mm(x) if need_dw else None
+    dbias = grad_h.sum(0) if bias is not None and need_db else None
     return dx, dweight, dbias
 
 
@@ -125,28 +140,33 @@ def fused_mlp_forward(x, w1, b1, w2, b2, activation, dropout_p=0.0, seed=None):
     return F.linear(_dropped(activation_forward(F.linear(x, w1, b1), activation), dropout_p, seed), w2, b2)
 
 
-def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, seed=None):
+def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, seed=None, output_mask=None):
     """5 GEMMs: g_a = g W2, recompute h, dW2 = g^T a, dX = g_h W1, dW1 = g_h^T x.
 
     The output GEMM is not rerun; a dropout mask is regenerated from ``seed``.
     Returns (dx, dw1, db1, dw2, db2).
     """
-    grad_a = grad_out.mm(w2)
+    need_dx, need_dw1, need_db1, need_dw2, need_db2 = wanted(output_mask, 5)
+    need_gh = need_dx or need_dw1 or (need_db1 and b1 is not None)
     h = F.linear(x, w1, b1)
-    a = activation_forward(h, activation)
+    a = activation_forward(h, activation) if need_dw2 else None
+    grad_a = grad_out.mm(w2) if need_gh else None
     if dropout_p != 0:
-        factor = dropout_factor(seed, a.shape, dropout_p, a)
-        a.mul_(factor)  # both fresh here (the op runs outside autograd): no extra full-size copies
-        grad_a.mul_(factor)
+        factor = dropout_factor(seed, h.shape, dropout_p, h)
+        for t in (a, grad_a):  # fresh here (the op runs outside autograd): no extra full-size copies
+            if t is not None:
+                t.mul_(factor)
         del factor
-    dw2 = grad_out.t().mm(a)
+    dw2 = grad_out.t().mm(a) if need_dw2 else None
     del a
-    db2 = grad_out.sum(0) if b2 is not None else None
+    db2 = grad_out.sum(0) if b2 is not None and need_db2 else None
+    if not need_gh:
+        return None, None, None, dw2, db2
     grad_h = activation_backward(grad_a, h, activation)
     del h, grad_a
-    dx = grad_h.mm(w1)
-    dw1 = grad_h.t().mm(x)
-    db1 = grad_h.sum(0) if b1 is not None else None
+    dx = grad_h.mm(w1) if need_dx else None
+    dw1 = grad_h.t().mm(x) if need_dw1 else None
+    db1 = grad_h.sum(0) if b1 is not None and need_db1 else None
     return dx, dw1, db1, dw2, db2
 
 
@@ -157,24 +177,28 @@ def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
                     w_down, b_down)
 
 
-def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation):
+def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, output_mask=None):
     """Recompute the gate and up projections (not the down one); returns
     (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), None for an absent bias."""
-    grad_a = grad_out.mm(w_down)
+    need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
+    need_gh = need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)
     hg = F.linear(x, w_gate, b_gate)
     hu = F.linear(x, w_up, b_up)
     act = activation_forward(hg, activation)
-    dw_down = grad_out.t().mm(act * hu)
-    db_down = grad_out.sum(0) if b_down is not None else None
+    dw_down = grad_out.t().mm(act * hu) if need_dwd else None
+    db_down = grad_out.sum(0) if b_down is not None and need_dbd else None
+    if not need_gh:
+        return None, None, None, None, None, dw_down, db_down
+    grad_a = grad_out.mm(w_down)
     grad_hu = grad_a * act
     del act
     grad_hg = activation_backward(grad_a * hu, hg, activation)
     del hg, hu, grad_a
-    dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up))
-    dw_gate = grad_hg.t().mm(x)
-    dw_up = grad_hu.t().mm(x)
-    db_gate = grad_hg.sum(0) if b_gate is not None else None
-    db_up = grad_hu.sum(0) if b_up is not None else None
+    dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up)) if need_dx else None
+    dw_gate = grad_hg.t().mm(x) if need_dwg else None
+    dw_up = grad_hu.t().mm(x) if need_dwu else None
+    db_gate = grad_hg.sum(0) if b_gate is not None and need_dbg else None
+    db_up = grad_hu.sum(0) if b_up is not None and need_dbu else None
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down
 
 
@@ -205,13 +229,14 @@ def conv_bn_act_forward(
 
 def conv_bn_act_backward(
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-    training, eps, stride, padding, dilation, activation,
+    training, eps, stride, padding, dilation, activation, output_mask=None,
 ):
     """Recompute the conv, then the BN/act backward and the conv backward.
 
     Returns (dx, dweight, dbias, dbn_weight, dbn_bias, dresidual); entries are
-    None where the corresponding input is None.
+    None where the corresponding input is None or ``output_mask`` masks them off.
     """
+    need = wanted(output_mask, 6)
     z = F.conv2d(x, weight, bias, stride, padding, dilation)
     C = z.shape[1]
     shape = (1, C, 1, 1)
@@ -225,7 +250,7 @@ def conv_bn_act_backward(
     acc = _acc_dtype(x)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
     g = activation_backward(grad_out, pre, activation).to(acc)
     del pre
-    dresidual = g.to(grad_out.dtype) if residual is not None else None
+    dresidual = g.to(grad_out.dtype) if residual is not None and need[5] else None
     xhat = (z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape)
     del z
     dims = (0, 2, 3)
@@ -240,13 +265,15 @@ def conv_bn_act_backward(
         dz = scale * g
     del g, xhat
     dz = dz.to(x.dtype)
+    conv_mask = [need[0], need[1], need[2] and bias is not None]
     dx, dweight, dbias = aten.convolution_backward(
         dz, x, weight, [C] if bias is not None else None,
-        _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], 1,
-        [True, True, bias is not None],
-    )
-    dbn_weight = dgamma.to(bn_weight.dtype) if bn_weight is not None else None
-    dbn_bias = dbeta.to(bn_bias.dtype) if bn_bias is not None else None
+        _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], 1, conv_mask,
+    ) if any(conv_mask) else (None, None, None)
+    # some aten kernels (CPU's) fill a gradient the mask turned off: drop it
+    dx, dweight, dbias = (g if m else None for g, m in zip((dx, dweight, dbias), conv_mask))
+    dbn_weight = dgamma.to(bn_weight.dtype) if bn_weight is not None and need[3] else None
+    dbn_bias = dbeta.to(bn_bias.dtype) if bn_bias is not None and need[4] else None
     return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
 
 

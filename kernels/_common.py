@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fusedrc._state import tf32_matmul_allowed, traced
+from fusedrc.reference import wanted  # noqa: F401  (the launchers' output_mask, one definition)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from ._common import (
     _I32_MAX, _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision,
-    interpreting, launcher, operand_class,
+    interpreting, launcher, operand_class, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
@@ -889,9 +889,11 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
 
 def conv_bn_act_backward(
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-    training, eps, stride, padding, dilation, activation,
+    training, eps, stride, padding, dilation, activation, output_mask=None,
 ):
-    """(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual); None where the input is None.
+    """(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual); None where the input is None
+    or ``output_mask`` masks the gradient off (a frozen weight's dW pass and a first layer's
+    dX pass are skipped then).
 
     Same contract as ``fusedrc.reference.conv_bn_act_backward``; the conv output is
     recomputed inside the kernels (see the module docstring for the passes).
@@ -900,7 +902,8 @@ def conv_bn_act_backward(
     if not _supported(x, weight, activation, stride, padding, dilation):
         return _reference().conv_bn_act_backward(
             x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-            training, eps, stride, padding, dilation, activation)
+            training, eps, stride, padding, dilation, activation, output_mask)
+    need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres = wanted(output_mask, 6)
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = weight.shape
     OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
@@ -915,7 +918,7 @@ def conv_bn_act_backward(
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
     dz = torch.empty((N, C_out, OH, OW), device=dev, dtype=x.dtype, memory_format=fmt)
-    dres = torch.empty_like(dz, dtype=grad_out.dtype) if residual is not None else None
+    dres = torch.empty_like(dz, dtype=grad_out.dtype) if residual is not None and need_dres else None
     affine = gamma is not None or beta is not None
     dummy = x
     f32 = dict(device=dev, dtype=torch.float32)
@@ -953,15 +956,19 @@ def conv_bn_act_backward(
         z = _aten_z(x, weight, bias, stride, padding, dilation, dz) if aten_z else None
         # passes that read z are elementwise and take the elementwise tile
         z_cfg = _elem_config(cap) if aten_z else cfg
+        # dz feeds dX, dW and the conv bias's gradient only (BN-only training has no use for it)
+        emit = need_dx or need_dw or (need_db and bias_ is not None)
         if training:
-            if z is None and not twice:
+            if z is None and not twice and emit:
                 z = torch.empty_like(dz)
                 sg, sgx, _ = launch(cfg, from_z=False, z=z, store_z=True, reduce=True, emit=False,
                                     store_dres=dres is not None)
             else:
                 sg, sgx, _ = launch(z_cfg, from_z=aten_z, z=z, store_z=False, reduce=True, emit=False,
                                     store_dres=dres is not None)
-            if z is None:
+            if not emit:
+                db = None
+            elif z is None:
                 _, _, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=False, emit=True,
                                   store_dres=False, sg=sg, sgx=sgx)
             else:
@@ -971,16 +978,19 @@ def conv_bn_act_backward(
             sg, sgx, db = launch(z_cfg, from_z=aten_z, z=z, store_z=False, reduce=affine, emit=True,
                                  store_dres=dres is not None)
         del z  # transient
-        if CONV_GRAD == "aten":
+        if not (need_dx or need_dw):
+            dx = dweight = None
+        elif CONV_GRAD == "aten":
             dx, dweight, _ = torch.ops.aten.convolution_backward(
-                dz, x, weight, None, stride, padding, dilation, False, [0, 0], 1, [True, True, False])
+                dz, x, weight, None, stride, padding, dilation, False, [0, 0], 1, [need_dx, need_dw, False])
+            dx, dweight = dx if need_dx else None, dweight if need_dw else None  # CPU's fills them anyway
         else:
-            dx = conv_dx(dz, weight, x.shape, fmt, stride, padding, dilation, precision, cap)
-            dweight = conv_dw(dz, x, weight.shape, stride, padding, dilation, precision, cap)
-    dweight = dweight.to(weight.dtype)
-    dbias = db.to(bias.dtype) if bias is not None else None
-    dbn_weight = sgx.to(bn_weight.dtype) if bn_weight is not None else None
-    dbn_bias = sg.to(bn_bias.dtype) if bn_bias is not None else None
+            dx = conv_dx(dz, weight, x.shape, fmt, stride, padding, dilation, precision, cap) if need_dx else None
+            dweight = conv_dw(dz, x, weight.shape, stride, padding, dilation, precision, cap) if need_dw else None
+    dweight = dweight.to(weight.dtype) if dweight is not None else None
+    dbias = db.to(bias.dtype) if bias is not None and need_db else None
+    dbn_weight = sgx.to(bn_weight.dtype) if bn_weight is not None and need_dgamma else None
+    dbn_bias = sg.to(bn_bias.dtype) if bn_bias is not None and need_dbeta else None
     return dx, dweight, dbias, dbn_weight, dbn_bias, dres
 
 

@@ -37,7 +37,7 @@ import triton.language as tl
 from ._common import (
     _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _tile_ids, _tile_safe,
     _upcast_flag, cdiv, check_activation, device_capability, dot_precision, gemm_config, launcher, plain_gemm,
-    uses_aten_gemm,
+    uses_aten_gemm, wanted,
 )
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
@@ -241,26 +241,35 @@ def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
     return plain_gemm(a, w_down.t(), bias=b_down)   # never rerun: cuBLAS on CUDA
 
 
-def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation):
+def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, output_mask=None):
     """Returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); a bias's gradient is None
-    when the bias is None."""
+    when the bias is None. A gradient ``output_mask`` masks off is None and the work only it
+    needs is skipped: a frozen W_down drops dW_down and the store of a; when nothing left of
+    the gate and up layers needs a gradient, the forward's kernel rebuilds a alone."""
     assert x.dim() == 2, "gated_mlp_backward expects a 2-D x"
     check_activation(activation)
+    need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
+    db_down = grad_out.sum(0, dtype=torch.float32).to(b_down.dtype) if b_down is not None and need_dbd else None
+    if not (need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)):
+        a = gated_act(x, w_gate, w_up, b_gate, b_up, activation) if need_dwd else None
+        dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None
+        return None, None, None, None, None, dw_down, db_down
     grad_a = plain_gemm(grad_out, w_down, out_dtype=x.dtype)          # (M, N) @ (N, H)
-    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation)
+    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=need_dwd)
     del grad_a
-    dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype)     # (N, M) @ (M, H)
+    dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None  # (N, M) @ (M, H)
     del a
-    db_down = grad_out.sum(0, dtype=torch.float32).to(b_down.dtype) if b_down is not None else None
-    if uses_aten_gemm(ghu, w_up):
-        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)                   # the second GEMM accumulates
+    if not need_dx:
+        dx = None
+    elif uses_aten_gemm(ghu, w_up):
+        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up).to(x.dtype)       # the second GEMM accumulates
     else:
         dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
         dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
-    dx = dx.to(x.dtype)
-    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype)          # (H, M) @ (M, K)
-    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype)
-    return dx, dw_gate, dbg, dw_up, dbu, dw_down, db_down
+        dx = dx.to(x.dtype)
+    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype) if need_dwg else None  # (H, M) @ (M, K)
+    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype) if need_dwu else None
+    return (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
 
 
 # --------------------------------------------------------------------------- ahead-of-time inspection

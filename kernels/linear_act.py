@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import triton  # noqa: F401  (this module is only imported by the triton backend)
 
-from ._common import check_activation, gemm_act, gemm_act_grad, plain_gemm
+from ._common import check_activation, gemm_act, gemm_act_grad, plain_gemm, wanted
 
 __all__ = ["linear_act_forward", "linear_act_backward", "linear_act_grad_h"]
 
@@ -34,9 +34,11 @@ def linear_act_grad_h(x, weight, bias, grad_out, activation):
     return gh, dbias
 
 
-def linear_act_backward(x, weight, bias, grad_out, activation):
-    """(dx, dweight, dbias); dbias is None when bias is None. h is recomputed in-kernel."""
+def linear_act_backward(x, weight, bias, grad_out, activation, output_mask=None):
+    """(dx, dweight, dbias); dbias is None when bias is None. h is recomputed in-kernel.
+    A gradient ``output_mask`` masks off is None and its GEMM is skipped."""
+    need_dx, need_dw, need_db = wanted(output_mask, 3)
     gh, dbias = linear_act_grad_h(x, weight, bias, grad_out, activation)
-    dx = plain_gemm(gh, weight, out_dtype=x.dtype)          # (M, N) @ (N, K)
-    dweight = plain_gemm(gh.t(), x, out_dtype=weight.dtype)  # (N, M) @ (M, K)
-    return dx, dweight, dbias
+    dx = plain_gemm(gh, weight, out_dtype=x.dtype) if need_dx else None          # (M, N) @ (N, K)
+    dweight = plain_gemm(gh.t(), x, out_dtype=weight.dtype) if need_dw else None  # (N, M) @ (M, K)
+    return dx, dweight, dbias if need_db else None
