@@ -89,6 +89,7 @@ import fnmatch
 import inspect as _inspect
 import numbers
 import re as _re
+import sys as _sys
 import types
 import warnings
 from collections import OrderedDict
@@ -391,6 +392,37 @@ class FusedT5DenseActDense(Wrapper):
         )
 
 
+_MODULE_CALL_FILE = nn.modules.module.__file__
+
+
+def _forward_code(cls):
+    """The code object of ``cls.forward`` under its decorators (the code convert checked)."""
+    return getattr(_inspect.unwrap(cls.forward), "__code__", None)
+
+
+def _called_from(layer) -> bool:
+    """Whether the stand-in running now was called by ``layer``'s own forward (through
+    ``nn.Module.__call__``), where convert checked that fc1, the activation and fc2 run one
+    after the other on one tensor. Called from anywhere else (``layer.fc1(x)`` by hand, a
+    probe, an fx tracer) a stand-in is the plain module it replaced."""
+    if layer is None or torch.compiler.is_compiling():
+        return True  # pickled before the layer was recorded; dynamo inlines the layer's forward
+    frame = _sys._getframe(2)  # 0: here, 1: the stand-in's forward
+    while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
+        frame = frame.f_back
+    return (frame is not None and frame.f_code is _forward_code(type(layer))
+            and frame.f_locals.get("self") is layer)
+
+
+def _fused_flag(tail):
+    """The one-element list an inlined FFN's three stand-ins share (kept on the tail): True from
+    the head's fused call until fc2 passes its output on."""
+    flag = tail.__dict__.get("_fusedrc_fused")
+    if flag is None:  # pickled before the flag existed
+        flag = tail.__dict__["_fusedrc_fused"] = [False]
+    return flag
+
+
 def _is_replica(module):
     """An ``nn.DataParallel`` replica: the references an inlined FFN's modules hold to each other
     are the original's (a replica is built before its siblings exist), so it runs unfused."""
@@ -405,6 +437,8 @@ class _FFNHead(nn.Linear):
     ``fc2`` an :class:`_FFNTail`, both passing their input through. When a hook sits on
     any of the three (registered after convert), the head computes ``fc1`` alone and the
     two others the activation and ``fc2``: each hook sees what it would see unconverted.
+    Called from anywhere but the layer's own forward (``layer.fc1(x)`` by hand), each of
+    the three is the plain module it replaced.
     """
 
     def __init__(self, fc1, act_mod, act_name, tail, act_slot, layer, dropout):
@@ -432,12 +466,14 @@ class _FFNHead(nn.Linear):
 
     def forward(self, x):
         act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
-        if _is_replica(self):  # its peers are the original's: the replicas of all three run split
+        fused = _fused_flag(tail)
+        fused[0] = False
+        # fc1 alone: called by hand or through a wrapper (a LoRA adapter put around it), a DataParallel
+        # replica (its peers are the original's), hooks on any of the three, a module swapped in
+        if (not _called_from(self.__dict__.get("_fusedrc_layer", (None,))[0]) or _is_replica(self)
+                or not _nohooks(self, act_slot, tail) or not self._in_place(act_slot, tail)):
             return nn.functional.linear(x, self.weight, self.bias)
-        if not _nohooks(self, act_slot, tail) or not self._in_place(act_slot, tail):
-            tail.__dict__["_fusedrc_split"] = True
-            return nn.functional.linear(x, self.weight, self.bias)
-        tail.__dict__.pop("_fusedrc_split", None)  # left by a call that raised half-way
+        fused[0] = True  # the activation's slot and fc2 pass the FFN's output through
 
         def plain(x):
             return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
@@ -453,15 +489,18 @@ class _FFNHead(nn.Linear):
 
 class _FFNAct(nn.Module):
     """The activation's slot in a fused inlined FFN: its input is the FFN's output (passed
-    through), or ``fc1``'s output when the head ran split (then it applies the activation)."""
+    through) when the head ran fused, else ``fc1``'s output (then it applies the activation)."""
 
-    def __init__(self, act_mod, tail):
+    def __init__(self, act_mod, tail, layer=None):
         super().__init__()
         self.__dict__["_fusedrc_act"] = (act_mod, tail)
+        self.__dict__["_fusedrc_layer"] = layer
 
     def forward(self, x):
         act_mod, tail = self.__dict__["_fusedrc_act"]
-        return act_mod(x) if _is_replica(self) or "_fusedrc_split" in tail.__dict__ else x
+        if _fused_flag(tail)[0] and not _is_replica(self) and _called_from(self.__dict__.get("_fusedrc_layer")):
+            return x
+        return act_mod(x)
 
     def _get_name(self):
         return "FusedFFN(activation, computed in fc1)"
@@ -469,17 +508,21 @@ class _FFNAct(nn.Module):
 
 class _FFNTail(nn.Linear):
     """Holds the FFN's second Linear (same parameters, same key); its input is already the FFN's
-    output, or the activation's when the head ran split (then it applies the Linear)."""
+    output when the head ran fused, else the activation's (then it applies the Linear)."""
 
-    def __init__(self, fc2):
+    def __init__(self, fc2, layer=None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = fc2.in_features, fc2.out_features
         self.weight, self.bias = fc2.weight, fc2.bias
+        self.__dict__["_fusedrc_layer"] = layer
+        self.__dict__["_fusedrc_fused"] = [False]
 
     def forward(self, x):
-        if self.__dict__.pop("_fusedrc_split", False) or _is_replica(self):
-            return nn.functional.linear(x, self.weight, self.bias)
-        return x
+        fused = _fused_flag(self)
+        if fused[0] and not _is_replica(self) and _called_from(self.__dict__.get("_fusedrc_layer")):
+            fused[0] = False
+            return x
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def _get_name(self):
         return "FusedFFN(fc2, computed in fc1)"
@@ -1036,8 +1079,8 @@ def _inline_ffn_layer(ctx, name, m):
     fc1, act_mod, fc2 = m.fc1, m.activation_fn, m.fc2
     # the head reads fc2's parameters from the tail, the module registered in the tree, so that
     # anything replacing registered parameters (load_state_dict(assign=True), FSDP2) reaches both
-    tail = _FFNTail(fc2)
-    act_slot = _FFNAct(act_mod, tail)
+    tail = _FFNTail(fc2, m)
+    act_slot = _FFNAct(act_mod, tail, m)
     head = _FFNHead(fc1, act_mod, act, tail, act_slot, m, dropout)
     ctx.unit(unit, "ffn", _Switch(m, fc1=head, activation_fn=act_slot, fc2=tail),
              _Switch(m, fc1=fc1, activation_fn=act_mod, fc2=fc2), (fc1,))

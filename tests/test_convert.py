@@ -675,8 +675,8 @@ def test_data_parallel_replica_of_an_inlined_ffn_runs_unfused():
             p.mul_(2)
     x = torch.randn(2, 5, 16)
     assert rel_err(replica(x)[0], ref(x)[0]) <= TOL
-    assert torch.equal(conv(x)[0], conv(x)[0])  # the original still runs (its split flag left clean)
-    assert "_fusedrc_split" not in conv.fc2.__dict__
+    assert torch.equal(conv(x)[0], conv(x)[0])  # the original still runs
+    assert conv.fc2.__dict__["_fusedrc_fused"] == [False]  # no pass-through left armed
 
 
 # --------------------------------------------------------------------------- the converted object
@@ -753,6 +753,44 @@ def test_opt_hooks_after_convert_see_the_original_tensors():
             assert sb[k].shape == sa[k].shape and rel_err(sb[k], sa[k]) <= TOL, k
     # without hooks the fused path is back
     assert rel_err(conv(ids).logits, model(ids).logits) <= TOL
+
+
+def test_opt_ffn_modules_called_alone_are_the_plain_modules():
+    """Outside the layer's forward, fc1 / activation_fn / fc2 of a fused OPT FFN compute what they
+    did unconverted; the layer's own calls stay fused, before and after."""
+    model = _opt().eval()
+    conv = fusedrc.convert(model)
+    ids = torch.randint(0, 128, (2, 8))
+    layer, plain = conv.model.decoder.layers[0], model.model.decoder.layers[0]
+    x = torch.randn(3, 64)
+    h = layer.fc1(x)
+    assert h.shape == (3, 256) and torch.equal(h, plain.fc1(x))
+    assert torch.equal(layer.activation_fn(h), plain.activation_fn(h))
+    assert torch.equal(layer.fc2(h), plain.fc2(h))
+    calls = []
+    with _FusedOpSpy(calls):
+        out = conv(ids).logits
+    assert calls.count("fused_mlp") == 2 and rel_err(out, model(ids).logits) <= TOL
+    # a probe calling fc1 by hand from a hook on the layer (another forward on the stack)
+    handle = layer.register_forward_hook(lambda mod, i, o: calls.append(tuple(mod.fc1(i[0]).shape)))
+    calls.clear()
+    with _FusedOpSpy(calls):
+        conv(ids)
+    handle.remove()
+    assert (2, 8, 256) in calls and calls.count("fused_mlp") == 2
+
+
+class _FusedOpSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the names of the fusedrc ops that run."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedrc":
+            self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_opt_blocks_with_kv_cache_run_plainly():
