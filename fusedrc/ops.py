@@ -74,8 +74,10 @@ def _plain_eager(x: Tensor) -> bool:
     """Whether nothing would see the difference between the op and its body: no torch.compile,
     no dispatch mode (make_fx, FakeTensorMode, a FlopCounterMode or a user's), no torch.func
     transform, a plain tensor."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the dispatch-stack query
+        return False
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and torch._C._len_torch_dispatch_stack() == 0
-            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active())
 
 
 def pick(name: str, x: Tensor, backend: str):
