@@ -1,9 +1,10 @@
 """Property tests (hypothesis): the fused ops equal plain autograd on random inputs.
 
 Random shapes (1 and odd sizes included), dtypes (float32, float64; bfloat16 with a
-loose tolerance), activations, bias/affine/residual on or off, and operand layouts
+loose tolerance), activations, bias/affine/residual on or off, operand layouts
 (contiguous, transposed, sliced with a non-unit stride, offset into a larger
-tensor, broadcast with stride 0). The reference backend is compared with the
+tensor, broadcast with stride 0), and which operands are frozen (no gradient: the
+backward ops' ``output_mask`` paths, down to none wanted at all). The reference backend is compared with the
 plain ``F.linear``/``F.conv2d``/``F.batch_norm`` composition, forward and every
 gradient; the Triton kernels (under the interpreter on CPU) with the same, on
 small shapes. Deterministic: ``derandomize=True``, a fixed example budget, no
@@ -31,6 +32,8 @@ ACTS = sorted(ACTIVATIONS)
 LAYOUTS = ["contiguous", "transposed", "sliced", "offset", "broadcast"]
 dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
 size = st.integers(1, 9)  # 1 and odd sizes included
+# a bitmask over an op's differentiable operands (``compare``); half the cases freeze none
+frozen_masks = st.one_of(st.just(0), st.integers(0, 2**7 - 1))
 
 
 def make(shape, layout, dtype, gen, scale=1.0):
@@ -65,10 +68,11 @@ def _err(a, b):
     return (a.detach().double() - b.detach().double()).norm().item()
 
 
-def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen):
+def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen, frozen=0):
     """Run ``ours_fn`` and ``plain_fn`` on the same ``inputs`` (name -> tensor or None, the
     differentiable operands) and fresh copies of ``buffers`` (running statistics, updated
-    in place); compare the output, every gradient and the updated buffers.
+    in place); compare the output, every gradient and the updated buffers. Bit ``i`` of
+    ``frozen`` detaches the ``i``-th input (same layout, no gradient wanted).
 
     float32/float64: elementwise, tight. bfloat16/float16: both are compared with a
     float64 run of the plain composition, and fusedrc's error may not be much larger
@@ -76,7 +80,8 @@ def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen):
     meaningless where the exact result nearly cancels, e.g. BatchNorm's input gradient
     with two values per channel).
     """
-    names = [n for n, t in inputs.items() if t is not None]
+    inputs = {n: (t.detach() if t is not None and frozen >> i & 1 else t) for i, (n, t) in enumerate(inputs.items())}
+    names = [n for n, t in inputs.items() if t is not None and t.requires_grad]
 
     def run(fn, tensors, bufs):
         bufs = {k: (v.clone() if v is not None else None) for k, v in bufs.items()}
@@ -85,9 +90,14 @@ def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen):
 
     y, bufs = run(ours_fn, inputs, buffers)
     y_p, bufs_p = run(plain_fn, inputs, buffers)
+    assert y.requires_grad == bool(names)
     g = torch.randn(y_p.shape, generator=gen, dtype=torch.float64)
-    ours = {"output": y, **dict(zip(names, torch.autograd.grad(y, [inputs[n] for n in names], g.to(dtype))))}
-    plain = {"output": y_p, **dict(zip(names, torch.autograd.grad(y_p, [inputs[n] for n in names], g.to(dtype))))}
+
+    def grads(y, leaves, g):
+        return dict(zip(names, torch.autograd.grad(y, [leaves[n] for n in names], g))) if names else {}
+
+    ours = {"output": y, **grads(y, inputs, g.to(dtype))}
+    plain = {"output": y_p, **grads(y_p, inputs, g.to(dtype))}
     ours.update({k: v for k, v in bufs.items() if v is not None})
     plain.update({k: v for k, v in bufs_p.items() if v is not None})
     for k in plain:
@@ -98,9 +108,10 @@ def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen):
         for k in plain:
             torch.testing.assert_close(ours[k], plain[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
         return
-    leaves64 = {n: (t.detach().double().requires_grad_() if t is not None else None) for n, t in inputs.items()}
+    leaves64 = {n: (t.detach().double().requires_grad_(t.requires_grad) if t is not None else None)
+                for n, t in inputs.items()}
     y64, bufs64 = run(plain_fn, leaves64, {k: (v.double() if v is not None else None) for k, v in buffers.items()})
-    truth = {"output": y64, **dict(zip(names, torch.autograd.grad(y64, [leaves64[n] for n in names], g)))}
+    truth = {"output": y64, **grads(y64, leaves64, g)}
     truth.update({k: v for k, v in bufs64.items() if v is not None})
     for k in plain:
         e_ours, e_plain, scale = _err(ours[k], truth[k]), _err(plain[k], truth[k]), truth[k].norm().item()
@@ -111,14 +122,15 @@ def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen):
 
 # --------------------------------------------------------------------------- strategies
 @st.composite
-def linear_cases(draw, dtypes=dtypes, max_size=9, two_layers=False):
+def linear_cases(draw, dtypes=dtypes, max_size=9, two_layers=False, activations=ACTS):
     lead = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
     k, n = draw(st.integers(1, max_size)), draw(st.integers(1, max_size))
     hidden = draw(st.integers(1, max_size)) if two_layers else None
     return dict(
-        lead=lead, k=k, n=n, hidden=hidden, dtype=draw(dtypes), activation=draw(st.sampled_from(ACTS)),
+        lead=lead, k=k, n=n, hidden=hidden, dtype=draw(dtypes), activation=draw(st.sampled_from(activations)),
         bias=draw(st.booleans()), x_layout=draw(st.sampled_from(LAYOUTS)),
         w_layout=draw(st.sampled_from(LAYOUTS[:4])), seed=draw(st.integers(0, 2**31 - 1)),
+        frozen=draw(frozen_masks),
     )
 
 
@@ -146,7 +158,7 @@ def conv_cases(draw, dtypes=dtypes, small=False):
         activation=draw(st.sampled_from(["relu", "relu"] + ACTS)), dtype=draw(dtypes),
         x_layout=draw(st.sampled_from(["contiguous", "channels_last", "transposed", "sliced", "offset"])),
         w_layout=draw(st.sampled_from(["contiguous", "channels_last", "offset"])),
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(st.integers(0, 2**31 - 1)), frozen=draw(frozen_masks),
     )
 
 
@@ -170,7 +182,7 @@ def run_linear_act(c, backend):
     compare(
         _with_backend(backend, lambda x, weight, bias: F.linear_act(x, weight, bias, act)),
         lambda x, weight, bias: activation_forward(TF.linear(x, weight, bias), act),
-        inputs, {}, dtype, gen,
+        inputs, {}, dtype, gen, c["frozen"],
     )
 
 
@@ -187,8 +199,29 @@ def run_fused_mlp(c, backend):
     compare(
         _with_backend(backend, lambda x, w1, b1, w2, b2: F.fused_mlp(x, w1, b1, w2, b2, act)),
         lambda x, w1, b1, w2, b2: TF.linear(activation_forward(TF.linear(x, w1, b1), act), w2, b2),
-        inputs, {}, dtype, gen,
+        inputs, {}, dtype, gen, c["frozen"],
     )
+
+
+def run_gated_mlp(c, backend):
+    gen = torch.Generator().manual_seed(c["seed"])
+    dtype, k, hid, n, act = c["dtype"], c["k"], c["hidden"], c["n"], c["activation"]
+    inputs = dict(
+        x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
+        w_gate=make([hid, k], c["w_layout"], dtype, gen, scale=k ** -0.5)[1],
+        b_gate=make([hid], "contiguous", dtype, gen)[1] if c["bias"] else None,
+        w_up=make([hid, k], "contiguous", dtype, gen, scale=k ** -0.5)[1],
+        b_up=make([hid], "sliced", dtype, gen)[1] if c["bias"] else None,
+        w_down=make([n, hid], c["w_layout"], dtype, gen, scale=hid ** -0.5)[1],
+        b_down=make([n], "contiguous", dtype, gen)[1] if c["bias"] else None,
+    )
+
+    def plain(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+        return TF.linear(activation_forward(TF.linear(x, w_gate, b_gate), act) * TF.linear(x, w_up, b_up),
+                         w_down, b_down)
+
+    compare(_with_backend(backend, lambda **kw: F.gated_mlp(**kw, activation=act)), plain,
+            inputs, {}, dtype, gen, c["frozen"])
 
 
 def _conv_operand(shape, layout, dtype, gen, scale=1.0):
@@ -236,7 +269,7 @@ def run_conv_bn_act(c, backend):
                             batch_stats, 0.1, 1e-5)
         return activation_forward(pre if residual is None else pre + residual, act)
 
-    compare(_with_backend(backend, ours), plain, inputs, buffers, dtype, gen)
+    compare(_with_backend(backend, ours), plain, inputs, buffers, dtype, gen, c["frozen"])
 
 
 # --------------------------------------------------------------------------- reference backend
@@ -250,6 +283,12 @@ def test_linear_act_reference(case):
 @given(linear_cases(two_layers=True))
 def test_fused_mlp_reference(case):
     run_fused_mlp(case, "reference")
+
+
+@reference_settings
+@given(linear_cases(two_layers=True))
+def test_gated_mlp_reference(case):
+    run_gated_mlp(case, "reference")
 
 
 @conv_reference_settings
@@ -292,6 +331,13 @@ def test_linear_act_triton(case):
 @given(linear_cases(dtypes=triton_dtypes, max_size=7, two_layers=True))
 def test_fused_mlp_triton(case):
     run_fused_mlp(case, "triton")
+
+
+@needs_triton
+@triton_settings
+@given(linear_cases(dtypes=triton_dtypes, max_size=7, two_layers=True))
+def test_gated_mlp_triton(case):
+    run_gated_mlp(case, "triton")
 
 
 @needs_triton
