@@ -213,9 +213,11 @@ def _act_fwd(h, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "gelu":
         y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
-        # 0.5 h (1 + tanh(u)) = h * sigmoid(2u)
-        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-        y = h * _sigmoid(2.0 * u)
+        # torch's 0.5 h (1 + tanh(u)), tanh(u) = 2 sigmoid(2u) - 1 (no libdevice tanh in the
+        # interpreter). Not the shorter h * sigmoid(2u): tanh must round to -1 where torch's
+        # does, so that act(h) is exactly 0 there (and g = inf gives NaN, as in torch)
+        t = 2.0 * _sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h)) - 1.0
+        y = 0.5 * h * (1.0 + t)
     else:  # silu
         y = h * _sigmoid(h)
     return y
@@ -237,11 +239,10 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
         pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
         gh = g * (cdf + h * pdf)
     elif ACTIVATION == "gelu_tanh":
-        # t = tanh(u) = 2s - 1 with s = sigmoid(2u); 1 + t = 2s, 1 - t^2 = 4 s (1 - s)
-        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-        s = _sigmoid(2.0 * u)
+        # aten's gelu_backward(approximate="tanh"), t as in _act_fwd
+        t = 2.0 * _sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h)) - 1.0
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-        gh = g * (s + h * du * 2.0 * s * (1.0 - s))
+        gh = g * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
     else:  # silu
         s = _sigmoid(h)
         gh = g * (s * (1.0 + h * (1.0 - s)))

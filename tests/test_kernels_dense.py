@@ -150,6 +150,45 @@ def test_relu2_gradient_of_nonfinite_where_cut(backend, device):
     assert torch.equal(torch.isnan(xf.grad), torch.isnan(xe.grad)) and xf.grad[0].item() == 0.0
 
 
+@pytest.mark.parametrize("op", ["linear_act", "gated_mlp"])
+def test_gelu_tanh_saturates_as_torch(op, device):
+    """gelu_tanh where tanh(u) rounds to -1 (h about -10 to -5.5): act(h) and its derivative are
+    exactly 0 as in torch, so an infinite factor gives NaN as in torch, not inf times a tiny
+    value; elsewhere (other h, an inf or NaN h) values and gradients follow torch's too."""
+    import fusedrc
+
+    inf = float("inf")
+    h = torch.tensor([-inf, -60.0, -9.0, -7.0, -6.0, -5.0, -3.0, 0.0, 3.0, 6.0, inf, float("nan")], device=device)
+    x = torch.zeros(2, 1, device=device)
+    w = torch.zeros(len(h), 1, device=device)
+    if op == "linear_act":  # h is the bias: x W^T = 0 adds nothing, not even a NaN from inf * 0
+        def run(b):
+            return fusedrc.functional.linear_act(x, w, b, "gelu_tanh")
+    else:  # gate = h, up = inf: act(h) * inf, NaN where act(h) is exactly 0; hidden size 1 per
+        # value, so that no product with a zero weight mixes the values
+        up, one = torch.tensor([inf], device=device), torch.ones(1, 1, device=device)
+
+        def run(b):
+            return torch.cat([fusedrc.functional.gated_mlp(x, w[:1], b[i:i + 1], w[:1], up, one, None, "gelu_tanh")
+                              for i in range(len(h))], dim=1)
+    outs = {}
+    for backend in ("triton", "reference"):
+        for g in (1.0, inf):
+            b = h.clone().requires_grad_()
+            with fusedrc.use_backend(backend):
+                y = run(b)
+            y.backward(torch.full_like(y, g))
+            outs[backend, g] = y.detach(), b.grad
+    for g in (1.0, inf):
+        (y_t, gb_t), (y_r, gb_r) = outs["triton", g], outs["reference", g]
+        assert torch.equal(torch.isnan(y_t), torch.isnan(y_r)) and torch.equal(torch.isnan(gb_t), torch.isnan(gb_r))
+        torch.testing.assert_close(y_t, y_r, rtol=1e-5, atol=0, equal_nan=True)
+        torch.testing.assert_close(gb_t, gb_r, rtol=1e-4, atol=0, equal_nan=True)
+    y_r = outs["reference", 1.0][0][0]
+    assert (y_r[1:5] == 0).all() if op == "linear_act" else torch.isnan(y_r[1:5]).all()  # the saturated range
+    assert not torch.isnan(y_r[[5, 6, 8, 9]]).any()  # h = -5, -3, 3, 6: outside it
+
+
 def _near_zero_inputs(M, K, N, dtype, device):
     """h = x W^T + b with most entries within rounding noise of 0.
 
