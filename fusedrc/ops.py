@@ -447,8 +447,10 @@ def _eager_function(name: str, impl, backward, setup):
          "__doc__": f"fusedrc::{name} in a plain eager call (see ``pick``)."},
     )
     # the C apply: Function.apply's own Python (functorch checks, signature binding) is for
-    # calls that _plain_eager already excludes, and costs as much as the op's body on small inputs
-    return super(torch.autograd.function._SingleLevelFunction, cls).apply
+    # calls that _plain_eager already excludes, and costs as much as the op's body on small inputs;
+    # a torch without the private class gets the Python apply (slower, the same results)
+    base = getattr(torch.autograd.function, "_SingleLevelFunction", None)
+    return super(base, cls).apply if isinstance(base, type) and issubclass(cls, base) else cls.apply
 
 
 # name -> what a plain eager call runs: Function.apply for a forward op, the body for a backward op
