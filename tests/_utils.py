@@ -54,6 +54,20 @@ class GemmCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class FusedOpLog(TorchDispatchMode):
+    """Names of the fusedrc ops that ran inside it, forward and backward, in order (``ops``, or
+    the list handed in). Under it the ops go through the dispatcher, not the plain-eager path."""
+
+    def __init__(self, ops=None):
+        super().__init__()
+        self.ops = [] if ops is None else ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedrc":
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

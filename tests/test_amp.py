@@ -20,26 +20,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedrc
 
-from _utils import rel_err
+from _utils import FusedOpLog, rel_err
 
 BF16 = torch.bfloat16
-
-
-class FusedOps(TorchDispatchMode):
-    """Names of the fusedrc custom ops that ran (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fusedrc":
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _twin(module):
@@ -102,7 +88,7 @@ def _compare(fused, eager, x, device_type, dtype, *, tol, call=None, eager_call=
     """Run ``fused`` and its twin ``eager`` under the same autocast. With ``vs_float64``, gradients are
     judged against a float64 copy of ``eager`` run without autocast instead of against eager."""
     exact = copy.deepcopy(eager).double() if vs_float64 else None
-    with FusedOps() as log:
+    with FusedOpLog() as log:
         y, gx = _run(fused, x, device_type, dtype, call)
     y_ref, gx_ref = _run(eager, x, device_type, dtype, eager_call)
     assert y.dtype == y_ref.dtype, (y.dtype, y_ref.dtype)
@@ -137,7 +123,7 @@ def test_linear_act_module_bf16(activation):
     ref = nn.Sequential(nn.Linear(24, 40), act)
     ref[0].load_state_dict(m.state_dict())
     x = torch.randn(3, 5, 24)  # N-D input
-    with FusedOps() as log:
+    with FusedOpLog() as log:
         y, gx = _run(m, x, "cpu", BF16)
     y_ref, gx_ref = _run(ref, x, "cpu", BF16)
     assert y.dtype == y_ref.dtype == BF16 and y.shape == y_ref.shape
@@ -156,7 +142,7 @@ def test_fused_mlp_module_bf16():
     m = fusedrc.nn.FusedMLP(16, 64, 12, activation="gelu_tanh")
     ref = nn.Sequential(_twin(m.fc1), nn.GELU(approximate="tanh"), _twin(m.fc2))
     x = torch.randn(2, 7, 16)
-    with FusedOps() as log:
+    with FusedOpLog() as log:
         y, gx = _run(m, x, "cpu", BF16)
     y_ref, gx_ref = _run(ref, x, "cpu", BF16)
     assert y.dtype == y_ref.dtype == BF16
@@ -373,7 +359,7 @@ def test_converted_model_bf16_every_unit_stays_fused():
     for step in range(2):
         model.zero_grad()
         ref.zero_grad()
-        with FusedOps() as log:
+        with FusedOpLog() as log:
             y, y_ref = _compare(model, ref, torch.randn(4, 3, 8, 8), "cpu", BF16, tol=CPU_TOL, vs_float64=True)
         fwd = [o for o in log.ops if not o.endswith("_backward")]
         assert sorted(fwd) == ["conv_bn_act", "conv_bn_act", "fused_mlp", "fused_mlp", "linear_act"], log.ops
@@ -453,7 +439,7 @@ def test_cuda_converted_model_autocast(dtype, no_tf32):
     for _ in range(2):
         model.zero_grad()
         ref.zero_grad()
-        with FusedOps() as log:
+        with FusedOpLog() as log:
             y, _ = _compare(model, ref, torch.randn(8, 3, 16, 16, device="cuda"), "cuda", dtype,
                             tol=CUDA_TOL[dtype], vs_float64=True)
         fwd = [o for o in log.ops if not o.endswith("_backward")]

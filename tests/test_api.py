@@ -9,10 +9,9 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedrc
-from _utils import SavedBytes
+from _utils import FusedOpLog, SavedBytes
 
 
 def test_public_names():
@@ -478,19 +477,6 @@ def test_conv_bn_relu_call_that_raises_counts_no_batch(monkeypatch):
     assert m.bn.num_batches_tracked.item() == 0
 
 
-class _Watch(TorchDispatchMode):
-    """A dispatch mode that changes nothing: under it the ops go through the dispatcher."""
-
-    def __init__(self):
-        super().__init__()
-        self.fusedrc = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fusedrc":
-            self.fusedrc.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_plain_eager_calls_skip_the_dispatcher_with_the_same_results(backend):
     """A plain eager call runs the op's body through an autograd.Function (no dispatcher overhead);
@@ -504,7 +490,7 @@ def test_plain_eager_calls_skip_the_dispatcher_with_the_same_results(backend):
         x = torch.randn(2, 3, 5, 5) if isinstance(m, fusedrc.nn.ConvBNReLU) else torch.randn(4, 6)
         x.requires_grad_(True)
         results = []
-        for watch in (None, _Watch()):
+        for watch in (None, FusedOpLog()):
             state = copy.deepcopy(m.state_dict())
             with fusedrc.use_backend(backend), (watch or contextlib.nullcontext()):
                 y = m(x)
@@ -514,7 +500,7 @@ def test_plain_eager_calls_skip_the_dispatcher_with_the_same_results(backend):
             if watch is None:
                 assert type(y.grad_fn).__name__.endswith("FunctionBackward")
             else:
-                fwd, bwd = watch.fusedrc  # the triton_op twins on the triton backend: name_triton
+                fwd, bwd = watch.ops  # the triton_op twins on the triton backend: name_triton
                 assert bwd == fwd.replace("_triton", "") + "_backward" + ("_triton" if backend == "triton" else "")
         (y0, g0, s0), (y1, g1, s1) = results
         assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusedrc
 from fusedrc import functional as F
-from _utils import rel_err
+from _utils import FusedOpLog, rel_err
 
 CUDA = torch.cuda.is_available()
 
@@ -258,19 +258,6 @@ def _launches(graphs):
     return counts[0], counts[1]
 
 
-class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Names of the fusedrc ops dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fusedrc":
-            self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 def test_triton_backend_runs_the_triton_op_twins(device):
     """Eager Triton calls go through the triton_op twins (fusedrc::*_triton), forward and backward;
     under torch.compile on the interpreter, the opaque custom ops (the interpreter cannot be traced)."""
@@ -281,13 +268,13 @@ def test_triton_backend_runs_the_triton_op_twins(device):
     assert set(ops._TRITON_OPS) == set(ops._CUSTOM_OPS)
     model = fusedrc.convert(_net()).to(device)
     x = torch.randn(2, 3, 6, 6, device=device, requires_grad=True)
-    with fusedrc.use_backend("triton"), _OpLog() as log:
+    with fusedrc.use_backend("triton"), FusedOpLog() as log:
         model(x).sum().backward()
     fused = ("conv_bn_act", "fused_mlp", "linear_act")
-    assert sorted(log.names) == sorted([f"{n}_triton" for n in fused] + [f"{n}_backward_triton" for n in fused])
-    with fusedrc.use_backend("reference"), _OpLog() as log:
+    assert sorted(log.ops) == sorted([f"{n}_triton" for n in fused] + [f"{n}_backward_triton" for n in fused])
+    with fusedrc.use_backend("reference"), FusedOpLog() as log:
         model(x).sum().backward()
-    assert sorted(log.names) == sorted(list(fused) + [f"{n}_backward" for n in fused])
+    assert sorted(log.ops) == sorted(list(fused) + [f"{n}_backward" for n in fused])
     if device.type == "cpu":
         with fusedrc.use_backend("triton"):
             _, _, names = _graph_ops(model, x)

@@ -18,7 +18,7 @@ from torch import nn
 import fusedrc
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
 
-from _utils import GemmCounter, SavedBytes, rel_err, replicate_on_cpu
+from _utils import FusedOpLog, GemmCounter, SavedBytes, rel_err, replicate_on_cpu
 
 TOL = 1e-4
 
@@ -768,29 +768,16 @@ def test_opt_ffn_modules_called_alone_are_the_plain_modules():
     assert torch.equal(layer.activation_fn(h), plain.activation_fn(h))
     assert torch.equal(layer.fc2(h), plain.fc2(h))
     calls = []
-    with _FusedOpSpy(calls):
+    with FusedOpLog(calls):
         out = conv(ids).logits
     assert calls.count("fused_mlp") == 2 and rel_err(out, model(ids).logits) <= TOL
     # a probe calling fc1 by hand from a hook on the layer (another forward on the stack)
     handle = layer.register_forward_hook(lambda mod, i, o: calls.append(tuple(mod.fc1(i[0]).shape)))
     calls.clear()
-    with _FusedOpSpy(calls):
+    with FusedOpLog(calls):
         conv(ids)
     handle.remove()
     assert (2, 8, 256) in calls and calls.count("fused_mlp") == 2
-
-
-class _FusedOpSpy(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the names of the fusedrc ops that run."""
-
-    def __init__(self, calls):
-        super().__init__()
-        self.calls = calls
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fusedrc":
-            self.calls.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_opt_blocks_with_kv_cache_run_plainly():
