@@ -392,7 +392,7 @@ class FusedT5DenseActDense(Wrapper):
         )
 
 
-_MODULE_CALL_FILE = nn.modules.module.__file__
+_STAND_IN_FILES = (__file__, nn.modules.module.__file__)
 
 
 def _forward_code(cls):
@@ -400,88 +400,105 @@ def _forward_code(cls):
     return getattr(_inspect.unwrap(cls.forward), "__code__", None)
 
 
-def _called_from(layer) -> bool:
-    """Whether the stand-in running now was called by ``layer``'s own forward (through
-    ``nn.Module.__call__``), where convert checked that fc1, the activation and fc2 run one
-    after the other on one tensor. Called from anywhere else (``layer.fc1(x)`` by hand, a
-    probe, an fx tracer) a stand-in is the plain module it replaced."""
-    if layer is None or torch.compiler.is_compiling():
-        return True  # pickled before the layer was recorded; dynamo inlines the layer's forward
-    frame = _sys._getframe(2)  # 0: here, 1: the stand-in's forward
-    while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
+def _calling_layer(stand_in, key):
+    """The layer whose own forward is calling ``stand_in`` now (through ``nn.Module.__call__``)
+    and holds it at ``key``: the layer convert rewrote, where it checked that fc1, the activation
+    and fc2 run one after the other on one tensor, or a copy of it, or an ``nn.DataParallel``
+    replica. The stand-ins find each other through it at run time: a replica's cannot be linked
+    when it is built (``replicate`` builds each module's replica before its siblings'). None when
+    called from anywhere else (``layer.fc1(x)`` by hand, a wrapper, a probe, an fx tracer): there
+    a stand-in is the plain module it replaced."""
+    layer = stand_in.__dict__.get("_fusedrc_layer")
+    if torch.compiler.is_compiling():
+        # dynamo inlines the layer's forward and reads no frames: the layer convert rewrote (a
+        # replica's modules would be the original's, so a compiled replica runs them plainly)
+        return None if layer is None or stand_in.__dict__.get("_is_replica", False) else layer
+    frame = _sys._getframe(1)  # past the stand-in's frames (this file) and nn.Module.__call__'s
+    while frame is not None and frame.f_code.co_filename in _STAND_IN_FILES:
         frame = frame.f_back
-    return (frame is not None and frame.f_code is _forward_code(type(layer))
-            and frame.f_locals.get("self") is layer)
+    caller = None if frame is None else frame.f_locals.get("self")
+    if (caller is None or type(caller) is not type(layer) or caller._modules.get(key) is not stand_in
+            or frame.f_code is not _forward_code(type(caller))):
+        return None
+    return caller
 
 
-def _fused_flag(tail):
-    """The one-element list an inlined FFN's three stand-ins share (kept on the tail): True from
-    the head's fused call until fc2 passes its output on."""
-    flag = tail.__dict__.get("_fusedrc_fused")
-    if flag is None:  # pickled before the flag existed
-        flag = tail.__dict__["_fusedrc_fused"] = [False]
-    return flag
+class _PassThrough:
+    """Armed by an inlined FFN's head when it ran the whole FFN: the activation's slot and fc2
+    then pass their input (the FFN's output) through on their next call from the layer. One per
+    stand-in; a DataParallel replica gets its own (replicas run in threads of their own)."""
+
+    def __init__(self):
+        self.armed = False
+
+    def _fusedrc_rebind(self, replica):
+        return _PassThrough()
 
 
-def _is_replica(module):
-    """An ``nn.DataParallel`` replica: the references an inlined FFN's modules hold to each other
-    are the original's (a replica is built before its siblings exist), so it runs unfused."""
-    return module.__dict__.get("_is_replica", False)
+def _stand_in(module, layer):
+    """Set up ``module`` as one of an inlined FFN's three stand-ins in ``layer``."""
+    module.__dict__["_fusedrc_layer"] = layer
+    module.__dict__["_fusedrc_pass"] = _PassThrough()
+    bind_replicas(module)  # a fresh _PassThrough on each replica
+
+
+def _passes_through(stand_in, key) -> bool:
+    """Whether the head armed ``stand_in`` and its layer's forward is calling it: disarmed then."""
+    flag = stand_in.__dict__["_fusedrc_pass"]
+    if flag.armed and _calling_layer(stand_in, key) is not None:
+        flag.armed = False
+        return True
+    return False
 
 
 class _FFNHead(nn.Linear):
     """Stands in for an FFN's first Linear (same parameters, same key) and runs the whole FFN.
 
     Used where the FFN is inlined in a larger forward (OPT): ``fc1`` computes
-    ``fc2(act(fc1(x)))`` fused, the activation's slot becomes an :class:`_FFNAct` and
-    ``fc2`` an :class:`_FFNTail`, both passing their input through. When a hook sits on
-    any of the three (registered after convert), the head computes ``fc1`` alone and the
-    two others the activation and ``fc2``: each hook sees what it would see unconverted.
-    Called from anywhere but the layer's own forward (``layer.fc1(x)`` by hand), each of
-    the three is the plain module it replaced.
+    ``fc2(act(fc1(x)))`` fused, and the activation's slot (an :class:`_FFNAct`) and ``fc2``
+    (an :class:`_FFNTail`) pass their input through. When a hook sits on any of the three,
+    or another module sits at one of their keys (a LoRA adapter, another activation), the
+    head computes ``fc1`` alone and the two others the activation and ``fc2``: each hook sees
+    what it would see unconverted. Called from anywhere but the layer's own forward
+    (``layer.fc1(x)`` by hand), each of the three is the plain module it replaced.
     """
 
-    def __init__(self, fc1, act_mod, act_name, tail, act_slot, layer, dropout):
+    def __init__(self, fc1, act_name, layer, dropout):
         nn.Module.__init__(self)
         self.in_features, self.out_features = fc1.in_features, fc1.out_features
         self.weight, self.bias = fc1.weight, fc1.bias
-        self.__dict__["_fusedrc_ffn"] = (act_mod, act_name, tail, act_slot)
-        # the layer whose forward inlines the FFN, and whether a dropout of p=activation_dropout
-        # sits between fc1 and fc2 there (fused only while that p is 0 or the layer is in eval)
-        self.__dict__["_fusedrc_layer"] = (layer, dropout)
+        self.__dict__["_fusedrc_act"] = act_name
+        # whether a dropout of p=activation_dropout sits between fc1 and fc2 in the layer's forward
+        # (fused only while that p is 0 or the layer is in eval)
+        self.__dict__["_fusedrc_dropout"] = dropout
         self.__dict__["site"] = Site()
         self.site.enabled = True
-
-    def _in_place(self, act_slot, tail):
-        """Whether the layer still holds the three stand-ins at their keys (not, say, a LoRA wrapper
-        put around fc1 or fc2, or another activation, after convert) and its dropout between them
-        does nothing now."""
-        layer, dropout = self.__dict__.get("_fusedrc_layer", (None, False))
-        if layer is None:  # pickled before the layer was recorded
-            return True
-        mods = layer._modules
-        if mods.get("fc1") is not self or mods.get("activation_fn") is not act_slot or mods.get("fc2") is not tail:
-            return False
-        return not (dropout and layer.training and (getattr(layer, "activation_dropout", 0) or 0) > 0)
+        _stand_in(self, layer)
 
     def forward(self, x):
-        act_mod, act, tail, act_slot = self.__dict__["_fusedrc_ffn"]  # tail: fc2's parameters
-        fused = _fused_flag(tail)
-        fused[0] = False
-        # fc1 alone: called by hand or through a wrapper (a LoRA adapter put around it), a DataParallel
-        # replica (its peers are the original's), hooks on any of the three, a module swapped in
-        if (not _called_from(self.__dict__.get("_fusedrc_layer", (None,))[0]) or _is_replica(self)
-                or not _nohooks(self, act_slot, tail) or not self._in_place(act_slot, tail)):
+        layer = _calling_layer(self, "fc1")
+        act_slot, tail = (None, None) if layer is None else (layer._modules.get("activation_fn"),
+                                                             layer._modules.get("fc2"))
+        peers = [m for m in (act_slot, tail) if isinstance(m, (_FFNAct, _FFNTail))]
+        for m in peers:  # left armed by a layer call that raised half-way
+            m.__dict__["_fusedrc_pass"].armed = False
+        if (not (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail)) or not _nohooks(self, act_slot, tail)
+                or (self.__dict__["_fusedrc_dropout"] and layer.training
+                    and (getattr(layer, "activation_dropout", 0) or 0) > 0)):
             return nn.functional.linear(x, self.weight, self.bias)
-        fused[0] = True  # the activation's slot and fc2 pass the FFN's output through
+        act_mod, act = act_slot.__dict__["_fusedrc_act"], self.__dict__["_fusedrc_act"]
 
-        def plain(x):
+        def plain(x):  # fc2's parameters from the tail, the module registered in the layer
             return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
 
         if not _dense_runtime_ok(x, self, tail):
-            return plain(x)
-        return _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
-                         plain, x)
+            out = plain(x)
+        else:
+            out = _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
+                            plain, x)
+        for m in peers:
+            m.__dict__["_fusedrc_pass"].armed = True
+        return out
 
     def _get_name(self):
         return "FusedFFN(fc1)"
@@ -491,16 +508,13 @@ class _FFNAct(nn.Module):
     """The activation's slot in a fused inlined FFN: its input is the FFN's output (passed
     through) when the head ran fused, else ``fc1``'s output (then it applies the activation)."""
 
-    def __init__(self, act_mod, tail, layer=None):
+    def __init__(self, act_mod, layer):
         super().__init__()
-        self.__dict__["_fusedrc_act"] = (act_mod, tail)
-        self.__dict__["_fusedrc_layer"] = layer
+        self.__dict__["_fusedrc_act"] = act_mod
+        _stand_in(self, layer)
 
     def forward(self, x):
-        act_mod, tail = self.__dict__["_fusedrc_act"]
-        if _fused_flag(tail)[0] and not _is_replica(self) and _called_from(self.__dict__.get("_fusedrc_layer")):
-            return x
-        return act_mod(x)
+        return x if _passes_through(self, "activation_fn") else self.__dict__["_fusedrc_act"](x)
 
     def _get_name(self):
         return "FusedFFN(activation, computed in fc1)"
@@ -510,19 +524,14 @@ class _FFNTail(nn.Linear):
     """Holds the FFN's second Linear (same parameters, same key); its input is already the FFN's
     output when the head ran fused, else the activation's (then it applies the Linear)."""
 
-    def __init__(self, fc2, layer=None):
+    def __init__(self, fc2, layer):
         nn.Module.__init__(self)
         self.in_features, self.out_features = fc2.in_features, fc2.out_features
         self.weight, self.bias = fc2.weight, fc2.bias
-        self.__dict__["_fusedrc_layer"] = layer
-        self.__dict__["_fusedrc_fused"] = [False]
+        _stand_in(self, layer)
 
     def forward(self, x):
-        fused = _fused_flag(self)
-        if fused[0] and not _is_replica(self) and _called_from(self.__dict__.get("_fusedrc_layer")):
-            fused[0] = False
-            return x
-        return nn.functional.linear(x, self.weight, self.bias)
+        return x if _passes_through(self, "fc2") else nn.functional.linear(x, self.weight, self.bias)
 
     def _get_name(self):
         return "FusedFFN(fc2, computed in fc1)"
@@ -1080,8 +1089,8 @@ def _inline_ffn_layer(ctx, name, m):
     # the head reads fc2's parameters from the tail, the module registered in the tree, so that
     # anything replacing registered parameters (load_state_dict(assign=True), FSDP2) reaches both
     tail = _FFNTail(fc2, m)
-    act_slot = _FFNAct(act_mod, tail, m)
-    head = _FFNHead(fc1, act_mod, act, tail, act_slot, m, dropout)
+    act_slot = _FFNAct(act_mod, m)
+    head = _FFNHead(fc1, act, m, dropout)
     ctx.unit(unit, "ffn", _Switch(m, fc1=head, activation_fn=act_slot, fc2=tail),
              _Switch(m, fc1=fc1, activation_fn=act_mod, fc2=fc2), (fc1,))
     return m

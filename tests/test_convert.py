@@ -657,9 +657,10 @@ def test_unmark_keeps_converts_replica_hook_and_a_marked_root_is_not_rewritten()
     assert "forward" not in out.__dict__ and "_replicate_for_data_parallel" not in out.__dict__
 
 
-def test_data_parallel_replica_of_an_inlined_ffn_runs_unfused():
-    """OPT's FFN is inlined in the decoder layer: its replica's three modules cannot reach each
-    other (replicate builds a replica before its siblings), so they run fc1, act, fc2 plainly."""
+def test_data_parallel_replica_of_an_inlined_ffn_runs_fused():
+    """OPT's FFN is inlined in the decoder layer: replicate builds each module's replica before its
+    siblings', so the stand-ins find each other through the layer calling them, at run time. A
+    replica runs the fused FFN on its own parameters, with its own pass-through flags."""
     transformers = _transformers()
     cfg = transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
                                  num_attention_heads=2, max_position_embeddings=32, dropout=0.0,
@@ -668,15 +669,47 @@ def test_data_parallel_replica_of_an_inlined_ffn_runs_unfused():
     layer = transformers.models.opt.modeling_opt.OPTDecoderLayer(cfg).train()
     conv = fusedrc.convert(layer, policy=["fc1"])
     replica = replicate_on_cpu(conv, scale=2.0)
-    assert type(replica.fc1).__name__ == "_FFNHead"
+    assert type(replica.fc1).__name__ == "_FFNHead" and replica.fc2 is not conv.fc2
     ref = copy.deepcopy(layer)
     with torch.no_grad():
         for p in ref.parameters():
             p.mul_(2)
-    x = torch.randn(2, 5, 16)
-    assert rel_err(replica(x)[0], ref(x)[0]) <= TOL
-    assert torch.equal(conv(x)[0], conv(x)[0])  # the original still runs
-    assert conv.fc2.__dict__["_fusedrc_fused"] == [False]  # no pass-through left armed
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with FusedOpLog() as log:
+        y = replica(x)[0]
+        y.square().sum().backward()
+    assert log.ops == ["fused_mlp", "fused_mlp_backward"]
+    yr = ref(xr)[0]
+    yr.square().sum().backward()
+    assert rel_err(y, yr) <= TOL and rel_err(x.grad, xr.grad) <= TOL
+    flags = [m.__dict__["_fusedrc_pass"] for net in (conv, replica) for m in (net.activation_fn, net.fc2)]
+    assert len({id(f) for f in flags}) == 4 and not any(f.armed for f in flags)  # none left armed
+    with FusedOpLog() as log:
+        assert torch.equal(conv(x)[0], conv(x)[0])  # the original still runs, fused
+    assert log.ops == ["fused_mlp", "fused_mlp"]
+    # called by hand, the replica's stand-ins are the plain modules, as the original's
+    h = torch.randn(3, 16)
+    torch.testing.assert_close(replica.fc1(h), torch.nn.functional.linear(h, 2 * layer.fc1.weight, 2 * layer.fc1.bias))
+
+
+def test_opt_inlined_ffn_compiles_fused_without_graph_breaks():
+    """Under torch.compile the stand-ins read no frames (dynamo inlines the layer's forward): the
+    graph holds one fused FFN per layer, no break, the eager outputs and gradients, no flag left armed."""
+    conv = fusedrc.convert(_opt(num_hidden_layers=1))
+    ids = torch.randint(0, 128, (2, 7))
+    with fusedrc.use_backend("reference"):
+        eager = conv(ids).logits
+        eager_grads = torch.autograd.grad(eager.square().sum(), list(conv.parameters()))
+        explained = torch._dynamo.explain(conv)(ids)
+        torch._dynamo.reset()
+        compiled = torch.compile(conv, backend="aot_eager")(ids).logits
+        grads = torch.autograd.grad(compiled.square().sum(), list(conv.parameters()))
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0
+    assert sum("fused_mlp" in str(n.target) for g in explained.graphs for n in g.graph.nodes) == 1
+    assert rel_err(compiled, eager) <= TOL and all(rel_err(a, b) <= TOL for a, b in zip(grads, eager_grads))
+    assert not any(m.__dict__["_fusedrc_pass"].armed for m in conv.modules() if "_fusedrc_pass" in m.__dict__)
 
 
 # --------------------------------------------------------------------------- the converted object
