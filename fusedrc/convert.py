@@ -436,7 +436,7 @@ class _PassThrough:
 
 
 def _stand_in(module, layer):
-    """Set up ``module`` as one of an inlined FFN's three stand-ins in ``layer``."""
+    """Set up ``module`` as the activation's slot or fc2 of an inlined FFN in ``layer``."""
     module.__dict__["_fusedrc_layer"] = layer
     module.__dict__["_fusedrc_pass"] = _PassThrough()
     bind_replicas(module)  # a fresh _PassThrough on each replica
@@ -473,7 +473,7 @@ class _FFNHead(nn.Linear):
         self.__dict__["_fusedrc_dropout"] = dropout
         self.__dict__["site"] = Site()
         self.site.enabled = True
-        _stand_in(self, layer)
+        self.__dict__["_fusedrc_layer"] = layer  # the head never passes through: no flag
 
     def forward(self, x):
         layer = _calling_layer(self, "fc1")
@@ -486,7 +486,7 @@ class _FFNHead(nn.Linear):
                 or (self.__dict__["_fusedrc_dropout"] and layer.training
                     and (getattr(layer, "activation_dropout", 0) or 0) > 0)):
             return nn.functional.linear(x, self.weight, self.bias)
-        act_mod, act = act_slot.__dict__["_fusedrc_act"], self.__dict__["_fusedrc_act"]
+        act_mod, act = act_slot.__dict__["_fusedrc_act_mod"], self.__dict__["_fusedrc_act"]
 
         def plain(x):  # fc2's parameters from the tail, the module registered in the layer
             return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
@@ -510,11 +510,11 @@ class _FFNAct(nn.Module):
 
     def __init__(self, act_mod, layer):
         super().__init__()
-        self.__dict__["_fusedrc_act"] = act_mod
+        self.__dict__["_fusedrc_act_mod"] = act_mod
         _stand_in(self, layer)
 
     def forward(self, x):
-        return x if _passes_through(self, "activation_fn") else self.__dict__["_fusedrc_act"](x)
+        return x if _passes_through(self, "activation_fn") else self.__dict__["_fusedrc_act_mod"](x)
 
     def _get_name(self):
         return "FusedFFN(activation, computed in fc1)"

@@ -201,6 +201,14 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _gelu_tanh_t(h):
+    """tanh(u) of gelu_tanh as 2 sigmoid(2u) - 1 (no libdevice tanh in the interpreter); rounds to
+    -1 where torch's tanh does, so act(h) and its derivative are exactly 0 there, as in torch (an
+    inf factor then gives NaN, not inf times a tiny value)."""
+    return 2.0 * _sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h)) - 1.0
+
+
+@triton.jit
 def _act_fwd(h, ACTIVATION: tl.constexpr):
     """act(h) in fp32. ReLU keeps NaN (a NaN is not < 0), as torch does."""
     if ACTIVATION == "none":
@@ -213,11 +221,8 @@ def _act_fwd(h, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "gelu":
         y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
-        # torch's 0.5 h (1 + tanh(u)), tanh(u) = 2 sigmoid(2u) - 1 (no libdevice tanh in the
-        # interpreter). Not the shorter h * sigmoid(2u): tanh must round to -1 where torch's
-        # does, so that act(h) is exactly 0 there (and g = inf gives NaN, as in torch)
-        t = 2.0 * _sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h)) - 1.0
-        y = 0.5 * h * (1.0 + t)
+        # torch's 0.5 h (1 + tanh(u)), not the shorter h * sigmoid(2u) (see _gelu_tanh_t)
+        y = 0.5 * h * (1.0 + _gelu_tanh_t(h))
     else:  # silu
         y = h * _sigmoid(h)
     return y
@@ -239,8 +244,8 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
         pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
         gh = g * (cdf + h * pdf)
     elif ACTIVATION == "gelu_tanh":
-        # aten's gelu_backward(approximate="tanh"), t as in _act_fwd
-        t = 2.0 * _sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h)) - 1.0
+        # aten's gelu_backward(approximate="tanh")
+        t = _gelu_tanh_t(h)
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
         gh = g * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
     else:  # silu
