@@ -1,4 +1,7 @@
-"""Conv2d + BatchNorm2d + ReLU (+ residual): implicit-GEMM Triton kernels and launchers.
+"""Conv2d + BatchNorm2d + activation (+ residual): implicit-GEMM Triton kernels and launchers.
+
+The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, gelu_tanh, silu;
+the epilogue functions of kernels/_common.py); ReLU below stands for it.
 
 Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
 (C_out, C_in, KH, KW), groups=1. The convolution is an implicit GEMM:
@@ -46,8 +49,8 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
 
 All partial reductions go through per-tile buffers reduced in a fixed order: no
 atomics anywhere, results are bitwise repeatable. Tile configurations come from
-the fixed table below (no autotuning). Activations other than "relu", and empty
-tensors, run the reference implementation (fusedrc.reference), which is correct.
+the fixed table below (no autotuning). float64, empty tensors and samples past 32-bit
+offsets run the reference implementation (fusedrc.reference), which is correct.
 """
 from __future__ import annotations
 
@@ -59,13 +62,13 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _I32_MAX, _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv, device_capability, dot_precision,
-    interpreting, launcher, operand_class, wanted,
+    ACTIVATIONS, _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv,
+    device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
 
-SUPPORTED_ACTIVATIONS = ("relu",)
+SUPPORTED_ACTIVATIONS = ACTIVATIONS  # the dense kernels' epilogue functions (_common)
 
 # Strategy switches (module level: the launchers' signatures are fixed). Every setting gives
 # the same results; they exist to be measured on a GPU per shape. "auto" decides per layer
@@ -344,6 +347,7 @@ def _conv_bn_fwd_kernel(
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
     APPLY: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -383,22 +387,24 @@ def _conv_bn_fwd_kernel(
         o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
         r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
         _apply_epilogue(zf, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                        mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_M, BLOCK_N,
-                        EPILOGUE_SPLIT)
+                        mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M,
+                        BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
 def _apply_epilogue(zf, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
                     mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                    HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """The forward's normalize + affine (+ residual) + ReLU on channels [c0, c0 + WIDTH) of its
+                    HAS_B: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """The forward's normalize + affine (+ residual) + activation on channels [c0, c0 + WIDTH) of its
     tile, in SPLIT column slices one after the other (as the dense grad kernel's epilogue)."""
     if SPLIT > 1:
         z0, z1 = _column_halves(zf, BLOCK_M, WIDTH)
         _apply_epilogue(z0, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr, rstd_ptr,
-                        gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                        gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _apply_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr,
-                        rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                        rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2,
+                        SPLIT // 2)
     else:
         offs_n = c0 + tl.arange(0, WIDTH)
         mask_n = offs_n < C_OUT
@@ -409,7 +415,7 @@ def _apply_epilogue(zf, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_
         if HAS_RES:
             pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask,
                                 other=0.0).to(tl.float32)
-        y = tl.where(pre < 0.0, 0.0, pre)  # ReLU; NaN stays NaN like torch.relu
+        y = _act_fwd(pre, ACTIVATION)  # ReLU: NaN stays NaN like torch.relu
         tl.store(y_ptr + o_pix[:, None] + (offs_n * s_oc)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -467,10 +473,11 @@ def _conv_bn_bwd_kernel(
     FROM_Z: tl.constexpr, STORE_Z: tl.constexpr, REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr,
     TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
-    """Recompute z (or read it: FROM_Z), the pre-activation and the ReLU mask, then
+    """Recompute z (or read it: FROM_Z) and the pre-activation; g = act'(pre) * grad_out, then
 
     REDUCE:  per-tile partials of g and g*xhat per channel (pg, pgx: (tiles_m, C_OUT));
     EMIT_DZ: dz in x.dtype, and per-tile partials of dz (pdb) for the conv bias;
@@ -507,7 +514,7 @@ def _conv_bn_bwd_kernel(
     _bwd_epilogue(zf, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
                   g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
                   pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                  HAS_W, HAS_B, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+                  HAS_W, HAS_B, ACTIVATION, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -517,7 +524,7 @@ def _bwd_epilogue(
     pg_ptr, pgx_ptr, pdb_ptr,
     REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr, TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The backward kernel's epilogue on channels [c0, c0 + WIDTH) of its tile (zf holds them),
     in SPLIT column slices one after the other (as the dense grad kernel's epilogue)."""
@@ -526,11 +533,11 @@ def _bwd_epilogue(
         _bwd_epilogue(z0, c0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
                       g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
                       pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                      HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                      HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _bwd_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
                       s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
                       sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
-                      HAS_RES, HAS_W, HAS_B, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                      HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
         offs_n = c0 + tl.arange(0, WIDTH)
         mask_n = offs_n < C_OUT
@@ -543,8 +550,9 @@ def _bwd_epilogue(
             pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask,
                                 other=0.0).to(tl.float32)
         gout = tl.load(g_ptr + g_pix[:, None] + (offs_n * s_gc)[None, :], mask=mask, other=0.0).to(tl.float32)
-        # threshold_backward(grad, pre, 0): pre <= 0 -> 0 (a NaN pre lets grad through, as in torch)
-        g = tl.where(pre <= 0.0, 0.0, gout)  # gout is 0 outside the mask already
+        # torch's activation backward formulas (ReLU: threshold_backward, a NaN pre lets grad through).
+        # gout is 0 outside the mask and pre finite there, so g is 0 there too (the sums rely on it)
+        g = _act_grad(pre, gout, ACTIVATION)
         xhat = (zf - mean[None, :]) * rstd[None, :]
         if STORE_DRES:
             tl.store(dres_ptr + o_offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
@@ -796,6 +804,7 @@ def conv_bn_act_forward(
             **_geom_constexprs(KH, KW, stride, padding, dilation),
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
+            ACTIVATION=activation if apply else "relu",  # unused without APPLY: one compile for all
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -942,7 +951,7 @@ def conv_bn_act_backward(
             **_geom_constexprs(KH, KW, stride, padding, dilation),
             FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce, EMIT_DZ=emit, TRAINING=bool(training),
             STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
-            HAS_W=gamma is not None, HAS_B=beta is not None,
+            HAS_W=gamma is not None, HAS_B=beta is not None, ACTIVATION=activation,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1097,11 +1106,16 @@ def _inspect_dw(dtype, mode: str):
     return sig, constexprs, aligned
 
 
+# the launch modes whose epilogue applies the activation (or its derivative)
+_ACTIVATION_MODES = ("apply", "reduce", "emit_dz", "eval")
+
+
 def inspect_specs():
     """One spec per distinct compile of every kernel of this module, for the sm90 and
     sm80 table entries (fp16 and bf16 for "16bit", fp32 with tf32/ieee for "tf32"/"fp32"):
     the GEMM-shaped kernels (forward "stats" and "apply", backward "reduce",
-    "emit_dz" and "eval", dX, dW) at each entry, the elementwise forward pass at ``_ELEM_CONFIG``
+    "emit_dz" and "eval", dX, dW) at each entry (ReLU; bf16 also with GELU, config
+    ``"activation": "gelu"``), the elementwise forward pass at ``_ELEM_CONFIG``
     and the statistics finalize kernel as ``_finalize_stats`` launches it. Entries
     that compile to the same code share one spec (their labels joined)."""
     # (kernel, spec builder, launch modes): the implicit-GEMM passes at each table entry, and the
@@ -1122,7 +1136,7 @@ def inspect_specs():
         spec["source"] = label
         specs.append(spec)
 
-    def make(fn, build, mode, dtype, precision, cfg, arch, gemm):
+    def make(fn, build, mode, dtype, precision, cfg, arch, gemm, activation="relu"):
         sig, constexprs, aligned = build(dtype, mode)
         constexprs.update(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                           GROUP_M=cfg.GROUP_M, PRECISION=precision, UPCAST=False)
@@ -1135,6 +1149,9 @@ def inspect_specs():
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if fn in (_conv_bn_fwd_kernel, _conv_bn_bwd_kernel):
             constexprs["EPILOGUE_SPLIT"] = config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
+            constexprs["ACTIVATION"] = activation
+            if activation != "relu":
+                config["activation"] = activation
         return {"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
                 "num_stages": cfg.num_stages, "gemm": gemm, "aligned": aligned}
@@ -1153,6 +1170,10 @@ def inspect_specs():
                 for mode in modes:
                     add((fn.__name__, mode, arch, dtype, precision, cfg), label,
                         functools.partial(make, fn, build, mode, dtype, precision, cfg, arch, True))
+                    # bf16 also with GELU (erf, and exp in its derivative): the heaviest activation epilogue
+                    if dtype == torch.bfloat16 and mode in _ACTIVATION_MODES:
+                        add((fn.__name__, mode, arch, dtype, precision, cfg, "gelu"), label,
+                            functools.partial(make, fn, build, mode, dtype, precision, cfg, arch, True, "gelu"))
             # one compile per (arch, dtype, mode): the first entry's precision stands for all
             for fn, build, modes in elem_kernels:
                 for mode in modes:

@@ -84,6 +84,11 @@ def test_every_spec_compiled(inspection):
     # and the passes over a z buffer (buffered strategies, CONV_Z="aten"), elementwise
     fwd_modes = {(r["config"].get("mode"), r["gemm"]) for r in results if r["kernel"] == "_conv_bn_fwd_kernel"}
     assert fwd_modes >= {("stats", True), ("apply", True), ("from_z", False), ("z_stats", False)}
+    # the conv passes that apply the activation or its derivative, also with GELU's epilogue (bf16)
+    gelu = {(r["kernel"], r["config"]["mode"], r["arch"]) for r in results
+            if r["config"].get("activation") == "gelu" and r["dtype"] == "bfloat16"}
+    assert gelu == {(k, m, a) for a in ("sm_90", "sm_80") for k, modes in (
+        ("_conv_bn_fwd_kernel", ("apply",)), ("_conv_bn_bwd_kernel", ("reduce", "emit_dz", "eval"))) for m in modes}
 
 
 def test_record_keys_and_types(inspection):

@@ -1,4 +1,4 @@
-"""Conv2d + BatchNorm2d + ReLU Triton kernels against the float64 reference.
+"""Conv2d + BatchNorm2d + activation Triton kernels against the float64 reference.
 
 Without a GPU these run under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), where the tile table is replaced by 16x16x16 tiles: the
@@ -316,9 +316,32 @@ def test_running_buffers_untouched_and_deterministic(device):
         assert torch.equal(a, b)
 
 
-def test_unsupported_activation_falls_back(device):
-    t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=False, device=device)
-    _check_all(t, geom, True, torch.float32, activation="silu")
+def _activations_launched(seen):
+    """The ACTIVATION of every launch that applies it (forward APPLY passes, every backward pass)."""
+    return {kw["ACTIVATION"] for name, kw in seen
+            if name == "_conv_bn_bwd_kernel" or (name == "_conv_bn_fwd_kernel" and kw["APPLY"])}
+
+
+@pytest.mark.parametrize("activation", ["relu2", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_activations(activation, training, monkeypatch, device):
+    """Every activation of the dense kernels runs in the conv epilogues (residual and conv bias
+    on), in the kernels, not through the reference path, against the float64 reference."""
+    seen = _record_launches(monkeypatch)
+    t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    _check_all(t, geom, training, torch.float32, activation)
+    assert _activations_launched(seen) == {activation}
+
+
+@pytest.mark.parametrize("activation,conv_z", [("silu", "triton"), ("gelu", "aten")])
+def test_activations_fp16_and_z_buffer(activation, conv_z, monkeypatch, device):
+    """fp16, channels_last; also the passes that read a z buffer (CONV_Z="aten")."""
+    monkeypatch.setattr(K, "CONV_Z", conv_z)
+    seen = _record_launches(monkeypatch)
+    t, geom = _inputs(SHAPES["3x3s1"], torch.float16, bias=False, affine=True, residual=True, device=device)
+    t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
+    _check_all(t, geom, True, torch.float16, activation)
+    assert _activations_launched(seen) == {activation}
 
 
 def test_large_mean_stats(device):
@@ -359,19 +382,27 @@ def test_mask_consistency(dtype, training, conv_z, monkeypatch, device):
     assert (y[~fwd_mask] == 0).all()
 
 
-def test_nan_propagation(device):
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu_tanh"])
+def test_nan_propagation(activation, device):
+    """NaN in x and in the residual: the NaN pattern of y and of the residual's gradient (the
+    activation's derivative at a NaN or infinite pre-activation) is torch's."""
     t, geom = _inputs(SHAPES["3x3s1"], torch.float32, bias=False, affine=True, residual=True, device=device)
     t["x"][0, 1, 2, 3] = float("nan")
     t["residual"][0, 2, 0, 0] = float("nan")
+    t["residual"][0, 3, 1, 1] = float("inf")
+    t["residual"][0, 4, 1, 2] = -float("inf")
     td = {k: _d(v) for k, v in t.items()}
     for training in (False, True):
-        y, _, _ = _forward(K, t, geom, training)
-        y_r, _, _ = _forward(R, td, geom, training)
+        y, mean, rstd = _forward(K, t, geom, training, activation)
+        y_r, mean_r, rstd_r = _forward(R, td, geom, training, activation)
         nan = torch.isnan(y)
         assert nan.any()
         assert torch.equal(nan, torch.isnan(y_r)), "NaN pattern differs from torch"
         if (~nan).any():
             assert torch.allclose(y[~nan].double(), y_r[~nan], rtol=1e-4, atol=1e-5)
+        dres = _backward(K, t, geom, mean, rstd, training, activation)[5]
+        dres_r = _backward(R, td, geom, mean_r, rstd_r, training, activation)[5]
+        assert torch.equal(torch.isnan(dres), torch.isnan(dres_r)), "NaN pattern of the gradient differs"
 
 
 # --------------------------------------------------------------------------- through the op
