@@ -136,14 +136,16 @@ def match(block, args, kwargs):
         return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act, dropout_p=p)
     if (
         len(mods) == 3 and _plain_conv(mods[0], x) and _plain_bn(mods[1], mods[0].out_channels)
-        and type(mods[2]) is nn.ReLU
+        and activation_name(mods[2])
     ):
-        conv, bn = mods[0], mods[1]
-        return lambda: conv_bn_relu_call(conv, bn, x)
+        conv, bn, act = mods[0], mods[1], activation_name(mods[2])
+        return lambda: conv_bn_act_call(conv, bn, x, activation=act)
     return None
 
 
-def conv_bn_relu_call(conv, bn, x, residual=None):
+def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
+    """``act(bn(conv(x)) [+ residual])`` through the fused op, with ``nn.BatchNorm2d``'s
+    bookkeeping (running statistics, ``num_batches_tracked``) done once per forward."""
     from . import functional as F
     from ._state import in_recompute
 
@@ -159,7 +161,7 @@ def conv_bn_relu_call(conv, bn, x, residual=None):
         return F.conv_bn_act(
             x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
             stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
-            bias=conv.bias, residual=residual, activation="relu",
+            bias=conv.bias, residual=residual, activation=activation,
         )
     except Exception:
         # the call did not happen (rejected arguments, or the op raised): it counts no batch

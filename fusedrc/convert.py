@@ -2,7 +2,8 @@
 
 ``convert(model)`` finds, without changing what the model computes,
 
-* every ``Conv2d -> BatchNorm2d -> ReLU`` chain and every
+* every ``Conv2d -> BatchNorm2d -> act`` chain (act: ReLU, or SiLU, GELU, ... as for the
+  FFN; EfficientNet's and YOLO's Conv-BN-SiLU) and every
   ``Conv2d -> BatchNorm2d -> (+ identity) -> ReLU`` residual tail (torchvision
   ``BasicBlock``/``Bottleneck`` and the ResNet stem): they run
   :func:`fusedrc.functional.conv_bn_act` (``residual=`` for the tail);
@@ -33,7 +34,7 @@ How patterns are found
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
-   MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> ReLU and
+   MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> act and
    Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act) become one call of
    a parameter-free fused module. A graph is used only where it holds for every call
    (see ``_fx_trace``).
@@ -99,7 +100,7 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_relu_call,
+from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_act_call,
                         fused_dropout_p)
 from ._saved import SavedBytes
 from .recompute import _is_marked, _mark, bind_replicas, unmark
@@ -254,21 +255,32 @@ def _static_cbr(conv, bn, act):
         return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
     if type(bn) is not nn.BatchNorm2d or bn.num_features != conv.out_channels:
         return "the norm is not an nn.BatchNorm2d over the conv's channels"
-    if type(act) is not nn.ReLU:
-        return f"the activation is {type(act).__name__}, not nn.ReLU"
+    if _act_name(act) is None:
+        return f"activation {type(act).__name__} has no fused form"
     return None
 
 
+def _cbr_kind(act, residual=False):
+    """The plan's kind of a conv unit: "conv_bn_relu" / "conv_bn_add_relu" for ReLU, "conv_bn_act" /
+    "conv_bn_add_act" for another fused activation."""
+    tail = "relu" if _act_name(act) == "relu" else "act"
+    return f"conv_bn_add_{tail}" if residual else f"conv_bn_{tail}"
+
+
 def _runtime_cbr_ok(conv, bn, act, x):
+    # the static checks again: a module put in the unit's place after convert (a wrapper around
+    # the conv, another norm, an activation with no fused form) runs the modules as they now are
     return (
-        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and x.device == conv.weight.device
+        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and _static_cbr(conv, bn, act) is None
+        and x.device == conv.weight.device
         and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))
         and _nohooks(conv, bn, act)
     )
 
 
 def _cbr(site, conv, bn, act, x, residual=None):
-    """``act(bn(conv(x)) [+ residual])``: fused when ``site`` is on and the call is modelled."""
+    """``act(bn(conv(x)) [+ residual])``: fused when ``site`` is on and the call is modelled. The
+    activation is the one ``act`` is now (a ReLU swapped for a SiLU after convert runs fused as SiLU)."""
 
     def plain(x, residual=None):
         y = bn(conv(x))
@@ -278,9 +290,12 @@ def _cbr(site, conv, bn, act, x, residual=None):
 
     if site is not None and site.enabled and not _runtime_cbr_ok(conv, bn, act, x):
         site = None
+    if site is None or not site.enabled:
+        return plain(x) if residual is None else plain(x, residual)
+    name = _act_name(act)
     if residual is None:
-        return _run_site(site, lambda x: conv_bn_relu_call(conv, bn, x), plain, x)
-    return _run_site(site, lambda x, r: conv_bn_relu_call(conv, bn, x, r), plain, x, residual)
+        return _run_site(site, lambda x: conv_bn_act_call(conv, bn, x, activation=name), plain, x)
+    return _run_site(site, lambda x, r: conv_bn_act_call(conv, bn, x, r, name), plain, x, residual)
 
 
 class FusedBasicBlock(Wrapper):
@@ -351,6 +366,9 @@ def _still(act, act_mod, *linears):
     (not, say, a LoRA wrapper put in their place later) and an activation module of the same fused
     activation (not one swapped in). Otherwise the unit runs its modules as they now are."""
     return all(type(m) is nn.Linear for m in linears) and _act_name(act_mod) == act
+
+
+_CBR_KINDS = ("conv_bn_relu", "conv_bn_act")
 
 
 def _run_dense(site, kind, act, mods, x):
@@ -592,7 +610,7 @@ class _FusedSequential(nn.Sequential):
                 # a group runs fused, or module by module when its call is not modelled
                 kind, site, act, placed = g
                 chain = mods[i:i + len(placed)]
-                x = _cbr(site, *chain, x) if kind == "conv_bn_relu" else _run_dense(site, kind, act, chain, x)
+                x = _cbr(site, *chain, x) if kind in _CBR_KINDS else _run_dense(site, kind, act, chain, x)
                 i += len(chain)
                 continue
             x = mods[i](x)
@@ -619,7 +637,7 @@ class _FxFused(nn.Module):
     def forward(self, x, *registered):
         fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
         mods = [fixed[i] if i in fixed else next(live) for i in range(len(fixed) + len(registered))]
-        if self.kind == "conv_bn_relu":
+        if self.kind in _CBR_KINDS:
             return _cbr(self.site, *mods, x)
         return _run_dense(self.site, self.kind, self.act, mods, x)
 
@@ -773,7 +791,7 @@ def _declare_cbr(ctx, wrapper, block_name, key, conv, bn, act, residual=False):
     if reason is not None or not _nohooks(conv, bn, act):
         ctx.skip(name, reason or "hooks registered on the modules")
         return
-    _site_unit(ctx, wrapper, name, key, "conv_bn_add_relu" if residual else "conv_bn_relu", (conv,))
+    _site_unit(ctx, wrapper, name, key, _cbr_kind(act, residual), (conv,))
 
 
 # --------------------------------------------------------------------------- rule registry
@@ -1106,10 +1124,10 @@ def _seq_groups(seq, prefix, ctx):
     while i < len(mods):
         m = mods[i]
         if type(m) is nn.Conv2d and i + 2 < len(mods) and type(mods[i + 1]) in (nn.BatchNorm2d, nn.SyncBatchNorm) \
-                and type(mods[i + 2]) is nn.ReLU:
+                and _is_act_module(mods[i + 2]):
             reason = _static_cbr(m, mods[i + 1], mods[i + 2])
             if reason is None:
-                groups.append((i, i + 3, "conv_bn_relu", None, (m,)))
+                groups.append((i, i + 3, _cbr_kind(mods[i + 2]), None, (m,)))
                 i += 3
                 continue
             ctx.skip(_join(prefix, keys[i]), reason)
@@ -1291,8 +1309,11 @@ def _fx_pass(ctx, model, prefix=""):
             n1 = single(node)
             if n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
                 n2 = single(n1)
-                if n2 and act_of(n2)[0] == "relu" and (n2.op == "call_function" or type(mod(n2)) is nn.ReLU):
-                    chain, kind, act, modules = [node, n1, n2], "conv_bn_relu", "relu", [m, mod(n1), nn.ReLU()]
+                act, a = act_of(n2)
+                if act is None and n2 and _is_act_module(mod(n2)):
+                    ctx.skip(_join(prefix, node.target), f"activation {type(mod(n2)).__name__} has no fused form")
+                if act is not None:
+                    chain, kind, modules = [node, n1, n2], _cbr_kind(a), [m, mod(n1), a]
         elif type(m) is nn.Linear:
             n1 = single(node)
             act, a = act_of(n1)
@@ -1318,7 +1339,7 @@ def _fx_pass(ctx, model, prefix=""):
                 or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])):
             continue
         # the modules the model does not hold at the chain's node (a functional activation's
-        # equivalent; conv+BN's ReLU, always a fresh nn.ReLU) travel with the call, the rest by name
+        # equivalent) travel with the call, the rest by name
         fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules)) if c is not mod(n)}
         fused = _FxFused(kind, fixed, act)
         sub = f"_fusedrc_fx_{found}"

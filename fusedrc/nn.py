@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from . import functional as F
-from ._patterns import _conv_padding, activation_name, conv_bn_relu_call
+from ._patterns import _conv_padding, activation_name, conv_bn_act_call
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 
 __all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "ConvBNReLU"]
@@ -216,7 +216,8 @@ class GatedMLP(nn.Module):
 
 
 class ConvBNReLU(nn.Module):
-    """``relu(bn(conv(x)) [+ residual])`` with the conv recomputed in backward.
+    """``act(bn(conv(x)) [+ residual])`` with the conv recomputed in backward; ``activation``
+    defaults to ReLU (``"silu"``: the Conv-BN-SiLU block of EfficientNet and YOLO).
 
     Keeps ``x`` and the per-channel batch statistics (and ``residual``) for backward.
     BatchNorm semantics follow ``nn.BatchNorm2d``: ``num_batches_tracked``,
@@ -227,16 +228,19 @@ class ConvBNReLU(nn.Module):
             dtype: as in ``nn.Conv2d`` (``groups=1``, zero padding; ``padding="same"``
             needs an odd kernel extent).
         eps, momentum: as in ``nn.BatchNorm2d``.
+        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
 
     Example::
 
         >>> m = fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1)
         >>> m(torch.randn(2, 3, 8, 8)).shape
         torch.Size([2, 8, 8, 8])
+        >>> fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1, activation="silu").activation
+        'silu'
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None):
+                 eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None, activation="relu"):
         check_int(in_channels, "in_channels")
         check_int(out_channels, "out_channels")
         pair(kernel_size, "kernel_size", min_value=1)
@@ -247,15 +251,18 @@ class ConvBNReLU(nn.Module):
         check_number(eps, "eps", min_value=0)
         if momentum is not None:
             check_number(momentum, "momentum")
+        check_activation(activation)
         super().__init__()
+        self.activation = activation
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
                               bias=bias, device=device, dtype=dtype)
         self.bn = nn.BatchNorm2d(out_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
         _check_conv(self.conv, "padding")
 
     @classmethod
-    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d):
-        """Wrap an ``nn.Conv2d`` and an ``nn.BatchNorm2d`` (sharing their parameters and buffers)."""
+    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module | str = "relu"):
+        """Wrap an ``nn.Conv2d`` and an ``nn.BatchNorm2d`` (sharing their parameters and buffers)
+        and an activation module or name."""
         check_module(conv, "conv", nn.Conv2d)
         check_module(bn, "bn", nn.BatchNorm2d)
         if conv.groups != 1:
@@ -263,20 +270,29 @@ class ConvBNReLU(nn.Module):
         _check_conv(conv, "conv.padding")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.out_channels ({conv.out_channels})")
+        name = _act_name(act)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
+        m.activation = name
         m.conv, m.bn = conv, bn
         return m
 
     def forward(self, x, residual=None):
-        """``relu(bn(conv(x)) [+ residual])`` for ``x`` of shape ``(N, in_channels, H, W)``."""
+        """``act(bn(conv(x)) [+ residual])`` for ``x`` of shape ``(N, in_channels, H, W)``."""
         check_tensor(x, "input", ndim=4)
         if x.shape[1] != self.conv.in_channels:
             raise ValueError(
                 f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
                 f"for {type(self).__name__}, got shape {tuple(x.shape)}"
             )
-        return conv_bn_relu_call(self.conv, self.bn, x, residual)
+        return conv_bn_act_call(self.conv, self.bn, x, residual, self.activation)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+    def __setstate__(self, state):
+        state.setdefault("activation", "relu")  # pickled before activation existed
+        super().__setstate__(state)
 
 
 def _check_conv(conv, name):

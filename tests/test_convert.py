@@ -1184,3 +1184,102 @@ def test_layer_with_an_instance_forward_is_not_rewritten():
         conv = fusedrc.convert(model, inplace=True)
     assert conv.fusedrc_plan.fused == ["model.decoder.layers.1.fc1"]
     assert type(layer.fc1) is nn.Linear
+
+
+# --------------------------------------------------------------------------- Conv-BN with other activations
+class _ConvActNet(nn.Module):
+    """fx-traced chains: Conv-BN-SiLU as modules, Conv-BN-gelu functional, Conv-BN-Tanh (no fused form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1, self.a1 = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.SiLU()
+        self.c2, self.b2 = nn.Conv2d(6, 5, 1, bias=False), nn.BatchNorm2d(5)
+        self.c3, self.b3, self.a3 = nn.Conv2d(5, 4, 3), nn.BatchNorm2d(4), nn.Tanh()
+
+    def forward(self, x):
+        x = nn.functional.gelu(self.b2(self.c2(self.a1(self.b1(self.c1(x))))), approximate="tanh")
+        return self.a3(self.b3(self.c3(x)))
+
+
+def test_conv_bn_other_activations_sequential_and_fx():
+    """Conv -> BatchNorm2d -> SiLU / GELU chains are fused (kind "conv_bn_act"), in a Sequential and
+    through fx (module and functional activations); one with no fused form is reported; outputs,
+    gradients and running statistics match the original's over two steps (convs without bias:
+    one before BatchNorm has a gradient of pure rounding noise)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.SiLU(),
+                        nn.Conv2d(6, 4, 1, bias=False), nn.BatchNorm2d(4), nn.GELU(),
+                        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Hardswish()).train()
+    fx = _ConvActNet().train()
+    x = torch.randn(2, 3, 7, 7)
+    for model, fused, skipped in ((seq, ["0", "3"], "6"), (fx, ["c1", "c2"], "c3")):
+        with pytest.warns(UserWarning, match="has no fused form"):
+            conv = fusedrc.convert(model, example_inputs=(x,))
+        plan = conv.fusedrc_plan
+        assert [(u.name, u.kind) for u in plan.units] == [(n, "conv_bn_act") for n in fused]
+        assert [n for n, _ in plan.skipped] == [skipped]
+        ops = []
+        with FusedOpLog(ops):
+            copy.deepcopy(conv)(x)  # a copy: a training forward updates the running statistics
+        assert ops == ["conv_bn_act", "conv_bn_act"]
+        for _ in range(2):
+            model.zero_grad(), conv.zero_grad()
+            _assert_same_step(model, conv, x)
+        assert plan.final_bytes < plan.baseline_bytes
+
+
+def test_efficientnet_conv_bn_silu_units():
+    """torchvision EfficientNet-B0: its groups=1 Conv-BN-SiLU chains (stem, 1x1 expansions, head) are
+    fused through fx; depthwise convs stay as they are; outputs, gradients and BatchNorm statistics
+    match; the bytes kept are no more than torch.utils.checkpoint's on the same units (+ mean/rstd)."""
+    try:
+        tv = _import_torchvision()
+    except ImportError:
+        pytest.skip("torchvision is not installed (test extra)")
+    torch.manual_seed(0)
+    model = tv.models.efficientnet_b0(num_classes=10).train()
+    x = torch.randn(2, 3, 32, 32)
+    conv = fusedrc.convert(model, example_inputs=(x,))
+    plan = conv.fusedrc_plan
+    chains = [m for m in model.modules() if type(m).__name__ == "Conv2dNormActivation"
+              and m[0].groups == 1 and isinstance(m[-1], nn.SiLU)]
+    assert len(plan.fused) == len(chains) == 17 and {u.kind for u in plan.units} == {"conv_bn_act"}
+    assert list(conv.state_dict()) == list(model.state_dict())
+    channels = sum(m[0].out_channels for m in chains)
+    assert plan.final_bytes < plan.baseline_bytes
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + 8 * channels
+    # judged against the original in float64: the BatchNorm biases in front of a 1x1 conv + BN
+    # (MBConv's projections) have a gradient of 0 in theory, rounding noise in float32 either way;
+    # the converted model's error may be at most twice the original's (or TOL of the gradient)
+    exact = copy.deepcopy(model).double()
+    outs = []
+    for m, dtype in ((model, torch.float32), (conv, torch.float32), (exact, torch.float64)):
+        torch.manual_seed(1)  # stochastic depth and dropout draw from the global generator
+        y = m(x.to(dtype))
+        y.square().sum().backward()
+        outs.append(y)
+    assert rel_err(outs[1], outs[0]) <= TOL
+    params = [dict(m.named_parameters()) for m in (model, conv, exact)]
+    for n, p64 in params[2].items():
+        err_orig = (params[0][n].grad.double() - p64.grad).norm()
+        err_conv = (params[1][n].grad.double() - p64.grad).norm()
+        assert err_conv <= 2 * err_orig + TOL * p64.grad.norm(), n
+    for (n, a), (_, b) in zip(model.named_buffers(), conv.named_buffers()):
+        assert rel_err(b, a) <= TOL if a.is_floating_point() else torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("swap", ["silu", "tanh"])
+def test_resnet_activation_swapped_after_convert(swap):
+    """A BasicBlock's ReLU swapped after convert: to another fused activation, the units run fused
+    with it; to one with no fused form, they run the modules. Either way as the original would."""
+    torch.manual_seed(0)
+    model = _resnet("resnet18").train()
+    conv = fusedrc.convert(model)
+    for m in (model, conv):
+        m.layer1[0].relu = nn.SiLU() if swap == "silu" else nn.Tanh()
+    x = torch.randn(2, 3, 32, 32)
+    ops = []
+    with FusedOpLog(ops):
+        copy.deepcopy(conv.layer1[0])(torch.randn(2, 64, 8, 8))
+    assert ops == (["conv_bn_act"] * 2 if swap == "silu" else [])
+    _assert_same_step(model, conv, x)

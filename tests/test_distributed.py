@@ -389,7 +389,7 @@ def test_convert_leaves_syncbatchnorm_unfused():
         conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
     assert {u.name for u in plan.units if u.selected} == {"head.0"}
-    assert {n for n, _ in plan.skipped} == {"features.0", "features.3", "down.conv"}
+    assert {n for n, _ in plan.skipped} == {"features.0", "features.3", "mid.0", "down.conv"}
     assert isinstance(conv.features[1], nn.SyncBatchNorm)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import fusedrc
-from _utils import SavedBytes, rel_err
+from _utils import FusedOpLog, SavedBytes, rel_err
 
 
 def _check_grads(a_params, b_params, tol=1e-5):
@@ -115,3 +115,47 @@ def test_rejected_conv_bn_relu_call_leaves_num_batches_tracked():
         with pytest.raises(ValueError):
             call()
         assert bn.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("activation,act", [("silu", nn.SiLU()), ("gelu", nn.GELU())])
+def test_conv_bn_act_module(activation, act):
+    """ConvBNReLU with another activation (EfficientNet's and YOLO's Conv-BN-SiLU), with a residual:
+    outputs, gradients and running statistics as the plain modules'; from_modules takes the
+    activation module; the fused op runs (not the generic path) and keeps x and mean/rstd."""
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+    m = fusedrc.nn.ConvBNReLU(3, 6, 3, padding=1, activation=activation)
+    assert f"activation='{activation}'" in repr(m)
+    m.load_state_dict({"conv." + k: v for k, v in conv.state_dict().items()}
+                      | {"bn." + k: v for k, v in bn.state_dict().items()})
+    for _ in range(2):
+        x = torch.randn(4, 3, 5, 5, requires_grad=True)
+        res = torch.randn(4, 6, 5, 5, requires_grad=True)
+        ops = []
+        with SavedBytes() as saved:
+            with FusedOpLog(ops):
+                y = m(x, res)
+        assert ops == ["conv_bn_act"] and saved.bytes == 4 * (x.numel() + res.numel()) + 2 * 4 * 6
+        ref = act(bn(conv(x)) + res)
+        assert torch.equal(y, ref)
+        g = torch.randn_like(y)
+        got = torch.autograd.grad(y, (x, res, m.conv.weight, m.bn.weight, m.bn.bias), g)
+        want = torch.autograd.grad(ref, (x, res, conv.weight, bn.weight, bn.bias), g)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5
+    assert rel_err(m.bn.running_var, bn.running_var) < 1e-6
+    shared = fusedrc.nn.ConvBNReLU.from_modules(conv, bn, act)
+    assert shared.conv is conv and shared.activation == activation
+    shared.eval(), bn.eval()
+    x = torch.randn(2, 3, 5, 5)
+    assert rel_err(shared(x), act(bn(conv(x)))) < 1e-6
+    with pytest.raises(ValueError, match="act must be a supported activation"):
+        fusedrc.nn.ConvBNReLU.from_modules(conv, bn, nn.Tanh())
+    with pytest.raises(ValueError, match="activation"):
+        fusedrc.nn.ConvBNReLU(3, 6, 3, activation="tanh")
+    # a module pickled before the argument existed loads as ReLU
+    state = dict(m.__dict__)
+    del state["activation"]
+    old = fusedrc.nn.ConvBNReLU.__new__(fusedrc.nn.ConvBNReLU)
+    old.__setstate__(state)
+    assert old.activation == "relu"

@@ -24,6 +24,7 @@ PATTERNS = {
     "ffn_gelu_dropout0": lambda: (
         nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Dropout(0.0), nn.Linear(48, 16)), (6, 16)),
     "conv_bn_relu": lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()), (2, 3, 6, 6)),
+    "conv_bn_silu": lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU()), (2, 3, 6, 6)),
 }
 
 
@@ -398,7 +399,7 @@ def test_output_recompute_on_a_fused_pattern_producer():
     assert torch.equal(g, x.grad)
 
 
-@pytest.mark.parametrize("name", ["ffn", "conv_bn_relu"])
+@pytest.mark.parametrize("name", ["ffn", "conv_bn_relu", "conv_bn_silu"])
 def test_fused_patterns_under_autocast_match_eager(name):
     model, shape = PATTERNS[name]()
     twin = copy.deepcopy(model)
@@ -412,7 +413,7 @@ def test_fused_patterns_under_autocast_match_eager(name):
     # and, for conv+BN, the fp32 per-channel mean and rstd
     casts = [p for n, p in model.named_parameters() if n.startswith(("0.", "2.")) or name == "ffn"]
     expected = 2 * (x.numel() + sum(p.numel() for p in casts))
-    if name == "conv_bn_relu":
+    if name.startswith("conv_bn"):
         expected += 2 * 4 * model[1].num_features
     assert s.bytes == expected
     assert rel_err(y, ref) < 1e-2
