@@ -1,8 +1,8 @@
 """Train a torchvision ResNet on synthetic images, original vs ``fusedrc.convert``.
 
-Builds ``torchvision.models.resnet18`` (or ``--model resnet50``) from code (no
-download), converts a copy with ``fusedrc.convert`` (every Conv-BN-ReLU chain and
-residual tail becomes a fused recompute op; ``--budget 0.35`` instead lets convert
+Builds ``torchvision.models.resnet18`` (or ``--model resnet50``, or ``--model
+efficientnet_b0``: Conv-BN-SiLU chains) from code (no download), converts a copy with
+``fusedrc.convert`` (every Conv-BN-act chain and residual tail becomes a fused recompute op; ``--budget 0.35`` instead lets convert
 choose units and whole blocks to fit 35% of the original's activation bytes), and
 trains both from the same initial weights on the same synthetic batches. Prints
 each step's loss for both, the median step time, the activation bytes autograd
@@ -18,6 +18,7 @@ Run::
 
     python examples/train_resnet.py                       # resnet18, 64 px, batch 8, 5 steps: CPU, < 1 min
     python examples/train_resnet.py --model resnet50 --budget 0.35
+    python examples/train_resnet.py --model efficientnet_b0    # dropout and stochastic depth off (see below)
     python examples/train_resnet.py --device cuda --size 224 --batch 64 --steps 20
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ from fusedrc.convert import import_torchvision  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="resnet18", choices=["resnet18", "resnet34", "resnet50", "resnet101"])
+    p.add_argument("--model", default="resnet18",
+                   choices=["resnet18", "resnet34", "resnet50", "resnet101", "efficientnet_b0"])
     p.add_argument("--size", type=int, default=64, help="image side in pixels")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
@@ -50,11 +52,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = torch.device(args.device)
 
-    import_torchvision()
-    from torchvision.models import resnet
+    tv = import_torchvision()
 
     torch.manual_seed(args.seed)
-    original = getattr(resnet, args.model)(num_classes=10).to(device).train()
+    # EfficientNet's dropout and stochastic depth off: the two models would draw different masks
+    extra = dict(dropout=0.0, stochastic_depth_prob=0.0) if args.model.startswith("efficientnet") else {}
+    original = getattr(tv.models, args.model)(num_classes=10, **extra).to(device).train()
     gen = torch.Generator().manual_seed(args.seed + 1)
     batches = [
         (torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device),

@@ -44,6 +44,11 @@ def test_train_resnet(capsys):
     assert _main("train_resnet")(["--size", "32", "--batch", "2", "--steps", "2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "saved-bytes ratio converted/original" in out and "conv1" in out
+    assert _main("train_resnet")(["--model", "efficientnet_b0", "--size", "32", "--batch", "2", "--steps", "2",
+                                  "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    ratio = float(out.rsplit("saved-bytes ratio converted/original:", 1)[1].split()[0])
+    assert out.count("conv_bn_act") == 17 and ratio < 1.0
 
 
 @pytest.mark.parametrize("arch, unit", [("opt", "fc1"), ("llama", "mlp"), ("gpt2", "mlp")])
