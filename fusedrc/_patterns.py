@@ -86,7 +86,7 @@ def _conv_padding(conv):
 
 def _plain_conv(m, x):
     return (
-        type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros" and _conv_padding(m) is not None
+        type(m) is nn.Conv2d and m.padding_mode == "zeros" and _conv_padding(m) is not None
         and _dtype_ok(m, x) and m.weight.device == x.device and x.dim() == 4
     )
 
@@ -161,7 +161,7 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
         return F.conv_bn_act(
             x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
             stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
-            bias=conv.bias, residual=residual, activation=activation,
+            bias=conv.bias, residual=residual, activation=activation, groups=conv.groups,
         )
     except Exception:
         # the call did not happen (rejected arguments, or the op raised): it counts no batch

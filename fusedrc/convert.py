@@ -43,8 +43,8 @@ Every Hugging Face ``GradientCheckpointingLayer`` that no rule made a block in, 
 or inside becomes a block too.
 
 Anything that would change semantics is left as it is and reported in the plan
-(a dropout inside an FFN other than one ``nn.Dropout``, an unknown activation, grouped convolutions,
-hooks on the modules, a forward that does not have the expected shape).
+(a dropout inside an FFN other than one ``nn.Dropout``, an unknown activation, a padding mode
+other than zeros, hooks on the modules, a forward that does not have the expected shape).
 
 How to add a rule
 -----------------
@@ -245,12 +245,12 @@ def _run_site(site, fused, plain, *args):
 
 
 def _static_conv_ok(conv):
-    return type(conv) is nn.Conv2d and conv.groups == 1 and conv.padding_mode == "zeros" and _conv_padding(conv) is not None
+    return type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and _conv_padding(conv) is not None
 
 
 def _static_cbr(conv, bn, act):
     if not _static_conv_ok(conv):
-        return "the Conv2d is not a plain groups=1, zero-padded convolution"
+        return "the Conv2d is not a plain zero-padded convolution (or has asymmetric 'same' padding)"
     if isinstance(bn, nn.SyncBatchNorm):
         return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
     if type(bn) is not nn.BatchNorm2d or bn.num_features != conv.out_channels:
@@ -271,8 +271,8 @@ def _runtime_cbr_ok(conv, bn, act, x):
     # the static checks again: a module put in the unit's place after convert (a wrapper around
     # the conv, another norm, an activation with no fused form) runs the modules as they now are
     return (
-        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and _static_cbr(conv, bn, act) is None
-        and x.device == conv.weight.device
+        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
+        and _static_cbr(conv, bn, act) is None and x.device == conv.weight.device
         and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))
         and _nohooks(conv, bn, act)
     )

@@ -11,8 +11,8 @@ from torch import Tensor
 from . import ops, reference
 from ._backend import resolve_backend
 from ._state import traced
-from ._validate import (check_activation, check_device, check_number, check_probability, check_same, check_tensor,
-                        check_vector, needs_unfused, pair)
+from ._validate import (check_activation, check_device, check_int, check_number, check_probability, check_same,
+                        check_tensor, check_vector, needs_unfused, pair)
 
 __all__ = ["linear_act", "fused_mlp", "gated_mlp", "conv_bn_act"]
 
@@ -221,7 +221,7 @@ def conv_bn_act(
     x: Tensor, weight: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
     running_mean: Tensor | None, running_var: Tensor | None, *, training: bool = True,
     momentum: float = 0.1, eps: float = 1e-5, stride=1, padding=0, dilation=1,
-    bias: Tensor | None = None, residual: Tensor | None = None, activation: str = "relu",
+    bias: Tensor | None = None, residual: Tensor | None = None, activation: str = "relu", groups: int = 1,
 ) -> Tensor:
     """``act(batch_norm(conv2d(x, weight)) [+ residual])`` with ``F.batch_norm``'s conventions.
 
@@ -233,7 +233,7 @@ def conv_bn_act(
 
     Args:
         x: ``(N, C_in, H, W)``, floating point.
-        weight: conv weight ``(C_out, C_in, kh, kw)`` (``groups=1``); ``bias`` ``(C_out,)`` or None.
+        weight: conv weight ``(C_out, C_in / groups, kh, kw)``; ``bias`` ``(C_out,)`` or None.
         bn_weight, bn_bias, running_mean, running_var: ``(C_out,)`` or None.
         training: normalize with the batch statistics (and update the running ones).
         momentum, eps: as in ``F.batch_norm`` (``eps`` must be positive with batch statistics).
@@ -242,6 +242,10 @@ def conv_bn_act(
             autocast it is cast with the conv's operands and the output is in their dtype, as
             torchvision's blocks get it (``out += identity`` in place keeps the half dtype).
         activation: as in :func:`linear_act`; ``"relu"`` by default.
+        groups: as in ``F.conv2d`` (ResNeXt, RegNet, depthwise convolutions). The Triton kernels
+            run ``groups=1``; a grouped conv runs the fused op's reference implementation (aten's
+            conv in forward and in the backward's recompute: the memory of a recompute, not the
+            fused kernels' traffic savings).
 
     Example::
 
@@ -263,12 +267,16 @@ def conv_bn_act(
     momentum = check_number(momentum, "momentum")
     if not isinstance(training, bool):
         raise TypeError(f"training must be a bool, got {type(training).__name__} {training!r}")
+    groups = check_int(groups, "groups", min_value=1)
     # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
     x, weight, bias, residual = _autocast(x, weight, bias, residual)
-    if weight.shape[1] != x.shape[1]:
+    if x.shape[1] % groups:
+        raise ValueError(f"input's {x.shape[1]} channels must be divisible by groups={groups}")
+    if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
+        per = x.shape[1] // groups
         raise ValueError(
-            f"weight must have shape (out_channels, {x.shape[1]}, kh, kw) to match input's {x.shape[1]} "
-            f"channels (groups=1), got {tuple(weight.shape)}"
+            f"weight must have shape (out_channels, {per}, kh, kw) with out_channels divisible by groups={groups}, "
+            f"to match input's {x.shape[1]} channels, got {tuple(weight.shape)}"
         )
     check_same(x, "input", weight, "weight")
     c = weight.shape[0]
@@ -300,7 +308,7 @@ def conv_bn_act(
         # an empty batch (eager BatchNorm returns an empty output and leaves the statistics alone),
         # or a transform the op has no rule for: the plain composition, running statistics included
         y = torch.nn.functional.batch_norm(
-            torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation), running_mean, running_var,
+            torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups), running_mean, running_var,
             bn_weight, bn_bias, use_batch_stats, momentum, eps)
         return reference.activation_forward(y if residual is None else y + residual, activation)
     if use_batch_stats:
@@ -313,7 +321,7 @@ def conv_bn_act(
     backend = resolve_backend(x, "conv_bn_act", "conv_bn_act_forward")
     y, mean, rstd = ops.pick("conv_bn_act", x, backend)(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
-        use_batch_stats, float(eps), stride, padding, dilation, activation, backend,
+        use_batch_stats, float(eps), stride, padding, dilation, activation, backend, groups,
     )
     if training and running_mean is not None:
         _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, y.numel() // c)

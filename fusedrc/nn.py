@@ -225,8 +225,9 @@ class ConvBNReLU(nn.Module):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, bias, device,
-            dtype: as in ``nn.Conv2d`` (``groups=1``, zero padding; ``padding="same"``
-            needs an odd kernel extent).
+            dtype, groups: as in ``nn.Conv2d`` (zero padding; ``padding="same"`` needs an odd
+            kernel extent). A grouped conv runs the fused op's reference implementation (the
+            Triton kernels run ``groups=1``).
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
 
@@ -240,7 +241,7 @@ class ConvBNReLU(nn.Module):
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None, activation="relu"):
+                 eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None, activation="relu", groups=1):
         check_int(in_channels, "in_channels")
         check_int(out_channels, "out_channels")
         pair(kernel_size, "kernel_size", min_value=1)
@@ -252,9 +253,13 @@ class ConvBNReLU(nn.Module):
         if momentum is not None:
             check_number(momentum, "momentum")
         check_activation(activation)
+        check_int(groups, "groups", min_value=1)
+        for name, channels in (("in_channels", in_channels), ("out_channels", out_channels)):
+            if channels % groups:
+                raise ValueError(f"{name} ({channels}) must be divisible by groups ({groups})")
         super().__init__()
         self.activation = activation
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups=groups,
                               bias=bias, device=device, dtype=dtype)
         self.bn = nn.BatchNorm2d(out_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
         _check_conv(self.conv, "padding")
@@ -265,8 +270,6 @@ class ConvBNReLU(nn.Module):
         and an activation module or name."""
         check_module(conv, "conv", nn.Conv2d)
         check_module(bn, "bn", nn.BatchNorm2d)
-        if conv.groups != 1:
-            raise ValueError(f"conv must have groups=1, got groups={conv.groups}")
         _check_conv(conv, "conv.padding")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.out_channels ({conv.out_channels})")

@@ -328,11 +328,11 @@ def _conv_bn_act_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
     running_mean: Optional[Tensor], running_var: Optional[Tensor], residual: Optional[Tensor],
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
-    activation: str, backend: str,
+    activation: str, backend: str, groups: int = 1,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = get_impl(backend, "conv_bn_act", "conv_bn_act_forward")(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
-        training, eps, stride, padding, dilation, activation,
+        training, eps, stride, padding, dilation, activation, groups,
     )
     if not training:
         # the op must not return views of its inputs (the running buffers)
@@ -354,7 +354,7 @@ def _conv_out_shape(x, weight, stride, padding, dilation):
 
 @conv_bn_act_op.register_fake
 def _(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
-      training, eps, stride, padding, dilation, activation, backend):
+      training, eps, stride, padding, dilation, activation, backend, groups=1):
     shape = _conv_out_shape(x, weight, stride, padding, dilation)
     stats = _empty((shape[1],), x, dtype=_stats_dtype(x))
     return _empty(shape, x, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
@@ -364,11 +364,11 @@ def _conv_bn_act_backward_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
     mean: Tensor, rstd: Tensor, residual: Optional[Tensor], grad_out: Tensor,
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
-    activation: str, backend: str, output_mask: Optional[List[bool]] = None,
+    activation: str, backend: str, output_mask: Optional[List[bool]] = None, groups: int = 1,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "conv_bn_act", "conv_bn_act_backward")(
         x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-        training, eps, stride, padding, dilation, activation, output_mask,
+        training, eps, stride, padding, dilation, activation, output_mask, groups,
     )
     cl = _channels_last(x)
     return tuple(_laid_out(_or_empty(g, x), cl and i in (0, 5)) for i, g in enumerate(grads))
@@ -379,18 +379,20 @@ conv_bn_act_backward_op = _custom_op("conv_bn_act_backward", _conv_bn_act_backwa
 
 @conv_bn_act_backward_op.register_fake
 def _(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-      training, eps, stride, padding, dilation, activation, backend, output_mask=None):
+      training, eps, stride, padding, dilation, activation, backend, output_mask=None, groups=1):
     return _fake_grads((x, weight, bias, bn_weight, bn_bias, residual), output_mask, x,
                        channels_last=_channels_last(x), images=(0, 5))
 
 
 def _conv_bn_act_setup(ctx, inputs, output):
     (x, weight, bias, bn_weight, bn_bias, _rm, _rv, residual,
-     training, eps, stride, padding, dilation, activation, backend) = inputs
+     training, eps, stride, padding, dilation, activation, backend, *groups) = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual)
     ctx.args = (training, eps, stride, padding, dilation, activation, backend)
+    ctx.groups = groups[0] if groups else 1  # an eager call may leave the default out
+    ctx.n_inputs = len(inputs)
 
 
 def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
@@ -402,11 +404,11 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     mask = _output_mask(ctx, (0, 1, 2, 3, 4, 7))
     grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
         x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt),
-        *ctx.args, mask,
+        *ctx.args, mask, ctx.groups,
     )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
     dx, dw, db, dgamma, dbeta, dres = _wanted_grads(grads, inputs, mask)
-    return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None
+    return (dx, dw, db, dgamma, dbeta, None, None, dres) + (None,) * (ctx.n_inputs - 8)
 
 
 _AUTOGRAD["conv_bn_act"] = (_conv_bn_act_backward, _conv_bn_act_setup)

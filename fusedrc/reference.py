@@ -205,7 +205,7 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
 # --------------------------------------------------------------------------- Conv + BN + act
 def conv_bn_act_forward(
     x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
-    training, eps, stride, padding, dilation, activation,
+    training, eps, stride, padding, dilation, activation, groups=1,
 ):
     """y = act(bn(conv(x)) [+ residual]); returns (y, mean, rstd) per channel (fp32; fp64 for float64 x).
 
@@ -213,7 +213,7 @@ def conv_bn_act_forward(
     touched here: the caller updates them once, outside the op); otherwise the
     running statistics do.
     """
-    z = F.conv2d(x, weight, bias, stride, padding, dilation)
+    z = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if training:
         pre, mean, rstd = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)
     else:
@@ -229,7 +229,7 @@ def conv_bn_act_forward(
 
 def conv_bn_act_backward(
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-    training, eps, stride, padding, dilation, activation, output_mask=None,
+    training, eps, stride, padding, dilation, activation, output_mask=None, groups=1,
 ):
     """Recompute the conv, then the BN/act backward and the conv backward.
 
@@ -237,7 +237,7 @@ def conv_bn_act_backward(
     None where the corresponding input is None or ``output_mask`` masks them off.
     """
     need = wanted(output_mask, 6)
-    z = F.conv2d(x, weight, bias, stride, padding, dilation)
+    z = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     C = z.shape[1]
     shape = (1, C, 1, 1)
     if training:
@@ -268,7 +268,7 @@ def conv_bn_act_backward(
     conv_mask = [need[0], need[1], need[2] and bias is not None]
     dx, dweight, dbias = aten.convolution_backward(
         dz, x, weight, [C] if bias is not None else None,
-        _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], 1, conv_mask,
+        _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], groups, conv_mask,
     ) if any(conv_mask) else (None, None, None)
     # some aten kernels (CPU's) fill a gradient the mask turned off: drop it
     dx, dweight, dbias = (g if m else None for g, m in zip((dx, dweight, dbias), conv_mask))

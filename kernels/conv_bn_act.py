@@ -49,8 +49,9 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
 
 All partial reductions go through per-tile buffers reduced in a fixed order: no
 atomics anywhere, results are bitwise repeatable. Tile configurations come from
-the fixed table below (no autotuning). float64, empty tensors and samples past 32-bit
-offsets run the reference implementation (fusedrc.reference), which is correct.
+the fixed table below (no autotuning). Grouped convolutions (groups > 1), float64, empty
+tensors and samples past 32-bit offsets run the reference implementation
+(fusedrc.reference), which is correct.
 """
 from __future__ import annotations
 
@@ -706,8 +707,8 @@ def _memory_format(x: torch.Tensor):
     return torch.contiguous_format
 
 
-def _supported(x, weight, activation, stride, padding, dilation) -> bool:
-    if activation not in SUPPORTED_ACTIVATIONS:
+def _supported(x, weight, activation, stride, padding, dilation, groups=1) -> bool:
+    if activation not in SUPPORTED_ACTIVATIONS or groups != 1:
         return False
     if x.dim() != 4 or weight.dim() != 4 or weight.shape[1] != x.shape[1]:
         return False
@@ -761,7 +762,7 @@ def _reference():
 # --------------------------------------------------------------------------- forward
 def conv_bn_act_forward(
     x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
-    training, eps, stride, padding, dilation, activation,
+    training, eps, stride, padding, dilation, activation, groups=1,
 ):
     """y = act(bn(conv2d(x, weight, bias)) [+ residual]) -> (y, mean, rstd) (fp32, per channel).
 
@@ -769,10 +770,10 @@ def conv_bn_act_forward(
     read (eval) but never written.
     """
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _supported(x, weight, activation, stride, padding, dilation):
+    if not _supported(x, weight, activation, stride, padding, dilation, groups):
         return _reference().conv_bn_act_forward(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
-            training, eps, stride, padding, dilation, activation)
+            training, eps, stride, padding, dilation, activation, groups)
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = weight.shape
     OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
@@ -898,7 +899,7 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
 
 def conv_bn_act_backward(
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-    training, eps, stride, padding, dilation, activation, output_mask=None,
+    training, eps, stride, padding, dilation, activation, output_mask=None, groups=1,
 ):
     """(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual); None where the input is None
     or ``output_mask`` masks the gradient off (a frozen weight's dW pass and a first layer's
@@ -908,10 +909,10 @@ def conv_bn_act_backward(
     recomputed inside the kernels (see the module docstring for the passes).
     """
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _supported(x, weight, activation, stride, padding, dilation):
+    if not _supported(x, weight, activation, stride, padding, dilation, groups):
         return _reference().conv_bn_act_backward(
             x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
-            training, eps, stride, padding, dilation, activation, output_mask)
+            training, eps, stride, padding, dilation, activation, output_mask, groups)
     need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres = wanted(output_mask, 6)
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = weight.shape

@@ -186,8 +186,14 @@ CASES = [
      r"input must be a floating-point tensor"),
     ("conv_bn_act/weight-2d", cba(w=lambda: r(4, 3)), ValueError, r"weight must be 4-D, got 2-D"),
     ("conv_bn_act/weight-channels", cba(w=lambda: r(4, 2, 3, 3)), ValueError,
-     r"weight must have shape \(out_channels, 3, kh, kw\) to match input's 3 channels \(groups=1\), "
-     r"got \(4, 2, 3, 3\)"),
+     r"weight must have shape \(out_channels, 3, kh, kw\) with out_channels divisible by groups=1, to match "
+     r"input's 3 channels, got \(4, 2, 3, 3\)"),
+    ("conv_bn_act/weight-groups", cba(x=lambda: r(2, 4, 5, 5), w=lambda: r(3, 2, 3, 3), groups=2), ValueError,
+     r"weight must have shape \(out_channels, 2, kh, kw\) with out_channels divisible by groups=2, .*"
+     r"got \(3, 2, 3, 3\)"),
+    ("conv_bn_act/groups-0", cba(groups=0), ValueError, r"groups must be a positive int, got 0"),
+    ("conv_bn_act/groups-float", cba(groups=2.0), TypeError, r"groups must be an int, got float 2\.0"),
+    ("conv_bn_act/groups-input", cba(groups=2), ValueError, r"input's 3 channels must be divisible by groups=2"),
     ("conv_bn_act/weight-dtype", cba(w=lambda: r(4, 3, 3, 3, dtype=f64)), TypeError,
      r"weight has dtype torch\.float64 but input has dtype torch\.float32"),
     ("conv_bn_act/weight-device", cba(w=lambda: r(4, 3, 3, 3, device=META)), ValueError,
@@ -332,9 +338,8 @@ CASES = [
      TypeError, r"conv must be an nn\.Conv2d, got Linear"),
     ("ConvBNReLU/from_modules-bn", lambda: fnn.ConvBNReLU.from_modules(nn.Conv2d(3, 4, 1), nn.BatchNorm1d(4)),
      TypeError, r"bn must be an nn\.BatchNorm2d, got BatchNorm1d"),
-    ("ConvBNReLU/from_modules-groups", lambda: fnn.ConvBNReLU.from_modules(nn.Conv2d(4, 4, 1, groups=2),
-                                                                           nn.BatchNorm2d(4)),
-     ValueError, r"conv must have groups=1, got groups=2"),
+    ("ConvBNReLU/groups", lambda: fnn.ConvBNReLU(4, 6, 3, groups=4), ValueError,
+     r"out_channels \(6\) must be divisible by groups \(4\)"),
     ("ConvBNReLU/from_modules-padding_mode",
      lambda: fnn.ConvBNReLU.from_modules(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(4)),
      ValueError, r"conv\.padding_mode must be 'zeros', got 'reflect'"),

@@ -339,7 +339,9 @@ def test_converted_model_inductor(reference):
     (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1), (2, 3, 6, 6), "fusedrc.conv_bn_act"),
     (lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU()), (2, 3, 6, 6),
      "fusedrc.conv_bn_act"),
-], ids=["linear_relu", "ffn", "conv_bn_relu", "ConvBNReLU", "conv_bn_silu"])
+    (lambda: nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, groups=2), nn.BatchNorm2d(8), nn.ReLU()), (2, 4, 6, 6),
+     "fusedrc.conv_bn_act"),
+], ids=["linear_relu", "ffn", "conv_bn_relu", "ConvBNReLU", "conv_bn_silu", "grouped"])
 def test_recompute_of_a_pattern_is_the_fused_op(reference, block, shape, op):
     # pattern matching runs at trace time: the graph holds the fused op, no checkpoint
     _compare(lambda: _Recomputed(block()), shape, expect_ops=(op,))

@@ -48,7 +48,7 @@ def test_train_resnet(capsys):
                                   "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     ratio = float(out.rsplit("saved-bytes ratio converted/original:", 1)[1].split()[0])
-    assert out.count("conv_bn_act") == 17 and ratio < 1.0
+    assert out.count("conv_bn_act") == 33 and ratio < 1.0
 
 
 @pytest.mark.parametrize("arch, unit", [("opt", "fc1"), ("llama", "mlp"), ("gpt2", "mlp")])

@@ -344,6 +344,30 @@ def test_activations_fp16_and_z_buffer(activation, conv_z, monkeypatch, device):
     assert _activations_launched(seen) == {activation}
 
 
+def test_grouped_conv_takes_the_reference_path(monkeypatch, device):
+    """groups > 1: the launchers hand the call to the reference implementation (no Triton launch),
+    forward and backward, with the grouped conv's results."""
+    seen = _record_launches(monkeypatch)
+    t, geom = _inputs((2, 6, 5, 5, 4, 3, 1, 1, 1), torch.float32, bias=True, affine=True, residual=True,
+                      device=device)
+    t["weight"] = _rand(4, 3, 3, 3, dtype=torch.float32, scale=0.2).to(device)  # groups=2: C_in/2 per group
+    td = {k: _d(v) for k, v in t.items()}
+    args = lambda d: (d["x"], d["weight"], d["bias"], d["bn_weight"], d["bn_bias"])  # noqa: E731
+    y, mean, rstd = K.conv_bn_act_forward(*args(t), t["running_mean"], t["running_var"], t["residual"], True, EPS,
+                                          geom["stride"], geom["padding"], geom["dilation"], "silu", 2)
+    y_r, mean_r, rstd_r = R.conv_bn_act_forward(*args(td), td["running_mean"], td["running_var"], td["residual"],
+                                                True, EPS, geom["stride"], geom["padding"], geom["dilation"], "silu",
+                                                2)
+    assert _rel(y, y_r) < TOL[torch.float32]
+    grads = K.conv_bn_act_backward(*args(t), mean, rstd, t["residual"], t["grad_out"], True, EPS, geom["stride"],
+                                   geom["padding"], geom["dilation"], "silu", None, 2)
+    grads_r = R.conv_bn_act_backward(*args(td), mean_r, rstd_r, td["residual"], td["grad_out"], True, EPS,
+                                     geom["stride"], geom["padding"], geom["dilation"], "silu", None, 2)
+    for name, o, r in zip(NAMES, grads, grads_r):
+        assert _rel(o, r, None if name != "dbias" else 1.0) < TOL[torch.float32], name
+    assert grads[1].shape == (4, 3, 3, 3) and not seen
+
+
 def test_large_mean_stats(device):
     """Channel means far from 0 relative to the spread: shifted partials keep the variance exact."""
     t, geom = _inputs(SHAPES["1x1"], torch.float32, bias=True, affine=True, residual=False, device=device)

@@ -82,8 +82,6 @@ def test_conv_bn_relu_from_modules_shares_parameters():
     conv, bn = nn.Conv2d(2, 4, 1, bias=False), nn.BatchNorm2d(4)
     m = fusedrc.nn.ConvBNReLU.from_modules(conv, bn)
     assert m.conv is conv and m.bn is bn
-    with pytest.raises(ValueError, match="groups=1"):
-        fusedrc.nn.ConvBNReLU.from_modules(nn.Conv2d(4, 4, 1, groups=2), nn.BatchNorm2d(4))
     with pytest.raises(ValueError, match="num_features"):
         fusedrc.nn.ConvBNReLU.from_modules(conv, nn.BatchNorm2d(5))
 
@@ -159,3 +157,35 @@ def test_conv_bn_act_module(activation, act):
     old = fusedrc.nn.ConvBNReLU.__new__(fusedrc.nn.ConvBNReLU)
     old.__setstate__(state)
     assert old.activation == "relu"
+
+
+@pytest.mark.parametrize("groups", [2, 4], ids=["grouped", "depthwise"])
+def test_conv_bn_relu_grouped(groups):
+    """Grouped and depthwise convolutions (ResNeXt, RegNet, MobileNet/EfficientNet) through the fused
+    op: outputs, gradients and running statistics as the plain modules' over two training steps and
+    in eval; the module built with groups= holds the same nn.Conv2d as nn.Conv2d(groups=) would."""
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(4, 8, 3, padding=1, groups=groups, bias=False), nn.BatchNorm2d(8)
+    m = fusedrc.nn.ConvBNReLU.from_modules(copy.deepcopy(conv), copy.deepcopy(bn), nn.SiLU())
+    built = fusedrc.nn.ConvBNReLU(4, 8, 3, padding=1, groups=groups)
+    assert built.conv.groups == groups and built.conv.weight.shape == conv.weight.shape
+    built.load_state_dict(m.state_dict())
+    for _ in range(2):
+        x = torch.randn(3, 4, 6, 6, requires_grad=True)
+        ops = []
+        with FusedOpLog(ops):
+            y = m(x)
+        assert ops == ["conv_bn_act"]
+        ref = nn.functional.silu(bn(conv(x)))
+        assert rel_err(y, ref) < 1e-6
+        g = torch.randn_like(y)
+        got = torch.autograd.grad(y, (x, m.conv.weight, m.bn.weight, m.bn.bias), g)
+        want = torch.autograd.grad(ref, (x, conv.weight, bn.weight, bn.bias), g)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5
+    assert rel_err(m.bn.running_var, bn.running_var) < 1e-6 and int(m.bn.num_batches_tracked) == 2
+    m.eval(), bn.eval()
+    x = torch.randn(2, 4, 6, 6)
+    assert rel_err(m(x), nn.functional.silu(bn(conv(x)))) < 1e-6
+    with pytest.raises(ValueError, match=r"out_channels \(6\) must be divisible by groups \(4\)"):
+        fusedrc.nn.ConvBNReLU(4, 6, 3, groups=4)
