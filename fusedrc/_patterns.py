@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
-_ACT_MODULES = {nn.ReLU: "relu", nn.SiLU: "silu"}
+_ACT_MODULES = {nn.ReLU: "relu", nn.SiLU: "silu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
 
 
 def activation_name(module):

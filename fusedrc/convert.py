@@ -1158,7 +1158,8 @@ def _seq_groups(seq, prefix, ctx):
 
 def _is_act_module(m):
     return _act_name(m) is not None or type(m).__name__ in _HF_ACTS or isinstance(
-        m, (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish))
+        m, (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Hardswish, nn.Hardtanh,
+            nn.Hardsigmoid))
 
 
 def _sequential(ctx, name, seq):
@@ -1290,6 +1291,10 @@ def _fx_pass(ctx, model, prefix=""):
             return "relu", nn.ReLU()
         if node.target is nn.functional.silu:
             return "silu", nn.SiLU()
+        if node.target is nn.functional.relu6:
+            return "relu6", nn.ReLU6()
+        if node.target is nn.functional.hardswish:
+            return "hardswish", nn.Hardswish()
         if node.target is nn.functional.gelu:
             approx = node.kwargs.get("approximate", "none")
             return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx), nn.GELU(approximate=approx)

@@ -21,7 +21,7 @@ def _act_name(act):
     if name is None:
         raise ValueError(
             f"act must be a supported activation (nn.ReLU, nn.GELU, nn.SiLU or one of the names "
-            f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu'), got {act!r}"
+            f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', 'hardswish'), got {act!r}"
         )
     return check_activation(name, "act")
 
@@ -43,7 +43,8 @@ class LinearReLU(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as in ``nn.Linear``.
-        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
+            ``"relu6"`` or ``"hardswish"``.
 
     Example::
 
@@ -91,7 +92,8 @@ class FusedMLP(nn.Module):
         in_features, hidden_features: widths of the input and the hidden layer.
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for both layers.
-        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
+            ``"relu6"`` or ``"hardswish"``.
         dropout: dropout probability on the hidden activation in training mode (``nn.Dropout``
             between the layers), fused: its mask is regenerated in backward, never stored.
 
@@ -163,7 +165,8 @@ class GatedMLP(nn.Module):
         in_features, hidden_features: widths of the input and the hidden layer.
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for the three layers (Llama: ``bias=False``).
-        activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"`` or ``"gelu_tanh"``.
+        activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu6"``
+            or ``"hardswish"``.
 
     Example::
 
@@ -229,7 +232,8 @@ class ConvBNReLU(nn.Module):
             kernel extent). A grouped conv runs the fused op's reference implementation (the
             Triton kernels run ``groups=1``).
         eps, momentum: as in ``nn.BatchNorm2d``.
-        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+        activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
+            ``"relu6"`` or ``"hardswish"``.
 
     Example::
 

@@ -37,6 +37,8 @@ ACTIVATIONS = {
         lambda g, h: aten.gelu_backward(g, h, approximate="tanh"),
     ),
     "silu": (F.silu, lambda g, h: aten.silu_backward(g, h)),
+    "relu6": (F.relu6, lambda g, h: aten.hardtanh_backward(g, h, 0.0, 6.0)),
+    "hardswish": (F.hardswish, lambda g, h: aten.hardswish_backward(g, h)),
 }
 
 

@@ -55,7 +55,7 @@ except ImportError:  # torch < 2.6: no triton_op either, the fused ops stay cust
     def wrap_triton(kernel):
         return kernel
 
-ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish")
 
 
 # --------------------------------------------------------------------------- tile table
@@ -223,6 +223,11 @@ def _act_fwd(h, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "gelu_tanh":
         # torch's 0.5 h (1 + tanh(u)), not the shorter h * sigmoid(2u) (see _gelu_tanh_t)
         y = 0.5 * h * (1.0 + _gelu_tanh_t(h))
+    elif ACTIVATION == "relu6":
+        y = tl.where(h < 0.0, 0.0, tl.where(h > 6.0, 6.0, h))  # clamp: NaN stays NaN, as torch's hardtanh
+    elif ACTIVATION == "hardswish":
+        # torch's x * min(max(x + 3, 0), 6) / 6 (a NaN x gives NaN through the product)
+        y = h * tl.minimum(tl.maximum(h + 3.0, 0.0), 6.0) / 6.0
     else:  # silu
         y = h * _sigmoid(h)
     return y
@@ -248,6 +253,13 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
         t = _gelu_tanh_t(h)
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
         gh = g * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
+    # relu6, hardswish: a NaN h lets g through, as torch's CUDA kernels and its CPU kernels' scalar
+    # path do (their vectorized CPU path gives 0 and NaN there)
+    elif ACTIVATION == "relu6":
+        gh = tl.where((h <= 0.0) | (h >= 6.0), 0.0, g)  # hardtanh_backward: 0 at the kinks
+    elif ACTIVATION == "hardswish":
+        # hardswish_backward with torch's CPU kinks: 0 up to -3 included, g from 3 on (CUDA's: -g/2, 3g/2)
+        gh = tl.where(h <= -3.0, 0.0, tl.where(h < 3.0, g * (h / 3.0 + 0.5), g))
     else:  # silu
         s = _sigmoid(h)
         gh = g * (s * (1.0 + h * (1.0 - s)))

@@ -1210,7 +1210,7 @@ def test_conv_bn_other_activations_sequential_and_fx():
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.SiLU(),
                         nn.Conv2d(6, 4, 1, bias=False), nn.BatchNorm2d(4), nn.GELU(),
-                        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Hardswish()).train()
+                        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Hardsigmoid()).train()
     fx = _ConvActNet().train()
     x = torch.randn(2, 3, 7, 7)
     for model, fused, skipped in ((seq, ["0", "3"], "6"), (fx, ["c1", "c2"], "c3")):
@@ -1229,22 +1229,29 @@ def test_conv_bn_other_activations_sequential_and_fx():
         assert plan.final_bytes < plan.baseline_bytes
 
 
-def test_efficientnet_conv_bn_silu_units():
-    """torchvision EfficientNet-B0: its Conv-BN-SiLU chains (stem, 1x1 expansions, depthwise convs, head)
-    are fused through fx; outputs, gradients and BatchNorm statistics
-    match; the bytes kept are no more than torch.utils.checkpoint's on the same units (+ mean/rstd)."""
+@pytest.mark.parametrize("name, units, depthwise, kinds", [
+    ("efficientnet_b0", 33, 16, {"conv_bn_act"}),                       # Conv-BN-SiLU
+    ("mobilenet_v3_small", 24, 11, {"conv_bn_act", "conv_bn_relu", "ffn"}),  # Hardswish, ReLU; SE blocks unfused
+])
+def test_efficientnet_mobilenet_units(name, units, depthwise, kinds):
+    """torchvision EfficientNet-B0 and MobileNetV3: their Conv-BN-act chains (stem, 1x1 expansions,
+    depthwise convs, head; SiLU, Hardswish, ReLU) and MobileNetV3's classifier FFN are fused through
+    fx; outputs, gradients and BatchNorm statistics match; the bytes kept are no more than
+    torch.utils.checkpoint's on the same units (+ mean/rstd)."""
     try:
         tv = _import_torchvision()
     except ImportError:
         pytest.skip("torchvision is not installed (test extra)")
     torch.manual_seed(0)
-    model = tv.models.efficientnet_b0(num_classes=10).train()
+    # classifier dropout off: the fused FFN draws its own masks (stochastic depth stays, seeded below)
+    model = getattr(tv.models, name)(num_classes=10, dropout=0.0).train()
     x = torch.randn(2, 3, 32, 32)
     conv = fusedrc.convert(model, example_inputs=(x,))
     plan = conv.fusedrc_plan
-    chains = [m for m in model.modules() if type(m).__name__ == "Conv2dNormActivation" and isinstance(m[-1], nn.SiLU)]
-    assert sum(m[0].groups > 1 for m in chains) == 16  # the depthwise convs
-    assert len(plan.fused) == len(chains) == 33 and {u.kind for u in plan.units} == {"conv_bn_act"}
+    chains = [m for m in model.modules() if type(m).__name__ == "Conv2dNormActivation" and len(m) == 3]
+    assert sum(m[0].groups > 1 for m in chains) == depthwise
+    assert len(plan.fused) == units and {u.kind for u in plan.units} == kinds and not plan.skipped
+    assert sum(u.kind.startswith("conv_bn") for u in plan.units) == len(chains)
     assert list(conv.state_dict()) == list(model.state_dict())
     channels = sum(m[0].out_channels for m in chains)
     assert plan.final_bytes < plan.baseline_bytes

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from fusedrc import reference as R  # noqa: E402
 from fusedrc.kernels import _common, fused_mlp, linear_act  # noqa: E402
 
-ACTS = ["relu", "relu2", "gelu", "gelu_tanh", "silu"]
+ACTS = ["relu", "relu2", "gelu", "gelu_tanh", "silu"]  # the full grid; relu6 and hardswish: test_piecewise_*
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -230,7 +230,7 @@ def test_recompute_mask_matches_forward_sign(dtype, device):
         h_fwd = _common.gemm_act(x, w.t(), b, "none")
         assert torch.equal(mask, ~torch.signbit(h_fwd) & ((h_fwd != 0) | mask))
     # the FFN's recompute kernel emits act(h) equal bit for bit to the forward's
-    for act in ACTS:
+    for act in _common.ACTIVATIONS:
         y_act = linear_act.linear_act_forward(x, w, b, act)
         _, a, _ = _common.gemm_act_grad(x, w.t(), b, ones, act, store_act=True)
         assert torch.equal(a, y_act), act
@@ -272,6 +272,42 @@ def _check_mlp(x, w1, b1, w2, b2, g, act, dtype):
 @pytest.mark.parametrize("shape", MLP_SHAPES, ids=str)
 def test_fused_mlp(shape, dtype, act, bias, device):
     _check_mlp(*_mlp_inputs(*shape, dtype, device, bias), act, dtype)
+
+
+@pytest.mark.parametrize("act", ["relu6", "hardswish"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_piecewise_activations(act, dtype, device):
+    """relu6 and hardswish (MobileNet's): Linear+act and the FFN, ragged shapes, pre-activations
+    spread over all their pieces (below -3, -3..0, 0..3/6, above 6)."""
+    x, w, b, g = _linear_inputs(37, 21, 19, dtype, device, True)
+    _check_linear(x * 4, w, b, g, act, dtype)
+    x, w1, b1, w2, b2, g = _mlp_inputs(*MLP_SHAPES[1], dtype, device, True)
+    _check_mlp(x * 4, w1, b1, w2, b2, g, act, dtype)
+
+
+@pytest.mark.parametrize("act", ["relu6", "hardswish"])
+def test_piecewise_activations_nan_and_kinks(act, device):
+    """At the pieces' ends (0 and 6; -3 and 3) and at +-inf: values and derivatives as the reference
+    (aten) gives them, incoming gradient 1 and inf; at NaN: NaN, and the incoming gradient through
+    (torch's CUDA kernels; its CPU kernels differ by path). x is the pre-activation itself (one
+    input feature, weight 1), so dx is act'(h) * g."""
+    nan = float("nan")
+    h = torch.tensor([float("inf"), -float("inf"), -3.0, 3.0, 0.0, 6.0, -0.0, 2.5, 7.0, -2.0, -4.0, 5.999, 1e-30,
+                      -1e-30, nan], device=device)[:, None]
+    w = torch.ones(1, 1, device=device)
+    y, y_ref = linear_act.linear_act_forward(h, w, None, act), R.linear_act_forward(h, w, None, act)
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref)) and torch.isnan(y[-1])
+    ok = ~torch.isnan(y_ref)
+    assert torch.allclose(y[ok], y_ref[ok], rtol=1e-6, atol=0)
+    for gval in (1.0, float("inf")):
+        g = torch.full_like(h, gval)
+        got = linear_act.linear_act_backward(h, w, None, g, act)[0]
+        want = R.linear_act_backward(h[:-1], w, None, g[:-1], act)[0]
+        assert torch.equal(got[-1], g[-1])  # the NaN pre-activation
+        got = got[:-1]
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), gval
+        ok = ~torch.isnan(want)
+        assert torch.allclose(got[ok], want[ok], rtol=1e-6, atol=0), (gval, got.flatten(), want.flatten())
 
 
 def test_fused_mlp_noncontiguous(device):

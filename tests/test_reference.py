@@ -7,13 +7,15 @@ import fusedrc
 import fusedrc.functional as FF
 from _utils import rel_err
 
-ACTS = ["relu", "relu2", "gelu", "gelu_tanh", "silu"]
+ACTS = ["relu", "relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish"]
 TORCH_ACT = {
     "relu": torch.relu,
     "relu2": lambda h: torch.relu(h) ** 2,
     "gelu": F.gelu,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
     "silu": F.silu,
+    "relu6": F.relu6,
+    "hardswish": F.hardswish,
 }
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
