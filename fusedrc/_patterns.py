@@ -135,17 +135,18 @@ def match(block, args, kwargs):
         fc1, act, fc2 = mods[0], activation_name(mods[1]), mods[-1]
         return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act, dropout_p=p)
     if (
-        len(mods) == 3 and _plain_conv(mods[0], x) and _plain_bn(mods[1], mods[0].out_channels)
-        and activation_name(mods[2])
+        len(mods) in (2, 3) and _plain_conv(mods[0], x) and _plain_bn(mods[1], mods[0].out_channels)
+        and (len(mods) == 2 or activation_name(mods[2]))
     ):
-        conv, bn, act = mods[0], mods[1], activation_name(mods[2])
+        conv, bn, act = mods[0], mods[1], (activation_name(mods[2]) if len(mods) == 3 else None)
         return lambda: conv_bn_act_call(conv, bn, x, activation=act)
     return None
 
 
 def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
     """``act(bn(conv(x)) [+ residual])`` through the fused op, with ``nn.BatchNorm2d``'s
-    bookkeeping (running statistics, ``num_batches_tracked``) done once per forward."""
+    bookkeeping (running statistics, ``num_batches_tracked``) done once per forward. ``activation``
+    None: no activation."""
     from . import functional as F
     from ._state import in_recompute
 

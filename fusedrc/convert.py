@@ -255,14 +255,16 @@ def _static_cbr(conv, bn, act):
         return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
     if type(bn) is not nn.BatchNorm2d or bn.num_features != conv.out_channels:
         return "the norm is not an nn.BatchNorm2d over the conv's channels"
-    if _act_name(act) is None:
+    if act is not None and _act_name(act) is None:
         return f"activation {type(act).__name__} has no fused form"
     return None
 
 
 def _cbr_kind(act, residual=False):
     """The plan's kind of a conv unit: "conv_bn_relu" / "conv_bn_add_relu" for ReLU, "conv_bn_act" /
-    "conv_bn_add_act" for another fused activation."""
+    "conv_bn_add_act" for another fused activation, "conv_bn" without one."""
+    if act is None:
+        return "conv_bn"
     tail = "relu" if _act_name(act) == "relu" else "act"
     return f"conv_bn_add_{tail}" if residual else f"conv_bn_{tail}"
 
@@ -279,20 +281,21 @@ def _runtime_cbr_ok(conv, bn, act, x):
 
 
 def _cbr(site, conv, bn, act, x, residual=None):
-    """``act(bn(conv(x)) [+ residual])``: fused when ``site`` is on and the call is modelled. The
-    activation is the one ``act`` is now (a ReLU swapped for a SiLU after convert runs fused as SiLU)."""
+    """``act(bn(conv(x)) [+ residual])`` (``act`` None: none): fused when ``site`` is on and the call is
+    modelled. The activation is the one ``act`` is now (a ReLU swapped for a SiLU after convert runs
+    fused as SiLU)."""
 
     def plain(x, residual=None):
         y = bn(conv(x))
         if residual is not None:
             y += residual  # in place, as torchvision's blocks: an fp32 identity under autocast keeps y half
-        return act(y)
+        return y if act is None else act(y)
 
     if site is not None and site.enabled and not _runtime_cbr_ok(conv, bn, act, x):
         site = None
     if site is None or not site.enabled:
         return plain(x) if residual is None else plain(x, residual)
-    name = _act_name(act)
+    name = None if act is None else _act_name(act)
     if residual is None:
         return _run_site(site, lambda x: conv_bn_act_call(conv, bn, x, activation=name), plain, x)
     return _run_site(site, lambda x, r: conv_bn_act_call(conv, bn, x, r, name), plain, x, residual)
@@ -368,7 +371,14 @@ def _still(act, act_mod, *linears):
     return all(type(m) is nn.Linear for m in linears) and _act_name(act_mod) == act
 
 
-_CBR_KINDS = ("conv_bn_relu", "conv_bn_act")
+_CBR_KINDS = ("conv_bn_relu", "conv_bn_act", "conv_bn")
+
+
+def _run_chain(site, kind, act, chain, x):
+    """A fused group's modules on ``x``: Conv-BN[-act] (2 or 3 modules) or a dense chain."""
+    if kind in _CBR_KINDS:
+        return _cbr(site, chain[0], chain[1], chain[2] if len(chain) == 3 else None, x)
+    return _run_dense(site, kind, act, chain, x)
 
 
 def _run_dense(site, kind, act, mods, x):
@@ -610,7 +620,7 @@ class _FusedSequential(nn.Sequential):
                 # a group runs fused, or module by module when its call is not modelled
                 kind, site, act, placed = g
                 chain = mods[i:i + len(placed)]
-                x = _cbr(site, *chain, x) if kind in _CBR_KINDS else _run_dense(site, kind, act, chain, x)
+                x = _run_chain(site, kind, act, chain, x)
                 i += len(chain)
                 continue
             x = mods[i](x)
@@ -637,9 +647,7 @@ class _FxFused(nn.Module):
     def forward(self, x, *registered):
         fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
         mods = [fixed[i] if i in fixed else next(live) for i in range(len(fixed) + len(registered))]
-        if self.kind in _CBR_KINDS:
-            return _cbr(self.site, *mods, x)
-        return _run_dense(self.site, self.kind, self.act, mods, x)
+        return _run_chain(self.site, self.kind, self.act, mods, x)
 
     def extra_repr(self):
         return f"kind={self.kind!r}"
@@ -1123,12 +1131,15 @@ def _seq_groups(seq, prefix, ctx):
     groups, i = [], 0
     while i < len(mods):
         m = mods[i]
-        if type(m) is nn.Conv2d and i + 2 < len(mods) and type(mods[i + 1]) in (nn.BatchNorm2d, nn.SyncBatchNorm) \
-                and _is_act_module(mods[i + 2]):
-            reason = _static_cbr(m, mods[i + 1], mods[i + 2])
+        if type(m) is nn.Conv2d and i + 1 < len(mods) and type(mods[i + 1]) in (nn.BatchNorm2d, nn.SyncBatchNorm):
+            # Conv-BN and the activation after it when it has a fused form (else it runs on its own)
+            nxt = mods[i + 2] if i + 2 < len(mods) else None
+            act = nxt if nxt is not None and _act_name(nxt) is not None else None
+            reason = _static_cbr(m, mods[i + 1], act)
             if reason is None:
-                groups.append((i, i + 3, _cbr_kind(mods[i + 2]), None, (m,)))
-                i += 3
+                end = i + (3 if act is not None else 2)
+                groups.append((i, end, _cbr_kind(act), None, (m,)))
+                i = end
                 continue
             ctx.skip(_join(prefix, keys[i]), reason)
         if type(m) is nn.Linear and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
@@ -1315,10 +1326,10 @@ def _fx_pass(ctx, model, prefix=""):
             if n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
                 n2 = single(n1)
                 act, a = act_of(n2)
-                if act is None and n2 and _is_act_module(mod(n2)):
-                    ctx.skip(_join(prefix, node.target), f"activation {type(mod(n2)).__name__} has no fused form")
                 if act is not None:
                     chain, kind, modules = [node, n1, n2], _cbr_kind(a), [m, mod(n1), a]
+                else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
+                    chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
         elif type(m) is nn.Linear:
             n1 = single(node)
             act, a = act_of(n1)
@@ -1382,7 +1393,7 @@ def _fx_tree(ctx, module, prefix=""):
     claimed = any(not prefix or n == prefix or n.startswith(prefix + ".") for n in names)
     # a Sequential below the root had its runs found by the Sequential pass
     if not claimed and any(type(m) in (nn.Linear, nn.Conv2d) for m in module.modules()) \
-            and not isinstance(module, (nn.ModuleList, nn.ModuleDict)) \
+            and not isinstance(module, (nn.ModuleList, nn.ModuleDict, _FusedSequential)) \
             and not (prefix and type(module) is nn.Sequential):
         reason = _fx_pass(ctx, module, prefix)
         if not isinstance(reason, str):
@@ -1391,9 +1402,10 @@ def _fx_tree(ctx, module, prefix=""):
         reason = None
     for key, child in module._modules.items():
         # torch's own modules are fx leaves, its containers are not
-        # a Wrapper or fused Sequential: converted already (by a rule, or an earlier convert)
+        # a Wrapper: converted already (by a rule, or an earlier convert); a fused Sequential's
+        # ungrouped children (torchvision's Conv2dNormActivation beside a grouped Conv-BN) may trace
         if child is None or _is_marked(child) \
-                or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused, Wrapper, _FusedSequential)) \
+                or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused, Wrapper)) \
                 or type(child).__module__.startswith("torch.") \
                 and not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             continue

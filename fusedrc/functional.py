@@ -221,7 +221,7 @@ def conv_bn_act(
     x: Tensor, weight: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
     running_mean: Tensor | None, running_var: Tensor | None, *, training: bool = True,
     momentum: float = 0.1, eps: float = 1e-5, stride=1, padding=0, dilation=1,
-    bias: Tensor | None = None, residual: Tensor | None = None, activation: str = "relu", groups: int = 1,
+    bias: Tensor | None = None, residual: Tensor | None = None, activation: str | None = "relu", groups: int = 1,
 ) -> Tensor:
     """``act(batch_norm(conv2d(x, weight)) [+ residual])`` with ``F.batch_norm``'s conventions.
 
@@ -241,7 +241,8 @@ def conv_bn_act(
         residual: added after BatchNorm, before the activation; the conv output's shape. Under
             autocast it is cast with the conv's operands and the output is in their dtype, as
             torchvision's blocks get it (``out += identity`` in place keeps the half dtype).
-        activation: as in :func:`linear_act`; ``"relu"`` by default.
+        activation: as in :func:`linear_act`; ``"relu"`` by default; None: no activation
+            (``batch_norm(conv2d(x)) [+ residual]``, a projection or downsample Conv-BN).
         groups: as in ``F.conv2d`` (ResNeXt, RegNet, depthwise convolutions). The Triton kernels
             run ``groups=1``; a grouped conv runs the fused op's reference implementation (aten's
             conv in forward and in the backward's recompute: the memory of a recompute, not the
@@ -258,7 +259,7 @@ def conv_bn_act(
     """
     check_tensor(x, "input", ndim=4)
     _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True), (residual, "residual", 4, True))
-    check_activation(activation)
+    activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
     stride, padding, dilation = (
         pair(stride, "stride", min_value=1), pair(padding, "padding", min_value=0),
         pair(dilation, "dilation", min_value=1),

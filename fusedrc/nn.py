@@ -233,7 +233,7 @@ class ConvBNReLU(nn.Module):
             Triton kernels run ``groups=1``).
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"`` or ``"hardswish"``.
+            ``"relu6"`` or ``"hardswish"``; None: no activation (a projection or downsample Conv-BN).
 
     Example::
 
@@ -256,7 +256,8 @@ class ConvBNReLU(nn.Module):
         check_number(eps, "eps", min_value=0)
         if momentum is not None:
             check_number(momentum, "momentum")
-        check_activation(activation)
+        if activation is not None:
+            check_activation(activation)
         check_int(groups, "groups", min_value=1)
         for name, channels in (("in_channels", in_channels), ("out_channels", out_channels)):
             if channels % groups:
@@ -269,15 +270,15 @@ class ConvBNReLU(nn.Module):
         _check_conv(self.conv, "padding")
 
     @classmethod
-    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module | str = "relu"):
+    def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module | str | None = "relu"):
         """Wrap an ``nn.Conv2d`` and an ``nn.BatchNorm2d`` (sharing their parameters and buffers)
-        and an activation module or name."""
+        and an activation module or name (None: no activation)."""
         check_module(conv, "conv", nn.Conv2d)
         check_module(bn, "bn", nn.BatchNorm2d)
         _check_conv(conv, "conv.padding")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.out_channels ({conv.out_channels})")
-        name = _act_name(act)
+        name = None if act is None else _act_name(act)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.activation = name

@@ -57,12 +57,17 @@ def check_activation(activation) -> str:
     return activation
 
 
+# "none": the conv+BN op without an activation (a projection or downsample Conv-BN); not a public
+# activation of the other ops (check_activation does not take it)
+NO_ACTIVATION = "none"
+
+
 def activation_forward(h, activation):
-    return ACTIVATIONS[activation][0](h)
+    return h if activation == NO_ACTIVATION else ACTIVATIONS[activation][0](h)
 
 
 def activation_backward(grad, h, activation):
-    return ACTIVATIONS[activation][1](grad, h)
+    return grad if activation == NO_ACTIVATION else ACTIVATIONS[activation][1](grad, h)
 
 
 # --------------------------------------------------------------------------- Linear + act

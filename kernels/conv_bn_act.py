@@ -69,7 +69,8 @@ from ._common import (
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
 
-SUPPORTED_ACTIVATIONS = ACTIVATIONS  # the dense kernels' epilogue functions (_common)
+# the dense kernels' epilogue functions (_common), and "none": Conv-BN without an activation
+SUPPORTED_ACTIVATIONS = ACTIVATIONS + ("none",)
 
 # Strategy switches (module level: the launchers' signatures are fixed). Every setting gives
 # the same results; they exist to be measured on a GPU per shape. "auto" decides per layer

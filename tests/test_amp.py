@@ -334,7 +334,8 @@ class _ConvertNet(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                   nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        self.gen = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Tanh())
+        # the BatchNorm after the Tanh: no Conv-BN pattern, a generic region with a plain BatchNorm
+        self.gen = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.Tanh(), nn.BatchNorm2d(16))
         self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16),
                                  nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.0), nn.Linear(64, 16),
                                  nn.Linear(16, 32), nn.SiLU(), nn.LayerNorm(32), nn.Linear(32, 10))

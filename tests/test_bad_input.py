@@ -239,6 +239,7 @@ CASES = [
     ("conv_bn_act/momentum-none", cba(rm=lambda: torch.zeros(4), rv=lambda: torch.ones(4), momentum=None),
      TypeError, r"momentum must be a float, got NoneType"),
     ("conv_bn_act/activation", cba(activation="tanh"), ValueError, ACT + ", got 'tanh'"),
+    ("conv_bn_act/activation-none-str", cba(activation="none"), ValueError, ACT + ", got 'none'"),
     ("conv_bn_act/one-value-per-channel", cba(x=lambda: r(1, 3, 3, 3)), ValueError,
      r"Expected more than 1 value per channel when training"),
     # ------------------------------------------------------------ nn.LinearReLU

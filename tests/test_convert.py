@@ -81,9 +81,10 @@ def _checkpoint_bytes(converted, example):
 
 
 # --------------------------------------------------------------------------- torchvision ResNet
-@pytest.mark.parametrize("name, ratio", [("resnet18", 0.63), ("resnet50", 0.64), ("resnext50_32x4d", 0.61)])
+@pytest.mark.parametrize("name, ratio", [("resnet18", 0.59), ("resnet50", 0.56), ("resnext50_32x4d", 0.55)])
 def test_resnet_forward_backward_bytes(name, ratio):
-    # ResNeXt's grouped 3x3 convs (groups=32) are fused units too (the op's reference implementation)
+    # ResNeXt's grouped 3x3 convs (groups=32) are fused units too (the op's reference implementation);
+    # so are the downsample branches' Conv-BN (no activation: kind "conv_bn")
     torch.manual_seed(0)
     model = _resnet(name).train()
     x = torch.randn(2, 3, 64, 64)
@@ -92,7 +93,10 @@ def test_resnet_forward_backward_bytes(name, ratio):
     plan = conv.fusedrc_plan
     n_blocks = 8 if name == "resnet18" else 16
     per_block = 2 if name == "resnet18" else 3
-    assert len(plan.fused) == 1 + n_blocks * per_block and not plan.skipped
+    downsamples = 3 if name == "resnet18" else 4
+    assert len(plan.fused) == 1 + n_blocks * per_block + downsamples and not plan.skipped
+    assert sorted(u.name for u in plan.units if u.kind == "conv_bn") == [
+        f"layer{i}.0.downsample.0" for i in range(5 - downsamples, 5)]
     # same keys; the original state_dict loads
     assert list(conv.state_dict()) == list(model.state_dict())
     conv.load_state_dict(model.state_dict())
@@ -1195,7 +1199,7 @@ class _ConvActNet(nn.Module):
         super().__init__()
         self.c1, self.b1, self.a1 = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.SiLU()
         self.c2, self.b2 = nn.Conv2d(6, 5, 1, bias=False), nn.BatchNorm2d(5)
-        self.c3, self.b3, self.a3 = nn.Conv2d(5, 4, 3), nn.BatchNorm2d(4), nn.Tanh()
+        self.c3, self.b3, self.a3 = nn.Conv2d(5, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Tanh()
 
     def forward(self, x):
         x = nn.functional.gelu(self.b2(self.c2(self.a1(self.b1(self.c1(x))))), approximate="tanh")
@@ -1204,25 +1208,25 @@ class _ConvActNet(nn.Module):
 
 def test_conv_bn_other_activations_sequential_and_fx():
     """Conv -> BatchNorm2d -> SiLU / GELU chains are fused (kind "conv_bn_act"), in a Sequential and
-    through fx (module and functional activations); one with no fused form is reported; outputs,
-    gradients and running statistics match the original's over two steps (convs without bias:
-    one before BatchNorm has a gradient of pure rounding noise)."""
+    through fx (module and functional activations); before an activation with no fused form the
+    Conv-BN is (kind "conv_bn"), the activation runs as is; outputs, gradients and running statistics
+    match the original's over two steps (convs without bias: one before BatchNorm has a gradient of
+    pure rounding noise)."""
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.SiLU(),
                         nn.Conv2d(6, 4, 1, bias=False), nn.BatchNorm2d(4), nn.GELU(),
-                        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Hardsigmoid()).train()
+                        nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4), nn.Hardsigmoid()).train()
     fx = _ConvActNet().train()
     x = torch.randn(2, 3, 7, 7)
-    for model, fused, skipped in ((seq, ["0", "3"], "6"), (fx, ["c1", "c2"], "c3")):
-        with pytest.warns(UserWarning, match="has no fused form"):
-            conv = fusedrc.convert(model, example_inputs=(x,))
+    for model, names in ((seq, ["0", "3", "6"]), (fx, ["c1", "c2", "c3"])):
+        conv = fusedrc.convert(model, example_inputs=(x,))
         plan = conv.fusedrc_plan
-        assert [(u.name, u.kind) for u in plan.units] == [(n, "conv_bn_act") for n in fused]
-        assert [n for n, _ in plan.skipped] == [skipped]
+        assert [(u.name, u.kind) for u in plan.units] == list(zip(names, ["conv_bn_act", "conv_bn_act", "conv_bn"]))
+        assert not plan.skipped
         ops = []
         with FusedOpLog(ops):
             copy.deepcopy(conv)(x)  # a copy: a training forward updates the running statistics
-        assert ops == ["conv_bn_act", "conv_bn_act"]
+        assert ops == ["conv_bn_act"] * 3
         for _ in range(2):
             model.zero_grad(), conv.zero_grad()
             _assert_same_step(model, conv, x)
@@ -1230,8 +1234,9 @@ def test_conv_bn_other_activations_sequential_and_fx():
 
 
 @pytest.mark.parametrize("name, units, depthwise, kinds", [
-    ("efficientnet_b0", 33, 16, {"conv_bn_act"}),                       # Conv-BN-SiLU
-    ("mobilenet_v3_small", 24, 11, {"conv_bn_act", "conv_bn_relu", "ffn"}),  # Hardswish, ReLU; SE blocks unfused
+    ("efficientnet_b0", 49, 16, {"conv_bn_act", "conv_bn"}),  # Conv-BN-SiLU, the projections' Conv-BN
+    ("mobilenet_v3_small", 35, 11, {"conv_bn_act", "conv_bn_relu", "conv_bn", "ffn"}),  # Hardswish, ReLU; SE unfused
+    ("mobilenet_v2", 52, 17, {"conv_bn_act", "conv_bn"}),  # ReLU6
 ])
 def test_efficientnet_mobilenet_units(name, units, depthwise, kinds):
     """torchvision EfficientNet-B0 and MobileNetV3: their Conv-BN-act chains (stem, 1x1 expansions,
@@ -1248,17 +1253,18 @@ def test_efficientnet_mobilenet_units(name, units, depthwise, kinds):
     x = torch.randn(2, 3, 32, 32)
     conv = fusedrc.convert(model, example_inputs=(x,))
     plan = conv.fusedrc_plan
-    chains = [m for m in model.modules() if type(m).__name__ == "Conv2dNormActivation" and len(m) == 3]
-    assert sum(m[0].groups > 1 for m in chains) == depthwise
+    assert sum(m.groups > 1 for m in model.modules() if isinstance(m, nn.Conv2d)) == depthwise
     assert len(plan.fused) == units and {u.kind for u in plan.units} == kinds and not plan.skipped
-    assert sum(u.kind.startswith("conv_bn") for u in plan.units) == len(chains)
+    # every BatchNorm (each follows a conv) is in a unit
+    n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert sum(u.kind.startswith("conv_bn") for u in plan.units) == n_bn
     assert list(conv.state_dict()) == list(model.state_dict())
-    channels = sum(m[0].out_channels for m in chains)
+    channels = sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
     assert plan.final_bytes < plan.baseline_bytes
     assert plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + 8 * channels
     # judged against the original in float64: the BatchNorm biases in front of a conv + BN (MBConv's
     # projections) have a gradient of 0 in theory, a sum of terms whose size the BN weight's gradient
-    # shows, rounding noise in float32 either way: each error may be twice the original's, TOL of the
+    # shows, rounding noise in float32 either way: each error may be 4x the original's, TOL of the
     # gradient, and for a BN bias 1e-6 of its weight's gradient
     exact = copy.deepcopy(model).double()
     outs = []
@@ -1275,7 +1281,7 @@ def test_efficientnet_mobilenet_units(name, units, depthwise, kinds):
         err_conv = (params[1][n].grad.double() - p64.grad).norm()
         weight = n.removesuffix(".bias") + ".weight"
         noise = 1e-6 * params[2][weight].grad.norm() if n.endswith(".bias") and weight in bn_weights else 0.0
-        assert err_conv <= 2 * err_orig + TOL * p64.grad.norm() + noise, n
+        assert err_conv <= 4 * err_orig + TOL * p64.grad.norm() + noise, n
     for (n, a), (_, b) in zip(model.named_buffers(), conv.named_buffers()):
         assert rel_err(b, a) <= TOL if a.is_floating_point() else torch.equal(a, b), n
 

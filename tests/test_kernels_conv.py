@@ -322,11 +322,12 @@ def _activations_launched(seen):
             if name == "_conv_bn_bwd_kernel" or (name == "_conv_bn_fwd_kernel" and kw["APPLY"])}
 
 
-@pytest.mark.parametrize("activation", ["relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish"])
+@pytest.mark.parametrize("activation", ["relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "none"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_activations(activation, training, monkeypatch, device):
     """Every activation of the dense kernels runs in the conv epilogues (residual and conv bias
-    on), in the kernels, not through the reference path, against the float64 reference."""
+    on), in the kernels, not through the reference path, against the float64 reference; "none" is
+    Conv-BN without one."""
     seen = _record_launches(monkeypatch)
     t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, training, torch.float32, activation)

@@ -189,3 +189,27 @@ def test_conv_bn_relu_grouped(groups):
     assert rel_err(m(x), nn.functional.silu(bn(conv(x)))) < 1e-6
     with pytest.raises(ValueError, match=r"out_channels \(6\) must be divisible by groups \(4\)"):
         fusedrc.nn.ConvBNReLU(4, 6, 3, groups=4)
+
+
+def test_conv_bn_without_activation():
+    """ConvBNReLU(activation=None) and from_modules(conv, bn, None): Conv-BN with no activation (a
+    projection or downsample branch) through the fused op, which keeps x and mean/rstd, not the conv
+    output BatchNorm would keep; outputs, gradients and running statistics as the plain modules'."""
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 6, 1, stride=2, bias=False), nn.BatchNorm2d(6)
+    m = fusedrc.nn.ConvBNReLU.from_modules(copy.deepcopy(conv), copy.deepcopy(bn), None)
+    assert m.activation is None and "activation=None" in repr(m)
+    built = fusedrc.nn.ConvBNReLU(3, 6, 1, stride=2, activation=None)
+    assert built.activation is None
+    x = torch.randn(4, 3, 8, 8, requires_grad=True)
+    ops = []
+    with SavedBytes() as saved, FusedOpLog(ops):
+        y = m(x)
+    assert ops == ["conv_bn_act"] and saved.bytes == 4 * x.numel() + 2 * 4 * 6
+    ref = bn(conv(x))
+    assert torch.equal(y, ref)
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, (x, m.conv.weight, m.bn.weight, m.bn.bias), g),
+                    torch.autograd.grad(ref, (x, conv.weight, bn.weight, bn.bias), g)):
+        assert rel_err(a, b) < 1e-5
+    assert rel_err(m.bn.running_var, bn.running_var) < 1e-6
