@@ -24,7 +24,8 @@ How patterns are found
 ----------------------
 1. **Rules** for known block classes, looked up by class name (so fusedrc never
    imports torchvision or transformers): ``BasicBlock``, ``Bottleneck``, ``ResNet``
-   (the stem) from ``torchvision.models.resnet``; from ``transformers``,
+   (the stem) from ``torchvision.models.resnet``, ``InvertedResidual`` (MobileNetV2/V3),
+   ``MBConv``/``FusedMBConv`` (EfficientNet) as blocks; from ``transformers``,
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5Block``;
@@ -868,6 +869,20 @@ def _resnet(ctx, name, m):
     new = FusedResNet.wrap(m)
     _declare_cbr(ctx, new, name, "conv1", m.conv1, m.bn1, m.relu)
     return new
+
+
+_TORCHVISION_MOBILE = ("torchvision.models.mobilenetv2", "torchvision.models.mobilenetv3",
+                       "torchvision.models.efficientnet")
+
+
+@register_rule("InvertedResidual", "MBConv", "FusedMBConv")
+def _mobile_block(ctx, name, m):
+    """torchvision MobileNetV2/V3 ``InvertedResidual`` and EfficientNet ``MBConv``/``FusedMBConv``:
+    each is a block for ``policy="blocks"`` and budgets (the module itself, unchanged); the fx pass
+    finds the Conv-BN[-act] chains inside it (its ``Conv2dNormActivation`` layers)."""
+    if type(m).__module__ in _TORCHVISION_MOBILE:
+        ctx.block(name, m)
+    return m
 
 
 @register_rule("T5DenseActDense")

@@ -17,6 +17,7 @@ from torch import nn
 
 import fusedrc
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
+from fusedrc.recompute import _is_marked
 
 from _utils import FusedOpLog, GemmCounter, SavedBytes, rel_err, replicate_on_cpu
 
@@ -1233,6 +1234,54 @@ def test_conv_bn_other_activations_sequential_and_fx():
         assert plan.final_bytes < plan.baseline_bytes
 
 
+def _assert_step_matches_in_float64(model, conv, x):
+    """One training step of ``model`` and its conversion ``conv`` on ``x``, judged against ``model`` in
+    float64: the BatchNorm biases in front of a conv + BN (MBConv's projections) have a gradient of 0
+    in theory, a sum of terms whose size the BN weight's gradient shows, rounding noise in float32
+    either way: each error may be 4x the original's, TOL of the gradient, and for a BN bias 1e-6 of
+    its weight's gradient. Outputs and running statistics within TOL of the original's."""
+    exact = copy.deepcopy(model).double()
+    outs = []
+    for m, dtype in ((model, torch.float32), (conv, torch.float32), (exact, torch.float64)):
+        torch.manual_seed(1)  # stochastic depth and dropout draw from the global generator
+        y = m(x.to(dtype))
+        y.square().sum().backward()
+        outs.append(y)
+    assert rel_err(outs[1], outs[0]) <= TOL
+    params = [dict(m.named_parameters()) for m in (model, conv, exact)]
+    bn_weights = {n + ".weight" for n, m in exact.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    for n, p64 in params[2].items():
+        err_orig = (params[0][n].grad.double() - p64.grad).norm()
+        err_conv = (params[1][n].grad.double() - p64.grad).norm()
+        weight = n.removesuffix(".bias") + ".weight"
+        noise = 1e-6 * params[2][weight].grad.norm() if n.endswith(".bias") and weight in bn_weights else 0.0
+        assert err_conv <= 4 * err_orig + TOL * p64.grad.norm() + noise, n
+    for (n, a), (_, b) in zip(model.named_buffers(), conv.named_buffers()):
+        assert rel_err(b, a) <= TOL if a.is_floating_point() else torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("name, blocks, ratio", [("efficientnet_b0", 16, 0.1), ("mobilenet_v2", 17, 0.1)])
+def test_mobile_blocks_and_budget(name, blocks, ratio):
+    """torchvision's MBConv / InvertedResidual are blocks: policy="blocks" recomputes them whole (fused
+    ops inside; stochastic depth replayed), a memory budget below what the units reach is met with
+    them; outputs, gradients and statistics match the original's."""
+    try:
+        tv = _import_torchvision()
+    except ImportError:
+        pytest.skip("torchvision is not installed (test extra)")
+    torch.manual_seed(0)
+    model = getattr(tv.models, name)(num_classes=10, dropout=0.0).train()
+    x = torch.randn(2, 3, 32, 32)
+    conv = fusedrc.convert(model, policy="blocks", example_inputs=(x,))
+    plan = conv.fusedrc_plan
+    assert len(plan.blocks) == blocks and all(b.selected and _is_marked(b.module) for b in plan.blocks)
+    assert plan.final_bytes / plan.baseline_bytes < ratio
+    _assert_step_matches_in_float64(model, conv, x)
+    budget = fusedrc.convert(model, memory_budget=0.25, example_inputs=(x,)).fusedrc_plan
+    units_only = fusedrc.convert(model, example_inputs=(x,)).fusedrc_plan
+    assert budget.final_bytes / budget.baseline_bytes <= 0.25 < units_only.final_bytes / units_only.baseline_bytes
+
+
 @pytest.mark.parametrize("name, units, depthwise, kinds", [
     ("efficientnet_b0", 49, 16, {"conv_bn_act", "conv_bn"}),  # Conv-BN-SiLU, the projections' Conv-BN
     ("mobilenet_v3_small", 35, 11, {"conv_bn_act", "conv_bn_relu", "conv_bn", "ffn"}),  # Hardswish, ReLU; SE unfused
@@ -1262,28 +1311,7 @@ def test_efficientnet_mobilenet_units(name, units, depthwise, kinds):
     channels = sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
     assert plan.final_bytes < plan.baseline_bytes
     assert plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + 8 * channels
-    # judged against the original in float64: the BatchNorm biases in front of a conv + BN (MBConv's
-    # projections) have a gradient of 0 in theory, a sum of terms whose size the BN weight's gradient
-    # shows, rounding noise in float32 either way: each error may be 4x the original's, TOL of the
-    # gradient, and for a BN bias 1e-6 of its weight's gradient
-    exact = copy.deepcopy(model).double()
-    outs = []
-    for m, dtype in ((model, torch.float32), (conv, torch.float32), (exact, torch.float64)):
-        torch.manual_seed(1)  # stochastic depth and dropout draw from the global generator
-        y = m(x.to(dtype))
-        y.square().sum().backward()
-        outs.append(y)
-    assert rel_err(outs[1], outs[0]) <= TOL
-    params = [dict(m.named_parameters()) for m in (model, conv, exact)]
-    bn_weights = {n + ".weight" for n, m in exact.named_modules() if isinstance(m, nn.BatchNorm2d)}
-    for n, p64 in params[2].items():
-        err_orig = (params[0][n].grad.double() - p64.grad).norm()
-        err_conv = (params[1][n].grad.double() - p64.grad).norm()
-        weight = n.removesuffix(".bias") + ".weight"
-        noise = 1e-6 * params[2][weight].grad.norm() if n.endswith(".bias") and weight in bn_weights else 0.0
-        assert err_conv <= 4 * err_orig + TOL * p64.grad.norm() + noise, n
-    for (n, a), (_, b) in zip(model.named_buffers(), conv.named_buffers()):
-        assert rel_err(b, a) <= TOL if a.is_floating_point() else torch.equal(a, b), n
+    _assert_step_matches_in_float64(model, conv, x)
 
 
 @pytest.mark.parametrize("swap", ["silu", "tanh"])
