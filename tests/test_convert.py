@@ -1260,17 +1260,23 @@ def _assert_step_matches_in_float64(model, conv, x):
         assert rel_err(b, a) <= TOL if a.is_floating_point() else torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("name, blocks, ratio", [("efficientnet_b0", 16, 0.1), ("mobilenet_v2", 17, 0.1)])
-def test_mobile_blocks_and_budget(name, blocks, ratio):
-    """torchvision's MBConv / InvertedResidual are blocks: policy="blocks" recomputes them whole (fused
-    ops inside; stochastic depth replayed), a memory budget below what the units reach is met with
-    them; outputs, gradients and statistics match the original's."""
+def _torchvision_model(name):
+    """A torchvision classifier, 10 classes, its classifier dropout off (the fused FFN of MobileNetV3 draws
+    its own masks; stochastic depth stays, the comparisons seed it), in training mode."""
     try:
         tv = _import_torchvision()
     except ImportError:
         pytest.skip("torchvision is not installed (test extra)")
     torch.manual_seed(0)
-    model = getattr(tv.models, name)(num_classes=10, dropout=0.0).train()
+    return getattr(tv.models, name)(num_classes=10, dropout=0.0).train()
+
+
+@pytest.mark.parametrize("name, blocks, ratio", [("efficientnet_b0", 16, 0.1), ("mobilenet_v2", 17, 0.1)])
+def test_mobile_blocks_and_budget(name, blocks, ratio):
+    """torchvision's MBConv / InvertedResidual are blocks: policy="blocks" recomputes them whole (fused
+    ops inside; stochastic depth replayed), a memory budget below what the units reach is met with
+    them; outputs, gradients and statistics match the original's."""
+    model = _torchvision_model(name)
     x = torch.randn(2, 3, 32, 32)
     conv = fusedrc.convert(model, policy="blocks", example_inputs=(x,))
     plan = conv.fusedrc_plan
@@ -1292,13 +1298,7 @@ def test_efficientnet_mobilenet_units(name, units, depthwise, kinds):
     depthwise convs, head; SiLU, Hardswish, ReLU) and MobileNetV3's classifier FFN are fused through
     fx; outputs, gradients and BatchNorm statistics match; the bytes kept are no more than
     torch.utils.checkpoint's on the same units (+ mean/rstd)."""
-    try:
-        tv = _import_torchvision()
-    except ImportError:
-        pytest.skip("torchvision is not installed (test extra)")
-    torch.manual_seed(0)
-    # classifier dropout off: the fused FFN draws its own masks (stochastic depth stays, seeded below)
-    model = getattr(tv.models, name)(num_classes=10, dropout=0.0).train()
+    model = _torchvision_model(name)
     x = torch.randn(2, 3, 32, 32)
     conv = fusedrc.convert(model, example_inputs=(x,))
     plan = conv.fusedrc_plan
