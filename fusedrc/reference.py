@@ -258,6 +258,8 @@ def conv_bn_act_backward(
     g = activation_backward(grad_out, pre, activation).to(acc)
     del pre
     dresidual = g.to(grad_out.dtype) if residual is not None and need[5] else None
+    if dresidual is grad_out:  # no activation, fp32/fp64: an op may not return its input
+        dresidual = dresidual.clone()
     xhat = (z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape)
     del z
     dims = (0, 2, 3)

@@ -213,3 +213,20 @@ def test_conv_bn_without_activation():
                     torch.autograd.grad(ref, (x, conv.weight, bn.weight, bn.bias), g)):
         assert rel_err(a, b) < 1e-5
     assert rel_err(m.bn.running_var, bn.running_var) < 1e-6
+
+
+def test_conv_bn_without_activation_residual_gradient_is_its_own_tensor():
+    """activation=None with a residual: the residual's gradient is the incoming one, which the
+    backward op must return as a new tensor (a custom op may not return an input), or the dispatcher
+    path (dispatch modes, torch.compile) fails."""
+    torch.manual_seed(0)
+    m = fusedrc.nn.ConvBNReLU(4, 4, 1, activation=None)
+    x, r = torch.randn(2, 4, 5, 5), torch.randn(2, 4, 5, 5, requires_grad=True)
+    g = torch.randn(2, 4, 5, 5)
+    ops = []
+    with FusedOpLog(ops):
+        (dr,) = torch.autograd.grad(m(x, r), r, g)
+    assert ops == ["conv_bn_act", "conv_bn_act_backward"] and torch.equal(dr, g)
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x, r)
+    (dr,) = torch.autograd.grad(y, r, g)
+    assert torch.equal(dr, g)
