@@ -292,9 +292,7 @@ def _cbr(site, conv, bn, act, x, residual=None):
             y += residual  # in place, as torchvision's blocks: an fp32 identity under autocast keeps y half
         return y if act is None else act(y)
 
-    if site is not None and site.enabled and not _runtime_cbr_ok(conv, bn, act, x):
-        site = None
-    if site is None or not site.enabled:
+    if site is None or not site.enabled or not _runtime_cbr_ok(conv, bn, act, x):
         return plain(x) if residual is None else plain(x, residual)
     name = None if act is None else _act_name(act)
     if residual is None:

@@ -26,6 +26,7 @@ fused layer; that CPU time bounded small-batch steps on a GPU.
 """
 from __future__ import annotations
 
+import inspect
 from typing import List, Optional, Tuple
 
 import torch
@@ -386,13 +387,12 @@ def _(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
 
 def _conv_bn_act_setup(ctx, inputs, output):
     (x, weight, bias, bn_weight, bn_bias, _rm, _rv, residual,
-     training, eps, stride, padding, dilation, activation, backend, *groups) = inputs
+     training, eps, stride, padding, dilation, activation, backend, groups) = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual)
     ctx.args = (training, eps, stride, padding, dilation, activation, backend)
-    ctx.groups = groups[0] if groups else 1  # an eager call may leave the default out
-    ctx.n_inputs = len(inputs)
+    ctx.groups = groups
 
 
 def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
@@ -408,7 +408,7 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
     dx, dw, db, dgamma, dbeta, dres = _wanted_grads(grads, inputs, mask)
-    return (dx, dw, db, dgamma, dbeta, None, None, dres) + (None,) * (ctx.n_inputs - 8)
+    return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None, None
 
 
 _AUTOGRAD["conv_bn_act"] = (_conv_bn_act_backward, _conv_bn_act_setup)
@@ -437,7 +437,13 @@ for _name, (_backward, _setup) in _AUTOGRAD.items():
 def _eager_function(name: str, impl, backward, setup):
     """The ``autograd.Function`` a plain eager call of op ``name`` goes through: its body, and the
     backward and setup_context registered for the op (so both paths run the same code)."""
+    params = inspect.signature(impl).parameters.values()
+    defaults = tuple(p.default for p in params)
+
     def forward(ctx, *inputs):
+        # setup gets every input, defaults filled, as the custom op's setup_context does (trailing
+        # None gradients for inputs the call left out are dropped by autograd)
+        inputs += defaults[len(inputs):]
         output = impl(*inputs)
         setup(ctx, inputs, output)
         return output
