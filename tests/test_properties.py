@@ -171,13 +171,19 @@ def _with_backend(backend, fn):
     return run
 
 
+def _layer(c, gen, names, n_out, n_in, w_layout, b_layout):
+    """A Linear's weight (n_out, n_in) and bias (None without ``c["bias"]``), drawn in that order."""
+    w = make([n_out, n_in], w_layout, c["dtype"], gen, scale=n_in ** -0.5)[1]
+    b = make([n_out], b_layout, c["dtype"], gen)[1] if c["bias"] else None
+    return dict(zip(names, (w, b)))
+
+
 def run_linear_act(c, backend):
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, act = c["dtype"], c["activation"]
     inputs = dict(
         x=make([*c["lead"], c["k"]], c["x_layout"], dtype, gen)[1],
-        weight=make([c["n"], c["k"]], c["w_layout"], dtype, gen, scale=c["k"] ** -0.5)[1],
-        bias=make([c["n"]], "contiguous", dtype, gen)[1] if c["bias"] else None,
+        **_layer(c, gen, ("weight", "bias"), c["n"], c["k"], c["w_layout"], "contiguous"),
     )
     compare(
         _with_backend(backend, lambda x, weight, bias: F.linear_act(x, weight, bias, act)),
@@ -189,13 +195,9 @@ def run_linear_act(c, backend):
 def run_fused_mlp(c, backend):
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, k, hid, n, act = c["dtype"], c["k"], c["hidden"], c["n"], c["activation"]
-    inputs = dict(
-        x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
-        w1=make([hid, k], c["w_layout"], dtype, gen, scale=k ** -0.5)[1],
-        b1=make([hid], "contiguous", dtype, gen)[1] if c["bias"] else None,
-        w2=make([n, hid], c["w_layout"], dtype, gen, scale=hid ** -0.5)[1],
-        b2=make([n], "sliced", dtype, gen)[1] if c["bias"] else None,
-    )
+    inputs = dict(x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
+                  **_layer(c, gen, ("w1", "b1"), hid, k, c["w_layout"], "contiguous"),
+                  **_layer(c, gen, ("w2", "b2"), n, hid, c["w_layout"], "sliced"))
     compare(
         _with_backend(backend, lambda x, w1, b1, w2, b2: F.fused_mlp(x, w1, b1, w2, b2, act)),
         lambda x, w1, b1, w2, b2: TF.linear(activation_forward(TF.linear(x, w1, b1), act), w2, b2),
@@ -206,15 +208,10 @@ def run_fused_mlp(c, backend):
 def run_gated_mlp(c, backend):
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, k, hid, n, act = c["dtype"], c["k"], c["hidden"], c["n"], c["activation"]
-    inputs = dict(
-        x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
-        w_gate=make([hid, k], c["w_layout"], dtype, gen, scale=k ** -0.5)[1],
-        b_gate=make([hid], "contiguous", dtype, gen)[1] if c["bias"] else None,
-        w_up=make([hid, k], "contiguous", dtype, gen, scale=k ** -0.5)[1],
-        b_up=make([hid], "sliced", dtype, gen)[1] if c["bias"] else None,
-        w_down=make([n, hid], c["w_layout"], dtype, gen, scale=hid ** -0.5)[1],
-        b_down=make([n], "contiguous", dtype, gen)[1] if c["bias"] else None,
-    )
+    inputs = dict(x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
+                  **_layer(c, gen, ("w_gate", "b_gate"), hid, k, c["w_layout"], "contiguous"),
+                  **_layer(c, gen, ("w_up", "b_up"), hid, k, "contiguous", "sliced"),
+                  **_layer(c, gen, ("w_down", "b_down"), n, hid, c["w_layout"], "contiguous"))
 
     def plain(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
         return TF.linear(activation_forward(TF.linear(x, w_gate, b_gate), act) * TF.linear(x, w_up, b_up),
