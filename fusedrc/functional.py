@@ -243,10 +243,11 @@ def conv_bn_act(
             torchvision's blocks get it (``out += identity`` in place keeps the half dtype).
         activation: as in :func:`linear_act`; ``"relu"`` by default; None: no activation
             (``batch_norm(conv2d(x)) [+ residual]``, a projection or downsample Conv-BN).
-        groups: as in ``F.conv2d`` (ResNeXt, RegNet, depthwise convolutions). The Triton kernels
-            run ``groups=1``; a grouped conv runs the fused op's reference implementation (aten's
-            conv in forward and in the backward's recompute: the memory of a recompute, not the
-            fused kernels' traffic savings).
+        groups: as in ``F.conv2d`` (ResNeXt, RegNet, depthwise convolutions). On the Triton
+            backend a grouped conv with up to 32 input channels per group runs the fused kernels
+            with a direct (FMA) convolution; wider groups run the fused op's reference
+            implementation (aten's conv in forward and in the backward's recompute: the memory of
+            a recompute, not the fused kernels' traffic savings).
 
     Example::
 

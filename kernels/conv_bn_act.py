@@ -4,10 +4,14 @@ The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, 
 the epilogue functions of kernels/_common.py); ReLU below stands for it.
 
 Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
-(C_out, C_in, KH, KW), groups=1. The convolution is an implicit GEMM:
+(C_out, C_in / groups, KH, KW). With groups=1 the convolution is an implicit GEMM:
 M = N*OH*OW output pixels, N = C_out, K = KH*KW*C_in, iterated in one flat loop
 over (tap, C_in block) with tap = (kh, kw) outer and the channel block inner,
 fp32 accumulator, ``tl.dot``. Every tensor is read through its strides.
+Grouped convolutions (depthwise, ResNeXt, RegNet; up to ``DIRECT_MAX_GROUP_CHANNELS``
+input channels per group) take the same passes with a direct conv in place of the
+implicit GEMM (``DIRECT``: fp32 FMA over taps x the group's channels, same tile shape,
+so every epilogue below is shared); dX/dW are aten's grouped conv backward.
 
 Forward (training), DESIGN §4:
   1. ``_conv_bn_fwd_kernel`` (STATS, STORE_Z): conv tile, + conv bias, rounded to
@@ -49,9 +53,9 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
 
 All partial reductions go through per-tile buffers reduced in a fixed order: no
 atomics anywhere, results are bitwise repeatable. Tile configurations come from
-the fixed table below (no autotuning). Grouped convolutions (groups > 1), float64, empty
-tensors and samples past 32-bit offsets run the reference implementation
-(fusedrc.reference), which is correct.
+the fixed table below (no autotuning). Groups wider than ``DIRECT_MAX_GROUP_CHANNELS``
+channels, float64, empty tensors and samples past 32-bit offsets run the reference
+implementation (fusedrc.reference), which is correct.
 """
 from __future__ import annotations
 
@@ -154,6 +158,26 @@ _ELEM_CONFIG = ConvConfig(64, 64, 16, 1, 4, 1, 2)  # halves: unsplit, from_z spi
 # ragged edges and K loops.
 _INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1, 2)  # the split epilogue; the elementwise one is not split
 _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
+# Grouped convolutions (DIRECT: FMA, no tensor cores; BLOCK_K unused) on every architecture, one
+# input channel per group (depthwise) and more: 64 channels of 2 bytes are a 128-byte row of a
+# channels_last tensor. No software pipelining (num_stages 1): the loads are gathers, not dot
+# operands. With several channels per group a half-wide tile (fusedrc.inspect, bf16: 122-128
+# registers in the passes with an epilogue; 64x64 and nested tap/channel loops took 255 and
+# spilled). Starting points, unmeasured.
+_DIRECT_CONFIG = ConvConfig(64, 64, 16, 8, 4, 1, 2)
+_DIRECT_GROUPED_CONFIG = ConvConfig(64, 32, 16, 8, 4, 1, 2)
+# Channels per group up to which a grouped conv runs the DIRECT kernels (ResNeXt-50 32x4d: 4-32,
+# RegNetX: 8-16 at small sizes, depthwise: 1); wider groups run the reference implementation (aten's
+# grouped conv), where a per-group GEMM on tensor cores would be the kernel to write.
+DIRECT_MAX_GROUP_CHANNELS = 32
+
+
+def direct_config(group_channels: int, capability) -> ConvConfig:
+    """Tile of the grouped (DIRECT) kernels for ``group_channels`` input channels per group; the
+    forward and the backward recompute read the same."""
+    if capability is None:
+        return _INTERPRETER_CONFIG
+    return _DIRECT_CONFIG if group_channels == 1 else _DIRECT_GROUPED_CONFIG
 
 
 def _clamp_k(block_k: int, k_per_tap: int) -> int:
@@ -180,9 +204,10 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
 def _roofline(x, weight, M: int, precision: str):
     """(the conv's flops in byte-time units (flops / ridge), bytes of x + weights, bytes of z)
     for M output pixels: the terms of the two cost models below."""
-    C_out, C_in, KH, KW = weight.shape
+    C_out, C_in, KH, KW = weight.shape  # C_in per group
     elt = x.element_size()
-    compute = 2.0 * M * C_out * C_in * KH * KW / _RIDGE[operand_class(x.dtype, precision)]
+    opclass = "fp32" if x.shape[1] != C_in else operand_class(x.dtype, precision)  # grouped: FMA
+    compute = 2.0 * M * C_out * C_in * KH * KW / _RIDGE[opclass]
     return compute, (x.numel() + weight.numel()) * elt, M * C_out * elt
 
 
@@ -214,7 +239,8 @@ def _z_from_aten(x, weight, M: int, precision: str) -> bool:
 
 def _aten_z(x, weight, bias, stride, padding, dilation, like):
     """z = conv2d(x, weight, bias) by aten, laid out like ``like`` (the kernels read z with its strides)."""
-    z = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], 1)
+    groups = x.shape[1] // weight.shape[1]
+    z = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
     return z if z.stride() == like.stride() else z.contiguous(memory_format=_memory_format(like))
 
 
@@ -311,6 +337,52 @@ def _conv_mainloop(
 
 
 @triton.jit
+def _direct_conv_mainloop(
+    x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
+    s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """fp32 tile z[row0:row0+BM, col0:col0+BN] of a grouped conv by direct fp32 FMA.
+
+    C_IN input channels per group (the weight's dim 1), C_OUT_G output channels per group:
+    column co reads input channels (co // C_OUT_G) * C_IN + [0, C_IN). A few channels per
+    group leave a tensor core nothing to do (depthwise: K = KH*KW), so each tap is a gather of
+    x and one fma per element. One flat loop in a fixed order (taps row-major, the group's
+    channels inside; nested loops kept a (BM, BN) address tensor live: 255 registers) and an
+    explicit fma: every kernel that recomputes z gets the forward's bits.
+    """
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ohw = OH * OW
+    n = offs_m // ohw
+    r = offs_m - n * ohw
+    oh = r // OW
+    ow = r - oh * OW
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    x_rows = x_ptr + n.to(tl.int64) * s_xn
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < C_OUT
+    x_cols = (offs_n // C_OUT_G) * C_IN * s_xc
+    w_cols = w_ptr + offs_n * s_wo
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, KH * KW * C_IN):
+        tap = it // C_IN
+        c = it - tap * C_IN
+        kh = tap // KW
+        kw = tap - kh * KW
+        ih = ih0 + kh * DH
+        iw = iw0 + kw * DW
+        ok = (mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))[:, None] & mask_n[None, :]
+        a = tl.load((x_rows + (ih * s_xh + iw * s_xw))[:, None] + (x_cols + c * s_xc)[None, :], mask=ok, other=0.0)
+        b = tl.load(w_cols + (kh * s_wh + kw * s_ww + c * s_wc), mask=mask_n, other=0.0)
+        acc = tl.fma(a.to(tl.float32), b.to(tl.float32)[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-channel fp32 mean, rstd, gamma (1 without affine), beta (0 without affine)."""
@@ -341,12 +413,12 @@ def _bn_pre(zf, mean, rstd, gamma, beta):
 def _conv_bn_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, z_ptr, y_ptr, res_ptr,
     mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, pmean_ptr, pm2_ptr,
-    M, C_OUT, C_IN, H, W, OH, OW,
+    M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
     s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
     s_on, s_oc, s_oh, s_ow,       # z and y (same layout)
     s_rn, s_rc, s_rh, s_rw,       # residual
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
     FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
     APPLY: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -365,9 +437,14 @@ def _conv_bn_fwd_kernel(
     if FROM_Z:
         zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
-                             s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                             KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        if DIRECT:
+            acc = _direct_conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
+                                        s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                                        KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N)
+        else:
+            acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+                                 s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         # z as torch's conv2d hands it to BatchNorm: rounded to the input dtype
@@ -465,13 +542,13 @@ def _conv_bn_bwd_kernel(
     x_ptr, w_ptr, bias_ptr, z_ptr, g_ptr, res_ptr, dz_ptr, dres_ptr,
     mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
     pg_ptr, pgx_ptr, pdb_ptr,
-    M, C_OUT, C_IN, H, W, OH, OW, inv_count,
+    M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, inv_count,
     s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
     s_on, s_oc, s_oh, s_ow,       # z, dz, dresidual (same layout)
     s_gn, s_gc, s_gh, s_gw,       # grad_out
     s_rn, s_rc, s_rh, s_rw,       # residual
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
     FROM_Z: tl.constexpr, STORE_Z: tl.constexpr, REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr,
     TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -500,9 +577,14 @@ def _conv_bn_bwd_kernel(
         zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
     else:
         # exactly the forward's computation of z
-        acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
-                             s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                             KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        if DIRECT:
+            acc = _direct_conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
+                                        s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                                        KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N)
+        else:
+            acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+                                 s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         zq = acc.to(x_ptr.dtype.element_ty)
@@ -709,9 +791,11 @@ def _memory_format(x: torch.Tensor):
 
 
 def _supported(x, weight, activation, stride, padding, dilation, groups=1) -> bool:
-    if activation not in SUPPORTED_ACTIVATIONS or groups != 1:
+    if activation not in SUPPORTED_ACTIVATIONS or groups < 1 or x.dim() != 4 or weight.dim() != 4:
         return False
-    if x.dim() != 4 or weight.dim() != 4 or weight.shape[1] != x.shape[1]:
+    if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
+        return False
+    if groups > 1 and weight.shape[1] > DIRECT_MAX_GROUP_CHANNELS:
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return False
@@ -775,20 +859,21 @@ def conv_bn_act_forward(
         return _reference().conv_bn_act_forward(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
             training, eps, stride, padding, dilation, activation, groups)
-    N, C_in, H, W = x.shape
-    C_out, _, KH, KW = weight.shape
+    N, _, H, W = x.shape
+    C_out, C_in, KH, KW = weight.shape  # C_in per group
     OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
     M = N * OH * OW
     fmt = _memory_format(x)
     y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
     precision = dot_precision(x)
     cap = device_capability(x)
-    cfg = conv_config(C_out, C_in, x.dtype, precision, cap)
+    direct = groups > 1
+    cfg = direct_config(C_in, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
     aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     res = residual
     dummy = x  # unused pointers: an input, never an output (see kernels/_common.py)
-    # (KH, KW, C_in, C_out): coalesced B tiles; not needed when every pass reads z
+    # (KH, KW, C_in, C_out): coalesced B tiles (weight rows, DIRECT); not needed when every pass reads z
     wt = dummy if aten_z else weight.permute(2, 3, 1, 0).contiguous()
 
     def launch(cfg, *, from_z, z, stats, store_z, apply, mean, rstd, pmean, pm2):
@@ -800,10 +885,10 @@ def conv_bn_act_forward(
             mean if mean is not None else dummy, rstd if rstd is not None else dummy,
             gamma if gamma is not None else dummy, beta if beta is not None else dummy,
             pmean if pmean is not None else dummy, pm2 if pm2 is not None else dummy,
-            M, C_out, C_in, H, W, OH, OW,
+            M, C_out, C_in, C_out // groups, H, W, OH, OW,
             *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
             *y.stride(), *rr.stride(),  # z, when there is one, is laid out like y
-            **_geom_constexprs(KH, KW, stride, padding, dilation),
+            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct,
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
             ACTIVATION=activation if apply else "relu",  # unused without APPLY: one compile for all
@@ -915,15 +1000,17 @@ def conv_bn_act_backward(
             x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
             training, eps, stride, padding, dilation, activation, output_mask, groups)
     need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres = wanted(output_mask, 6)
-    N, C_in, H, W = x.shape
-    C_out, _, KH, KW = weight.shape
+    N, _, H, W = x.shape
+    C_out, C_in, KH, KW = weight.shape  # C_in per group
     OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
     M = N * OH * OW
     fmt = _memory_format(x)
     dev = x.device
     precision = dot_precision(x)
     cap = device_capability(x)
-    cfg = conv_config(C_out, C_in, x.dtype, precision, cap)  # the forward's entry
+    direct = groups > 1
+    # the forward's entry
+    cfg = direct_config(C_in, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
     aten_z, _, twice = conv_plan(x, weight, M, precision)
     wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
@@ -947,10 +1034,10 @@ def conv_bn_act_backward(
             mean, rstd, gamma if gamma is not None else dummy, beta if beta is not None else dummy,
             sg if sg is not None else dummy, sgx if sgx is not None else dummy,
             pg if pg is not None else dummy, pgx if pgx is not None else dummy, pdb if pdb is not None else dummy,
-            M, C_out, C_in, H, W, OH, OW, 1.0 / M,
+            M, C_out, C_in, C_out // groups, H, W, OH, OW, 1.0 / M,
             *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
             *dz.stride(), *grad_out.stride(), *rr.stride(),
-            **_geom_constexprs(KH, KW, stride, padding, dilation),
+            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct,
             FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce, EMIT_DZ=emit, TRAINING=bool(training),
             STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
             HAS_W=gamma is not None, HAS_B=beta is not None, ACTIVATION=activation,
@@ -991,9 +1078,9 @@ def conv_bn_act_backward(
         del z  # transient
         if not (need_dx or need_dw):
             dx = dweight = None
-        elif CONV_GRAD == "aten":
+        elif CONV_GRAD == "aten" or direct:  # the Triton dX/dW kernels are implicit GEMMs of groups=1
             dx, dweight, _ = torch.ops.aten.convolution_backward(
-                dz, x, weight, None, stride, padding, dilation, False, [0, 0], 1, [need_dx, need_dw, False])
+                dz, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [need_dx, need_dw, False])
             dx, dweight = dx if need_dx else None, dweight if need_dw else None  # CPU's fills them anyway
         else:
             dx = conv_dx(dz, weight, x.shape, fmt, stride, padding, dilation, precision, cap) if need_dx else None
@@ -1038,12 +1125,37 @@ def _inspect_config(cfg: ConvConfig, mode: str, dtype, precision: str) -> dict:
     return config
 
 
+def _direct_flavor(mode: str):
+    """("depthwise" | "grouped" | None, the mode without its prefix): a "dw_" or "grouped_" mode
+    prefix is the DIRECT (grouped) conv; depthwise has one channel per group in and out, which
+    the JIT specialises to constexpr 1 as it does any int argument equal to 1."""
+    for prefix, flavor in (("dw_", "depthwise"), ("grouped_", "grouped")):
+        if mode.startswith(prefix):
+            return flavor, mode.removeprefix(prefix)
+    return None, mode
+
+
+def _direct_args(flavor, sig, constexprs, aligned):
+    """C_IN and C_OUT_G (channels per group in and out) and DIRECT as ``flavor``'s launch has them."""
+    constexprs["DIRECT"] = flavor is not None
+    if flavor == "depthwise":
+        del sig["C_IN"]
+        constexprs["C_IN"] = constexprs["C_OUT_G"] = 1
+    else:  # C_OUT_G: C_OUT (GEMM, unused) or a group's width, no alignment either way
+        sig["C_OUT_G"] = "i32"
+        if flavor == "grouped":  # 4, 8, ... channels per group: no 16-hint
+            aligned.remove("C_IN")
+    aligned[:] = [n for n in aligned if n not in constexprs]
+
+
 def _inspect_fwd(dtype, mode: str):
     """_conv_bn_fwd_kernel as conv_bn_act_forward launches it: "stats" (training pass 1,
     conv + z store + Chan partials), "apply" (eval, or FWD_RECOMPUTE's second pass:
     conv + BN + residual + ReLU), "from_z" (training pass 2: elementwise over z),
-    "z_stats" (CONV_Z="aten": the Chan partials of a given z, elementwise)."""
+    "z_stats" (CONV_Z="aten": the Chan partials of a given z, elementwise). A "dw_"/"grouped_"
+    prefix: the same pass of a depthwise/grouped conv (DIRECT)."""
     p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    flavor, mode = _direct_flavor(mode)
     stats, apply_ = mode in ("stats", "z_stats"), mode in ("apply", "from_z")
     ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "z_ptr": p, "y_ptr": p, "res_ptr": p,
             "mean_ptr": f32 if apply_ else p, "rstd_ptr": f32 if apply_ else p,
@@ -1059,6 +1171,7 @@ def _inspect_fwd(dtype, mode: str):
     constexprs.update(FROM_Z=mode in ("from_z", "z_stats"), HAS_BIAS=True, STATS=stats,
                       STORE_Z=mode == "stats" and FWD_RECOMPUTE is not True,
                       APPLY=apply_, HAS_RES=True, HAS_W=True, HAS_B=True)
+    _direct_args(flavor, sig, constexprs, aligned)
     return sig, constexprs, aligned
 
 
@@ -1067,8 +1180,10 @@ def _inspect_bwd(dtype, mode: str):
     (BWD_RECOMPUTE_TWICE) "reduce" (pass 1: recompute, partial sums, dresidual) and
     "emit_dz" (pass 2: recompute, dz and its per-tile sums for the conv bias); in eval
     mode "eval" (one pass: recompute, partial sums, dresidual and dz). A "z_" prefix: the
-    same pass reading z instead of recomputing it (the buffered backward, CONV_Z="aten")."""
+    same pass reading z instead of recomputing it (the buffered backward, CONV_Z="aten"); a
+    "dw_"/"grouped_" prefix: a depthwise/grouped conv (DIRECT)."""
     p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    flavor, mode = _direct_flavor(mode)
     from_z, mode = mode.startswith("z_"), mode.removeprefix("z_")
     reduce_, emit, training = mode in ("reduce", "eval"), mode in ("emit_dz", "eval"), mode != "eval"
     ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "z_ptr": p, "g_ptr": p, "res_ptr": p, "dz_ptr": p,
@@ -1082,6 +1197,7 @@ def _inspect_bwd(dtype, mode: str):
     constexprs.update(_INSPECT_GEOM)
     constexprs.update(FROM_Z=from_z, STORE_Z=False, REDUCE=reduce_, EMIT_DZ=emit, TRAINING=training,
                       STORE_DRES=mode != "emit_dz", HAS_BIAS=True, HAS_RES=True, HAS_W=True, HAS_B=True)
+    _direct_args(flavor, sig, constexprs, aligned)
     return sig, constexprs, aligned
 
 
@@ -1182,8 +1298,9 @@ def inspect_specs():
                     add((fn.__name__, mode, arch, dtype), f"{family}/elem",
                         functools.partial(make, fn, build, mode, dtype, precision, _ELEM_CONFIG, arch, False))
         # statistics finalize (fp32 partials whatever the dtype): TILE_M is the BLOCK_M of the
-        # pass that wrote the partials (the entry's, or the elementwise one's with z from aten)
-        for tile_m in sorted({cfg.BLOCK_M, _ELEM_CONFIG.BLOCK_M}):
+        # pass that wrote the partials (the entry's, the elementwise or the DIRECT one's)
+        for tile_m in sorted({cfg.BLOCK_M, _ELEM_CONFIG.BLOCK_M, _DIRECT_CONFIG.BLOCK_M,
+                              _DIRECT_GROUPED_CONFIG.BLOCK_M}):
             def make_fin(tile_m=tile_m):
                 sig, constexprs, aligned = _inspect_args(
                     {"pmean_ptr": "*fp32", "pm2_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
@@ -1195,4 +1312,19 @@ def inspect_specs():
                         "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
                         "gemm": False, "aligned": aligned}
             add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
+    # grouped convs (DIRECT: FMA, one tile for every architecture): the passes that run a conv, for
+    # depthwise convs in every dtype (bf16 also with GELU) and for wider groups in bf16
+    for family, arch in _INSPECT_ARCH.items():
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for fn, build, modes in gemm_kernels[:2]:
+                for mode in modes:
+                    flavors = (("dw_", _DIRECT_CONFIG), ("grouped_", _DIRECT_GROUPED_CONFIG))
+                    for flavor, direct_cfg in flavors[:2 if dtype == torch.bfloat16 else 1]:
+                        add((fn.__name__, flavor + mode, arch, dtype), f"{family}/direct",
+                            functools.partial(make, fn, build, flavor + mode, dtype, "ieee", direct_cfg, arch,
+                                              False))
+                    if dtype == torch.bfloat16 and mode in _ACTIVATION_MODES:
+                        add((fn.__name__, "dw_" + mode, arch, dtype, "gelu"), f"{family}/direct",
+                            functools.partial(make, fn, build, "dw_" + mode, dtype, "ieee", _DIRECT_CONFIG, arch,
+                                              False, "gelu"))
     return specs

@@ -29,6 +29,13 @@ SHAPES = {
     "1x1": (2, 20, 5, 5, 7, 1, 1, 0, 1),
     "cout1": (2, 3, 6, 5, 1, 3, 1, 1, 1),
 }
+# grouped convs, the DIRECT kernels: (N, C_in, H, W, C_out, k, stride, padding, dilation, groups)
+GROUPED = {
+    "dw3x3": (2, 18, 5, 6, 18, 3, 1, 1, 1, 18),      # depthwise, channels ragged over 16-wide tiles
+    "dw5x5s2": (1, 17, 7, 7, 17, 5, 2, 2, 1, 17),    # MBConv's 5x5 stride-2 depthwise, batch 1
+    "mult2": (2, 5, 6, 5, 10, 3, 2, 1, 1, 5),        # depthwise with a channel multiplier of 2
+    "g4d2": (2, 12, 7, 6, 20, 3, 1, 2, 2, 4),        # ResNeXt-like: 3 in / 5 out per group, dilated
+}
 
 
 def _d(t):
@@ -49,12 +56,14 @@ def _rel(out, ref, den=None):
 
 
 def _inputs(shape, dtype, *, bias, affine, residual, device):
-    N, C_in, H, W, C_out, k, s, p, d = shape
+    N, C_in, H, W, C_out, k, s, p, d, *groups = shape
+    groups = groups[0] if groups else 1
     oh = (H + 2 * p - d * (k - 1) - 1) // s + 1
     ow = (W + 2 * p - d * (k - 1) - 1) // s + 1
+    cin_g = C_in // groups
     t = dict(
         x=_rand(N, C_in, H, W, dtype=dtype),
-        weight=_rand(C_out, C_in, k, k, dtype=dtype, scale=(C_in * k * k) ** -0.5),
+        weight=_rand(C_out, cin_g, k, k, dtype=dtype, scale=(cin_g * k * k) ** -0.5),
         bias=_rand(C_out, dtype=dtype, scale=0.5) if bias else None,
         bn_weight=(1 + 0.3 * torch.randn(C_out, dtype=torch.float64)).to(dtype) if affine else None,
         bn_bias=_rand(C_out, dtype=dtype, scale=0.3) if affine else None,
@@ -64,20 +73,20 @@ def _inputs(shape, dtype, *, bias, affine, residual, device):
         grad_out=_rand(N, C_out, oh, ow, dtype=dtype),
     )
     t = {k_: (None if v is None else v.to(device)) for k_, v in t.items()}
-    geom = dict(stride=[s, s], padding=[p, p], dilation=[d, d])
+    geom = dict(stride=[s, s], padding=[p, p], dilation=[d, d], groups=groups)
     return t, geom
 
 
 def _forward(mod, t, geom, training, activation="relu"):
     return mod.conv_bn_act_forward(
         t["x"], t["weight"], t["bias"], t["bn_weight"], t["bn_bias"], t["running_mean"], t["running_var"],
-        t["residual"], training, EPS, geom["stride"], geom["padding"], geom["dilation"], activation)
+        t["residual"], training, EPS, geom["stride"], geom["padding"], geom["dilation"], activation, geom["groups"])
 
 
 def _backward(mod, t, geom, mean, rstd, training, activation="relu"):
     return mod.conv_bn_act_backward(
         t["x"], t["weight"], t["bias"], t["bn_weight"], t["bn_bias"], mean, rstd, t["residual"], t["grad_out"],
-        training, EPS, geom["stride"], geom["padding"], geom["dilation"], activation)
+        training, EPS, geom["stride"], geom["padding"], geom["dilation"], activation, None, geom["groups"])
 
 
 def _check_all(t, geom, training, dtype, activation="relu"):
@@ -345,28 +354,62 @@ def test_activations_fp16_and_z_buffer(activation, conv_z, monkeypatch, device):
     assert _activations_launched(seen) == {activation}
 
 
-def test_grouped_conv_takes_the_reference_path(monkeypatch, device):
-    """groups > 1: the launchers hand the call to the reference implementation (no Triton launch),
-    forward and backward, with the grouped conv's results."""
+def _conv_launches(seen):
+    """(kernel name, DIRECT) of every conv-pass launch (forward and backward kernels)."""
+    return [(name, kw["DIRECT"]) for name, kw in seen if name in ("_conv_bn_fwd_kernel", "_conv_bn_bwd_kernel")]
+
+
+@pytest.mark.parametrize("shape", list(GROUPED))
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_grouped_conv(shape, training, monkeypatch, device):
+    """Grouped convs (depthwise, channel multiplier, several channels per group) run the DIRECT
+    kernels in every pass, conv bias, residual and BN affine on, against the float64 reference."""
     seen = _record_launches(monkeypatch)
-    t, geom = _inputs((2, 6, 5, 5, 4, 3, 1, 1, 1), torch.float32, bias=True, affine=True, residual=True,
-                      device=device)
-    t["weight"] = _rand(4, 3, 3, 3, dtype=torch.float32, scale=0.2).to(device)  # groups=2: C_in/2 per group
-    td = {k: _d(v) for k, v in t.items()}
-    args = lambda d: (d["x"], d["weight"], d["bias"], d["bn_weight"], d["bn_bias"])  # noqa: E731
-    y, mean, rstd = K.conv_bn_act_forward(*args(t), t["running_mean"], t["running_var"], t["residual"], True, EPS,
-                                          geom["stride"], geom["padding"], geom["dilation"], "silu", 2)
-    y_r, mean_r, rstd_r = R.conv_bn_act_forward(*args(td), td["running_mean"], td["running_var"], td["residual"],
-                                                True, EPS, geom["stride"], geom["padding"], geom["dilation"], "silu",
-                                                2)
-    assert _rel(y, y_r) < TOL[torch.float32]
-    grads = K.conv_bn_act_backward(*args(t), mean, rstd, t["residual"], t["grad_out"], True, EPS, geom["stride"],
-                                   geom["padding"], geom["dilation"], "silu", None, 2)
-    grads_r = R.conv_bn_act_backward(*args(td), mean_r, rstd_r, td["residual"], td["grad_out"], True, EPS,
-                                     geom["stride"], geom["padding"], geom["dilation"], "silu", None, 2)
-    for name, o, r in zip(NAMES, grads, grads_r):
-        assert _rel(o, r, None if name != "dbias" else 1.0) < TOL[torch.float32], name
-    assert grads[1].shape == (4, 3, 3, 3) and not seen
+    t, geom = _inputs(GROUPED[shape], torch.float32, bias=True, affine=True, residual=True, device=device)
+    _, grads = _check_all(t, geom, training, torch.float32)
+    assert grads[1].shape == t["weight"].shape
+    launches = _conv_launches(seen)
+    assert launches and all(direct for _, direct in launches), launches
+    assert {name for name, _ in launches} == {"_conv_bn_fwd_kernel", "_conv_bn_bwd_kernel"}
+
+
+@pytest.mark.parametrize("shape,activation", [("dw3x3", "silu"), ("g4d2", "hardswish")])
+def test_grouped_fp16_channels_last(shape, activation, device):
+    """fp16 channels_last (MobileNet/EfficientNet under AMP), another activation."""
+    t, geom = _inputs(GROUPED[shape], torch.float16, bias=False, affine=True, residual=True, device=device)
+    t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
+    y, grads = _check_all(t, geom, True, torch.float16, activation)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert grads[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad,conv_z", [
+    (True, False, "triton", "triton"),
+    ("auto", "auto", "aten", "auto"),
+    (False, True, "aten", "aten"),
+], ids=["fwd-recompute+bwd-buffer+triton-grad", "auto", "aten-z"])
+def test_grouped_strategies(fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypatch, device):
+    """The strategy switches on a grouped conv: same results (CONV_GRAD="triton" takes aten's
+    grouped conv backward: the Triton dX/dW kernels are groups=1 GEMMs; CONV_Z="aten" a grouped z)."""
+    monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
+    monkeypatch.setattr(K, "BWD_RECOMPUTE_TWICE", bwd_twice)
+    monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
+    monkeypatch.setattr(K, "CONV_Z", conv_z)
+    t, geom = _inputs(GROUPED["mult2"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    _check_all(t, geom, True, torch.float32)
+
+
+def test_wide_groups_take_the_reference_path(monkeypatch, device):
+    """More channels per group than DIRECT_MAX_GROUP_CHANNELS: the launchers hand the call to the
+    reference implementation (no Triton launch), forward and backward, with the grouped conv's results."""
+    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 2)
+    seen = _record_launches(monkeypatch)
+    t, geom = _inputs(GROUPED["g4d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    _check_all(t, geom, True, torch.float32, "silu")
+    assert not seen
+    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 3)
+    _check_all(t, geom, True, torch.float32, "silu")
+    assert _conv_launches(seen)
 
 
 def test_large_mean_stats(device):
@@ -386,12 +429,22 @@ def test_large_mean_stats(device):
 @pytest.mark.parametrize("conv_z", ["triton", "aten"])
 def test_mask_consistency(dtype, training, conv_z, monkeypatch, device):
     """Pre-activations crowded around 0: the backward's recomputed ReLU mask equals the forward's y > 0."""
+    _mask_consistency(SHAPES["3x3s1"], dtype, training, conv_z, monkeypatch, device)
+
+
+@pytest.mark.parametrize("shape", ["dw3x3", "g4d2"])
+def test_grouped_mask_consistency(shape, monkeypatch, device):
+    """The same of the DIRECT kernels (fp16, training: the recomputed z is the forward's, bit for bit)."""
+    _mask_consistency(GROUPED[shape], torch.float16, True, "triton", monkeypatch, device)
+
+
+def _mask_consistency(shape, dtype, training, conv_z, monkeypatch, device):
     monkeypatch.setattr(K, "CONV_Z", conv_z)
-    t, geom = _inputs(SHAPES["3x3s1"], dtype, bias=True, affine=True, residual=True, device=device)
+    t, geom = _inputs(shape, dtype, bias=True, affine=True, residual=True, device=device)
     td = {k: _d(v) for k, v in t.items()}
     # residual = -BN(conv(x)) in float64, rounded: pre-activations are rounding noise around 0
     z = torch.nn.functional.conv2d(td["x"], td["weight"], td["bias"], geom["stride"], geom["padding"],
-                                   geom["dilation"])
+                                   geom["dilation"], geom["groups"])
     if training:
         bn_out = torch.nn.functional.batch_norm(z, None, None, td["bn_weight"], td["bn_bias"], True, 0.0, EPS)
     else:
@@ -407,11 +460,13 @@ def test_mask_consistency(dtype, training, conv_z, monkeypatch, device):
     assert (y[~fwd_mask] == 0).all()
 
 
-@pytest.mark.parametrize("activation", ["relu", "silu", "gelu_tanh"])
-def test_nan_propagation(activation, device):
+@pytest.mark.parametrize("activation,shape", [("relu", "3x3s1"), ("silu", "3x3s1"), ("gelu_tanh", "3x3s1"),
+                                              ("relu", "dw3x3")])
+def test_nan_propagation(activation, shape, device):
     """NaN in x and in the residual: the NaN pattern of y and of the residual's gradient (the
     activation's derivative at a NaN or infinite pre-activation) is torch's."""
-    t, geom = _inputs(SHAPES["3x3s1"], torch.float32, bias=False, affine=True, residual=True, device=device)
+    t, geom = _inputs({**SHAPES, **GROUPED}[shape], torch.float32, bias=False, affine=True, residual=True,
+                      device=device)
     t["x"][0, 1, 2, 3] = float("nan")
     t["residual"][0, 2, 0, 0] = float("nan")
     t["residual"][0, 3, 1, 1] = float("inf")

@@ -256,7 +256,7 @@ def test_conv_bn_relu_half_input(bn_dtype, device):
 
 
 def test_conv_grouped_and_float64_take_correct_paths(device):
-    """groups != 1 (generic recompute) and float64 (reference op) are right on the triton backend."""
+    """groups != 1 (the DIRECT conv kernels) and float64 (reference op) are right on the triton backend."""
     for block, dtype in ((nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.BatchNorm2d(6), nn.ReLU()), torch.float32),
                          (_conv_block(3, 5, 3, 1, 1, False, "cpu", False), torch.float64)):
         block = block.to(device=device, dtype=dtype)
