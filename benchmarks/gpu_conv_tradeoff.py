@@ -10,8 +10,12 @@ cuDNN (CONV_Z="aten"), and the "auto" settings). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
 allocated bytes above what was allocated before it.
 
+``--shapes grouped``: the grouped convs instead (the DIRECT kernels): EfficientNet-B0's
+depthwise Conv-BN-SiLU layers and ResNeXt-50 32x4d's grouped 3x3 Conv-BN-ReLU.
+
     python benchmarks/gpu_conv_tradeoff.py                    # batch 256, bf16, channels_last
     python benchmarks/gpu_conv_tradeoff.py --batch 32 --nchw --switches --no-compile
+    python benchmarks/gpu_conv_tradeoff.py --shapes grouped --no-compile
 """
 from __future__ import annotations
 
@@ -34,6 +38,16 @@ SHAPES = [
     (512, 256, 1, 1, 28), (256, 256, 3, 2, 28), (256, 256, 3, 1, 14), (1024, 256, 1, 1, 14),
     (1024, 512, 1, 1, 14), (512, 512, 3, 2, 14), (512, 512, 3, 1, 7), (2048, 512, 1, 1, 7),
 ]
+# (C_in, C_out, kernel, stride, H=W, groups, activation) at 224 px: EfficientNet-B0's depthwise
+# layers (one per distinct shape), then ResNeXt-50 32x4d's grouped 3x3 convs (4 to 32 channels per group)
+GROUPED_SHAPES = [
+    (32, 32, 3, 1, 112, 32, "silu"), (96, 96, 3, 2, 112, 96, "silu"), (144, 144, 3, 1, 56, 144, "silu"),
+    (144, 144, 5, 2, 56, 144, "silu"), (240, 240, 5, 1, 28, 240, "silu"), (240, 240, 3, 2, 28, 240, "silu"),
+    (480, 480, 3, 1, 14, 480, "silu"), (672, 672, 5, 2, 14, 672, "silu"), (1152, 1152, 5, 1, 7, 1152, "silu"),
+    (128, 128, 3, 1, 56, 32, "relu"), (256, 256, 3, 1, 28, 32, "relu"), (512, 512, 3, 1, 14, 32, "relu"),
+    (1024, 1024, 3, 1, 7, 32, "relu"),
+]
+_ACT = {"relu": nn.ReLU, "silu": nn.SiLU}
 
 
 # kernels/conv_bn_act.py's module-level strategy switches
@@ -53,11 +67,12 @@ def _measure(step, fwd):
 
 
 def conv_layer(shape, batch, dtype, channels_last):
-    """A Conv2d -> BatchNorm2d -> ReLU layer of ``shape`` on the GPU, its input and output
-    gradient, and ``step(fwd)``: one training step (grads cleared, ``fwd()``, backward);
-    ``step.clear()`` frees the gradients."""
-    cin, cout, k, s, hw = shape
-    block = nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+    """A Conv2d -> BatchNorm2d -> activation layer of ``shape`` (ReLU, groups=1 unless the shape
+    names them) on the GPU, its input and output gradient, and ``step(fwd)``: one training step
+    (grads cleared, ``fwd()``, backward); ``step.clear()`` frees the gradients."""
+    cin, cout, k, s, hw, groups, act = (*shape, 1, "relu")[:7]
+    block = nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False, groups=groups), nn.BatchNorm2d(cout),
+                          _ACT[act]())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     block = block.to(device="cuda", dtype=dtype, memory_format=fmt).train()
     x = torch.randn(batch, cin, hw, hw, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
@@ -87,7 +102,10 @@ def main():
     ap.add_argument("--nchw", action="store_true", help="NCHW instead of channels_last")
     ap.add_argument("--switches", action="store_true", help="also every recompute-switch setting")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument("--shapes", default="resnet50", choices=("resnet50", "grouped"),
+                    help="ResNet-50's layers, or grouped/depthwise ones (EfficientNet-B0, ResNeXt-50)")
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "resnet50" else GROUPED_SHAPES
     dtype = getattr(torch, args.dtype)
     measure.match_fp32_precision(torch.device("cuda"))
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
@@ -105,7 +123,7 @@ def main():
     measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
     complete = False
     try:
-        for shape in SHAPES:
+        for shape in shapes:
             block, x, _, step = conv_layer(shape, args.batch, dtype, not args.nchw)
             strategies = {"eager": lambda: block(x),
                           "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
@@ -132,16 +150,19 @@ def main():
                     f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} " \
                     f"z={r['CONV_Z']}"
                 ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
-                print(f"{str(shape):26s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
+                print(f"{str(shape):36s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
                       f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
         complete = True
     except KeyboardInterrupt:
         print(f"interrupted: writing the {len(records)} records measured so far", flush=True)
     finally:  # any other error too: the shapes measured before it are kept
         name = measure.write_results(
-            args.out, "conv_tradeoff_cuda", "conv_tradeoff", torch.device("cuda"), dtype=args.dtype,
+            args.out, "conv_tradeoff_cuda" if args.shapes == "resnet50" else "conv_tradeoff_grouped_cuda",
+            "conv_tradeoff", torch.device("cuda"), dtype=args.dtype,
             batch=args.batch, memory_format="NCHW" if args.nchw else "channels_last",
-            shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"], defaults=default, complete=complete,
+            shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"] + (["groups", "activation"] if
+                                                                       args.shapes == "grouped" else []),
+            defaults=default, complete=complete,
             records=records)
         print("wrote", name)
 

@@ -6,6 +6,7 @@
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_compile  the same shapes against torch.compile of the layer
+#   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50): the DIRECT kernels
 #   tiles    candidate tile-table entries, dense (issue 3's GEMMs), the gated FFN's dual kernels and
 #            conv (batch 256), vs cuBLAS
 #            and eager (benchmarks/gpu_tile_sweep.py)
@@ -23,7 +24,7 @@
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt conv_grouped
 set -u
 out=${1:?results folder}
 shift
@@ -49,6 +50,8 @@ for step in "${steps[@]}"; do
         conv) timeout -k 30 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         conv_compile) timeout -k 30 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
+        conv_grouped) timeout -k 30 300 python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
+                          --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
         tiles) timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
                timeout -k 20 120 python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
