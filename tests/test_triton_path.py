@@ -183,8 +183,28 @@ def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, 
     gradients and running statistics equal to Conv2d -> BatchNorm2d -> ReLU's."""
     torch.manual_seed(1)
     block = _conv_block(cin, cout, k, stride, padding, bias, device, channels_last)
-    ref = _conv_block(cin, cout, k, stride, padding, bias, device, channels_last)
-    ref.load_state_dict(block.state_dict())
+    _three_steps_like_eager(block, batch, hw, channels_last, device)
+
+
+@pytest.mark.parametrize("conv,act,channels_last", [
+    (lambda: nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False), nn.SiLU, True),       # MBConv's depthwise
+    (lambda: nn.Conv2d(4, 8, 5, stride=2, padding=2, groups=4), nn.ReLU6, False),        # channel multiplier 2
+    (lambda: nn.Conv2d(9, 6, 3, padding=2, dilation=2, groups=3), nn.Hardswish, True),   # 3 per group
+], ids=["depthwise-silu-cl", "mult2-5x5s2-relu6", "grouped-dilated-hardswish-cl"])
+def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, device):
+    """The same of grouped and depthwise convs (the DIRECT kernels; dX/dW by aten's conv backward)."""
+    torch.manual_seed(2)
+    block = nn.Sequential(conv(), nn.BatchNorm2d(conv().out_channels), act())
+    with torch.no_grad():
+        block[1].weight.uniform_(0.5, 1.5)
+        block[1].bias.uniform_(-0.3, 0.3)
+    block = block.to(device=device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    _three_steps_like_eager(block, 2, 7, channels_last, device)
+
+
+def _three_steps_like_eager(block, batch, hw, channels_last, device):
+    ref = copy.deepcopy(block)
+    cin, cout = block[0].in_channels, block[0].out_channels
     for _ in range(3):
         x = torch.randn(batch, cin, hw, hw, device=device)
         if channels_last:
