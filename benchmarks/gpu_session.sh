@@ -13,6 +13,7 @@
 #   sweep    the default memory-vs-speed sweep without torch.compile (images in channels_last)
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
+#   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (depthwise convs: the DIRECT kernels)
 # Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
 # 156 s on 12 workers, so the suite alone takes most of a call). Commit first: the device tool
 # ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
@@ -24,7 +25,8 @@
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt conv_grouped
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv_grouped models_mobile
 set -u
 out=${1:?results folder}
 shift
@@ -60,6 +62,8 @@ for step in "${steps[@]}"; do
         models) timeout -k 30 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         opt) timeout -k 30 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
+        models_mobile) timeout -k 30 300 python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
+                           --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
     esac
     pack

@@ -204,6 +204,32 @@ def test_models_plot_redraws_from_saved_file(models_run, tmp_path):
                           for w in ("resnet50", "opt"))
 
 
+def test_efficientnet_quick_run(tmp_path):
+    """The opt-in EfficientNet-B0 workload (depthwise Conv-BN-SiLU units, MBConv blocks): every strategy
+    ran; the fused units keep what checkpoint on them keeps, whole blocks far less; the budget is met."""
+    from fusedrc.bench import models
+
+    if why := models.require("efficientnet_b0"):
+        pytest.skip(why)
+    res, plots = tmp_path / "results", tmp_path / "plots"
+    cli.main(["--workload", "efficientnet_b0", "--quick", "--warmup", "0", "--repeats", "1", "--no-progress",
+              "--results-dir", str(res), "--plots-dir", str(plots)])
+    (f,) = res.glob("bench_sweep_efficientnet_b0_quick_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    info = doc["workloads"]["efficientnet_b0"]
+    assert info["units"] == 49 and info["blocks"] == 16 and "conv_bn_act" in info["unit_kinds"]
+    cs = {c["strategy"]: c for c in doc["configs"]}
+    assert set(cs) == set(models.MODEL_STRATEGIES)
+    saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
+    assert saved["convert_all"] <= 1.05 * saved["torch_checkpoint"] < saved["no_recompute"]
+    assert saved["convert_blocks"] <= 1.05 * saved["torch_checkpoint_blocks"] < saved["torch_checkpoint"]
+    b = cs["convert_budget"]
+    assert b["knob"] == models.QUICK_BUDGETS["efficientnet_b0"][0]
+    assert b["plan_final_bytes"] <= b["knob"] * b["plan_baseline_bytes"]
+    _assert_png_not_blank(plots / f"bench_efficientnet_b0_quick_{doc['device']['type']}.png")
+
+
 def test_checkpoint_blocks_matches_original():
     """torch_checkpoint_blocks runs each block under torch.utils.checkpoint with the block's kwargs."""
     from torch import nn

@@ -64,14 +64,16 @@ def sweep_parser():
         description="Memory-vs-speed curves of activation recomputation: no recompute, torch.utils.checkpoint, "
                     "fusedrc and torch.compile(activation_memory_budget) on the same model and batch. "
                     "Knob: the fraction of blocks recomputed (0, 1/4, 1/2, 3/4, 1) and the batch size; "
-                    "for the real models (--workload resnet50/opt/models) the policy and memory_budget "
+                    "for the real models (--workload resnet50/efficientnet_b0/opt/models) the policy and memory_budget "
                     "of fusedrc.convert.",
         epilog="subcommands: 'fusedrc-bench kernels [options]' (per-kernel microbenchmarks), "
                "'fusedrc-bench plot RESULTS.json [--plots-dir DIR]' (redraw plots from a result file)")
-    p.add_argument("--workload", choices=("ffn", "resnet", "resnet50", "opt", "all", "models"), default="all",
+    p.add_argument("--workload", choices=("ffn", "resnet", "resnet50", "efficientnet_b0", "opt", "all", "models"),
+                   default="all",
                    help="all (default): the synthetic ffn and resnet; models: the real models resnet50 "
                         "(torchvision ResNet-50, weights=None) and opt (Hugging Face OPTForCausalLM, small "
-                        "config), built from code, no downloads. The real models are opt-in (about 1-2 "
+                        "config); efficientnet_b0 (torchvision, weights=None: depthwise convs, SiLU) by name; "
+                        "all built from code, no downloads. The real models are opt-in (about 1-2 "
                         "minutes each on 2 CPU cores): their strategies are the original, "
                         "torch.utils.checkpoint on the units fusedrc.convert fuses and on whole blocks, "
                         "fusedrc.convert(policy='all'/'blocks') and convert(memory_budget=b)")
@@ -79,10 +81,11 @@ def sweep_parser():
                    help="comma-separated batch sizes for every workload (default: per workload and device)")
     p.add_argument("--budgets", type=_budgets, default=None,
                    help="real models: comma-separated memory_budget fractions for fusedrc.convert "
-                        "(default: resnet50 0.8,0.6,0.45; opt 0.75,0.5,0.35)")
+                        "(default: resnet50 0.8,0.6,0.45; efficientnet_b0 0.8,0.5,0.3; opt 0.75,0.5,0.35)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--channels-last", action="store_true",
-                   help="image workloads (resnet, resnet50): model and input in channels_last, the layout "
+                   help="image workloads (resnet, resnet50, efficientnet_b0): model and input in channels_last, "
+                        "the layout "
                         "cuDNN and the Triton conv kernels are fastest in on a GPU")
     _common(p, "tiny shapes, 3 repeats, no torch.compile: under a minute on 2 CPU cores (the CI smoke run)")
     return p
@@ -228,12 +231,12 @@ def run_sweep(argv):
                      "another")
     if real:
         notes.append("real models (" + ", ".join(real) + "): one copy of the same initial weights per strategy; "
-                     "step = zero_grad + forward + loss (resnet50: cross-entropy on random labels; opt: causal-LM "
+                     "step = zero_grad + forward + loss (image models: cross-entropy on random labels; opt: causal-LM "
                      "cross-entropy) + backward + SGD.step + zero_grad (gradients freed); the strategies of one "
                      "(workload, batch size) are timed in interleaved rounds. torch_checkpoint = "
                      "torch.utils.checkpoint(use_reentrant=False) on exactly the units fusedrc.convert fuses; "
                      "torch_checkpoint_blocks = on each block convert(policy='blocks') recomputes (Bottleneck, "
-                     "OPTDecoderLayer); convert_budget knob = the memory_budget fraction passed to convert, "
+                     "MBConv, OPTDecoderLayer); convert_budget knob = the memory_budget fraction passed to convert, "
                      "planned on the timed batch; convert counts activation bytes its own way (saved views of "
                      "weights such as a Linear's weight.t() included, which saved_activation_bytes leaves "
                      "out): plan_baseline_bytes / plan_final_bytes are its counts; convert_s = time "

@@ -1,16 +1,21 @@
-"""Real models: torchvision ResNet-50 and a small Hugging Face OPT, built from code (no downloads).
+"""Real models: torchvision ResNet-50 and EfficientNet-B0 and a small Hugging Face OPT, built from code
+(no downloads).
 
-Opt-in workloads (``--workload resnet50``, ``opt`` or ``models``). Each is trained
+Opt-in workloads (``--workload resnet50``, ``efficientnet_b0``, ``opt`` or ``models``: ResNet-50 and
+OPT). Each is trained
 for a step (``zero_grad`` + forward + loss + backward + ``SGD.step``) under these
 strategies, each on its own copy of the same initial weights:
 
 * ``no_recompute``             the original model;
 * ``torch_checkpoint``         ``torch.utils.checkpoint(use_reentrant=False)`` on exactly the units
                                ``fusedrc.convert`` fuses (every Conv-BN-ReLU chain, residual tail and
-                               the stem of the ResNet; every decoder layer's FFN fc1 -> ReLU -> fc2 of
-                               OPT): the converted model with its units switched to checkpoint;
+                               the stem of the ResNet; EfficientNet's Conv-BN-SiLU chains, depthwise
+                               ones included, and its projections' Conv-BN; every decoder layer's FFN
+                               fc1 -> ReLU -> fc2 of OPT): the converted model with its units switched to
+                               checkpoint;
 * ``torch_checkpoint_blocks``  ``torch.utils.checkpoint`` on each whole block (ResNet ``Bottleneck``,
-                               ``OPTDecoderLayer``: the blocks ``convert(policy="blocks")`` recomputes);
+                               EfficientNet ``MBConv``, ``OPTDecoderLayer``: the blocks
+                               ``convert(policy="blocks")`` recomputes);
 * ``convert_all``              ``fusedrc.convert(model, policy="all")``: every unit fused;
 * ``convert_blocks``           ``fusedrc.convert(model, policy="blocks")``: every unit fused and every
                                block recomputed whole (``fusedrc.mark``);
@@ -21,7 +26,7 @@ strategies, each on its own copy of the same initial weights:
                                can differ from ``b``: both are in the result file); convert picks units,
                                and whole blocks where units are not enough.
 
-Losses: cross-entropy against random labels (ResNet-50, 1000 classes) and the
+Losses: cross-entropy against random labels (the image models, 1000 classes) and the
 causal-LM loss of the token batch against itself shifted by one (OPT), computed
 on the logits outside the counted forward (as ``convert`` measures ``model(x)``).
 """
@@ -40,18 +45,20 @@ from torch.utils.checkpoint import checkpoint
 import fusedrc
 from fusedrc.convert import _set_impl, import_torchvision
 
-MODEL_WORKLOADS = ("resnet50", "opt")
+MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "opt")
+IMAGE_MODELS = ("resnet50", "efficientnet_b0")  # torchvision classifiers: images in, 1000 logits out
 MODEL_STRATEGIES = ("no_recompute", "torch_checkpoint", "torch_checkpoint_blocks", "convert_all",
                     "convert_blocks", "convert_budget")
-BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "opt": (0.75, 0.5, 0.35)}
-QUICK_BUDGETS = {"resnet50": (0.85,), "opt": (0.5,)}
+# EfficientNet-B0: units keep ~0.42 of the activations, whole blocks ~0.05 (README, CPU at 64 px)
+BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "efficientnet_b0": (0.8, 0.5, 0.3), "opt": (0.75, 0.5, 0.35)}
+QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "opt": (0.5,)}
 _LR = 1e-4
 
 
 def require(name: str):
     """``None`` when the packages workload ``name`` needs import here, else the reason."""
     try:
-        if name == "resnet50":
+        if name in IMAGE_MODELS:
             import_torchvision()
         else:
             try:  # transformers imports torchvision when it is installed; the helper makes a CUDA wheel load
@@ -60,7 +67,7 @@ def require(name: str):
                 pass
             import transformers  # noqa: F401
     except ImportError as e:
-        pkg = "torchvision" if name == "resnet50" else "transformers"
+        pkg = "torchvision" if name in IMAGE_MODELS else "transformers"
         return f"workload {name!r} needs {pkg} ({e}); install it (pip install -e '.[test]')"
     return None
 
@@ -80,7 +87,7 @@ class ModelWorkload:
     def make_batch(self, batch, device, dtype, seed=1):
         """``(positional inputs of the model, target)`` on ``device``."""
         g = torch.Generator().manual_seed(seed)
-        if self.name == "resnet50":
+        if self.name in IMAGE_MODELS:
             res = self.shapes["resolution"]
             x = torch.randn((batch, 3, res, res), generator=g).to(device=device, dtype=dtype)
             if self.shapes.get("channels_last"):
@@ -95,23 +102,25 @@ class ModelWorkload:
 
     def loss(self, out, target):
         out = self.output(out).float()
-        if self.name == "resnet50":
+        if self.name in IMAGE_MODELS:
             return F.cross_entropy(out, target)
         return F.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)), target[:, 1:].reshape(-1))
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0,
           channels_last: bool = False) -> ModelWorkload:
-    """The real model ``name``; ``channels_last``: ResNet-50's weights and input in that memory format."""
+    """The real model ``name``; ``channels_last``: an image model's weights and input in that memory format."""
     torch.manual_seed(seed)
     cuda = device.type == "cuda"
-    if name == "resnet50":
+    if name in IMAGE_MODELS:
         res = 32 if quick else (224 if cuda else 64)
-        from torchvision.models import resnet50
+        import torchvision.models
 
-        model = resnet50(weights=None)
+        # EfficientNet's dropout and stochastic depth stay on: the RNG outside the units is the
+        # same in every strategy (the fused units draw none; checkpoint restores the RNG state)
+        model = getattr(torchvision.models, name)(weights=None)
         shapes = dict(resolution=res, classes=1000)
-        desc = f"torchvision resnet50(weights=None), input batch x 3 x {res} x {res}"
+        desc = f"torchvision {name}(weights=None), input batch x 3 x {res} x {res}"
         loss = "cross_entropy(logits, random labels)"
     elif name == "opt":
         if quick:
@@ -139,7 +148,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
     else:
         raise ValueError(f"unknown model workload {name!r}; choose from {', '.join(MODEL_WORKLOADS)}")
     model.to(device=device, dtype=dtype).train()
-    if channels_last and name == "resnet50":
+    if channels_last and name in IMAGE_MODELS:
         model.to(memory_format=torch.channels_last)
         shapes["channels_last"] = True
         desc += " (channels_last)"

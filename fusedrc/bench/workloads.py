@@ -136,12 +136,13 @@ class Workload:
 
 
 def default_batch_sizes(name: str, device_type: str, quick: bool):
-    if name in ("resnet50", "opt"):  # the real models (models.py)
+    if name in ("resnet50", "efficientnet_b0", "opt"):  # the real models (models.py)
+        image = name != "opt"
         if quick:
             return [2]
         if device_type == "cuda":
-            return [32, 128] if name == "resnet50" else [4, 16]
-        return [16] if name == "resnet50" else [8]
+            return [32, 128] if image else [4, 16]
+        return [16] if image else [8]
     if quick:
         return [256] if name == "ffn" else [8]
     if device_type == "cuda":
