@@ -118,6 +118,9 @@ def main():
                     for f, t in itertools.product((False, True), (True, False))]
         variants += [dict(zip(SWITCHES, v)) for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
                                                       ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
+    if args.shapes == "grouped":  # grouped convs take aten's dX/dW whatever CONV_GRAD says: one run of each
+        variants = [v for i, v in enumerate(variants)
+                    if {**v, "CONV_GRAD": "aten"} not in [{**u, "CONV_GRAD": "aten"} for u in variants[:i]]]
     records = []
 
     measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured

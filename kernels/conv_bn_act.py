@@ -158,12 +158,12 @@ _ELEM_CONFIG = ConvConfig(64, 64, 16, 1, 4, 1, 2)  # halves: unsplit, from_z spi
 # ragged edges and K loops.
 _INTERPRETER_CONFIG = ConvConfig(16, 16, 16, 2, 4, 1, 2)  # the split epilogue; the elementwise one is not split
 _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
-# Grouped convolutions (DIRECT: FMA, no tensor cores; BLOCK_K unused) on every architecture, one
-# input channel per group (depthwise) and more: 64 channels of 2 bytes are a 128-byte row of a
-# channels_last tensor. No software pipelining (num_stages 1): the loads are gathers, not dot
-# operands. With several channels per group a half-wide tile (fusedrc.inspect, bf16: 122-128
-# registers in the passes with an epilogue; 64x64 and nested tap/channel loops took 255 and
-# spilled). Starting points, unmeasured.
+# Grouped convolutions (DIRECT: FMA, no tensor cores; BLOCK_K unused) on every architecture: plain
+# depthwise (one channel per group in and out, which the JIT folds to constants) at 64 channels of
+# 2 bytes, a 128-byte row of a channels_last tensor; any other grouping (several channels per group,
+# or a depthwise channel multiplier: runtime group widths) at a half-wide tile (fusedrc.inspect, bf16:
+# 120-128 registers in the passes with an epilogue, 218-255 at 64x64). No software pipelining
+# (num_stages 1): the loads are gathers, not dot operands. Starting points, unmeasured.
 _DIRECT_CONFIG = ConvConfig(64, 64, 16, 8, 4, 1, 2)
 _DIRECT_GROUPED_CONFIG = ConvConfig(64, 32, 16, 8, 4, 1, 2)
 # Channels per group up to which a grouped conv runs the DIRECT kernels (ResNeXt-50 32x4d: 4-32,
@@ -172,12 +172,12 @@ _DIRECT_GROUPED_CONFIG = ConvConfig(64, 32, 16, 8, 4, 1, 2)
 DIRECT_MAX_GROUP_CHANNELS = 32
 
 
-def direct_config(group_channels: int, capability) -> ConvConfig:
-    """Tile of the grouped (DIRECT) kernels for ``group_channels`` input channels per group; the
-    forward and the backward recompute read the same."""
+def direct_config(in_per_group: int, out_per_group: int, capability) -> ConvConfig:
+    """Tile of the grouped (DIRECT) kernels for a conv with these channels per group; the forward and
+    the backward recompute read the same."""
     if capability is None:
         return _INTERPRETER_CONFIG
-    return _DIRECT_CONFIG if group_channels == 1 else _DIRECT_GROUPED_CONFIG
+    return _DIRECT_CONFIG if in_per_group == out_per_group == 1 else _DIRECT_GROUPED_CONFIG
 
 
 def _clamp_k(block_k: int, k_per_tap: int) -> int:
@@ -868,7 +868,7 @@ def conv_bn_act_forward(
     precision = dot_precision(x)
     cap = device_capability(x)
     direct = groups > 1
-    cfg = direct_config(C_in, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
+    cfg = direct_config(C_in, C_out // groups, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
     aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     res = residual
@@ -1010,7 +1010,7 @@ def conv_bn_act_backward(
     cap = device_capability(x)
     direct = groups > 1
     # the forward's entry
-    cfg = direct_config(C_in, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
+    cfg = direct_config(C_in, C_out // groups, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
     aten_z, _, twice = conv_plan(x, weight, M, precision)
     wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
@@ -1126,10 +1126,11 @@ def _inspect_config(cfg: ConvConfig, mode: str, dtype, precision: str) -> dict:
 
 
 def _direct_flavor(mode: str):
-    """("depthwise" | "grouped" | None, the mode without its prefix): a "dw_" or "grouped_" mode
-    prefix is the DIRECT (grouped) conv; depthwise has one channel per group in and out, which
-    the JIT specialises to constexpr 1 as it does any int argument equal to 1."""
-    for prefix, flavor in (("dw_", "depthwise"), ("grouped_", "grouped")):
+    """("depthwise" | "multiplier" | "grouped" | None, the mode without its prefix): a "dw_", "mult_"
+    or "grouped_" mode prefix is the DIRECT (grouped) conv; depthwise has one channel per group in and
+    out, which the JIT specialises to constexpr 1 as it does any int argument equal to 1; a channel
+    multiplier has one in and several out."""
+    for prefix, flavor in (("dw_", "depthwise"), ("mult_", "multiplier"), ("grouped_", "grouped")):
         if mode.startswith(prefix):
             return flavor, mode.removeprefix(prefix)
     return None, mode
@@ -1141,6 +1142,10 @@ def _direct_args(flavor, sig, constexprs, aligned):
     if flavor == "depthwise":
         del sig["C_IN"]
         constexprs["C_IN"] = constexprs["C_OUT_G"] = 1
+    elif flavor == "multiplier":
+        del sig["C_IN"]
+        constexprs["C_IN"] = 1
+        sig["C_OUT_G"] = "i32"
     else:  # C_OUT_G: C_OUT (GEMM, unused) or a group's width, no alignment either way
         sig["C_OUT_G"] = "i32"
         if flavor == "grouped":  # 4, 8, ... channels per group: no 16-hint
@@ -1152,8 +1157,8 @@ def _inspect_fwd(dtype, mode: str):
     """_conv_bn_fwd_kernel as conv_bn_act_forward launches it: "stats" (training pass 1,
     conv + z store + Chan partials), "apply" (eval, or FWD_RECOMPUTE's second pass:
     conv + BN + residual + ReLU), "from_z" (training pass 2: elementwise over z),
-    "z_stats" (CONV_Z="aten": the Chan partials of a given z, elementwise). A "dw_"/"grouped_"
-    prefix: the same pass of a depthwise/grouped conv (DIRECT)."""
+    "z_stats" (CONV_Z="aten": the Chan partials of a given z, elementwise). A "dw_"/"mult_"/"grouped_"
+    prefix: the same pass of a depthwise/channel-multiplier/grouped conv (DIRECT)."""
     p, f32 = _INSPECT_PTR[dtype], "*fp32"
     flavor, mode = _direct_flavor(mode)
     stats, apply_ = mode in ("stats", "z_stats"), mode in ("apply", "from_z")
@@ -1181,7 +1186,7 @@ def _inspect_bwd(dtype, mode: str):
     "emit_dz" (pass 2: recompute, dz and its per-tile sums for the conv bias); in eval
     mode "eval" (one pass: recompute, partial sums, dresidual and dz). A "z_" prefix: the
     same pass reading z instead of recomputing it (the buffered backward, CONV_Z="aten"); a
-    "dw_"/"grouped_" prefix: a depthwise/grouped conv (DIRECT)."""
+    "dw_"/"mult_"/"grouped_" prefix: a depthwise/channel-multiplier/grouped conv (DIRECT)."""
     p, f32 = _INSPECT_PTR[dtype], "*fp32"
     flavor, mode = _direct_flavor(mode)
     from_z, mode = mode.startswith("z_"), mode.removeprefix("z_")
@@ -1313,13 +1318,15 @@ def inspect_specs():
                         "gemm": False, "aligned": aligned}
             add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
     # grouped convs (DIRECT: FMA, one tile for every architecture): the passes that run a conv, for
-    # depthwise convs in every dtype (bf16 also with GELU) and for wider groups in bf16
+    # depthwise convs in every dtype (bf16 also with GELU), depthwise with a channel multiplier and
+    # wider groups in bf16
     for family, arch in _INSPECT_ARCH.items():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for fn, build, modes in gemm_kernels[:2]:
                 for mode in modes:
-                    flavors = (("dw_", _DIRECT_CONFIG), ("grouped_", _DIRECT_GROUPED_CONFIG))
-                    for flavor, direct_cfg in flavors[:2 if dtype == torch.bfloat16 else 1]:
+                    flavors = (("dw_", _DIRECT_CONFIG), ("mult_", _DIRECT_GROUPED_CONFIG),
+                               ("grouped_", _DIRECT_GROUPED_CONFIG))
+                    for flavor, direct_cfg in flavors[:3 if dtype == torch.bfloat16 else 1]:
                         add((fn.__name__, flavor + mode, arch, dtype), f"{family}/direct",
                             functools.partial(make, fn, build, flavor + mode, dtype, "ieee", direct_cfg, arch,
                                               False))

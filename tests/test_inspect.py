@@ -89,12 +89,14 @@ def test_every_spec_compiled(inspection):
             if r["config"].get("activation") == "gelu" and r["dtype"] == "bfloat16"}
     assert gelu == {(k, p + m, a) for a in ("sm_90", "sm_80") for p in ("", "dw_") for k, modes in (
         ("_conv_bn_fwd_kernel", ("apply",)), ("_conv_bn_bwd_kernel", ("reduce", "emit_dz", "eval"))) for m in modes}
-    # grouped convs (DIRECT): every conv pass, depthwise in every dtype, wider groups in bf16; FMA, no MMA
+    # grouped convs (DIRECT): every conv pass, depthwise in every dtype, a channel multiplier and wider
+    # groups in bf16; FMA, no MMA
     conv_modes = {"_conv_bn_fwd_kernel": ("stats", "apply"), "_conv_bn_bwd_kernel": ("reduce", "emit_dz", "eval")}
-    direct = [r for r in results if r["config"].get("mode", "").startswith(("dw_", "grouped_"))]
+    direct = [r for r in results if r["config"].get("mode", "").startswith(("dw_", "mult_", "grouped_"))]
     assert {(r["kernel"], r["config"]["mode"], r["arch"], r["dtype"]) for r in direct} == {
         (k, p + m, a, d) for k, modes in conv_modes.items() for m in modes for a in ("sm_90", "sm_80")
-        for p, dtypes in (("dw_", ("float16", "bfloat16", "float32")), ("grouped_", ("bfloat16",))) for d in dtypes}
+        for p, dtypes in (("dw_", ("float16", "bfloat16", "float32")), ("mult_", ("bfloat16",)),
+                          ("grouped_", ("bfloat16",))) for d in dtypes}
     assert all(not r["gemm"] and r["mma"] == "none" for r in direct)
 
 

@@ -399,6 +399,17 @@ def test_grouped_strategies(fwd_recompute, bwd_twice, conv_grad, conv_z, monkeyp
     _check_all(t, geom, True, torch.float32)
 
 
+def test_direct_tile_choice():
+    """Plain depthwise (1 channel per group in and out) takes the 64-wide DIRECT tile; a channel
+    multiplier or several channels per group (runtime group widths) the half-wide one; the
+    interpreter its tiny tile."""
+    sm90 = (9, 0)
+    assert K.direct_config(1, 1, sm90) == K._DIRECT_CONFIG and K._DIRECT_CONFIG.BLOCK_N == 64
+    assert K.direct_config(1, 2, sm90) == K.direct_config(4, 4, sm90) == K._DIRECT_GROUPED_CONFIG
+    assert K._DIRECT_GROUPED_CONFIG.BLOCK_N == 32
+    assert K.direct_config(1, 1, None) == K._INTERPRETER_CONFIG
+
+
 def test_wide_groups_take_the_reference_path(monkeypatch, device):
     """More channels per group than DIRECT_MAX_GROUP_CHANNELS: the launchers hand the call to the
     reference implementation (no Triton launch), forward and backward, with the grouped conv's results."""
