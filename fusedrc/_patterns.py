@@ -148,8 +148,16 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
     bookkeeping (running statistics, ``num_batches_tracked``) done once per forward. ``activation``
     None: no activation."""
     from . import functional as F
-    from ._state import in_recompute
+    from . import reference
+    from ._state import in_recompute, inside_region
 
+    if inside_region():
+        # the plain composition (_state.inside_region), BatchNorm as the module: its running
+        # statistics move once per forward, a rerun's update is undone as for any module in a region
+        y = bn(conv(x))
+        if residual is not None:
+            y += residual  # in place, as torchvision's blocks (an fp32 identity under autocast keeps y half)
+        return reference.activation_forward(y, reference.NO_ACTIVATION if activation is None else activation)
     counted = False
     if in_recompute():
         # a rerun inside an outer region: normalize as before, touch no buffer

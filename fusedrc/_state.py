@@ -106,6 +106,16 @@ def forward_region_depth() -> int:
     return getattr(_local, "forward_regions", 0)
 
 
+def inside_region() -> bool:
+    """Whether a fused op called now runs inside a generic recompute region (its forward, or its
+    rerun in backward), eagerly. There a fused op runs as the plain composition of torch ops: the
+    region already drops whatever is saved in its forward and makes its rerun's tensors transient, so
+    a fused op's own recompute would only add a third pass of its GEMM or conv (a whole ResNet or
+    MBConv block recomputed cost 1.4x checkpoint per block that way). Under torch.compile the
+    region is a torch.utils.checkpoint call and the fused ops stay."""
+    return (forward_region_depth() > 0 or in_recompute()) and not torch.compiler.is_compiling()
+
+
 @contextlib.contextmanager
 def inside_forward_region():
     _local.forward_regions = forward_region_depth() + 1

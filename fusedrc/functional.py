@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import ops, reference
 from ._backend import resolve_backend
-from ._state import traced
+from ._state import inside_region, traced
 from ._validate import (check_activation, check_device, check_int, check_number, check_probability, check_same,
                         check_tensor, check_vector, needs_unfused, pair)
 
@@ -46,6 +46,11 @@ def _unview(y: Tensor, lead, n: int) -> Tensor:
     warns about a module output that is a view, and an in-place op on one skips its pre-backward
     hook (the parameters are then not all-gathered for backward)."""
     return y if len(lead) == 1 else torch.ops.aten._unsafe_view(y, (*lead, n))
+
+
+def _plain_rows(fn, x: Tensor, n: int) -> Tensor:
+    """The plain composition ``fn`` on x's rows, shaped back as the fused op's output (not a view)."""
+    return _unview(fn(_rows(x)), x.shape[:-1], n)
 
 
 def _check_params(x, *named, name_x="input"):
@@ -101,6 +106,8 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     _check_linear(x, weight, bias)
     if needs_unfused(x, weight, bias):
         return reference.linear_act_forward(x, weight, bias, activation)
+    if inside_region():  # the plain composition (_state.inside_region)
+        return _plain_rows(lambda r: reference.linear_act_forward(r, weight, bias, activation), x, weight.shape[0])
     backend = resolve_backend(x, "linear_act", "linear_act_forward")
     lead = x.shape[:-1]
     y = ops.pick("linear_act", x, backend)(_rows(x), weight, bias, activation, backend)
@@ -156,9 +163,14 @@ def fused_mlp(
     _check_linear(x, w1, b1, "w1", "b1")
     _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
-    if needs_unfused(x, w1, b1, w2, b2):
+    def plain(x):
         a = torch.nn.functional.dropout(reference.linear_act_forward(x, w1, b1, activation), dropout_p)
         return torch.nn.functional.linear(a, w2, b2)
+
+    if needs_unfused(x, w1, b1, w2, b2):
+        return plain(x)
+    if inside_region():  # the plain composition (_state.inside_region)
+        return _plain_rows(plain, x, w2.shape[0])
     backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
     lead = x.shape[:-1]
     # the mask's seed, from x's device's default generator: a device-side draw, no host sync
@@ -209,8 +221,13 @@ def gated_mlp(
     _check_linear(x, w_up, b_up, "w_up", "b_up")
     _check_linear(x, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
-    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+    def plain(x):
         return reference.gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+
+    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+        return plain(x)
+    if inside_region():  # the plain composition (_state.inside_region)
+        return _plain_rows(plain, x, w_down.shape[0])
     backend = resolve_backend(x, "gated_mlp", "gated_mlp_forward")
     lead = x.shape[:-1]
     y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend)
@@ -306,9 +323,10 @@ def conv_bn_act(
         check_same(x, "input", residual, "residual")
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
-    if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias, residual):
+    if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias, residual) or inside_region():
         # an empty batch (eager BatchNorm returns an empty output and leaves the statistics alone),
-        # or a transform the op has no rule for: the plain composition, running statistics included
+        # a transform the op has no rule for, or inside a recompute region (_state.inside_region):
+        # the plain composition, running statistics included
         y = torch.nn.functional.batch_norm(
             torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups), running_mean, running_var,
             bn_weight, bn_bias, use_batch_stats, momentum, eps)

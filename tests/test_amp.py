@@ -107,7 +107,7 @@ def _compare(fused, eager, x, device_type, dtype, *, tol, call=None, eager_call=
     if expect_ops is not None:
         ran = [o for o in log.ops if not o.endswith("_backward")]
         assert sorted(set(ran)) == sorted(expect_ops), log.ops
-        assert any(o.endswith("_backward") for o in log.ops), "the fused backward did not run"
+        assert any(o.endswith("_backward") for o in log.ops) == bool(expect_ops), "fused backward: " + str(log.ops)
     return y, y_ref
 
 
@@ -313,7 +313,8 @@ def test_generic_region_bf16_is_bitwise_eager():
 
 
 def test_marked_block_with_fused_op_inside_bf16():
-    """A generic region (``mark``) whose rerun calls a fused op, under autocast; backward outside it."""
+    """A generic region (``mark``) around a fused unit, under autocast; backward outside it. Inside the
+    region the unit runs as the plain composition (forward and rerun): no fused op, eager's exact output."""
     torch.manual_seed(0)
     inner = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     ref = _twin(inner)
@@ -321,8 +322,7 @@ def test_marked_block_with_fused_op_inside_bf16():
         warnings.simplefilter("ignore")
         block = fusedrc.mark(fusedrc.convert(inner))
     assert block.fusedrc_plan.fused == ["1"]
-    _compare(block, ref, torch.randn(6, 16), "cpu", BF16, tol=CPU_TOL, expect_ops=["fused_mlp"],
-             exact_forward=True)
+    _compare(block, ref, torch.randn(6, 16), "cpu", BF16, tol=CPU_TOL, expect_ops=[], exact_forward=True)
 
 
 # --------------------------------------------------------------------------- CPU, bf16: a converted model

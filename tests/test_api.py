@@ -357,26 +357,55 @@ def test_use_backend_object_reused_as_context_manager():
     fusedrc.use_backend("auto")
 
 
-def test_rerun_uses_the_forwards_backend(monkeypatch):
-    """A recompute region's backward reruns its fused ops on the backend its forward used, not on
-    the one current when backward runs."""
+def _spy_fused_ops(monkeypatch):
     from fusedrc import ops
 
     seen = []
     real = ops.pick
 
     def spy(op, x, backend):
-        seen.append(backend)
+        seen.append(op)
         return real(op, x, backend)
 
     monkeypatch.setattr(ops, "pick", spy)
-    block = nn.Sequential(fusedrc.nn.LinearReLU(4, 8), nn.Tanh())  # a generic region around a fused op
-    x = torch.randn(3, 4, requires_grad=True)
-    with fusedrc.use_backend("reference"):
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_modules_inside_a_region_run_plain(backend, monkeypatch):
+    """Inside a generic recompute region (its forward and its rerun) fused modules run as the plain
+    composition of torch ops: the region keeps only its inputs either way, and a fused op's own
+    recompute would add a third pass of its GEMM/conv. BatchNorm's statistics move once; outputs and
+    gradients are the plain model's; the same modules outside a region run fused."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    seen = _spy_fused_ops(monkeypatch)
+    torch.manual_seed(0)
+    block = nn.Sequential(fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1), nn.Flatten(), fusedrc.nn.LinearReLU(64, 8),
+                          fusedrc.nn.FusedMLP(8, 16, activation="gelu"), nn.Tanh())
+    lin = nn.Linear(64, 8)
+    lin.load_state_dict(block[2].state_dict())
+    plain = nn.Sequential(copy.deepcopy(block[0].conv), copy.deepcopy(block[0].bn), nn.ReLU(), nn.Flatten(), lin,
+                          nn.ReLU(), copy.deepcopy(block[3].fc1), nn.GELU(), copy.deepcopy(block[3].fc2), nn.Tanh())
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    with fusedrc.use_backend(backend):
         y = fusedrc.recompute(block, x)
-    with fusedrc.use_backend("triton"):  # backward outside the forward's setting
         y.sum().backward()
-    assert seen and all(b == "reference" for b in seen), seen
+    assert seen == [], seen
+    y_ref = plain(xr)
+    y_ref.sum().backward()
+    assert torch.allclose(y, y_ref, atol=1e-6)
+    assert torch.allclose(x.grad, xr.grad, atol=1e-6)
+    for (name, p), pr in zip(block.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, pr.grad, atol=1e-6), name
+    bn = block[0].bn
+    assert bn.num_batches_tracked.item() == 1
+    assert torch.allclose(bn.running_mean, plain[1].running_mean) and torch.allclose(bn.running_var,
+                                                                                    plain[1].running_var)
+    with fusedrc.use_backend(backend):
+        block(x)
+    assert seen == ["conv_bn_act", "linear_act", "fused_mlp"], seen
 
 
 @pytest.mark.parametrize("fn", ["linear_act_backward", "fused_mlp_backward", "conv_bn_act_backward"])
