@@ -84,8 +84,9 @@ class _ForwardState:
             for dev in {"cpu", self.device_type or "cpu"}
         }
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        # the backend the forward's fused ops ran on: the rerun uses it too, whatever is current
-        # when backward runs (another thread, or after the forward's `with use_backend(...)`)
+        # the forward's backend setting: the rerun sees it too, whatever is current when backward
+        # runs (another thread, or after the forward's `with use_backend(...)`); fused ops inside a
+        # region run plain (_state.inside_region), code in the block may still read the setting
         self.backend = _backend.current_backend()
 
     @contextlib.contextmanager
