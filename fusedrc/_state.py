@@ -113,7 +113,8 @@ def inside_region() -> bool:
     a fused op's own recompute would only add a third pass of its GEMM or conv (a whole ResNet or
     MBConv block recomputed cost 1.4x checkpoint per block that way). Under torch.compile the
     region is a torch.utils.checkpoint call and the fused ops stay."""
-    return (forward_region_depth() > 0 or in_recompute()) and not torch.compiler.is_compiling()
+    # is_compiling first: dynamo folds it, and never traces the thread-local reads
+    return not torch.compiler.is_compiling() and (forward_region_depth() > 0 or in_recompute())
 
 
 @contextlib.contextmanager
