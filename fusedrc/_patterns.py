@@ -148,22 +148,17 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
     bookkeeping (running statistics, ``num_batches_tracked``) done once per forward. ``activation``
     None: no activation."""
     from . import functional as F
-    from . import reference
-    from ._state import in_recompute, inside_region
+    from ._state import _bn_pre_hook, in_recompute, inside_region
 
-    if inside_region():
-        # the plain composition (_state.inside_region), BatchNorm as the module: its running
-        # statistics move once per forward, a rerun's update is undone as for any module in a region
-        y = bn(conv(x))
-        if residual is not None:
-            y += residual  # in place, as torchvision's blocks (an fp32 identity under autocast keeps y half)
-        return reference.activation_forward(y, reference.NO_ACTIVATION if activation is None else activation)
     counted = False
-    if in_recompute():
+    plain = inside_region()  # then F.conv_bn_act runs the plain composition, F.batch_norm included
+    if in_recompute() and not plain:
         # a rerun inside an outer region: normalize as before, touch no buffer
         training = bn.training or (bn.running_mean is None and bn.running_var is None)
         factor, rm, rv = 0.0, (None if training else bn.running_mean), (None if training else bn.running_var)
     else:
+        if plain:  # in a region's rerun: the buffers are restored when it ends, as a BatchNorm module's
+            _bn_pre_hook(bn, ())
         counted = bn.training and bn.track_running_stats and bn.num_batches_tracked is not None
         training, factor, rm, rv = bn_call_args(bn)
     try:

@@ -106,15 +106,30 @@ def forward_region_depth() -> int:
     return getattr(_local, "forward_regions", 0)
 
 
+def region_hook(pack):
+    """Mark ``pack`` as a generic recompute region's saved-tensors pack hook (see inside_region)."""
+    pack._fusedrc_region = True
+    return pack
+
+
 def inside_region() -> bool:
-    """Whether a fused op called now runs inside a generic recompute region (its forward, or its
-    rerun in backward), eagerly. There a fused op runs as the plain composition of torch ops: the
-    region already drops whatever is saved in its forward and makes its rerun's tensors transient, so
-    a fused op's own recompute would only add a third pass of its GEMM or conv (a whole ResNet or
-    MBConv block recomputed cost 1.4x checkpoint per block that way). Under torch.compile the
-    region is a torch.utils.checkpoint call and the fused ops stay."""
-    # is_compiling first: dynamo folds it, and never traces the thread-local reads
-    return not torch.compiler.is_compiling() and (forward_region_depth() > 0 or in_recompute())
+    """Whether a fused op called now runs directly inside a generic recompute region (its forward,
+    or its rerun in backward), eagerly. There a fused op runs as the plain composition of torch ops:
+    the region already drops whatever is saved in its forward and makes its rerun's tensors
+    transient, so a fused op's own recompute would only add a third pass of its GEMM or conv (a whole
+    ResNet or MBConv block recomputed cost 1.4x checkpoint per block that way).
+
+    "Directly": the innermost saved-tensors hooks are the region's. Inside another checkpoint nested
+    in the region (torch.utils.checkpoint, an offloading hook) the op stays fused: that one's
+    recompute runs outside the region, and forward and recompute must save the same tensors. Under
+    torch.compile the region is a torch.utils.checkpoint call and the fused ops stay."""
+    if torch.compiler.is_compiling():  # first: dynamo folds it and traces nothing below
+        return False
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # a torch without it: fused ops stay fused everywhere (always consistent)
+        return False
+    hooks = top(False)
+    return hooks is not None and getattr(hooks[0], "_fusedrc_region", False)
 
 
 @contextlib.contextmanager

@@ -181,6 +181,7 @@ class _SaveInputs(torch.autograd.Function):
 
 class _ForwardHook(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame):
+        @_state.region_hook
         def pack(x):
             holder = _Holder()
             frame.weak_holders.append(weakref.ref(holder))
@@ -222,6 +223,7 @@ class _ForwardHook(torch.autograd.graph.saved_tensors_hooks):
 
 class _RerunHook(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame_ref, gid):
+        @_state.region_hook
         def pack(x):
             x = x.detach() if x.requires_grad else x
             frame = frame_ref()

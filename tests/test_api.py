@@ -408,6 +408,56 @@ def test_fused_modules_inside_a_region_run_plain(backend, monkeypatch):
     assert seen == ["conv_bn_act", "linear_act", "fused_mlp"], seen
 
 
+def test_torch_checkpoint_nested_in_a_region_keeps_its_fused_ops(monkeypatch):
+    """A torch.utils.checkpoint inside a region: its recompute runs outside the region, so its fused
+    modules stay fused in its forward too (the same tensors saved both times), and the region's own
+    ops around it run plain; BatchNorm statistics move as eager's under the same nesting."""
+    import torch.utils.checkpoint as cp
+
+    seen = _spy_fused_ops(monkeypatch)
+    torch.manual_seed(0)
+    lin = fusedrc.nn.LinearReLU(8, 8)
+    unit = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1)
+    x = torch.randn(3, 8, requires_grad=True)
+    y = fusedrc.recompute(lambda t: cp.checkpoint(lin, t, use_reentrant=False) * 2, x)
+    y.sum().backward()
+    assert set(seen) == {"linear_act", "linear_act_backward"}, seen  # fused in the checkpoint
+    xr = x.detach().clone().requires_grad_(True)
+    (torch.relu(nn.functional.linear(xr, lin.weight, lin.bias)) * 2).sum().backward()
+    assert torch.allclose(x.grad, xr.grad, atol=1e-6)
+    seen.clear()
+    xi = torch.randn(2, 3, 5, 5, requires_grad=True)
+    out = fusedrc.recompute(lambda t: torch.tanh(cp.checkpoint(unit, t, use_reentrant=False)), xi)
+    out.sum().backward()
+    assert set(seen) == {"conv_bn_act", "conv_bn_act_backward"}, seen
+    assert xi.grad is not None and unit.bn.num_batches_tracked.item() >= 1
+
+
+def test_region_checks_residual_like_the_op():
+    """Inside a region the plain composition rejects a bad residual as the fused op does."""
+    m = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    for r, err in ((torch.randn(1, 4, 1, 1), ValueError), (torch.randn(2, 4, 4, 4, dtype=torch.float64), TypeError)):
+        with pytest.raises(err, match="residual"):
+            m(x, r)
+        with pytest.raises(err, match="residual"):
+            fusedrc.recompute(lambda t: m(t, r), x)
+    assert m.bn.num_batches_tracked.item() == 0  # rejected calls count no batch
+
+
+def test_hooks_on_inner_modules_do_not_run_inside_a_region_either():
+    """A ConvBNReLU's inner conv/bn are parameters holders for the fused op: their hooks do not run,
+    outside a region or inside (where the unit runs plain)."""
+    m = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1)
+    calls = []
+    m.conv.register_forward_pre_hook(lambda *a: calls.append("conv"))
+    m.bn.register_forward_hook(lambda *a: calls.append("bn"))
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    m(x).sum().backward()
+    fusedrc.recompute(lambda t: m(t) * 1.0, x).sum().backward()
+    assert calls == []
+
+
 @pytest.mark.parametrize("fn", ["linear_act_backward", "fused_mlp_backward", "conv_bn_act_backward"])
 def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn):
     """torch's tf32 setting flipped between forward and backward: the backward (whose recompute
