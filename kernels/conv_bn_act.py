@@ -285,6 +285,22 @@ def _pix_offsets(offs_m, OH, OW, s_n, s_h, s_w):
 
 
 @triton.jit
+def _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn, SH: tl.constexpr, SW: tl.constexpr,
+                 PH: tl.constexpr, PW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A conv tile's output pixels and channels: (row mask, first input row and column of each
+    pixel's window, each pixel's sample base in x, the channels, their mask)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ohw = OH * OW
+    n = offs_m // ohw
+    r = offs_m - n * ohw
+    oh = r // OW
+    ow = r - oh * OW
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    return mask_m, oh * SH - PH, ow * SW - PW, x_ptr + n.to(tl.int64) * s_xn, offs_n, offs_n < C_OUT
+
+
+@triton.jit
 def _conv_mainloop(
     x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
     s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
@@ -299,18 +315,8 @@ def _conv_mainloop(
     fixed order: taps (kh, kw) row-major, inside each tap C_in in BLOCK_K steps.
     Padding, ragged rows/channels: masked loads of zeros.
     """
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    ohw = OH * OW
-    n = offs_m // ohw
-    r = offs_m - n * ohw
-    oh = r // OW
-    ow = r - oh * OW
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
-    x_rows = x_ptr + n.to(tl.int64) * s_xn
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < C_OUT
+    mask_m, ih0, iw0, x_rows, offs_n, mask_n = _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn,
+                                                            SH, SW, PH, PW, BLOCK_M, BLOCK_N)
     w_cols = w_ptr + offs_n * s_wo
     offs_k = tl.arange(0, BLOCK_K)
     n_cblk = tl.cdiv(C_IN, BLOCK_K)
@@ -353,18 +359,8 @@ def _direct_conv_mainloop(
     channels inside; nested loops kept a (BM, BN) address tensor live: 255 registers) and an
     explicit fma: every kernel that recomputes z gets the forward's bits.
     """
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    ohw = OH * OW
-    n = offs_m // ohw
-    r = offs_m - n * ohw
-    oh = r // OW
-    ow = r - oh * OW
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
-    x_rows = x_ptr + n.to(tl.int64) * s_xn
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < C_OUT
+    mask_m, ih0, iw0, x_rows, offs_n, mask_n = _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn,
+                                                            SH, SW, PH, PW, BLOCK_M, BLOCK_N)
     x_cols = (offs_n // C_OUT_G) * C_IN * s_xc
     w_cols = w_ptr + offs_n * s_wo
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

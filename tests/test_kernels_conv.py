@@ -153,20 +153,27 @@ def test_channels_last(device):
     assert grads[0].is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad,conv_z", [
-    (True, False, "triton", "triton"),
-    (False, True, "triton", "triton"),
-    (False, False, "aten", "triton"),
-    ("auto", "auto", "aten", "auto"),
-    (False, True, "aten", "aten"),
-], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer", "auto", "aten-z"])
-def test_strategies(fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypatch, device):
+@pytest.mark.parametrize("shape,fwd_recompute,bwd_twice,conv_grad,conv_z", [
+    ("3x3s2d2", True, False, "triton", "triton"),
+    ("3x3s2d2", False, True, "triton", "triton"),
+    ("3x3s2d2", False, False, "aten", "triton"),
+    ("3x3s2d2", "auto", "auto", "aten", "auto"),
+    ("3x3s2d2", False, True, "aten", "aten"),
+    # grouped (DIRECT): CONV_GRAD="triton" takes aten's grouped conv backward (the Triton dX/dW
+    # kernels are groups=1 GEMMs); CONV_Z="aten" a grouped z
+    ("mult2", True, False, "triton", "triton"),
+    ("mult2", "auto", "auto", "aten", "auto"),
+    ("mult2", False, True, "aten", "aten"),
+], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer", "auto", "aten-z",
+        "grouped-fwd-recompute+bwd-buffer+triton-grad", "grouped-auto", "grouped-aten-z"])
+def test_strategies(shape, fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypatch, device):
     """The measured-on-GPU alternatives give the same results as the defaults."""
     monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
     monkeypatch.setattr(K, "BWD_RECOMPUTE_TWICE", bwd_twice)
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
     monkeypatch.setattr(K, "CONV_Z", conv_z)
-    t, geom = _inputs(SHAPES["3x3s2d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
+    t, geom = _inputs({**SHAPES, **GROUPED}[shape], torch.float32, bias=True, affine=True, residual=True,
+                      device=device)
     _check_all(t, geom, True, torch.float32)
 
 
@@ -381,22 +388,6 @@ def test_grouped_fp16_channels_last(shape, activation, device):
     y, grads = _check_all(t, geom, True, torch.float16, activation)
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert grads[0].is_contiguous(memory_format=torch.channels_last)
-
-
-@pytest.mark.parametrize("fwd_recompute,bwd_twice,conv_grad,conv_z", [
-    (True, False, "triton", "triton"),
-    ("auto", "auto", "aten", "auto"),
-    (False, True, "aten", "aten"),
-], ids=["fwd-recompute+bwd-buffer+triton-grad", "auto", "aten-z"])
-def test_grouped_strategies(fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypatch, device):
-    """The strategy switches on a grouped conv: same results (CONV_GRAD="triton" takes aten's
-    grouped conv backward: the Triton dX/dW kernels are groups=1 GEMMs; CONV_Z="aten" a grouped z)."""
-    monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
-    monkeypatch.setattr(K, "BWD_RECOMPUTE_TWICE", bwd_twice)
-    monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
-    monkeypatch.setattr(K, "CONV_Z", conv_z)
-    t, geom = _inputs(GROUPED["mult2"], torch.float32, bias=True, affine=True, residual=True, device=device)
-    _check_all(t, geom, True, torch.float32)
 
 
 def test_direct_tile_choice():
