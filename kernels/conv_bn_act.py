@@ -379,6 +379,39 @@ def _direct_conv_mainloop(
 
 
 @triton.jit
+def _conv_z(
+    x_ptr, w_ptr, bias_ptr, z_ptr, o_offs, mask, row0, col0, offs_n, mask_n,
+    M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+    KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
+    FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The tile's conv output z in fp32: read from the z buffer (FROM_Z), or computed (+ conv bias)
+    and rounded to x's dtype, as torch's conv2d hands it to BatchNorm (stored too with STORE_Z).
+    The forward and every backward pass compute z here: the recompute is the forward's, bit for bit."""
+    if FROM_Z:
+        zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if DIRECT:
+            acc = _direct_conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
+                                        s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                                        KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N)
+        else:
+            acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+                                 s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        zq = acc.to(x_ptr.dtype.element_ty)
+        if STORE_Z:
+            tl.store(z_ptr + o_offs, zq, mask=mask)
+        zf = zq.to(tl.float32)
+    return zf
+
+
+@triton.jit
 def _channel_params(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, offs_n, mask_n,
                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-channel fp32 mean, rstd, gamma (1 without affine), beta (0 without affine)."""
@@ -430,24 +463,10 @@ def _conv_bn_fwd_kernel(
     mask_n = offs_n < C_OUT
     mask = mask_m[:, None] & mask_n[None, :]
     o_offs = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)[:, None] + (offs_n * s_oc)[None, :]
-    if FROM_Z:
-        zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        if DIRECT:
-            acc = _direct_conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
-                                        s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                                        KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N)
-        else:
-            acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
-                                 s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        # z as torch's conv2d hands it to BatchNorm: rounded to the input dtype
-        zq = acc.to(x_ptr.dtype.element_ty)
-        if STORE_Z:
-            tl.store(z_ptr + o_offs, zq, mask=mask)
-        zf = zq.to(tl.float32)
+    zf = _conv_z(x_ptr, w_ptr, bias_ptr, z_ptr, o_offs, mask, row0, col0, offs_n, mask_n,
+                 M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                 KH, KW, SH, SW, PH, PW, DH, DW, DIRECT, FROM_Z, HAS_BIAS, STORE_Z,
+                 BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     if STATS:
         # per-tile mean and sum of squared deviations from it (Chan partials)
         cnt = tl.minimum(M - row0, BLOCK_M).to(tl.float32)
@@ -569,24 +588,10 @@ def _conv_bn_bwd_kernel(
     mask_n = offs_n < C_OUT
     mask = mask_m[:, None] & mask_n[None, :]
     o_offs = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)[:, None] + (offs_n * s_oc)[None, :]
-    if FROM_Z:
-        zf = tl.load(z_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        # exactly the forward's computation of z
-        if DIRECT:
-            acc = _direct_conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW,
-                                        s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                                        KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N)
-        else:
-            acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
-                                 s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        zq = acc.to(x_ptr.dtype.element_ty)
-        if STORE_Z:
-            tl.store(z_ptr + o_offs, zq, mask=mask)
-        zf = zq.to(tl.float32)
+    zf = _conv_z(x_ptr, w_ptr, bias_ptr, z_ptr, o_offs, mask, row0, col0, offs_n, mask_n,
+                 M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
+                 KH, KW, SH, SW, PH, PW, DH, DW, DIRECT, FROM_Z, HAS_BIAS, STORE_Z,
+                 BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     # pixel offsets again rather than held across the main loop (registers)
     o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
     r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
