@@ -201,6 +201,15 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
 
 
+def layer_config(weight, groups: int, dtype, precision: str, capability) -> ConvConfig:
+    """The tile of a conv layer's passes: the DIRECT one for a grouped conv, the table's otherwise.
+    The forward and the backward recompute both take it here, hence the same tile and K order."""
+    C_out, C_in = weight.shape[:2]  # C_in per group
+    if groups > 1:
+        return direct_config(C_in, C_out // groups, capability)
+    return conv_config(C_out, C_in, dtype, precision, capability)
+
+
 def _roofline(x, weight, M: int, precision: str):
     """(the conv's flops in byte-time units (flops / ridge), bytes of x + weights, bytes of z)
     for M output pixels: the terms of the two cost models below."""
@@ -274,13 +283,19 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
+def _split_pixels(p, H, W):
+    """Flat pixel indices p = (n, h, w) of an (N, ., H, W) tensor -> n, h, w."""
+    hw = H * W
+    n = p // hw
+    r = p - n * hw
+    h = r // W
+    return n, h, r - h * W
+
+
+@triton.jit
 def _pix_offsets(offs_m, OH, OW, s_n, s_h, s_w):
     """64-bit offsets of output pixels m = (n, oh, ow) in a tensor with strides (s_n, ., s_h, s_w)."""
-    ohw = OH * OW
-    n = offs_m // ohw
-    r = offs_m - n * ohw
-    oh = r // OW
-    ow = r - oh * OW
+    n, oh, ow = _split_pixels(offs_m, OH, OW)
     return n.to(tl.int64) * s_n + (oh * s_h + ow * s_w)
 
 
@@ -290,14 +305,9 @@ def _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn, SH: tl.constexpr, SW
     """A conv tile's output pixels and channels: (row mask, first input row and column of each
     pixel's window, each pixel's sample base in x, the channels, their mask)."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    ohw = OH * OW
-    n = offs_m // ohw
-    r = offs_m - n * ohw
-    oh = r // OW
-    ow = r - oh * OW
+    n, oh, ow = _split_pixels(offs_m, OH, OW)
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    return mask_m, oh * SH - PH, ow * SW - PW, x_ptr + n.to(tl.int64) * s_xn, offs_n, offs_n < C_OUT
+    return offs_m < M, oh * SH - PH, ow * SW - PW, x_ptr + n.to(tl.int64) * s_xn, offs_n, offs_n < C_OUT
 
 
 @triton.jit
@@ -679,11 +689,7 @@ def _conv_dx_kernel(
     col0 = pid_n * BLOCK_N
     offs_m = row0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    hw = H * W
-    n = offs_m // hw
-    r = offs_m - n * hw
-    ih = r // W
-    iw = r - ih * W
+    n, ih, iw = _split_pixels(offs_m, H, W)
     d_rows = dz_ptr + n.to(tl.int64) * s_dn
     offs_n = col0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < C_IN
@@ -748,16 +754,12 @@ def _conv_dw_kernel(
     kh = tap // KW
     kw = tap - kh * KW
     x_cols = ci * s_xc
-    ohw = OH * OW
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p_start = pid_k * iters_per_split * BLOCK_K
     for it in range(0, iters_per_split):
         p = p_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
         ok_p = p < P
-        n = p // ohw
-        r = p - n * ohw
-        oh = r // OW
-        ow = r - oh * OW
+        n, oh, ow = _split_pixels(p, OH, OW)
         n64 = n.to(tl.int64)
         a = tl.load(dz_ptr + (n64 * s_dn + (oh * s_dh + ow * s_dw))[None, :] + (offs_m * s_dc)[:, None],
                     mask=mask_m[:, None] & ok_p[None, :], other=0.0)
@@ -869,7 +871,7 @@ def conv_bn_act_forward(
     precision = dot_precision(x)
     cap = device_capability(x)
     direct = groups > 1
-    cfg = direct_config(C_in, C_out // groups, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
+    cfg = layer_config(weight, groups, x.dtype, precision, cap)
     aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     res = residual
@@ -1010,8 +1012,7 @@ def conv_bn_act_backward(
     precision = dot_precision(x)
     cap = device_capability(x)
     direct = groups > 1
-    # the forward's entry
-    cfg = direct_config(C_in, C_out // groups, cap) if direct else conv_config(C_out, C_in, x.dtype, precision, cap)
+    cfg = layer_config(weight, groups, x.dtype, precision, cap)  # the forward's
     aten_z, _, twice = conv_plan(x, weight, M, precision)
     wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)

@@ -95,3 +95,24 @@ def replicate_on_cpu(network, scale=2.0):
             else:
                 setattr(r, key, b.clone())
     return copies[0]
+
+
+def record_launches(monkeypatch, module):
+    """Every launch through ``module.launcher`` (a kernels module's), in order: [(kernel name, the
+    launch's keyword arguments: its constexpr flags)]."""
+    seen = []
+    real = module.launcher
+
+    def spy(kernel, probe):
+        launch = real(kernel, probe)
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, kw))
+                    return launch[grid](*args, **kw)
+                return run
+        return _Grid()
+
+    monkeypatch.setattr(module, "launcher", spy)
+    return seen

@@ -17,6 +17,8 @@ import fusedrc  # noqa: E402
 from fusedrc import reference as R  # noqa: E402
 from fusedrc.kernels import conv_bn_act as K  # noqa: E402
 
+from _utils import record_launches  # noqa: E402
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 EPS = 1e-5
 NAMES = ("dx", "dweight", "dbias", "dbn_weight", "dbn_bias", "dresidual")
@@ -177,33 +179,13 @@ def test_strategies(shape, fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypa
     _check_all(t, geom, True, torch.float32)
 
 
-def _record_launches(monkeypatch):
-    """Every conv-kernel launch's constexpr flags, in order: [(kernel name, kwargs)]."""
-    seen = []
-    real = K.launcher
-
-    def spy(kernel, probe):
-        launch = real(kernel, probe)
-
-        class _Grid:
-            def __getitem__(self, grid):
-                def run(*args, **kw):
-                    seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, kw))
-                    return launch[grid](*args, **kw)
-                return run
-        return _Grid()
-
-    monkeypatch.setattr(K, "launcher", spy)
-    return seen
-
-
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_aten_z(training, channels_last, monkeypatch, device):
     """CONV_Z="aten": z from aten.convolution in both directions, every Triton pass reads it
     (FROM_Z, elementwise tiles: no Triton conv runs), results as the float64 reference."""
     monkeypatch.setattr(K, "CONV_Z", "aten")
-    seen = _record_launches(monkeypatch)
+    seen = record_launches(monkeypatch, K)
     t, geom = _inputs(SHAPES["3x3s1"], torch.float32, bias=True, affine=True, residual=True, device=device)
     if channels_last:
         t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
@@ -219,7 +201,7 @@ def test_aten_z(training, channels_last, monkeypatch, device):
 def test_switch_changes_kernel_passes(conv_z, monkeypatch, device):
     """The spy above sees the default's Triton conv passes (no FROM_Z in the backward) too."""
     monkeypatch.setattr(K, "CONV_Z", conv_z)
-    seen = _record_launches(monkeypatch)
+    seen = record_launches(monkeypatch, K)
     t, geom = _inputs(SHAPES["1x1"], torch.float32, bias=False, affine=True, residual=False, device=device)
     _check_all(t, geom, True, torch.float32)
     bwd = [kw["FROM_Z"] for name, kw in seen if name == "_conv_bn_bwd_kernel"]
@@ -344,7 +326,7 @@ def test_activations(activation, training, monkeypatch, device):
     """Every activation of the dense kernels runs in the conv epilogues (residual and conv bias
     on), in the kernels, not through the reference path, against the float64 reference; "none" is
     Conv-BN without one."""
-    seen = _record_launches(monkeypatch)
+    seen = record_launches(monkeypatch, K)
     t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, training, torch.float32, activation)
     assert _activations_launched(seen) == {activation}
@@ -354,7 +336,7 @@ def test_activations(activation, training, monkeypatch, device):
 def test_activations_fp16_and_z_buffer(activation, conv_z, monkeypatch, device):
     """fp16, channels_last; also the passes that read a z buffer (CONV_Z="aten")."""
     monkeypatch.setattr(K, "CONV_Z", conv_z)
-    seen = _record_launches(monkeypatch)
+    seen = record_launches(monkeypatch, K)
     t, geom = _inputs(SHAPES["3x3s1"], torch.float16, bias=False, affine=True, residual=True, device=device)
     t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
     _check_all(t, geom, True, torch.float16, activation)
@@ -371,7 +353,7 @@ def _conv_launches(seen):
 def test_grouped_conv(shape, training, monkeypatch, device):
     """Grouped convs (depthwise, channel multiplier, several channels per group) run the DIRECT
     kernels in every pass, conv bias, residual and BN affine on, against the float64 reference."""
-    seen = _record_launches(monkeypatch)
+    seen = record_launches(monkeypatch, K)
     t, geom = _inputs(GROUPED[shape], torch.float32, bias=True, affine=True, residual=True, device=device)
     _, grads = _check_all(t, geom, training, torch.float32)
     assert grads[1].shape == t["weight"].shape
@@ -405,7 +387,7 @@ def test_wide_groups_take_the_reference_path(monkeypatch, device):
     """More channels per group than DIRECT_MAX_GROUP_CHANNELS: the launchers hand the call to the
     reference implementation (no Triton launch), forward and backward, with the grouped conv's results."""
     monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 2)
-    seen = _record_launches(monkeypatch)
+    seen = record_launches(monkeypatch, K)
     t, geom = _inputs(GROUPED["g4d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, True, torch.float32, "silu")
     assert not seen

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import fusedrc
-from _utils import GemmCounter, SavedBytes, rel_err
+from _utils import GemmCounter, SavedBytes, record_launches, rel_err
 
 pytest.importorskip("triton")
 
@@ -332,20 +332,7 @@ def test_converted_inverted_residual_runs_the_kernels(device, monkeypatch):
     ref = copy.deepcopy(block)
     conv = fusedrc.convert(block)
     assert sorted(u.kind for u in conv.fusedrc_plan.units) == ["conv_bn", "conv_bn_act", "conv_bn_act"]
-    direct, real = [], K.launcher
-
-    def spy(kernel, probe):
-        launch = real(kernel, probe)
-
-        class _Grid:
-            def __getitem__(self, grid):
-                def run(*args, **kw):
-                    direct.append(kw.get("DIRECT"))
-                    return launch[grid](*args, **kw)
-                return run
-        return _Grid()
-
-    monkeypatch.setattr(K, "launcher", spy)
+    seen = record_launches(monkeypatch, K)
     exact = copy.deepcopy(block).double()  # the judge: fp32 eager's own error on dgamma is ~1e-3 here
     for _ in range(2):
         x = torch.randn(2, 8, 6, 6, device=device, requires_grad=True)
@@ -356,6 +343,7 @@ def test_converted_inverted_residual_runs_the_kernels(device, monkeypatch):
         for out in (y, y_ref, y_exact):
             out.backward(g.to(out.dtype))
         assert rel_err(x.grad, xd.grad) < 1e-5
+    direct = [kw.get("DIRECT") for _, kw in seen]
     assert True in direct and False in direct  # the depthwise unit on DIRECT, the 1x1 units on the GEMM
     for (name, p), pr, pe in zip(conv.named_parameters(), ref.parameters(), exact.parameters()):
         # no worse than eager in fp32, both judged against float64

@@ -136,8 +136,10 @@ class Workload:
 
 
 def default_batch_sizes(name: str, device_type: str, quick: bool):
-    if name in ("resnet50", "efficientnet_b0", "opt"):  # the real models (models.py)
-        image = name != "opt"
+    from .models import IMAGE_MODELS, MODEL_WORKLOADS
+
+    if name in MODEL_WORKLOADS:  # the real models
+        image = name in IMAGE_MODELS
         if quick:
             return [2]
         if device_type == "cuda":
