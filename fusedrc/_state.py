@@ -4,7 +4,8 @@ While a region is being rerun in backward, BatchNorm modules must not update
 their running statistics a second time (torch.utils.checkpoint does:
 pytorch/pytorch#96136). A global module pre-hook, installed only while some
 thread is rerunning a region, snapshots the buffers of each training-mode
-BatchNorm that thread calls; they are restored bit for bit when the rerun
+BatchNorm that thread calls (and fusedrc.functional.conv_bn_act snapshots the
+running statistics it is handed); they are restored bit for bit when the rerun
 ends, exception or not. (Switching ``track_running_stats`` off instead would
 change which tensors batch_norm saves, and the rerun must save exactly what
 the forward saved.)
@@ -40,14 +41,20 @@ def in_recompute() -> bool:
 _BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+def snapshot_buffers(*buffers) -> None:
+    """In a region's rerun, keep ``buffers`` (running statistics a call is about to update in place)
+    to be restored bit for bit when the rerun ends. The first snapshot of a tensor in a rerun wins:
+    it holds the value from before the rerun touched it. Outside a rerun, nothing."""
+    if not in_recompute():
+        return
+    for b in buffers:
+        if b is not None and id(b) not in _local.snapshots:
+            _local.snapshots[id(b)] = (b, b.clone())  # holding b keeps its id unique until the restore
+
+
 def _bn_pre_hook(module, args):
-    if (
-        isinstance(module, _BatchNorm) and in_recompute() and module.training
-        and module.track_running_stats and id(module) not in _local.snapshots
-    ):
-        _local.snapshots[id(module)] = (
-            module, [(b, b.clone()) for b in (getattr(module, n) for n in _BUFFERS) if b is not None]
-        )
+    if isinstance(module, _BatchNorm) and in_recompute() and module.training and module.track_running_stats:
+        snapshot_buffers(*(getattr(module, n) for n in _BUFFERS))
 
 
 _bn_pre_hook._fusedrc_hook = True  # fusedrc's own: the fused paths do not step aside for it
@@ -55,11 +62,10 @@ _bn_pre_hook._fusedrc_hook = True  # fusedrc's own: the fused paths do not step 
 
 def _restore_snapshots():
     with torch.no_grad():
-        for _, buffers in _local.snapshots.values():
-            for buf, saved in buffers:
-                # through .data: BatchNorm's own update never bumps the buffers' version counters,
-                # and a graph that saved them (x * bn.running_var) must not see a modification
-                buf.data.copy_(saved)
+        for buf, saved in _local.snapshots.values():
+            # through .data: BatchNorm's own update never bumps the buffers' version counters,
+            # and a graph that saved them (x * bn.running_var) must not see a modification
+            buf.data.copy_(saved)
     _local.snapshots = {}
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import ops, reference
 from ._backend import resolve_backend
-from ._state import inside_region, traced
+from ._state import inside_region, snapshot_buffers, traced
 from ._validate import (check_activation, check_device, check_int, check_number, check_probability, check_same,
                         check_tensor, check_vector, needs_unfused, pair)
 
@@ -323,6 +323,8 @@ def conv_bn_act(
         check_same(x, "input", residual, "residual")
         if tuple(residual.shape) != expected:
             raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
+    if training and running_mean is not None:
+        snapshot_buffers(running_mean, running_var)  # a region's rerun updates them once more: undone after it
     if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias, residual) or inside_region():
         # an empty batch (eager BatchNorm returns an empty output and leaves the statistics alone),
         # a transform the op has no rule for, or inside a recompute region (_state.inside_region):

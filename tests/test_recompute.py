@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import fusedrc
+import fusedrc.functional as FF
 from _utils import GemmCounter, SavedBytes, rel_err
 
 
@@ -213,6 +214,26 @@ def test_batchnorm_running_stats_change_once_per_forward(make):
     assert rel_err(bn.running_var, ref.running_var) < 1e-6
     # the point of the test: torch's checkpoint updates a second time in the rerun
     assert int(bad.num_batches_tracked) == 6
+
+
+def test_functional_conv_bn_act_in_a_region_updates_running_stats_once():
+    """A direct fusedrc.functional.conv_bn_act call (no BatchNorm module for the rerun's pre-hook to
+    see) inside a generic region: its rerun in backward must not move the running statistics again."""
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    ref_m, ref_v = rm.clone(), rv.clone()
+
+    def fn(x, rm, rv):
+        return FF.conv_bn_act(torch.tanh(x), w, None, None, rm, rv, training=True, momentum=0.3, padding=1)
+
+    for _ in range(2):
+        x = torch.randn(2, 3, 5, 5, requires_grad=True)
+        fusedrc.recompute(lambda x: fn(x, rm, rv), x).sum().backward()
+        g = x.grad
+        x.grad = None
+        fn(x, ref_m, ref_v).sum().backward()
+        assert rel_err(g, x.grad) < 1e-5
+    assert rel_err(rm, ref_m) < 1e-6 and rel_err(rv, ref_v) < 1e-6
 
 
 class _Flaky(nn.Module):
