@@ -160,6 +160,7 @@ class _SaveInputs(torch.autograd.Function):
             else:
                 slots.append(("const", v, None))
         ctx.save_for_backward(*tensors)
+        ctx.out_dtype, ctx.out_device = output.dtype, output.device
 
         def get_flat(saved):
             out = []
@@ -177,6 +178,12 @@ class _SaveInputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError("fusedrc internal error: the input saver is not part of any graph")
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        # forward-mode AD (dual inputs) flows through the region's own ops; this node only saves.
+        # (None here trips an internal assert in torch: a zero tangent of the empty output instead)
+        return torch.empty((0,), dtype=ctx.out_dtype, device=ctx.out_device)
 
 
 class _ForwardHook(torch.autograd.graph.saved_tensors_hooks):

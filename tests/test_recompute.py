@@ -236,6 +236,33 @@ def test_functional_conv_bn_act_in_a_region_updates_running_stats_once():
     assert rel_err(rm, ref_m) < 1e-6 and rel_err(rv, ref_v) < 1e-6
 
 
+@pytest.mark.parametrize("make", [_bn_block, lambda: nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6))],
+                         ids=["generic_bn", "fused_ffn"])
+def test_forward_ad_through_a_region(make):
+    """Forward-mode AD (dual inputs) runs through a region like through torch.utils.checkpoint: the
+    tangent is the plain block's, and a reverse backward after it still recomputes correctly."""
+    import torch.autograd.forward_ad as fwad
+
+    block = make()
+    plain = copy.deepcopy(block)
+    shape = (2, 3, 6, 6) if isinstance(block[0], nn.Conv2d) else (5, 6)
+    x = torch.randn(shape, requires_grad=True)
+    tangent = torch.randn(shape)
+    outs = []
+    for m, run in ((block, functools.partial(fusedrc.recompute, block)), (plain, plain)):
+        with fwad.dual_level():
+            primal, dual = fwad.unpack_dual(run(fwad.make_dual(x, tangent)))
+            primal.square().sum().backward()
+        outs.append((primal.detach(), dual, x.grad))
+        x.grad = None
+    (y, t, g), (y_ref, t_ref, g_ref) = outs
+    assert t is not None
+    assert rel_err(y, y_ref) < 1e-6 and rel_err(t, t_ref) < 1e-5 and rel_err(g, g_ref) < 1e-5
+    for name in ("running_mean", "running_var"):
+        if isinstance(block[1], nn.BatchNorm2d):
+            assert torch.equal(getattr(block[1], name), getattr(plain[1], name))
+
+
 class _Flaky(nn.Module):
     """Saves a differently shaped tensor when rerun."""
 
