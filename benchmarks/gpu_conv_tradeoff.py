@@ -10,8 +10,12 @@ cuDNN (CONV_Z="aten"), and the "auto" settings). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
 allocated bytes above what was allocated before it.
 
-``--shapes grouped``: the grouped convs instead (the DIRECT kernels): EfficientNet-B0's
-depthwise Conv-BN-SiLU layers and ResNeXt-50 32x4d's grouped 3x3 Conv-BN-ReLU.
+``--shapes grouped``: the grouped convs instead: EfficientNet-B0's depthwise Conv-BN-SiLU
+layers and ResNeXt-50 32x4d's grouped 3x3 Conv-BN-ReLU (the DIRECT kernels), ResNeXt-101
+32x8d's last stage and RegNetY-16GF's 112-wide groups (the implicit GEMM per group); each
+also with ``DIRECT_MAX_GROUP_CHANNELS = 0`` (every grouping with a multiple of 16 output
+channels per group on the per-group GEMM, the rest on the reference path): which kernel
+wins at 16-32 channels per group.
 
     python benchmarks/gpu_conv_tradeoff.py                    # batch 256, bf16, channels_last
     python benchmarks/gpu_conv_tradeoff.py --batch 32 --nchw --switches --no-compile
@@ -46,6 +50,7 @@ GROUPED_SHAPES = [
     (480, 480, 3, 1, 14, 480, "silu"), (672, 672, 5, 2, 14, 672, "silu"), (1152, 1152, 5, 1, 7, 1152, "silu"),
     (128, 128, 3, 1, 56, 32, "relu"), (256, 256, 3, 1, 28, 32, "relu"), (512, 512, 3, 1, 14, 32, "relu"),
     (1024, 1024, 3, 1, 7, 32, "relu"),
+    (2048, 2048, 3, 1, 7, 32, "relu"), (448, 448, 3, 1, 28, 4, "relu"), (1232, 1232, 3, 1, 14, 11, "relu"),
 ]
 _ACT = {"relu": nn.ReLU, "silu": nn.SiLU}
 
@@ -109,18 +114,21 @@ def main():
     dtype = getattr(torch, args.dtype)
     measure.match_fp32_precision(torch.device("cuda"))
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
-    default = {n: getattr(k, n) for n in SWITCHES}
+    switches = SWITCHES + (("DIRECT_MAX_GROUP_CHANNELS",) if args.shapes == "grouped" else ())
+    default = {n: getattr(k, n) for n in switches}
     variants = [default]
     if args.switches:
         # both recompute switches with cuDNN's dX/dW; the Triton dX/dW once (measured 30x slower in
         # session 3: kept as a control); z from cuDNN; and the per-layer roofline choices ("auto")
-        variants = [dict(zip(SWITCHES, (f, t, "aten", "triton")))
+        variants = [{**default, **dict(zip(SWITCHES, (f, t, "aten", "triton")))}
                     for f, t in itertools.product((False, True), (True, False))]
-        variants += [dict(zip(SWITCHES, v)) for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
-                                                      ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
+        variants += [{**default, **dict(zip(SWITCHES, v))}
+                     for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
+                               ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
     if args.shapes == "grouped":  # grouped convs take aten's dX/dW whatever CONV_GRAD says: one run of each
         variants = [v for i, v in enumerate(variants)
                     if {**v, "CONV_GRAD": "aten"} not in [{**u, "CONV_GRAD": "aten"} for u in variants[:i]]]
+        variants += [{**v, "DIRECT_MAX_GROUP_CHANNELS": 0} for v in variants]
     records = []
 
     measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
@@ -151,7 +159,8 @@ def main():
                 med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
                 tag = r["strategy"] if r["strategy"] != "fusedrc" else \
                     f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} " \
-                    f"z={r['CONV_Z']}"
+                    f"z={r['CONV_Z']}" + (f" direct<={r['DIRECT_MAX_GROUP_CHANNELS']}"
+                                          if "DIRECT_MAX_GROUP_CHANNELS" in r else "")
                 ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
                 print(f"{str(shape):36s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
                       f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)

@@ -262,7 +262,8 @@ def conv_bn_act(
             (``batch_norm(conv2d(x)) [+ residual]``, a projection or downsample Conv-BN).
         groups: as in ``F.conv2d`` (ResNeXt, RegNet, depthwise convolutions). On the Triton
             backend a grouped conv with up to 32 input channels per group runs the fused kernels
-            with a direct (FMA) convolution; wider groups run the fused op's reference
+            with a direct (FMA) convolution, wider groups with a multiple of 16 output channels
+            per group an implicit GEMM per group; any other grouping runs the fused op's reference
             implementation (aten's conv in forward and in the backward's recompute: the memory of
             a recompute, not the fused kernels' traffic savings).
 

@@ -229,8 +229,9 @@ class ConvBNReLU(nn.Module):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, bias, device,
             dtype, groups: as in ``nn.Conv2d`` (zero padding; ``padding="same"`` needs an odd
-            kernel extent). Grouped and depthwise convs up to 32 input channels per group
-            run fused Triton kernels too (a direct conv); wider groups the op's reference
+            kernel extent). Grouped and depthwise convs run fused Triton kernels too (up to
+            32 input channels per group a direct conv, wider groups with a multiple of 16
+            output channels per group a GEMM per group); other groupings the op's reference
             implementation.
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,

@@ -11,7 +11,10 @@ fp32 accumulator, ``tl.dot``. Every tensor is read through its strides.
 Grouped convolutions (depthwise, ResNeXt, RegNet; up to ``DIRECT_MAX_GROUP_CHANNELS``
 input channels per group) take the same passes with a direct conv in place of the
 implicit GEMM (``DIRECT``: fp32 FMA over taps x the group's channels, same tile shape,
-so every epilogue below is shared); dX/dW are aten's grouped conv backward.
+so every epilogue below is shared). Wider groups with a multiple of 16 output channels
+each run the implicit GEMM per group: BLOCK_N divides the group's output channels, so a
+tile's columns read one group's input channels (``group_strategy``). dX/dW of any
+grouped conv are aten's grouped conv backward.
 
 Forward (training), DESIGN §4:
   1. ``_conv_bn_fwd_kernel`` (STATS, STORE_Z): conv tile, + conv bias, rounded to
@@ -54,8 +57,9 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
 All partial reductions go through per-tile buffers reduced in a fixed order: no
 atomics anywhere, results are bitwise repeatable. Tile configurations come from
 the fixed table below (no autotuning). Groups wider than ``DIRECT_MAX_GROUP_CHANNELS``
-channels, float64, empty tensors and samples past 32-bit offsets run the reference
-implementation (fusedrc.reference), which is correct.
+channels with a number of output channels per group that is no multiple of 16, float64,
+empty tensors and samples past 32-bit offsets run the reference implementation
+(fusedrc.reference), which is correct.
 """
 from __future__ import annotations
 
@@ -167,9 +171,35 @@ _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
 _DIRECT_CONFIG = ConvConfig(64, 64, 16, 8, 4, 1, 2)
 _DIRECT_GROUPED_CONFIG = ConvConfig(64, 32, 16, 8, 4, 1, 2)
 # Channels per group up to which a grouped conv runs the DIRECT kernels (ResNeXt-50 32x4d: 4-32,
-# RegNetX: 8-16 at small sizes, depthwise: 1); wider groups run the reference implementation (aten's
-# grouped conv), where a per-group GEMM on tensor cores would be the kernel to write.
+# RegNetX: 8-16 at small sizes, depthwise: 1). Wider groups whose output channels per group are a
+# multiple of GROUPED_GEMM_MIN_N run the implicit GEMM per group (a tile's columns inside one group,
+# the group's input channels its K: tensor cores); the rest the reference implementation (aten's
+# grouped conv). The split is a guess until measured on a GPU (benchmarks/gpu_conv_tradeoff.py
+# --shapes grouped times both).
 DIRECT_MAX_GROUP_CHANNELS = 32
+GROUPED_GEMM_MIN_N = 16  # tl.dot's smallest N
+
+
+def group_strategy(weight, groups: int):
+    """How a conv layer's tiles compute z: "gemm" (the implicit GEMM; groups=1, or one group's
+    slice per tile), "direct" (FMA over the group's channels), or None (the reference path)."""
+    if groups == 1:
+        return "gemm"
+    in_per_group, out_per_group = weight.shape[1], weight.shape[0] // groups
+    if in_per_group <= DIRECT_MAX_GROUP_CHANNELS:
+        return "direct"
+    if out_per_group % GROUPED_GEMM_MIN_N == 0:
+        return "gemm"
+    return None
+
+
+def _group_tile(cfg: ConvConfig, out_per_group: int) -> ConvConfig:
+    """cfg with BLOCK_N the largest power of 2 up to its own that divides the group's output
+    channels (a tile never straddles two groups), and an epilogue split no finer than 16 columns."""
+    block_n = cfg.BLOCK_N
+    while out_per_group % block_n:
+        block_n //= 2
+    return cfg._replace(BLOCK_N=block_n, EPILOGUE_SPLIT=max(1, min(cfg.EPILOGUE_SPLIT, block_n // 16)))
 
 
 def direct_config(in_per_group: int, out_per_group: int, capability) -> ConvConfig:
@@ -202,12 +232,14 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
 
 
 def layer_config(weight, groups: int, dtype, precision: str, capability) -> ConvConfig:
-    """The tile of a conv layer's passes: the DIRECT one for a grouped conv, the table's otherwise.
-    The forward and the backward recompute both take it here, hence the same tile and K order."""
+    """The tile of a conv layer's passes: the DIRECT one for a DIRECT grouped conv, the table's
+    otherwise (for a grouped GEMM narrowed to one group's columns). The forward and the backward
+    recompute both take it here, hence the same tile and K order."""
     C_out, C_in = weight.shape[:2]  # C_in per group
-    if groups > 1:
+    if group_strategy(weight, groups) == "direct":
         return direct_config(C_in, C_out // groups, capability)
-    return conv_config(C_out, C_in, dtype, precision, capability)
+    cfg = conv_config(C_out // groups, C_in, dtype, precision, capability)
+    return cfg if groups == 1 else _group_tile(cfg, C_out // groups)
 
 
 def _roofline(x, weight, M: int, precision: str):
@@ -215,7 +247,8 @@ def _roofline(x, weight, M: int, precision: str):
     for M output pixels: the terms of the two cost models below."""
     C_out, C_in, KH, KW = weight.shape  # C_in per group
     elt = x.element_size()
-    opclass = "fp32" if x.shape[1] != C_in else operand_class(x.dtype, precision)  # grouped: FMA
+    direct = group_strategy(weight, x.shape[1] // C_in) == "direct"
+    opclass = "fp32" if direct else operand_class(x.dtype, precision)  # DIRECT: FMA
     compute = 2.0 * M * C_out * C_in * KH * KW / _RIDGE[opclass]
     return compute, (x.numel() + weight.numel()) * elt, M * C_out * elt
 
@@ -409,7 +442,10 @@ def _conv_z(
                                         s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
                                         KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N)
         else:
-            acc = _conv_mainloop(x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
+            # a grouped GEMM's tile lies inside one group (C_OUT_G % BLOCK_N == 0): that group's
+            # input channels; groups=1 passes C_OUT_G = C_OUT, offset 0
+            acc = _conv_mainloop(x_ptr + (col0 // C_OUT_G) * C_IN * s_xc, w_ptr, row0, col0, M, C_OUT, C_IN,
+                                 H, W, OH, OW,
                                  s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
                                  KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
         if HAS_BIAS:
@@ -798,7 +834,7 @@ def _supported(x, weight, activation, stride, padding, dilation, groups=1) -> bo
         return False
     if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
         return False
-    if groups > 1 and weight.shape[1] > DIRECT_MAX_GROUP_CHANNELS:
+    if group_strategy(weight, groups) is None:
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return False
@@ -870,7 +906,7 @@ def conv_bn_act_forward(
     y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
     precision = dot_precision(x)
     cap = device_capability(x)
-    direct = groups > 1
+    direct = group_strategy(weight, groups) == "direct"
     cfg = layer_config(weight, groups, x.dtype, precision, cap)
     aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
@@ -1011,7 +1047,7 @@ def conv_bn_act_backward(
     dev = x.device
     precision = dot_precision(x)
     cap = device_capability(x)
-    direct = groups > 1
+    direct = group_strategy(weight, groups) == "direct"
     cfg = layer_config(weight, groups, x.dtype, precision, cap)  # the forward's
     aten_z, _, twice = conv_plan(x, weight, M, precision)
     wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
@@ -1080,7 +1116,7 @@ def conv_bn_act_backward(
         del z  # transient
         if not (need_dx or need_dw):
             dx = dweight = None
-        elif CONV_GRAD == "aten" or direct:  # the Triton dX/dW kernels are implicit GEMMs of groups=1
+        elif CONV_GRAD == "aten" or groups > 1:  # the Triton dX/dW kernels are implicit GEMMs of groups=1
             dx, dweight, _ = torch.ops.aten.convolution_backward(
                 dz, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [need_dx, need_dw, False])
             dx, dweight = dx if need_dx else None, dweight if need_dw else None  # CPU's fills them anyway
@@ -1148,7 +1184,7 @@ def _direct_args(flavor, sig, constexprs, aligned):
         del sig["C_IN"]
         constexprs["C_IN"] = 1
         sig["C_OUT_G"] = "i32"
-    else:  # C_OUT_G: C_OUT (GEMM, unused) or a group's width, no alignment either way
+    else:  # C_OUT_G: C_OUT (GEMM: the group offset is 0) or a group's width, no alignment either way
         sig["C_OUT_G"] = "i32"
         if flavor == "grouped":  # 4, 8, ... channels per group: no 16-hint
             aligned.remove("C_IN")

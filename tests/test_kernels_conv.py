@@ -38,6 +38,12 @@ GROUPED = {
     "mult2": (2, 5, 6, 5, 10, 3, 2, 1, 1, 5),        # depthwise with a channel multiplier of 2
     "g4d2": (2, 12, 7, 6, 20, 3, 1, 2, 2, 4),        # ResNeXt-like: 3 in / 5 out per group, dilated
 }
+# wide groups, the implicit GEMM per group (more than DIRECT_MAX_GROUP_CHANNELS in, a multiple of 16 out)
+GROUPED_GEMM = {
+    "g2w34": (2, 68, 5, 5, 64, 3, 1, 1, 1, 2),       # 34 in / 32 out: two 16-wide tiles a group, ragged K
+    "g3s2": (1, 120, 6, 7, 48, 3, 2, 1, 1, 3),       # 40 in / 16 out, stride 2, batch 1
+}
+ALL_SHAPES = {**SHAPES, **GROUPED, **GROUPED_GEMM}
 
 
 def _d(t):
@@ -166,15 +172,18 @@ def test_channels_last(device):
     ("mult2", True, False, "triton", "triton"),
     ("mult2", "auto", "auto", "aten", "auto"),
     ("mult2", False, True, "aten", "aten"),
+    ("g2w34", True, False, "triton", "triton"),  # grouped GEMM
+    ("g2w34", False, True, "aten", "aten"),
 ], ids=["fwd-recompute+bwd-buffer+triton-grad", "triton-conv-grad", "bwd-buffer", "auto", "aten-z",
-        "grouped-fwd-recompute+bwd-buffer+triton-grad", "grouped-auto", "grouped-aten-z"])
+        "grouped-fwd-recompute+bwd-buffer+triton-grad", "grouped-auto", "grouped-aten-z",
+        "grouped-gemm-fwd-recompute+bwd-buffer+triton-grad", "grouped-gemm-aten-z"])
 def test_strategies(shape, fwd_recompute, bwd_twice, conv_grad, conv_z, monkeypatch, device):
     """The measured-on-GPU alternatives give the same results as the defaults."""
     monkeypatch.setattr(K, "FWD_RECOMPUTE", fwd_recompute)
     monkeypatch.setattr(K, "BWD_RECOMPUTE_TWICE", bwd_twice)
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
     monkeypatch.setattr(K, "CONV_Z", conv_z)
-    t, geom = _inputs({**SHAPES, **GROUPED}[shape], torch.float32, bias=True, affine=True, residual=True,
+    t, geom = _inputs(ALL_SHAPES[shape], torch.float32, bias=True, affine=True, residual=True,
                       device=device)
     _check_all(t, geom, True, torch.float32)
 
@@ -383,9 +392,53 @@ def test_direct_tile_choice():
     assert K.direct_config(1, 1, None) == K._INTERPRETER_CONFIG
 
 
+@pytest.mark.parametrize("shape", list(GROUPED_GEMM))
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_grouped_gemm(shape, training, monkeypatch, device):
+    """Groups wider than DIRECT_MAX_GROUP_CHANNELS with a multiple of 16 output channels each run the
+    implicit GEMM per group (DIRECT off, the group's width passed), against the float64 reference."""
+    seen = record_launches(monkeypatch, K)
+    t, geom = _inputs(GROUPED_GEMM[shape], torch.float32, bias=True, affine=True, residual=True, device=device)
+    _check_all(t, geom, training, torch.float32)
+    groups = GROUPED_GEMM[shape][-1]
+    launches = [kw for name, kw in seen if name in ("_conv_bn_fwd_kernel", "_conv_bn_bwd_kernel")]
+    assert launches and not any(kw["DIRECT"] for kw in launches)
+    cfg = K.layer_config(t["weight"], groups, torch.float32, "ieee", None)
+    assert (t["weight"].shape[0] // groups) % cfg.BLOCK_N == 0
+
+
+def test_grouped_gemm_fp16_channels_last_and_small_groups(monkeypatch, device):
+    """fp16 channels_last; and a narrow group (3 in, K padded to 16) forced onto the per-group GEMM."""
+    t, geom = _inputs(GROUPED_GEMM["g2w34"], torch.float16, bias=False, affine=True, residual=True, device=device)
+    t["x"] = t["x"].contiguous(memory_format=torch.channels_last)
+    y, grads = _check_all(t, geom, True, torch.float16, "silu")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 0)
+    t, geom = _inputs((2, 6, 5, 5, 32, 3, 1, 1, 1, 2), torch.float32, bias=True, affine=True, residual=False,
+                      device=device)
+    assert K.group_strategy(t["weight"], 2) == "gemm"
+    _check_all(t, geom, True, torch.float32)
+
+
+def test_group_strategy():
+    """Which kernels a grouped conv's tiles run, and a GEMM tile never straddles two groups."""
+    w = lambda c_out, c_in: torch.empty(c_out, c_in, 3, 3, device="meta")  # noqa: E731
+    assert K.group_strategy(w(64, 64), 1) == "gemm"
+    assert K.group_strategy(w(32, 1), 32) == K.group_strategy(w(256, 32), 8) == "direct"
+    assert K.group_strategy(w(128, 64), 2) == K.group_strategy(w(224, 112), 2) == "gemm"  # RegNet 112 wide
+    assert K.group_strategy(w(112, 56), 2) is None  # 56 out per group: no multiple of 16
+    sm90 = (9, 0)
+    for c_out, c_in, groups, block_n in ((128, 64, 2, 64), (224, 112, 2, 16), (96, 48, 2, 16), (192, 48, 2, 32)):
+        cfg = K.layer_config(w(c_out, c_in), groups, torch.bfloat16, "ieee", sm90)
+        assert cfg.BLOCK_N == block_n and (c_out // groups) % cfg.BLOCK_N == 0
+        assert cfg.BLOCK_N // cfg.EPILOGUE_SPLIT >= 16
+        assert cfg.BLOCK_M == K._TABLE[("sm90", "16bit", "narrow" if c_out // groups <= 64 else "wide")].BLOCK_M
+
+
 def test_wide_groups_take_the_reference_path(monkeypatch, device):
-    """More channels per group than DIRECT_MAX_GROUP_CHANNELS: the launchers hand the call to the
-    reference implementation (no Triton launch), forward and backward, with the grouped conv's results."""
+    """More channels per group than DIRECT_MAX_GROUP_CHANNELS and no multiple of 16 out: the launchers
+    hand the call to the reference implementation (no Triton launch), forward and backward, with the
+    grouped conv's results."""
     monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 2)
     seen = record_launches(monkeypatch, K)
     t, geom = _inputs(GROUPED["g4d2"], torch.float32, bias=True, affine=True, residual=True, device=device)
@@ -416,10 +469,11 @@ def test_mask_consistency(dtype, training, conv_z, monkeypatch, device):
     _mask_consistency(SHAPES["3x3s1"], dtype, training, conv_z, monkeypatch, device)
 
 
-@pytest.mark.parametrize("shape", ["dw3x3", "g4d2"])
+@pytest.mark.parametrize("shape", ["dw3x3", "g4d2", "g2w34"])
 def test_grouped_mask_consistency(shape, monkeypatch, device):
-    """The same of the DIRECT kernels (fp16, training: the recomputed z is the forward's, bit for bit)."""
-    _mask_consistency(GROUPED[shape], torch.float16, True, "triton", monkeypatch, device)
+    """The same of the DIRECT and the grouped GEMM kernels (fp16, training: the recomputed z is the
+    forward's, bit for bit)."""
+    _mask_consistency(ALL_SHAPES[shape], torch.float16, True, "triton", monkeypatch, device)
 
 
 def _mask_consistency(shape, dtype, training, conv_z, monkeypatch, device):
@@ -445,11 +499,11 @@ def _mask_consistency(shape, dtype, training, conv_z, monkeypatch, device):
 
 
 @pytest.mark.parametrize("activation,shape", [("relu", "3x3s1"), ("silu", "3x3s1"), ("gelu_tanh", "3x3s1"),
-                                              ("relu", "dw3x3")])
+                                              ("relu", "dw3x3"), ("relu", "g3s2")])
 def test_nan_propagation(activation, shape, device):
     """NaN in x and in the residual: the NaN pattern of y and of the residual's gradient (the
     activation's derivative at a NaN or infinite pre-activation) is torch's."""
-    t, geom = _inputs({**SHAPES, **GROUPED}[shape], torch.float32, bias=False, affine=True, residual=True,
+    t, geom = _inputs(ALL_SHAPES[shape], torch.float32, bias=False, affine=True, residual=True,
                       device=device)
     t["x"][0, 1, 2, 3] = float("nan")
     t["residual"][0, 2, 0, 0] = float("nan")

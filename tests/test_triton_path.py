@@ -190,9 +190,11 @@ def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, 
     (lambda: nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False), nn.SiLU, True),       # MBConv's depthwise
     (lambda: nn.Conv2d(4, 8, 5, stride=2, padding=2, groups=4), nn.ReLU6, False),        # channel multiplier 2
     (lambda: nn.Conv2d(9, 6, 3, padding=2, dilation=2, groups=3), nn.Hardswish, True),   # 3 per group
-], ids=["depthwise-silu-cl", "mult2-5x5s2-relu6", "grouped-dilated-hardswish-cl"])
+    (lambda: nn.Conv2d(68, 32, 3, padding=1, groups=2), nn.ReLU, False),                 # 34 in, 16 out per group
+], ids=["depthwise-silu-cl", "mult2-5x5s2-relu6", "grouped-dilated-hardswish-cl", "wide-groups-gemm"])
 def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, device):
-    """The same of grouped and depthwise convs (the DIRECT kernels; dX/dW by aten's conv backward)."""
+    """The same of grouped and depthwise convs (the DIRECT kernels, or the per-group implicit GEMM
+    for wide groups; dX/dW by aten's conv backward)."""
     torch.manual_seed(2)
     block = nn.Sequential(conv(), nn.BatchNorm2d(conv().out_channels), act())
     with torch.no_grad():
