@@ -1355,6 +1355,18 @@ def inspect_specs():
                         "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
                         "gemm": False, "aligned": aligned}
             add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
+    # wide groups (the implicit GEMM per group): the bf16 table entries narrowed to 16 and 32 columns
+    # (_group_tile: 112 or 48 channels per group; 64 is the table's own tile)
+    for (family, opclass, bucket), cfg in _TABLE.items():
+        arch = _INSPECT_ARCH.get(family)
+        if arch is None or opclass != "16bit":
+            continue
+        for out_per_group in (16, 32):
+            narrow = _group_tile(cfg, out_per_group)
+            for fn, build, modes in gemm_kernels[:2]:
+                for mode in modes:
+                    add((fn.__name__, mode, arch, torch.bfloat16, "ieee", narrow), f"{family}/{bucket}/grouped_gemm",
+                        functools.partial(make, fn, build, mode, torch.bfloat16, "ieee", narrow, arch, True))
     # grouped convs (DIRECT: FMA, one tile for every architecture): the passes that run a conv, for
     # depthwise convs in every dtype (bf16 also with GELU), depthwise with a channel multiplier and
     # wider groups in bf16
