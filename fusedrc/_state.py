@@ -18,7 +18,7 @@ import threading
 import torch
 
 from torch.nn.modules import module as _module_mod
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -53,8 +53,9 @@ def snapshot_buffers(*buffers) -> None:
 
 
 def _bn_pre_hook(module, args):
-    if isinstance(module, _BatchNorm) and in_recompute() and module.training and module.track_running_stats:
-        snapshot_buffers(*(getattr(module, n) for n in _BUFFERS))
+    # _NormBase: BatchNorm*d, SyncBatchNorm and InstanceNorm*d with track_running_stats
+    if isinstance(module, _NormBase) and in_recompute() and module.training and module.track_running_stats:
+        snapshot_buffers(*(getattr(module, n, None) for n in _BUFFERS))
 
 
 _bn_pre_hook._fusedrc_hook = True  # fusedrc's own: the fused paths do not step aside for it
@@ -62,7 +63,9 @@ _bn_pre_hook._fusedrc_hook = True  # fusedrc's own: the fused paths do not step 
 
 def _restore_snapshots():
     with torch.no_grad():
-        for buf, saved in _local.snapshots.values():
+        # newest first: of two views of one buffer (a layer handed rm[0] twice), the one taken
+        # before the rerun touched it is written last
+        for buf, saved in reversed(list(_local.snapshots.values())):
             # through .data: BatchNorm's own update never bumps the buffers' version counters,
             # and a graph that saved them (x * bn.running_var) must not see a modification
             buf.data.copy_(saved)
@@ -107,15 +110,26 @@ def inside_marked():
         _local.marked -= 1
 
 
-def forward_region_depth() -> int:
-    """Generic recompute regions whose forward is running in this thread."""
-    return getattr(_local, "forward_regions", 0)
-
-
 def region_hook(pack):
     """Mark ``pack`` as a generic recompute region's saved-tensors pack hook (see inside_region)."""
     pack._fusedrc_region = True
     return pack
+
+
+def under_recompute_hooks() -> bool:
+    """Whether the innermost saved-tensors hooks of this thread are a recompute's: a fusedrc region's
+    (its forward or rerun) or torch.utils.checkpoint's (non-reentrant: forward or recomputation). Such
+    hooks replace saved tensors by placeholders that are unpacked once per backward and rebuilt by a
+    rerun that must save the same tensors. Byte counters, offloading hooks or none: False. Unknown (a
+    torch without the query): True, the cautious answer."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    hooks = top(False)
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    return getattr(pack, "_fusedrc_region", False) or getattr(pack, "__module__", None) == "torch.utils.checkpoint"
 
 
 def inside_region() -> bool:
@@ -136,15 +150,6 @@ def inside_region() -> bool:
         return False
     hooks = top(False)
     return hooks is not None and getattr(hooks[0], "_fusedrc_region", False)
-
-
-@contextlib.contextmanager
-def inside_forward_region():
-    _local.forward_regions = forward_region_depth() + 1
-    try:
-        yield
-    finally:
-        _local.forward_regions -= 1
 
 
 def tf32_matmul_allowed() -> bool:

@@ -281,6 +281,11 @@ def _tag_outputs(out, frame, inputs=()):
 def _output_recipe(t):
     if torch.compiler.is_compiling():
         return None  # no tagging under torch.compile (see _compiled)
+    if _state.under_recompute_hooks():
+        # the consumer is not top-level (inside another region, its rerun, a torch checkpoint):
+        # its saves go to the outer hooks, which must see the same tensors in forward and rerun,
+        # and the rerun's input is not tagged: keep it as usual
+        return None
     entry = _OUTPUT_RECIPES.get(t)
     if entry is None or entry[2] != t._version:  # modified in place since: keep it
         return None
@@ -294,7 +299,9 @@ def _has_tagged_input(flat):
 def _regenerate(recipe, requires_grad):
     """Rebuild a producing region's output (not stored) from that region's inputs."""
     frame, index = recipe
-    with torch.no_grad():
+    # the region's own (no-op) hook on the stack: fused ops inside take the plain path they took in
+    # the producer's forward (_state.inside_region), hence its dropout masks and its bits
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(_state.region_hook(lambda t: t), lambda t: t):
         out = frame.rerun(frame.inputs())
     value = tree_flatten(out)[0][index].detach()
     return value.requires_grad_(requires_grad)
@@ -335,14 +342,15 @@ def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_
     )
     dummy = torch.empty((0,), requires_grad=True)
     frame.input_saver = _SaveInputs.apply(dummy, *flat)
-    outer = _state.forward_region_depth()
-    with _state.inside_forward_region(), _ForwardHook(frame), fwd_context:
+    # Outputs are left to regeneration only where it is safe: at top level (inside an outer region,
+    # its rerun or a torch.utils.checkpoint, the inputs are the outer hooks' placeholders, which one
+    # backward unpacks once; a byte counter is fine) and without a context_fn (its rerun context is
+    # entered once per backward).
+    merge = output_recompute and not _state.under_recompute_hooks() and context_fn is None
+    with _ForwardHook(frame), fwd_context:
         out = fn(*args, **kwargs)
     frame.forward_completed = True
-    # Outputs are left to regeneration only where it is safe: not inside an outer region (its
-    # inputs are then the outer region's placeholders, which one backward unpacks once) and
-    # without a context_fn (its rerun context is entered once per backward).
-    if output_recompute and outer == 0 and not _state.in_recompute() and context_fn is None:
+    if merge:
         _tag_outputs(out, frame, flat)
     return out
 
@@ -646,6 +654,8 @@ class _MarkedForward:
             )
 
         def run(*a, **k):
+            if _state.in_recompute():  # the rerun calls forward, not __call__: no global pre-hook for module itself
+                _state._bn_pre_hook(module, a)
             with _state.inside_marked():
                 return original(*a, **k)
 

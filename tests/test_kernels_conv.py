@@ -420,6 +420,20 @@ def test_grouped_gemm_fp16_channels_last_and_small_groups(monkeypatch, device):
     _check_all(t, geom, True, torch.float32)
 
 
+def test_grouped_gemm_on_the_gpu_tiles(monkeypatch):
+    """The interpreter's 16-wide tile never narrows: with sm_90's fp32 entry (64x64, split epilogue) a
+    group of 112 output channels gets 16-column tiles and one of 96 gets 32 (split in halves),
+    several tiles a group, against the float64 reference."""
+    if not K.interpreting():
+        pytest.skip("the capability is patched to run the table's tiles under the interpreter")
+    monkeypatch.setattr(K, "device_capability", lambda t: (9, 0))
+    for shape in ((1, 72, 6, 5, 224, 3, 2, 1, 1, 2), (1, 66, 5, 5, 192, 3, 1, 2, 2, 2)):
+        t, geom = _inputs(shape, torch.float32, bias=True, affine=True, residual=True, device="cpu")
+        cfg = K.layer_config(t["weight"], shape[-1], torch.float32, "ieee", (9, 0))
+        assert cfg.BLOCK_N in (16, 32) and cfg.BLOCK_M == 64
+        _check_all(t, geom, True, torch.float32)
+
+
 def test_group_strategy():
     """Which kernels a grouped conv's tiles run, and a GEMM tile never straddles two groups."""
     w = lambda c_out, c_in: torch.empty(c_out, c_in, 3, 3, device="meta")  # noqa: E731

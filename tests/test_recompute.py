@@ -624,6 +624,97 @@ def test_output_recompute_nested_and_with_context_fn():
             assert torch.allclose(a, b, atol=1e-6)
 
 
+def _tanh_mlp(width=6):
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+
+
+def test_output_recompute_under_outer_hooks_and_nested_consumers():
+    """A tagged output is regenerated only for a top-level consumer: a chain inside
+    torch.utils.checkpoint (its placeholders unpack once per backward), and a consumer that hands the
+    tagged tensor on to a nested region or fused pattern (the outer rerun's input is untagged, so the
+    nested region must save it in the forward too) give plain gradients."""
+    torch.manual_seed(0)
+    a, b = _tanh_mlp(), _tanh_mlp()
+    fusedrc.mark(a, output_recompute=True)
+    fusedrc.mark(b)
+    x = torch.randn(3, 6, requires_grad=True)
+    ref = torch.autograd.grad(b(a(x)).sum(), x)[0]
+    got = torch.autograd.grad(checkpoint(lambda v: b(a(v)), x, use_reentrant=False).sum(), x)[0]
+    assert torch.allclose(got, ref, atol=1e-6)
+    fusedrc.unmark(a), fusedrc.unmark(b)
+    for inner in (_tanh_mlp(), nn.Sequential(nn.Linear(6, 6), nn.ReLU())):  # generic, fused pattern
+        def outer(v, inner=inner):
+            return fusedrc.recompute(inner, v).sin()
+        ref = torch.autograd.grad(outer(a(x)).sum(), x)[0]
+        got = torch.autograd.grad(fusedrc.recompute(outer, fusedrc.recompute(a, x, output_recompute=True)).sum(),
+                                  x)[0]
+        assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_output_recompute_producer_with_a_fused_dropout_ffn():
+    """The regenerated output of a producer holding a fused FFN with dropout is the forward's: the
+    regeneration runs the FFN's plain composition as the region's forward did (same mask)."""
+    torch.manual_seed(0)
+    producer0 = nn.Sequential(nn.LayerNorm(8), fusedrc.nn.FusedMLP(8, 32, dropout=0.5))
+    consumer0 = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh())
+    x0 = torch.randn(16, 8)
+    grads = []
+    for merge in (False, True):
+        producer, consumer = copy.deepcopy(producer0), copy.deepcopy(consumer0)
+        fusedrc.mark(producer, output_recompute=merge)
+        fusedrc.mark(consumer)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(7)
+        (consumer(producer(x)) * torch.arange(8.0)).sum().backward()
+        grads.append((x.grad, consumer[1].weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_marked_norm_module_updates_running_stats_once():
+    """mark() on a BatchNorm (or a subclass: timm's BatchNormAct2d) and an InstanceNorm with running
+    statistics inside a region: the rerun calls forward, not __call__, or runs a non-BatchNorm _NormBase;
+    statistics still move once per forward."""
+    class BatchNormTanh(nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x).tanh()
+
+    for make in (lambda: nn.BatchNorm2d(4, momentum=None), lambda: BatchNormTanh(4)):
+        bn, plain = make(), make()
+        fusedrc.mark(bn)
+        for _ in range(3):
+            x = torch.randn(2, 4, 5, 5, requires_grad=True)
+            bn(x).tanh().sum().backward()
+            plain(x).tanh().sum().backward()
+        assert int(bn.num_batches_tracked) == int(plain.num_batches_tracked) == 3
+        assert torch.allclose(bn.running_mean, plain.running_mean) and torch.allclose(bn.running_var, plain.running_var)
+    block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True), nn.Tanh())
+    plain = copy.deepcopy(block)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    fusedrc.recompute(block, x).sum().backward()
+    plain(x).sum().backward()
+    assert torch.allclose(block[1].running_mean, plain[1].running_mean)
+    assert torch.allclose(block[1].running_var, plain[1].running_var)
+
+
+def test_running_stats_handed_as_views_of_one_buffer():
+    """One layer applied twice in a region with its statistics sliced from one buffer per call
+    (rm[0]): every view is restored to its value from before the rerun."""
+    w = torch.randn(3, 3, 3, 3, requires_grad=True)
+
+    def block(x, rm, rv):
+        for _ in range(2):
+            x = FF.conv_bn_act(x, w, None, None, rm[0], rv[0], training=True, momentum=0.5, padding=1,
+                               activation="silu")
+        return x
+
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    rm, rv, rm_ref, rv_ref = torch.zeros(1, 3), torch.ones(1, 3), torch.zeros(1, 3), torch.ones(1, 3)
+    fusedrc.recompute(block, x, rm, rv).sum().backward()
+    block(x, rm_ref, rv_ref).sum().backward()
+    assert torch.allclose(rm, rm_ref, atol=1e-6) and torch.allclose(rv, rv_ref, atol=1e-5)
+
+
 def test_recompute_sequential_takes_use_reentrant_false():
     """torch asks checkpoint_sequential's callers to pass use_reentrant=False: accepted."""
     torch.manual_seed(0)
