@@ -829,7 +829,7 @@ def _memory_format(x: torch.Tensor):
     return torch.contiguous_format
 
 
-def _supported(x, weight, activation, stride, padding, dilation, groups=1) -> bool:
+def _supported(x, weight, activation, stride, padding, dilation, groups=1, residual=None) -> bool:
     if activation not in SUPPORTED_ACTIVATIONS or groups < 1 or x.dim() != 4 or weight.dim() != 4:
         return False
     if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
@@ -846,8 +846,10 @@ def _supported(x, weight, activation, stride, padding, dilation, groups=1) -> bo
         return False
     oh, ow = _out_hw(x.shape[2], x.shape[3], weight.shape[2], weight.shape[3], stride, padding, dilation)
     # offsets inside one sample (channel, row, column) are 32-bit in the kernels; only the sample's
-    # base is 64-bit: a sample of 2**31 elements or more (x's, or the output's) runs the reference
-    return oh > 0 and ow > 0 and _sample_extent(x) <= _I32_MAX and weight.shape[0] * oh * ow <= _I32_MAX
+    # base is 64-bit: a sample of 2**31 elements or more (x's, the output's, or the residual's
+    # through its strides) runs the reference
+    return (oh > 0 and ow > 0 and _sample_extent(x) <= _I32_MAX and weight.shape[0] * oh * ow <= _I32_MAX
+            and (residual is None or _sample_extent(residual) <= _I32_MAX))
 
 
 def _sample_extent(t) -> int:
@@ -894,7 +896,7 @@ def conv_bn_act_forward(
     read (eval) but never written.
     """
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _supported(x, weight, activation, stride, padding, dilation, groups):
+    if not _supported(x, weight, activation, stride, padding, dilation, groups, residual):
         return _reference().conv_bn_act_forward(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
             training, eps, stride, padding, dilation, activation, groups)
@@ -1034,7 +1036,8 @@ def conv_bn_act_backward(
     recomputed inside the kernels (see the module docstring for the passes).
     """
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _supported(x, weight, activation, stride, padding, dilation, groups):
+    if not _supported(x, weight, activation, stride, padding, dilation, groups, residual) \
+            or _sample_extent(grad_out) > _I32_MAX:  # read through its strides too
         return _reference().conv_bn_act_backward(
             x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
             training, eps, stride, padding, dilation, activation, output_mask, groups)

@@ -573,3 +573,8 @@ def test_samples_past_32_bit_offsets_take_the_reference_path():
     assert not K._supported(wide_out, w, "relu", (1, 1), (0, 0), (1, 1))
     strided = small.as_strided(small.shape, (48 * 64 * 64, 2**26, 64, 1))  # a huge channel stride
     assert not K._supported(strided, w, "relu", (1, 1), (0, 0), (1, 1))
+    # the residual keeps the caller's strides: a view of a huge buffer must not reach them either
+    residual = torch.empty(2, 64, 64, 64, device="meta")
+    assert K._supported(small, w, "relu", (1, 1), (0, 0), (1, 1), 1, residual)
+    far = residual.as_strided(residual.shape, (64 * 64 * 64, 2**26, 64, 1))
+    assert not K._supported(small, w, "relu", (1, 1), (0, 0), (1, 1), 1, far)
