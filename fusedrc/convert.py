@@ -28,7 +28,7 @@ How patterns are found
    ``MBConv``/``FusedMBConv`` (EfficientNet) as blocks; from ``transformers``,
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
-   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5Block``;
+   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``;
    and, by shape rather than class name, every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...).
@@ -86,6 +86,7 @@ are still visited (a Sequential inside it is matched as usual).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import inspect as _inspect
@@ -901,6 +902,46 @@ def _t5_dense(ctx, name, m):
     return new
 
 
+@register_rule("T5DenseGatedActDense")
+def _t5_dense_gated(ctx, name, m):
+    """T5 v1.1 / Flan-T5 / mT5: act(wi_0(x)) * wi_1(x) -> dropout -> wo, the gated FFN."""
+    act = _act_name(m.act)
+    if act is None:
+        ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
+        return m
+    g, u, d = m.wi_0, m.wi_1, m.wo
+    if not all(type(lin) is nn.Linear for lin in (g, u, d)) or g.weight.shape != u.weight.shape \
+            or d.in_features != g.out_features or (g.bias is None) != (u.bias is None):
+        ctx.skip(name, "wi_0/wi_1/wo are not plain nn.Linear of matching shapes")
+        return m
+    if type(m.dropout) is not nn.Dropout:
+        ctx.skip(name, f"{type(m.dropout).__name__} between the gate and wo has no fused form")
+        return m
+    new = FusedT5DenseGatedActDense.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (g, u))
+    return new
+
+
+class FusedT5DenseGatedActDense(Wrapper):
+    """Hugging Face ``T5DenseGatedActDense`` (T5 v1.1, Flan-T5, mT5: ``wo(dropout(act(wi_0(x)) *
+    wi_1(x)))``) as one fused gated FFN where its dropout does nothing (eval, or ``p = 0``): the
+    gated op has no dropout, so a training dropout with ``p > 0`` runs the module as it is. So does
+    T5's ``wo`` kept in fp32 beside half ``wi_*`` weights (``_keep_in_fp32_modules``)."""
+
+    def forward(self, hidden_states):
+        site, g, u, d = self.sites.get("gated_ffn"), self.wi_0, self.wi_1, self.wo
+        if (site is None or not site.enabled or fused_dropout_p(self.dropout) != 0.0
+                or not _nohooks(self, g, u, d, self.act, self.dropout)
+                or not _still(self.__dict__["_fusedrc_act"], self.act, g, u, d)
+                or not _dense_runtime_ok(hidden_states, g, u, d)):
+            return self.plain(hidden_states)
+        act = self.__dict__["_fusedrc_act"]
+        return _run_site(
+            site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act),
+            self.plain, hidden_states)
+
+
 class FusedConv1DMLP(Wrapper):
     """Hugging Face ``GPT2MLP`` and its copies: c_fc -> act -> c_proj -> dropout, the two layers
     ``Conv1D`` (``x @ weight + bias``: the weight held as (in, out)); c_fc -> act -> c_proj run as
@@ -1218,7 +1259,7 @@ class _FxForward:
         return type(self.gm).forward(self.module, *args, **kwargs)
 
 
-def _symbolic_trace(model, concrete_args=None):
+def _symbolic_trace(model, concrete_args=None, flipped=False):
     """``torch.fx.symbolic_trace``, keeping as called modules (leaves, not inlined) the activation
     modules of any library (Hugging Face's GELUActivation, ...) and the modules with hooks or an
     instance forward: the graph then calls whatever sits at their names at run time, so an
@@ -1227,11 +1268,44 @@ def _symbolic_trace(model, concrete_args=None):
 
     class _Tracer(fx.Tracer):
         def is_leaf_module(self, m, qualname):
-            return super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m)
+            # also kept as calls: a marked module, a converted one (a rule's Wrapper, a fused unit)
+            # and any module with an instance forward (mark's, an earlier fx rewrite's): inlined,
+            # the graph would run the plain computation without the recompute
+            return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m)
+                    or "forward" in m.__dict__ or isinstance(m, (Wrapper, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
+
+        def create_node(self, *args, **kwargs):
+            # fx records tensor ops only: an op traced under another grad mode, autocast state or
+            # saved-tensors hooks (a no_grad / autocast block, a recompute or checkpoint call in the
+            # forward) would lose that context in the graph
+            if _trace_context() != self.context:
+                raise _ContextChanged
+            return super().create_node(*args, **kwargs)
 
     tracer = _Tracer()
-    graph = tracer.trace(model, concrete_args=concrete_args)
+    # grad mode on: a recompute/checkpoint call in the forward then pushes its hooks (seen above).
+    # ``flipped``: grad mode off and CPU autocast on instead, so that an enable_grad or an
+    # autocast(enabled=False) block in the forward is a change too
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad() if flipped else torch.enable_grad())
+        if flipped:
+            stack.enter_context(torch.autocast("cpu"))
+        tracer.context = _trace_context()
+        graph = tracer.trace(model, concrete_args=concrete_args)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+class _ContextChanged(RuntimeError):
+    """A traced op ran under another grad mode, autocast state or saved-tensors hooks."""
+
+
+def _trace_context():
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return (
+        torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+        tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+        None if top is None else top(False),
+    )
 
 
 def _fx_trace(model):
@@ -1254,11 +1328,15 @@ def _fx_trace(model):
     modes = [(m, m.training) for m in model.modules()]
     try:
         gm = _symbolic_trace(model)
+        _symbolic_trace(model, flipped=True)  # the context checks only
         model.train(not model.training)
         other = _symbolic_trace(model)
         for m, training in modes:
             m.training = training
         as_default = _symbolic_trace(model, concrete_args=defaults) if defaults else gm
+    except _ContextChanged:
+        return None, (f"{cls}.forward changes the grad mode, autocast or saved-tensors hooks (no_grad, "
+                      "autocast, recompute or checkpoint inside), which torch.fx does not record; no fx rewrite")
     except Exception as e:  # noqa: BLE001 - any tracing failure means: no fx rewrite
         return None, f"torch.fx cannot trace {cls} ({type(e).__name__}); no fx rewrite"
     finally:

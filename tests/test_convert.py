@@ -284,6 +284,39 @@ def test_t5_forward_backward_bytes_steps():
     assert _train_losses(copy.deepcopy(conv), batches, call) == pytest.approx(ref, rel=1e-4)
 
 
+def test_t5_v1_1_gated_ffn(monkeypatch):
+    """T5 v1.1 / Flan-T5 (feed_forward_proj="gated-gelu"): each T5DenseGatedActDense is one fused
+    gated FFN where its dropout does nothing (p = 0, or eval); with a training dropout it runs the
+    module as it is (the gated op has no dropout). Outputs and gradients as the original's."""
+    model = _t5(feed_forward_proj="gated-gelu")
+    ids, dec = torch.randint(1, 128, (2, 16)), torch.randint(1, 128, (2, 8))
+    conv = fusedrc.convert(model, example_inputs=(ids, None, dec))
+    plan = conv.fusedrc_plan
+    assert len(plan.fused) == 4 and all(n.endswith("DenseReluDense") for n in plan.fused)
+    assert {u.kind for u in plan.units} == {"gated_ffn"}
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (ids, None, dec))
+    with FusedOpLog() as log:
+        lb = conv(input_ids=ids, labels=dec).loss
+    assert log.ops.count("gated_mlp") == 4
+    la = model(input_ids=ids, labels=dec).loss
+    assert rel_err(lb, la) <= TOL
+    la.backward()
+    lb.backward()
+    _assert_close_models(model, conv)
+    dropped = _t5(feed_forward_proj="gated-gelu", dropout_rate=0.1)
+    conv = fusedrc.convert(dropped)
+    with FusedOpLog() as log:
+        torch.manual_seed(3)
+        lb = conv(input_ids=ids, labels=dec).loss
+    assert log.ops.count("gated_mlp") == 0  # training dropout: the module as it is
+    torch.manual_seed(3)
+    assert torch.equal(lb, dropped(input_ids=ids, labels=dec).loss)
+    conv.eval(), dropped.eval()
+    with FusedOpLog() as log:
+        assert rel_err(conv(input_ids=ids, labels=dec).loss, dropped(input_ids=ids, labels=dec).loss) <= TOL
+    assert log.ops.count("gated_mlp") == 4
+
+
 def test_t5_dropout_between_is_fused(monkeypatch):
     # T5's default dropout_rate (0.1) sits between wi and wo: the fused FFN applies it, its mask
     # regenerated in backward (own stream: equal to the original's in eval, in distribution in training)
@@ -496,6 +529,97 @@ def test_fx_graph_must_hold_without_the_defaulted_arguments():
     with pytest.warns(UserWarning, match="no pattern found"):
         conv = fusedrc.convert(_VarArgsNet())
     assert any("*args" in r for _, r in conv.fusedrc_plan.skipped)
+
+
+class _ContextNet(nn.Module):
+    """An FFN whose forward runs part of its work under another grad mode / autocast state, or
+    recomputes it: torch.fx records none of that."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2, self.side = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8)
+
+    def ffn(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def forward(self, x):
+        if self.how == "no_grad":
+            with torch.no_grad():
+                t = self.side(x)
+            return self.ffn(x) + t
+        if self.how == "enable_grad":
+            with torch.enable_grad():
+                return self.ffn(x) + self.side(x)
+        if self.how == "autocast_off":
+            with torch.autocast("cpu", enabled=False):
+                return self.ffn(x).float() + self.side(x.float())
+        if self.how == "recompute":
+            return fusedrc.recompute(self.ffn, x) + self.side(x)
+        return torch.utils.checkpoint.checkpoint(self.ffn, x, use_reentrant=False) + self.side(x)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "enable_grad", "autocast_off", "recompute", "checkpoint"])
+def test_fx_leaves_forwards_with_grad_autocast_or_recompute_contexts(how):
+    """fx would drop a no_grad / enable_grad / autocast block or a recompute/checkpoint call from the
+    graph: such a forward is not rewritten, and the converted model behaves as the original (grads,
+    dtypes under autocast, requires_grad under no_grad, bytes kept)."""
+    torch.manual_seed(0)
+    model = _ContextNet(how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no pattern found"
+        conv = fusedrc.convert(model)
+    assert "forward" not in conv.__dict__
+    assert any("does not record" in r for _, r in conv.fusedrc_plan.skipped), conv.fusedrc_plan.skipped
+    x = torch.randn(4, 8, requires_grad=True)
+    assert saved_bytes(conv, (x,)) == saved_bytes(model, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv(x).dtype == model(x).dtype
+    with torch.no_grad():
+        assert conv(x).requires_grad == model(x).requires_grad
+    conv(x).sum().backward()
+    model(x).sum().backward()
+    for (name, p), q in zip(conv.named_parameters(), model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.allclose(p.grad, q.grad), name
+
+
+def test_fx_keeps_marked_and_converted_modules_as_calls():
+    """Modules marked by the user, and an already converted model converted again: the fx rewrite
+    of their parent calls them (their recompute stays), it does not inline their plain computation."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return torch.sigmoid(self.b1(self.c1(x))) * x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+        def forward(self, x):
+            x = torch.relu(self.bn(self.stem(x)))
+            for b in self.blocks:
+                x = b(x)
+            return x.mean((2, 3))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    model = Net()
+    for b in model.blocks:
+        fusedrc.mark(b)
+    marked = saved_bytes(model, (x,))
+    conv = fusedrc.convert(model)
+    assert all(_is_marked(b) for b in conv.blocks)
+    assert saved_bytes(conv, (x,)) <= marked
+    with pytest.warns(UserWarning, match="no pattern found"):  # the stem's Conv-BN-ReLU is fused already
+        again = fusedrc.convert(conv)
+    assert saved_bytes(again, (x,)) == saved_bytes(conv, (x,))
 
 
 def test_fx_rewrites_the_traceable_submodules_of_an_untraceable_model():
