@@ -1387,7 +1387,8 @@ def _fx_pass(ctx, model, prefix=""):
         if node.op == "call_module":
             a = mod(node)
             return (_act_name(a), a) if _act_name(a) is not None else (None, None)
-        if node.op != "call_function" or node.kwargs.get("inplace", False):
+        # inplace=True is fine: act_of sees only an activation that is its input's one user (single())
+        if node.op != "call_function":
             return None, None
         if node.target in (torch.relu, nn.functional.relu):
             return "relu", nn.ReLU()

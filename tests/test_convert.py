@@ -721,12 +721,33 @@ class _FunctionalNet(nn.Module):
         return torch.relu(self.l(nn.functional.relu(self.b(self.c(x))).mean((2, 3))))
 
 
+class _InplaceActNet(nn.Module):
+    """torchvision's GoogLeNet/Inception BasicConv2d: F.relu(bn(conv(x)), inplace=True); and an
+    in-place ReLU on a BN output something else reads too (not fused: its other reader would see
+    the ReLU's result)."""
+
+    def __init__(self):
+        super().__init__()
+        # no conv bias: BatchNorm cancels it, its gradient is rounding noise around 0
+        self.c, self.b = nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4)
+        self.c2, self.b2 = nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = nn.functional.relu(self.b(self.c(x)), inplace=True)
+        z = self.b2(self.c2(y))
+        return nn.functional.relu(z, inplace=True) + z
+
+
 def test_fx_functional_activations():
     torch.manual_seed(0)
     model = _FunctionalNet().train()
     conv = fusedrc.convert(model)
     assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("c", "conv_bn_relu"), ("l", "linear_act")]
     x = torch.randn(2, 3, 8, 8)
+    _assert_same_step(model, conv, x, loss=torch.sum)
+    model = _InplaceActNet().train()
+    conv = fusedrc.convert(model)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("c", "conv_bn_relu"), ("c2", "conv_bn")]
     _assert_same_step(model, conv, x, loss=torch.sum)
 
 
