@@ -1748,6 +1748,11 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
         if unmatched:
             warnings.warn(f"fusedrc.convert: policy entries {unmatched} match no fusable unit or block "
                           f"(units: {[u.name for u in ctx.units]})", stacklevel=2)
+    if policy == "blocks" and ctx.units and not ctx.blocks:
+        warnings.warn(
+            f"fusedrc.convert: policy='blocks' found no block it knows in {type(model).__name__} (no rule's "
+            "block, no Hugging Face GradientCheckpointingLayer); only the fused units are recomputed. Mark "
+            "blocks with fusedrc.mark(module) or add a rule with fusedrc.register_rule", stacklevel=2)
     plan = ConvertPlan(ctx.units, ctx.blocks, ctx.skipped)
     if not ctx.units and not ctx.blocks:
         warnings.warn(

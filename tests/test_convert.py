@@ -585,6 +585,14 @@ def test_fx_leaves_forwards_with_grad_autocast_or_recompute_contexts(how):
             assert torch.allclose(p.grad, q.grad), name
 
 
+def test_blocks_policy_without_known_blocks_warns():
+    """policy="blocks" on a model with fused units but no block any rule knows: a warning says so."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    with pytest.warns(UserWarning, match="found no block it knows"):
+        conv = fusedrc.convert(model, policy="blocks")
+    assert conv.fusedrc_plan.fused == ["0"] and not conv.fusedrc_plan.recomputed_blocks
+
+
 def test_fx_keeps_marked_and_converted_modules_as_calls():
     """Modules marked by the user, and an already converted model converted again: the fx rewrite
     of their parent calls them (their recompute stays), it does not inline their plain computation."""
