@@ -24,8 +24,9 @@ How patterns are found
 ----------------------
 1. **Rules** for known block classes, looked up by class name (so fusedrc never
    imports torchvision or transformers): ``BasicBlock``, ``Bottleneck``, ``ResNet``
-   (the stem) from ``torchvision.models.resnet``, ``InvertedResidual`` (MobileNetV2/V3),
-   ``MBConv``/``FusedMBConv`` (EfficientNet) as blocks; from ``transformers``,
+   (the stem) from ``torchvision.models.resnet``, and as blocks ``InvertedResidual``
+   (MobileNetV2/V3, ShuffleNetV2), ``MBConv``/``FusedMBConv`` (EfficientNet), MNASNet's, RegNet's
+   ``ResBottleneckBlock``, ConvNeXt's ``CNBlock``, Swin's and ViT's encoder blocks; from ``transformers``,
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``;
@@ -870,16 +871,28 @@ def _resnet(ctx, name, m):
     return new
 
 
-_TORCHVISION_MOBILE = ("torchvision.models.mobilenetv2", "torchvision.models.mobilenetv3",
-                       "torchvision.models.efficientnet")
+# torchvision's residual blocks other than ResNet's, by class name -> the modules defining it
+_TORCHVISION_BLOCKS = {
+    "InvertedResidual": ("torchvision.models.mobilenetv2", "torchvision.models.mobilenetv3",
+                         "torchvision.models.shufflenetv2"),
+    "MBConv": ("torchvision.models.efficientnet",), "FusedMBConv": ("torchvision.models.efficientnet",),
+    "_InvertedResidual": ("torchvision.models.mnasnet",),
+    "ResBottleneckBlock": ("torchvision.models.regnet",),
+    "CNBlock": ("torchvision.models.convnext",),
+    "SwinTransformerBlock": ("torchvision.models.swin_transformer",),
+    "SwinTransformerBlockV2": ("torchvision.models.swin_transformer",),
+    "EncoderBlock": ("torchvision.models.vision_transformer",),
+}
 
 
-@register_rule("InvertedResidual", "MBConv", "FusedMBConv")
-def _mobile_block(ctx, name, m):
-    """torchvision MobileNetV2/V3 ``InvertedResidual`` and EfficientNet ``MBConv``/``FusedMBConv``:
-    each is a block for ``policy="blocks"`` and budgets (the module itself, unchanged); the fx pass
-    finds the Conv-BN[-act] chains inside it (its ``Conv2dNormActivation`` layers)."""
-    if type(m).__module__ in _TORCHVISION_MOBILE:
+@register_rule(*_TORCHVISION_BLOCKS)
+def _torchvision_block(ctx, name, m):
+    """torchvision's residual blocks: MobileNetV2/V3 and ShuffleNetV2 ``InvertedResidual``,
+    EfficientNet ``MBConv``/``FusedMBConv``, MNASNet's, RegNet ``ResBottleneckBlock``, ConvNeXt
+    ``CNBlock``, Swin and ViT encoder blocks: each is a block for ``policy="blocks"`` and budgets
+    (the module itself, unchanged); the fx pass finds the Conv-BN[-act] chains and FFNs inside it.
+    A class of the same name from elsewhere is left to the other passes."""
+    if type(m).__module__ in _TORCHVISION_BLOCKS[type(m).__name__]:
         ctx.block(name, m)
     return m
 

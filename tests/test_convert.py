@@ -1415,7 +1415,7 @@ def _assert_step_matches_in_float64(model, conv, x):
         assert rel_err(b, a) <= TOL if a.is_floating_point() else torch.equal(a, b), n
 
 
-def _torchvision_model(name):
+def _torchvision_model(name, dropout=0.0):
     """A torchvision classifier, 10 classes, its classifier dropout off (the fused FFN of MobileNetV3 draws
     its own masks; stochastic depth stays, the comparisons seed it), in training mode."""
     try:
@@ -1423,7 +1423,8 @@ def _torchvision_model(name):
     except ImportError:
         pytest.skip("torchvision is not installed (test extra)")
     torch.manual_seed(0)
-    return getattr(tv.models, name)(num_classes=10, dropout=0.0).train()
+    kwargs = {} if dropout is None else {"dropout": dropout}  # None: a model without the argument
+    return getattr(tv.models, name)(num_classes=10, **kwargs).train()
 
 
 @pytest.mark.parametrize("name, blocks, ratio", [("efficientnet_b0", 16, 0.1), ("mobilenet_v2", 17, 0.1)])
@@ -1441,6 +1442,19 @@ def test_mobile_blocks_and_budget(name, blocks, ratio):
     budget = fusedrc.convert(model, memory_budget=0.25, example_inputs=(x,)).fusedrc_plan
     units_only = fusedrc.convert(model, example_inputs=(x,)).fusedrc_plan
     assert budget.final_bytes / budget.baseline_bytes <= 0.25 < units_only.final_bytes / units_only.baseline_bytes
+
+
+@pytest.mark.parametrize("name, blocks", [("regnet_y_400mf", 16), ("shufflenet_v2_x0_5", 16), ("mnasnet0_5", 16)])
+def test_other_torchvision_blocks(name, blocks):
+    """RegNet's ResBottleneckBlock, ShuffleNetV2's InvertedResidual and MNASNet's blocks are blocks
+    too: policy="blocks" recomputes them whole, as the original computes."""
+    model = _torchvision_model(name, dropout=0.0 if name.startswith("mnasnet") else None)
+    x = torch.randn(2, 3, 32, 32)
+    conv = fusedrc.convert(model, policy="blocks", example_inputs=(x,))
+    plan = conv.fusedrc_plan
+    assert len(plan.blocks) == blocks and all(b.selected and _is_marked(b.module) for b in plan.blocks)
+    assert plan.final_bytes / plan.baseline_bytes < 0.4
+    _assert_step_matches_in_float64(model, conv, x)
 
 
 @pytest.mark.parametrize("name, units, depthwise, kinds", [
