@@ -131,7 +131,7 @@ def resolve_backend(x: torch.Tensor, op_module: str, fn_name: str) -> str:
     """Turn the thread's backend setting into "triton" or "reference" for one op call on ``x``."""
     name = current_backend()
     device = x.device
-    if name == "reference":
+    if name == "reference" or device.type == "meta":  # meta: shapes only, the reference computes them
         return "reference"
     if name == "auto":
         if device.type == "cuda" and x.dtype in TRITON_DTYPES and _kernel_exists(op_module, fn_name):

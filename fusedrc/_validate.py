@@ -13,6 +13,16 @@ import torch
 from torch.autograd import forward_ad
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_no_overlap(t, name):
+    """``t`` (a buffer updated in place) must not have elements sharing memory (an expanded tensor)."""
+    if t is not None and torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(f"{name} is updated in place and must not have overlapping memory (an expanded "
+                         f"tensor), got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
 def check_tensor(t, name, *, ndim=None, min_ndim=None, floating=True):
     """``t`` must be a tensor (of ``ndim`` / at least ``min_ndim`` dimensions, floating point)."""
     if not isinstance(t, torch.Tensor):
@@ -21,8 +31,11 @@ def check_tensor(t, name, *, ndim=None, min_ndim=None, floating=True):
         raise ValueError(f"{name} must be {ndim}-D, got {t.dim()}-D with shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
-    if floating and not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if floating and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor of dtype float16, bfloat16, float32 or float64, "
+                        f"got dtype {t.dtype}")
     return t
 
 
@@ -97,9 +110,12 @@ def check_probability(v, name):
 
 
 def check_module(m, name, cls):
-    """``m`` must be an instance of ``cls`` (a ``torch.nn`` module class)."""
+    """``m`` must be an instance of ``cls`` (a ``torch.nn`` module class), its parameters materialized."""
     if not isinstance(m, cls):
         raise TypeError(f"{name} must be an nn.{cls.__name__}, got {type(m).__name__}")
+    if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+        raise ValueError(f"{name} is a lazy module whose parameters are not initialized yet; run it once "
+                         "on an input first")
     return m
 
 

@@ -146,6 +146,17 @@ def saved_bytes(model, example_inputs):
     return counter.activation_bytes
 
 
+def _baseline_bytes(model, example_inputs):
+    """saved_bytes of the model as it computes unconverted (every unit and block off): a failure
+    there is the example's, and says so."""
+    try:
+        return saved_bytes(model, example_inputs)
+    except Exception as e:
+        raise ValueError(
+            f"example_inputs: calling the model with them failed ({type(e).__name__}: {e}); expected a tuple "
+            "of the model's positional arguments, on its device and in its dtype") from e
+
+
 def _flops(module, inp, out):
     if isinstance(module, nn.Conv2d):
         k = module.kernel_size[0] * module.kernel_size[1] * module.in_channels // module.groups
@@ -1578,7 +1589,11 @@ def _matches(policy, name, module):
     if policy == "all" or policy == "blocks":
         return True
     if callable(policy):
-        return bool(policy(name, module))
+        try:
+            return bool(policy(name, module))
+        except TypeError as e:
+            raise TypeError(f"policy must be a callable (name, module) -> bool; calling it on {name!r} raised "
+                            f"TypeError: {e}") from e
     parts = name.split(".")
     prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
     return any(fnmatch.fnmatchcase(p, pat) for pat in policy for p in prefixes)
@@ -1739,6 +1754,9 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     memory_budget = _validate_args(policy, memory_budget, example_inputs)
+    for flag, value in (("inplace", inplace), ("verbose", verbose)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {type(value).__name__} {value!r}")
     if not inplace:
         model = copy.deepcopy(model)
     ctx = _Context()
@@ -1789,14 +1807,14 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
                 u.disable()
             for b in ctx.blocks:
                 _set_block(b, False)
-            plan.baseline_bytes = saved_bytes(model, example_inputs)
+            plan.baseline_bytes = _baseline_bytes(model, example_inputs)
             _apply(ctx.units, ctx.blocks)
             plan.final_bytes = saved_bytes(model, example_inputs)
     else:
         for u in ctx.units:
             u.selected = False
         _apply(ctx.units, ctx.blocks)
-        baseline = saved_bytes(model, example_inputs)
+        baseline = _baseline_bytes(model, example_inputs)
         target = int(memory_budget * baseline) if isinstance(memory_budget, float) else memory_budget
         plan.baseline_bytes, plan.target_bytes = baseline, target
         plan.final_bytes = _plan_budget(model, example_inputs, candidates, blocks, target, baseline)

@@ -11,8 +11,8 @@ from torch import Tensor
 from . import ops, reference
 from ._backend import resolve_backend
 from ._state import inside_region, snapshot_buffers, traced
-from ._validate import (check_activation, check_device, check_int, check_number, check_probability, check_same,
-                        check_tensor, check_vector, needs_unfused, pair)
+from ._validate import (check_activation, check_device, check_int, check_no_overlap, check_number, check_probability,
+                        check_same, check_tensor, check_vector, needs_unfused, pair)
 
 __all__ = ["linear_act", "fused_mlp", "gated_mlp", "conv_bn_act"]
 
@@ -286,7 +286,9 @@ def conv_bn_act(
     eps = check_number(eps, "eps", min_value=0)
     momentum = check_number(momentum, "momentum")
     if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {type(training).__name__} {training!r}")
+        kind = type(training).__name__ if type(training).__module__ == "builtins" else \
+            f"{type(training).__module__}.{type(training).__name__}"  # numpy.bool, not "bool"
+        raise TypeError(f"training must be a bool, got {kind} {training!r}")
     groups = check_int(groups, "groups", min_value=1)
     # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
     x, weight, bias, residual = _autocast(x, weight, bias, residual)
@@ -306,8 +308,20 @@ def conv_bn_act(
     check_vector(bn_bias, "bn_bias", c, x, dtype=not mixed)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be tensors or both be None")
+    if mixed:  # F.batch_norm's rule for a half input: its parameters in its dtype or in fp32, both alike
+        given = [(t, n) for t, n in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias")) if t is not None]
+        for t, n in given:
+            if t.dtype not in (x.dtype, torch.float32):
+                raise TypeError(f"{n} has dtype {t.dtype} but input has dtype {x.dtype}; expected {x.dtype} "
+                                "or torch.float32")
+        if len(given) == 2 and bn_weight.dtype != bn_bias.dtype:
+            raise TypeError(f"bn_weight has dtype {bn_weight.dtype} but bn_bias has dtype {bn_bias.dtype}; "
+                            "expected the same dtype")
     check_vector(running_mean, "running_mean", c, x, dtype=False)
     check_vector(running_var, "running_var", c, x, dtype=False)
+    if training:
+        check_no_overlap(running_mean, "running_mean")
+        check_no_overlap(running_var, "running_var")
     use_batch_stats = training or running_mean is None
     if use_batch_stats and eps == 0:
         raise ValueError("eps must be positive when batch statistics normalize (training, or no running "

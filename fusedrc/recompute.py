@@ -14,6 +14,7 @@ op whose backward recomputes inside the kernel.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import uuid
 import weakref
 from collections import defaultdict
@@ -331,11 +332,20 @@ def _check_devices(block, flat):
             )
 
 
+def _contexts(context_fn):
+    """The (forward, rerun) context managers ``context_fn`` returns, checked."""
+    if context_fn is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    pair = context_fn()
+    if not (isinstance(pair, tuple) and len(pair) == 2
+            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)):
+        raise TypeError(f"context_fn must return a pair of context managers (forward, rerun), got {pair!r}")
+    return pair
+
+
 def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_fn, determinism_check, early_stop):
     flat, spec = tree_flatten((args, kwargs))
-    fwd_context, rerun_context = context_fn() if context_fn is not None else (
-        contextlib.nullcontext(), contextlib.nullcontext()
-    )
+    fwd_context, rerun_context = _contexts(context_fn)
     frame = _Frame(
         fn, spec, _ForwardState(flat, preserve_rng_state), rerun_context, early_stop,
         check=determinism_check == "default",
@@ -399,6 +409,10 @@ def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recom
 
 
 def _reject_reentrant(use_reentrant):
+    if use_reentrant is None:  # torch's default spelling: the non-reentrant variant
+        return
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"use_reentrant must be a bool (False), got {type(use_reentrant).__name__} {use_reentrant!r}")
     if use_reentrant:
         raise ValueError(
             "use_reentrant=True is not supported: reentrant checkpointing runs the block inside an "
@@ -522,8 +536,9 @@ def recompute_sequential(functions, segments, input, *extra, preserve_rng_state=
     n = len(functions)
     if n == 0:
         raise ValueError("functions must hold at least one module or callable, got an empty sequence")
-    if isinstance(segments, bool) or not isinstance(segments, int):
+    if isinstance(segments, bool) or not isinstance(segments, numbers.Integral):
         raise TypeError(f"segments must be an int, got {type(segments).__name__}")
+    segments = int(segments)
     if not 1 <= segments <= n:
         raise ValueError(f"segments must be between 1 and {n} (the number of functions), got {segments}")
     size = n // segments
@@ -563,6 +578,10 @@ def _mark(module, output_recompute=False, when=None):
     (fusedrc.convert: decoder layers handed a KV cache, which a rerun would update twice)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(f"module must be an eager nn.Module, got a TorchScript {type(module).__name__}: its "
+                        "forward cannot be rerun with saved-tensor hooks; mark the module before scripting, "
+                        "or use torch.compile")
     if _is_marked(module):  # marking twice is marking once (MindSpore's Cell.recompute())
         module.__dict__[_MARK]["output_recompute"] = bool(output_recompute)
         return module

@@ -97,6 +97,8 @@ def linear_act_backward(x, weight, bias, grad_out, activation, output_mask=None)
 # of the two backends differ (as eager's and inductor's do).
 def dropout_factor(seed, shape, p, like):
     """Dropout's multiplier (0 or 1/(1-p)) for a tensor of ``shape`` like ``like``."""
+    if like.device.type == "meta":  # shapes only: no generator there
+        return torch.empty(shape, device=like.device, dtype=like.dtype)
     gen = torch.Generator(device=like.device)
     gen.manual_seed(int(seed.reshape(()).item()))
     keep = torch.empty(shape, device=like.device, dtype=like.dtype).bernoulli_(1 - p, generator=gen)

@@ -106,7 +106,11 @@ CASES = [
     ("linear_act/input-0d", lin(lambda: torch.tensor(1.0), lambda: r(4, 3)), ValueError,
      r"input must have at least 1 dimension"),
     ("linear_act/input-int", lin(lambda: torch.ones(2, 3, dtype=torch.long), lambda: r(4, 3)), TypeError,
-     r"input must be a floating-point tensor, got dtype torch\.int64"),
+     r"input must be a floating-point tensor of dtype float16, bfloat16, float32 or float64, got dtype torch\.int64"),
+    ("linear_act/input-fp8", lin(lambda: r(2, 3).to(torch.float8_e4m3fn), lambda: r(4, 3)), TypeError,
+     r"input must be a floating-point tensor of dtype .*, got dtype torch\.float8_e4m3fn"),
+    ("linear_act/input-sparse", lin(lambda: r(2, 3).to_sparse(), lambda: r(4, 3)), TypeError,
+     r"input must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
     ("linear_act/weight-not-tensor", lambda: F.linear_act(x2(), nn.Linear(3, 4)), TypeError,
      r"weight must be a torch\.Tensor, got Linear"),
     ("linear_act/weight-1d", lin(x2, lambda: r(3)), ValueError, r"weight must be 2-D, got 1-D"),
@@ -239,6 +243,15 @@ CASES = [
     ("conv_bn_act/momentum-none", cba(rm=lambda: torch.zeros(4), rv=lambda: torch.ones(4), momentum=None),
      TypeError, r"momentum must be a float, got NoneType"),
     ("conv_bn_act/activation", cba(activation="tanh"), ValueError, ACT + ", got 'tanh'"),
+    ("conv_bn_act/bn_weight-dtype-half-input", cba(x=lambda: r(2, 3, 5, 5).half(), w=lambda: w4().half(),
+                                                   gamma=lambda: r(4, dtype=f64)), TypeError,
+     r"bn_weight has dtype torch\.float64 but input has dtype torch\.float16; expected torch\.float16 or "
+     r"torch\.float32"),
+    ("conv_bn_act/bn-params-mixed", cba(x=lambda: r(2, 3, 5, 5).half(), w=lambda: w4().half(),
+                                        gamma=lambda: r(4).half(), beta=lambda: r(4)), TypeError,
+     r"bn_weight has dtype torch\.float16 but bn_bias has dtype torch\.float32; expected the same dtype"),
+    ("conv_bn_act/running_mean-expanded", cba(rm=lambda: torch.zeros(1).expand(4), rv=lambda: torch.ones(4)),
+     ValueError, r"running_mean is updated in place and must not have overlapping memory"),
     ("conv_bn_act/activation-none-str", cba(activation="none"), ValueError, ACT + ", got 'none'"),
     ("conv_bn_act/one-value-per-channel", cba(x=lambda: r(1, 3, 3, 3)), ValueError,
      r"Expected more than 1 value per channel when training"),
@@ -258,6 +271,8 @@ CASES = [
      r"weight has dtype torch\.float32 but input has dtype torch\.float64"),
     ("LinearReLU/forward-device", lambda: fnn.LinearReLU(3, 4)(r(2, 3, device=META)), ValueError,
      r"weight is on cpu but input is on meta"),
+    ("LinearReLU/from_modules-lazy", lambda: fnn.LinearReLU.from_modules(nn.LazyLinear(4)), ValueError,
+     r"linear is a lazy module whose parameters are not initialized yet"),
     ("LinearReLU/from_modules-type", lambda: fnn.LinearReLU.from_modules(nn.Conv2d(3, 4, 1)), TypeError,
      r"linear must be an nn\.Linear, got Conv2d"),
     ("LinearReLU/from_modules-act", lambda: fnn.LinearReLU.from_modules(nn.Linear(3, 4), nn.Tanh()), ValueError,
@@ -356,6 +371,10 @@ CASES = [
      r"use_reentrant=True is not supported.*Use use_reentrant=False"),
     ("recompute/determinism_check", lambda: fusedrc.recompute(torch.sin, r(2, grad=True), determinism_check="strict"),
      ValueError, r"determinism_check must be one of \('default', 'none'\), got 'strict'"),
+    ("recompute/context_fn-returns-int", lambda: fusedrc.recompute(torch.sin, r(2, grad=True), context_fn=lambda: 1),
+     TypeError, r"context_fn must return a pair of context managers \(forward, rerun\), got 1"),
+    ("recompute/use_reentrant-str", lambda: fusedrc.recompute(torch.sin, r(2, grad=True), use_reentrant="no"),
+     TypeError, r"use_reentrant must be a bool \(False\), got str 'no'"),
     ("recompute/context_fn", lambda: fusedrc.recompute(torch.sin, r(2, grad=True), context_fn=3), TypeError,
      r"context_fn must be a callable returning two context managers"),
     ("recompute/input-device", lambda: fusedrc.recompute(_ffn().to(META), r(2, 3, grad=True)), ValueError,
@@ -395,6 +414,8 @@ CASES = [
      TypeError, r"unexpected keyword arguments \['debug'\]"),
     # ------------------------------------------------------------ mark / unmark
     ("mark/not-module", lambda: fusedrc.mark(lambda x: x), TypeError, r"module must be an nn\.Module, got function"),
+    ("mark/script-module", lambda: fusedrc.mark(torch.jit.script(nn.Linear(3, 3))), TypeError,
+     r"module must be an eager nn\.Module, got a TorchScript"),
     ("unmark/not-module", lambda: fusedrc.unmark("block"), TypeError, r"module must be an nn\.Module, got str"),
     ("mark/nested", _nested_mark, RecomputeError, r"its submodule '0' is already marked"),
     ("mark/called-inside-marked", _marked_called_inside_marked, RecomputeError,
@@ -428,6 +449,11 @@ CASES = [
      r"memory_budget needs example_inputs"),
     ("convert/example_inputs-list", _convert(example_inputs=[torch.randn(2, 3)]), TypeError,
      r"example_inputs must be a tuple of positional arguments, got list"),
+    ("convert/example_inputs-mismatch", _convert(example_inputs=(torch.randn(2, 5),)), ValueError,
+     r"example_inputs: calling the model with them failed \(RuntimeError: .*\); expected a tuple"),
+    ("convert/policy-callable-arity", _convert(policy=lambda: True), TypeError,
+     r"policy must be a callable \(name, module\) -> bool; calling it on '0' raised TypeError"),
+    ("convert/inplace-str", _convert(inplace="yes"), TypeError, r"inplace must be a bool, got str 'yes'"),
     ("register_rule/bare", lambda: register_rule(lambda ctx, name, m: m), TypeError,
      r"register_rule takes class names \(str\), got function"),
     ("register_rule/empty", lambda: register_rule(), TypeError, r"register_rule needs at least one class name"),
@@ -440,6 +466,24 @@ CASES = [
 def test_bad_input(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+def test_valid_unusual_inputs_are_accepted():
+    """Not errors: meta tensors (shapes only) on every backend, the FFN's dropout included; a numpy
+    integer for segments; torch's use_reentrant=None spelling."""
+    import numpy as np
+
+    backends = ["reference", "auto"] + (["triton"] if fusedrc._backend.interpreter_active() else [])
+    for backend in backends:
+        with fusedrc.use_backend(backend):
+            y = F.linear_act(r(2, 3, device=META), r(4, 3, device=META))
+            z = F.fused_mlp(r(2, 3, device=META), r(8, 3, device=META), None, r(3, 8, device=META), None,
+                            dropout_p=0.1)
+            c = F.conv_bn_act(r(2, 3, 5, 5, device=META), r(4, 3, 3, 3, device=META), None, None, None, None)
+        assert y.shape == (2, 4) and z.shape == (2, 3) and c.shape == (2, 4, 3, 3) and y.device.type == META
+    x, model = r(2, 3, grad=True), _stack()
+    assert torch.equal(fusedrc.recompute_sequential(model, np.int64(2), x), model(x))
+    assert torch.equal(fusedrc.recompute(torch.sin, x, use_reentrant=None), torch.sin(x))
 
 
 def test_table_covers_every_public_callable():

@@ -287,6 +287,17 @@ def test_device_cuda_without_cuda(capsys):
     assert "--device cuda" in err and "not available" in err
 
 
+@pytest.mark.parametrize("flag", ["--results-dir", "--plots-dir"])
+def test_unwritable_output_directory_fails_before_the_run(flag, tmp_path, capsys):
+    """An output directory that cannot be made fails at once, not after the whole sweep."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--workload", "ffn", "--quick", flag, str(blocker / "sub")])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
 def test_plot_missing_or_invalid_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["plot", str(tmp_path / "missing.json")])

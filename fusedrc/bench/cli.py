@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import signal
 import sys
 import time
@@ -121,6 +122,15 @@ def _resolve(p, args):
     from . import measure
 
     measure.match_fp32_precision(dev)
+    for flag in ("results_dir", "plots_dir"):  # checked before the run, not after it
+        d = getattr(args, flag, None)
+        if d is not None:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                p.error(f"--{flag.replace('_', '-')}: cannot create directory {d!r} ({e.strerror})")
+            if not os.access(d, os.W_OK):
+                p.error(f"--{flag.replace('_', '-')}: directory {d!r} is not writable")
     if args.warmup is not None and args.warmup < 0:
         p.error(f"--warmup: must be >= 0, got {args.warmup}")
     if args.repeats is not None and args.repeats < 1:
