@@ -588,7 +588,7 @@ def test_nonfinite_linear_act(backend, value, where, activation):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("where", ["x", "w1", "w2"])
+@pytest.mark.parametrize("where", ["x", "w1", "b1", "w2"])
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
 def test_nonfinite_fused_mlp(backend, value, where, activation):
     x, w1, b1, w2, b2 = torch.randn(5, 6), torch.randn(8, 6), torch.randn(8), torch.randn(7, 8), torch.randn(7)
@@ -598,6 +598,27 @@ def test_nonfinite_fused_mlp(backend, value, where, activation):
     with fusedrc.use_backend(backend):
         y = F.fused_mlp(*ours, activation=activation)
     y_ref = TF.linear(activation_forward(TF.linear(*ref[:3]), activation), *ref[3:])
+    assert _same_nonfinite(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    for a, c in zip(_grads(ours), _grads(ref)):
+        assert _same_nonfinite(a, c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["x", "w_gate", "b_up", "w_down"])
+def test_nonfinite_gated_mlp(backend, value, where):
+    ts = dict(x=torch.randn(5, 6), w_gate=torch.randn(8, 6), b_gate=torch.randn(8), w_up=torch.randn(8, 6),
+              b_up=torch.randn(8), w_down=torch.randn(7, 8), b_down=torch.randn(7))
+    ts[where].view(-1)[3] = value
+    vals = [t.to(_dev(backend)) for t in ts.values()]
+    ours, ref = _leaves(*vals), _leaves(*vals)
+    with fusedrc.use_backend(backend):
+        y = F.gated_mlp(*ours, activation="silu")
+    x, wg, bg, wu, bu, wd, bd = ref
+    y_ref = TF.linear(TF.silu(TF.linear(x, wg, bg)) * TF.linear(x, wu, bu), wd, bd)
     assert _same_nonfinite(y, y_ref)
     g = torch.randn_like(y)
     y.backward(g)
