@@ -17,12 +17,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_no_overlap(t, name):
-    """``t`` (a buffer updated in place) must not have elements sharing memory (an expanded tensor).
-    Eager only: dynamo cannot trace the query (a non-tensor torch op), and a traced buffer's update
-    is torch's own check."""
-    if t is None or torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    """``t`` (a 1-D buffer updated in place) must not have elements sharing memory (an expanded
+    tensor: stride 0). Read from shape and strides, which dynamo and vmap trace (torch's
+    ``_debug_has_internal_overlap`` graph-breaks and has no batching rule)."""
+    if t is None or torch.compiler.is_compiling():
         return
-    if torch._debug_has_internal_overlap(t) == 1:
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
         raise ValueError(f"{name} is updated in place and must not have overlapping memory (an expanded "
                          f"tensor), got strides {t.stride()} for shape {tuple(t.shape)}")
 

@@ -949,21 +949,23 @@ def _t5_dense_gated(ctx, name, m):
 
 class FusedT5DenseGatedActDense(Wrapper):
     """Hugging Face ``T5DenseGatedActDense`` (T5 v1.1, Flan-T5, mT5: ``wo(dropout(act(wi_0(x)) *
-    wi_1(x)))``) as one fused gated FFN where its dropout does nothing (eval, or ``p = 0``): the
-    gated op has no dropout, so a training dropout with ``p > 0`` runs the module as it is. So does
-    T5's ``wo`` kept in fp32 beside half ``wi_*`` weights (``_keep_in_fp32_modules``)."""
+    wi_1(x)))``) as one fused gated FFN where its dropout does nothing (eval, or ``p = 0``). The
+    gated op has no dropout: with a training dropout (their default 0.1) only ``act(wi_0(x))`` is
+    fused (a Linear+act, keeping its input, not its pre-activation), the rest runs as it is. T5's
+    ``wo`` kept in fp32 beside half ``wi_*`` weights (``_keep_in_fp32_modules``) runs the module."""
 
     def forward(self, hidden_states):
         site, g, u, d = self.sites.get("gated_ffn"), self.wi_0, self.wi_1, self.wo
-        if (site is None or not site.enabled or fused_dropout_p(self.dropout) != 0.0
-                or not _nohooks(self, g, u, d, self.act, self.dropout)
+        if (site is None or not site.enabled or not _nohooks(self, g, u, d, self.act, self.dropout)
                 or not _still(self.__dict__["_fusedrc_act"], self.act, g, u, d)
                 or not _dense_runtime_ok(hidden_states, g, u, d)):
             return self.plain(hidden_states)
         act = self.__dict__["_fusedrc_act"]
-        return _run_site(
-            site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act),
-            self.plain, hidden_states)
+        if fused_dropout_p(self.dropout) == 0.0:
+            fused = lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act)  # noqa: E731
+        else:
+            fused = lambda x: d(self.dropout(F.linear_act(x, g.weight, g.bias, act) * u(x)))  # noqa: E731
+        return _run_site(site, fused, self.plain, hidden_states)
 
 
 class FusedConv1DMLP(Wrapper):
@@ -1314,6 +1316,11 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
         stack.enter_context(torch.no_grad() if flipped else torch.enable_grad())
         if flipped:
             stack.enter_context(torch.autocast("cpu"))
+            # CUDA's flag set directly: torch.autocast("cuda") disables itself on a machine without CUDA,
+            # and a model converted there may run its forward's autocast("cuda", enabled=False) later
+            cuda_enabled = torch.is_autocast_enabled("cuda")
+            torch.set_autocast_enabled("cuda", True)
+            stack.callback(torch.set_autocast_enabled, "cuda", cuda_enabled)
         tracer.context = _trace_context()
         graph = tracer.trace(model, concrete_args=concrete_args)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -1589,11 +1596,7 @@ def _matches(policy, name, module):
     if policy == "all" or policy == "blocks":
         return True
     if callable(policy):
-        try:
-            return bool(policy(name, module))
-        except TypeError as e:
-            raise TypeError(f"policy must be a callable (name, module) -> bool; calling it on {name!r} raised "
-                            f"TypeError: {e}") from e
+        return bool(policy(name, module))
     parts = name.split(".")
     prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
     return any(fnmatch.fnmatchcase(p, pat) for pat in policy for p in prefixes)
@@ -1627,6 +1630,13 @@ def _validate_args(policy, memory_budget, example_inputs):
             f"policy must be 'all', 'blocks', a list of submodule names or glob patterns, or a callable "
             f"(name, module) -> bool; got {policy!r}"
         )
+    if callable(policy) and not isinstance(policy, str):
+        try:
+            _inspect.signature(policy).bind("name", None)
+        except TypeError as e:
+            raise TypeError(f"policy must be a callable (name, module) -> bool, got {policy!r} ({e})") from None
+        except ValueError:  # no signature to read (a builtin): asked as is
+            pass
     if memory_budget is not None:
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
             raise TypeError(f"memory_budget must be a float in (0, 1] or an int number of bytes, got {memory_budget!r}")

@@ -337,10 +337,10 @@ def _contexts(context_fn):
     if context_fn is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
     pair = context_fn()
-    if not (isinstance(pair, tuple) and len(pair) == 2
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2
             and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)):
         raise TypeError(f"context_fn must return a pair of context managers (forward, rerun), got {pair!r}")
-    return pair
+    return tuple(pair)
 
 
 def _generic(fn, args, kwargs, *, preserve_rng_state, output_recompute, context_fn, determinism_check, early_stop):
@@ -392,6 +392,11 @@ def _recompute(block, fn, args, kwargs, *, preserve_rng_state=True, output_recom
         raise TypeError(f"context_fn must be a callable returning two context managers, got {context_fn!r}")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)  # no graph: nothing to save, a plain call
+    if not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
+        # inside a torch.func transform (grad, vmap, jvp, jacrev, ...): saved-tensor hooks and the
+        # rerun do not compose with its levels (torch.func.grad refuses the hooks; vmap then backward
+        # would rerun on unbatched tensors): the block as it is, differentiable by the transform
+        return fn(*args, **kwargs)
     flat = tree_flatten((args, kwargs))[0]
     _check_devices(block, flat)
     # the fused ops keep their own saved state: contexts, output merging and a
