@@ -926,6 +926,12 @@ def _t5_dense(ctx, name, m):
     return new
 
 
+def _gated_linears_ok(g, u, d):
+    """Gate, up and down projections the gated op models: plain Linears, gate and up alike."""
+    return (all(type(lin) is nn.Linear for lin in (g, u, d)) and g.weight.shape == u.weight.shape
+            and d.in_features == g.out_features and (g.bias is None) == (u.bias is None))
+
+
 @register_rule("T5DenseGatedActDense")
 def _t5_dense_gated(ctx, name, m):
     """T5 v1.1 / Flan-T5 / mT5: act(wi_0(x)) * wi_1(x) -> dropout -> wo, the gated FFN."""
@@ -934,8 +940,7 @@ def _t5_dense_gated(ctx, name, m):
         ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
         return m
     g, u, d = m.wi_0, m.wi_1, m.wo
-    if not all(type(lin) is nn.Linear for lin in (g, u, d)) or g.weight.shape != u.weight.shape \
-            or d.in_features != g.out_features or (g.bias is None) != (u.bias is None):
+    if not _gated_linears_ok(g, u, d):
         ctx.skip(name, "wi_0/wi_1/wo are not plain nn.Linear of matching shapes")
         return m
     if type(m.dropout) is not nn.Dropout:
@@ -1074,8 +1079,7 @@ def _gated_mlp(ctx, name, m):
         ctx.skip(name, f"activation {type(m.act_fn).__name__} has no fused form")
         return m
     g, u, d = m.gate_proj, m.up_proj, m.down_proj
-    if not all(type(lin) is nn.Linear for lin in (g, u, d)) or g.weight.shape != u.weight.shape \
-            or d.in_features != g.out_features or (g.bias is None) != (u.bias is None):
+    if not _gated_linears_ok(g, u, d):
         ctx.skip(name, "gate_proj/up_proj/down_proj are not plain nn.Linear of matching shapes")
         return m
     new = FusedGatedMLP.wrap(m)
