@@ -954,10 +954,9 @@ def _t5_dense_gated(ctx, name, m):
 
 class FusedT5DenseGatedActDense(Wrapper):
     """Hugging Face ``T5DenseGatedActDense`` (T5 v1.1, Flan-T5, mT5: ``wo(dropout(act(wi_0(x)) *
-    wi_1(x)))``) as one fused gated FFN where its dropout does nothing (eval, or ``p = 0``). The
-    gated op has no dropout: with a training dropout (their default 0.1) only ``act(wi_0(x))`` is
-    fused (a Linear+act, keeping its input, not its pre-activation), the rest runs as it is. T5's
-    ``wo`` kept in fp32 beside half ``wi_*`` weights (``_keep_in_fp32_modules``) runs the module."""
+    wi_1(x)))``) as one fused gated FFN, its dropout included (mask regenerated in backward, its own
+    stream: equal in distribution to ``nn.Dropout``'s). T5's ``wo`` kept in fp32 beside half
+    ``wi_*`` weights (``_keep_in_fp32_modules``) runs the module."""
 
     def forward(self, hidden_states):
         site, g, u, d = self.sites.get("gated_ffn"), self.wi_0, self.wi_1, self.wo
@@ -965,12 +964,12 @@ class FusedT5DenseGatedActDense(Wrapper):
                 or not _still(self.__dict__["_fusedrc_act"], self.act, g, u, d)
                 or not _dense_runtime_ok(hidden_states, g, u, d)):
             return self.plain(hidden_states)
-        act = self.__dict__["_fusedrc_act"]
-        if fused_dropout_p(self.dropout) == 0.0:
-            fused = lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act)  # noqa: E731
-        else:
-            fused = lambda x: d(self.dropout(F.linear_act(x, g.weight, g.bias, act) * u(x)))  # noqa: E731
-        return _run_site(site, fused, self.plain, hidden_states)
+        act, p = self.__dict__["_fusedrc_act"], fused_dropout_p(self.dropout)
+        if p is None:  # a dropout module swapped in after convert
+            return self.plain(hidden_states)
+        return _run_site(
+            site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p),
+            self.plain, hidden_states)
 
 
 class FusedConv1DMLP(Wrapper):

@@ -181,7 +181,7 @@ def fused_mlp(
 
 def gated_mlp(
     x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
-    b_down: Tensor | None, activation: str = "silu",
+    b_down: Tensor | None, activation: str = "silu", dropout_p: float = 0.0,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -197,6 +197,8 @@ def gated_mlp(
         w_up, b_up: up projection, same shapes as the gate's.
         w_down, b_down: down projection, ``(out_features, hidden)`` and ``(out_features,)`` or None.
         activation: as in :func:`linear_act`; ``"silu"`` by default.
+        dropout_p: dropout on the gated product before the down projection (T5 v1.1's), in
+            ``[0, 1]``; its mask is never stored, as :func:`fused_mlp`'s.
 
     Returns:
         ``(*, out_features)``, in ``x``'s dtype.
@@ -214,6 +216,7 @@ def gated_mlp(
     _check_params(x, (w_gate, "w_gate", 2, False), (b_gate, "b_gate", 1, True), (w_up, "w_up", 2, False),
                   (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True))
     check_activation(activation)
+    dropout_p = check_probability(dropout_p, "dropout_p")
     x, w_gate, b_gate, w_up, b_up, w_down, b_down = _autocast(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     _check_linear(x, w_gate, b_gate, "w_gate", "b_gate")
     if w_up.shape != w_gate.shape:
@@ -222,7 +225,9 @@ def gated_mlp(
     _check_linear(x, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
     def plain(x):
-        return reference.gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+        a = reference.activation_forward(torch.nn.functional.linear(x, w_gate, b_gate), activation) \
+            * torch.nn.functional.linear(x, w_up, b_up)
+        return torch.nn.functional.linear(torch.nn.functional.dropout(a, dropout_p), w_down, b_down)
 
     if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
         return plain(x)
@@ -230,7 +235,9 @@ def gated_mlp(
         return _plain_rows(plain, x, w_down.shape[0])
     backend = resolve_backend(x, "gated_mlp", "gated_mlp_forward")
     lead = x.shape[:-1]
-    y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend)
+    seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None  # as fused_mlp's
+    y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend,
+                                          float(dropout_p), seed)
     return _unview(y, lead, w_down.shape[0])
 
 

@@ -167,6 +167,8 @@ class GatedMLP(nn.Module):
         bias, device, dtype: as in ``nn.Linear``, for the three layers (Llama: ``bias=False``).
         activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu6"``
             or ``"hardswish"``.
+        dropout: dropout probability on the gated product in training mode (T5 v1.1's
+            ``T5DenseGatedActDense``); its mask is regenerated in backward, never stored.
 
     Example::
 
@@ -176,9 +178,10 @@ class GatedMLP(nn.Module):
     """
 
     def __init__(self, in_features, hidden_features, out_features=None, bias=False, activation="silu",
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, dropout=0.0):
         check_int(in_features, "in_features")
         check_int(hidden_features, "hidden_features")
+        dropout = check_probability(dropout, "dropout")
         if out_features is not None:
             check_int(out_features, "out_features")
         super().__init__()
@@ -188,6 +191,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(in_features, hidden_features, **kw)
         self.down_proj = nn.Linear(hidden_features, out_features, **kw)
         self.activation = check_activation(activation)
+        self.dropout = dropout
 
     @classmethod
     def from_modules(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act: nn.Module | str):
@@ -205,17 +209,22 @@ class GatedMLP(nn.Module):
                              f"gate_proj.out_features ({gate_proj.out_features})")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.gate_proj, m.up_proj, m.down_proj, m.activation = gate_proj, up_proj, down_proj, name
+        m.gate_proj, m.up_proj, m.down_proj, m.activation, m.dropout = gate_proj, up_proj, down_proj, name, 0.0
         return m
 
     def forward(self, x):
         """``down_proj(act(gate_proj(x)) * up_proj(x))`` for ``x`` of shape ``(*, in_features)``."""
         _check_features(x, "in_features", self.gate_proj.in_features, type(self).__name__)
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation)
+        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation,
+                           dropout_p=self.dropout if self.training else 0.0)
 
     def extra_repr(self):
-        return f"activation={self.activation!r}"
+        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
+
+    def __setstate__(self, state):
+        state.setdefault("dropout", 0.0)  # pickled before dropout existed
+        super().__setstate__(state)
 
 
 class ConvBNReLU(nn.Module):

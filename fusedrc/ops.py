@@ -272,29 +272,30 @@ _AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
 
 
 # --------------------------------------------------------------------------- gated FFN
+# dropout_p > 0: dropout on the gated product (T5 v1.1), its mask a function of ``seed`` as the FFN's
 def _gated_mlp_impl(
     x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
-    b_down: Optional[Tensor], activation: str, backend: str,
+    b_down: Optional[Tensor], activation: str, backend: str, dropout_p: float, seed: Optional[Tensor],
 ) -> Tensor:
     return _laid_out(get_impl(backend, "gated_mlp", "gated_mlp_forward")(
-        x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation))
+        x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p, seed))
 
 
 gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
 
 
 @gated_mlp_op.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend, dropout_p, seed):
     return _empty((*x.shape[:-1], w_down.shape[0]), x)
 
 
 def _gated_mlp_backward_impl(
     x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
-    b_down: Optional[Tensor], grad_out: Tensor, activation: str, backend: str,
-    output_mask: Optional[List[bool]] = None,
+    b_down: Optional[Tensor], grad_out: Tensor, activation: str, backend: str, dropout_p: float,
+    seed: Optional[Tensor], output_mask: Optional[List[bool]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "gated_mlp", "gated_mlp_backward")(
-        x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, output_mask)
+        x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p, seed, output_mask)
     return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
@@ -302,23 +303,23 @@ gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_imp
 
 
 @gated_mlp_backward_op.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend, output_mask=None):
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend, dropout_p, seed, output_mask=None):
     return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down), output_mask, x)
 
 
 def _gated_mlp_setup(ctx, inputs, output):
-    *tensors, activation, backend = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.activation, ctx.backend = activation, backend
+    *tensors, activation, backend, dropout_p, seed = inputs
+    ctx.save_for_backward(*tensors, seed)
+    ctx.activation, ctx.backend, ctx.dropout_p = activation, backend, dropout_p
 
 
 def _gated_mlp_backward(ctx, grad_out):
     _no_double_backward("gated_mlp")
-    saved = ctx.saved_tensors
+    *saved, seed = ctx.saved_tensors
     mask = _output_mask(ctx, range(7))
     grads = pick("gated_mlp_backward", saved[0], ctx.backend)(
-        *saved, grad_out.contiguous(), ctx.activation, ctx.backend, mask)
-    return (*_wanted_grads(grads, saved, mask), None, None)
+        *saved, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed, mask)
+    return (*_wanted_grads(grads, saved, mask), None, None, None, None)
 
 
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)

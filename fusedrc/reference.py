@@ -180,25 +180,36 @@ def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, s
 
 
 # --------------------------------------------------------------------------- gated FFN
-def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-    """out = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu); x is (M, K)."""
-    return F.linear(activation_forward(F.linear(x, w_gate, b_gate), activation) * F.linear(x, w_up, b_up),
-                    w_down, b_down)
+def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
+    """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu, T5 v1.1's
+    with its dropout); x is (M, K)."""
+    a = activation_forward(F.linear(x, w_gate, b_gate), activation) * F.linear(x, w_up, b_up)
+    return F.linear(_dropped(a, dropout_p, seed), w_down, b_down)
 
 
-def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, output_mask=None):
-    """Recompute the gate and up projections (not the down one); returns
-    (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), None for an absent bias."""
+def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p=0.0, seed=None,
+                       output_mask=None):
+    """Recompute the gate and up projections (not the down one), a dropout mask from ``seed``;
+    returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), None for an absent bias."""
     need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
     need_gh = need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)
     hg = F.linear(x, w_gate, b_gate)
     hu = F.linear(x, w_up, b_up)
     act = activation_forward(hg, activation)
-    dw_down = grad_out.t().mm(act * hu) if need_dwd else None
+    factor = dropout_factor(seed, hg.shape, dropout_p, hg) if dropout_p != 0 else None
+    if need_dwd:
+        a = act * hu
+        dw_down = grad_out.t().mm(a if factor is None else a.mul_(factor))
+        del a
+    else:
+        dw_down = None
     db_down = grad_out.sum(0) if b_down is not None and need_dbd else None
     if not need_gh:
         return None, None, None, None, None, dw_down, db_down
     grad_a = grad_out.mm(w_down)
+    if factor is not None:
+        grad_a.mul_(factor)
+        del factor
     grad_hu = grad_a * act
     del act
     grad_hg = activation_backward(grad_a * hu, hg, activation)

@@ -563,6 +563,15 @@ def _epilogue_split(cfg: GemmConfig, grad_kernel: bool, dropout: bool) -> int:
     return cfg.EPILOGUE_SPLIT if grad_kernel or dropout else 1
 
 
+def dropout_args(dropout, fill):
+    """(DROPOUT, seed pointer, threshold, scale) of a launch from ``dropout`` (None or (p, seed));
+    without dropout the seed pointer is ``fill`` (an input: never read)."""
+    if dropout is None or dropout[0] == 0:
+        return False, fill, 0, 1.0
+    p, seed = dropout
+    return True, seed, min(round(p * 2**24), 2**24), (1.0 / (1.0 - p) if p < 1 else 0.0)
+
+
 def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_kernel: bool):
     """What a launch of either dense kernel on a (M, K) @ b (K, N) needs besides its own outputs:
     ``(cfg, pointers, seed, scalars, meta)``: the table entry, the A, B and bias arguments (the
@@ -580,12 +589,7 @@ def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
     tma = _use_tma(a, b, precision)
     a_arg, b_arg = _operands(a, b, cfg, tma)
-    has_dropout = dropout is not None and dropout[0] != 0
-    if has_dropout:
-        p, seed = dropout
-        threshold, scale = min(round(p * 2**24), 2**24), (1.0 / (1.0 - p) if p < 1 else 0.0)
-    else:
-        seed, threshold, scale = a, 0, 1.0
+    has_dropout, seed, threshold, scale = dropout_args(dropout, a)
     meta = dict(
         HAS_BIAS=bias is not None, DROPOUT=has_dropout,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,

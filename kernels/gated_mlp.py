@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _tile_ids, _tile_safe,
-    _upcast_flag, cdiv, check_activation, device_capability, dot_precision, gemm_config, launcher, plain_gemm,
-    uses_aten_gemm, wanted,
+    _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _dropout_factor, _tile_ids,
+    _tile_safe, _upcast_flag, cdiv, check_activation, device_capability, dot_precision, dropout_args, gemm_config,
+    launcher, plain_gemm, uses_aten_gemm, wanted,
 )
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
@@ -112,10 +112,10 @@ def _gated_preacts(
 
 @triton.jit
 def _gated_act_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -123,6 +123,9 @@ def _gated_act_kernel(
         a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     y = _act_fwd(hg, ACTIVATION) * hu
+    if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
+        y = y * _dropout_factor(tl.load(seed_ptr), row0 + tl.arange(0, BLOCK_M), col0, drop_threshold, drop_scale,
+                                BLOCK_M, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
@@ -132,10 +135,10 @@ def _gated_act_kernel(
 
 @triton.jit
 def _gated_act_grad_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -150,7 +153,12 @@ def _gated_act_grad_kernel(
     offs = (row0.to(tl.int64) * N + col0) + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     act = _act_fwd(hg, ACTIVATION)
-    if STORE_ACT:
+    if DROPOUT:  # the forward's mask, regenerated: a = dropout(act * hu) for dW_down, g through the mask
+        factor = _dropout_factor(tl.load(seed_ptr), row0 + offs_m, col0, drop_threshold, drop_scale, BLOCK_M, BLOCK_N)
+        g = g * factor
+        if STORE_ACT:
+            tl.store(act_ptr + offs, (act * hu * factor).to(act_ptr.dtype.element_ty), mask=mask)
+    elif STORE_ACT:
         tl.store(act_ptr + offs, (act * hu).to(act_ptr.dtype.element_ty), mask=mask)
     ghu = g * act
     ghg = _act_grad(hg, g * hu, ACTIVATION)
@@ -163,7 +171,7 @@ def _gated_act_grad_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None):
+def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     """Operands, table entry, constexprs and grid of a launch of either dual kernel on x (M, K)
     and the (H, K) weights: one builder, so the forward and its recompute take the same tiles.
     ``config`` overrides the tile (tile sweeps and tests only: callers that recompute must not)."""
@@ -182,30 +190,34 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None):
         b_up = b_up.contiguous() if b_up is not None else torch.zeros_like(b_gate)
     else:
         b_gate = b_up = a
+    has_dropout, seed, threshold, scale = dropout_args(dropout, a)
     meta = dict(
-        HAS_BIAS=has_bias, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+        HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1))
+    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
-    return cfg, (a, bg, bu, b_gate, b_up), scalars, meta, grid
+    return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid
 
 
-def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None):
-    """a = act(x Wg^T + bg) * (x Wu^T + bu), (M, H) in x.dtype; the pre-activations are not stored."""
+def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=None):
+    """a = act(x Wg^T + bg) * (x Wu^T + bu), (M, H) in x.dtype; the pre-activations are not stored.
+    ``dropout``: None or ``(p, seed)``: dropout on the product, as the dense FFN's (``_dropout_factor``)."""
     M, H = x.shape[0], w_gate.shape[0]
     out = torch.empty((M, H), device=x.device, dtype=x.dtype)
     if M == 0 or H == 0:
         return out
-    _, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config)
+    _, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     with _device_guard(x):
-        launcher(_gated_act_kernel, x)[grid](*operands, out, *scalars, ACTIVATION=activation, **meta)
+        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, *scalars, ACTIVATION=activation, **meta)
     return out
 
 
-def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None):
-    """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None)."""
+def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None):
+    """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None).
+    With ``dropout`` (as given to ``gated_act``) ``grad_a`` is the gradient of dropout(act(h_g) * h_u)
+    and the stored product is dropped out too."""
     M, H = x.shape[0], w_gate.shape[0]
     ghg = torch.empty((M, H), device=x.device, dtype=x.dtype)
     ghu = torch.empty_like(ghg)
@@ -218,7 +230,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
 
     if M == 0 or H == 0:
         return ghg, ghu, act, bias_grad(None, b_gate), bias_grad(None, b_up)
-    cfg, operands, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config)
+    cfg, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
     grad_a = grad_a.contiguous()
@@ -226,22 +238,24 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
-            parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill,
+            parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
             *scalars, STORE_ACT=store_act, ACTIVATION=activation, **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows: deterministic
     return ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
 
 
-def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-    """out = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd; x (M, K), Wg/Wu (H, K), Wd (N, H)."""
+def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
+    """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd; x (M, K), Wg/Wu (H, K), Wd (N, H);
+    ``seed`` a 1-element int64 tensor when ``dropout_p > 0``."""
     assert x.dim() == 2, "gated_mlp_forward expects a 2-D x"
     check_activation(activation)
-    a = gated_act(x, w_gate, w_up, b_gate, b_up, activation)
+    a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed))
     return plain_gemm(a, w_down.t(), bias=b_down)   # never rerun: cuBLAS on CUDA
 
 
-def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, output_mask=None):
+def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p=0.0, seed=None,
+                       output_mask=None):
     """Returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); a bias's gradient is None
     when the bias is None. A gradient ``output_mask`` masks off is None and the work only it
     needs is skipped: a frozen W_down drops dW_down and the store of a; when nothing left of
@@ -251,11 +265,12 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
     db_down = grad_out.sum(0, dtype=torch.float32).to(b_down.dtype) if b_down is not None and need_dbd else None
     if not (need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)):
-        a = gated_act(x, w_gate, w_up, b_gate, b_up, activation) if need_dwd else None
+        a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed)) if need_dwd else None
         dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None
         return None, None, None, None, None, dw_down, db_down
     grad_a = plain_gemm(grad_out, w_down, out_dtype=x.dtype)          # (M, N) @ (N, H)
-    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=need_dwd)
+    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=need_dwd,
+                                           dropout=(dropout_p, seed))
     del grad_a
     dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None  # (N, M) @ (M, H)
     del a
@@ -276,7 +291,8 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
 def inspect_specs():
     """One spec per distinct compile of the two dual kernels for the sm90/sm80 dense table entries
     (BLOCK_N halved, ``gated_config``): fp16 and bf16 for "16bit" entries, fp32 for the others;
-    activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it)."""
+    activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it); bf16
+    also with dropout on the product (config ``"dropout": true``: T5 v1.1's)."""
     specs, seen = [], {}
     kernels = ((_gated_act_kernel, "_gated_act_kernel"), (_gated_act_grad_kernel, "_gated_act_grad_kernel"))
     for (family, opclass, bucket), entry in _TABLE.items():
@@ -288,8 +304,10 @@ def inspect_specs():
             variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
         else:
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
-        for (kernel, name), (dtype, precision) in itertools.product(kernels, variants):
-            key = (name, arch, dtype, precision, cfg)
+        for (kernel, name), (dtype, precision), dropout in itertools.product(kernels, variants, (False, True)):
+            if dropout and dtype != torch.bfloat16:
+                continue
+            key = (name, arch, dtype, precision, cfg, dropout)
             label = f"{family}/{opclass}/{bucket}"
             if key in seen:
                 seen[key]["source"] += "," + label
@@ -303,11 +321,12 @@ def inspect_specs():
             sig = {n: ptr for n in names}
             if kernel is _gated_act_grad_kernel:
                 sig.update(partg_ptr="*fp32", partu_ptr="*fp32")
+            sig["seed_ptr"] = "*i64"
             aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
-                        "stride_bk": "constexpr", "stride_bn": "i32"})
+                        "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
             constexprs = {
-                "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu",
+                "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
             }
@@ -319,6 +338,8 @@ def inspect_specs():
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
             if dtype == torch.float32:
                 config["input_precision"] = precision
+            if dropout:
+                config["dropout"] = True
             spec = {
                 "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,

@@ -74,6 +74,54 @@ def test_forward_and_gradients_match_an_explicit_mask(backend, dtype, act, bias,
         assert rel_err(got, ref) < TOL[dtype], name
 
 
+@pytest.mark.parametrize("backend,dtype,act,shape,p", [
+    ("reference", torch.float32, "gelu_tanh", (37, 20, 45, 11), 0.3),
+    ("triton", torch.float32, "gelu_tanh", (37, 20, 45, 11), 0.3),   # no size a multiple of a tile or of 4
+    ("triton", torch.float16, "silu", (64, 33, 70, 9), 0.5),
+])
+def test_gated_ffn_dropout_matches_an_explicit_mask(backend, dtype, act, shape, p):
+    """The gated FFN's dropout on its product (T5 v1.1): the same mask function as the FFN's, forward
+    and every gradient against float64 autograd through that mask; only x and the seed are kept."""
+    M, K, H, N = shape
+    x, wg, bg, wd, bd = _inputs(*shape, dtype)
+    wu, bu = (t.detach().flip(0).clone().requires_grad_() for t in (wg, bg))
+    tensors = (x, wg, bg, wu, bu, wd, bd)
+    with fusedrc.use_backend(backend):
+        torch.manual_seed(1)
+        with SavedBytes() as s:
+            y = fusedrc.functional.gated_mlp(*tensors, activation=act, dropout_p=p)
+        g = torch.randn_like(y)
+        grads = torch.autograd.grad(y, tensors, g)
+    # x and the parameters (plain tensors here, so counted) and the 8-byte seed: no mask, no hidden tensor
+    assert s.bytes == sum(t.numel() * t.element_size() for t in tensors) + 8
+    keep = _mask(backend, _seed_after(1), M, H, p)
+    d = [t.detach().double().requires_grad_() for t in tensors]
+    a = R.activation_forward(F.linear(d[0], d[1], d[2]), act) * F.linear(d[0], d[3], d[4])
+    y_ref = F.linear(a * keep / (1 - p), d[5], d[6])
+    refs = torch.autograd.grad(y_ref, d, g.double())
+    assert y.dtype == dtype and rel_err(y, y_ref) < TOL[dtype]
+    for name, got, ref in zip(["dx", "dwg", "dbg", "dwu", "dbu", "dwd", "dbd"], grads, refs):
+        assert rel_err(got, ref) < TOL[dtype], name
+
+
+def test_gated_module_dropout_modes():
+    """nn.GatedMLP(dropout=p): the mask in training (seeded, reproducible), none in eval; its
+    state_dict is the three Linears'."""
+    torch.manual_seed(0)
+    mlp = fusedrc.nn.GatedMLP(8, 24, dropout=0.5)
+    x = torch.randn(6, 8)
+    torch.manual_seed(5)
+    a = mlp(x)
+    torch.manual_seed(5)
+    assert torch.equal(a, mlp(x))
+    mlp.eval()
+    g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    assert torch.allclose(mlp(x), d(F.silu(g(x)) * u(x)), atol=1e-6)
+    assert not torch.allclose(a, mlp(x))
+    assert set(mlp.state_dict()) == {f"{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    assert "dropout=0.5" in repr(mlp)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mask_statistics_seeds_and_extremes(backend):
     M, K, H, N = 64, 8, 96, 8
