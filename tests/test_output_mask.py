@@ -32,10 +32,10 @@ def _dense_case(op, device, bias=True, dropout=False):
         return linear_act, "linear_act_backward", (x, w(H, K), b(H), _rand(M, H, dtype=torch.float32, device=device),
                                                    "relu"), {}
     g = _rand(M, N, dtype=torch.float32, device=device)
+    extra = {"dropout_p": 0.25, "seed": torch.tensor([1234], device=device)} if dropout else {}
     if op == "fused_mlp":
-        extra = {"dropout_p": 0.25, "seed": torch.tensor([1234])} if dropout else {}
         return fused_mlp, "fused_mlp_backward", (x, w(H, K), b(H), w(N, H), b(N), g, "gelu"), extra
-    return gated_mlp, "gated_mlp_backward", (x, w(H, K), b(H), w(H, K), b(H), w(N, H), b(N), g, "silu"), {}
+    return gated_mlp, "gated_mlp_backward", (x, w(H, K), b(H), w(H, K), b(H), w(N, H), b(N), g, "silu"), extra
 
 
 def _conv_case(device, training):
@@ -75,7 +75,7 @@ def _check_masks(module, fn_name, args, extra, masks=None):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("op", ["linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp"])
+@pytest.mark.parametrize("op", ["linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "gated_mlp_dropout"])
 def test_dense_output_mask(op, backend, device):
     module, fn_name, args, extra = _dense_case(op.replace("_dropout", ""), device, dropout=op.endswith("dropout"))
     _check_masks(BACKENDS[backend] or module, fn_name, args, extra)
