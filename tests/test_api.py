@@ -293,29 +293,37 @@ def test_fallback_for_unfusable_blocks_is_correct():
     assert torch.equal(y, y2) and torch.equal(g, x.grad)
 
 
+def _backend_device(backend):
+    """The Triton backend's cases on CUDA where there is a GPU (CPU tensors under the interpreter
+    elsewhere); the reference backend's on the CPU."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_empty_inputs_as_eager(backend):
     """An empty batch through conv+BN+ReLU in training, and in_features 0 through the dense ops:
     the shapes, values and (empty or zero) gradients eager PyTorch gives; statistics untouched."""
-    if backend == "triton":
-        pytest.importorskip("triton")
+    dev = _backend_device(backend)
     torch.manual_seed(0)
-    conv, bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
-    x = torch.randn(0, 3, 8, 8, requires_grad=True)
+    conv, bn = torch.nn.Conv2d(3, 4, 3, padding=1, device=dev), torch.nn.BatchNorm2d(4, device=dev)
+    x = torch.randn(0, 3, 8, 8, device=dev, requires_grad=True)
     with fusedrc.use_backend(backend):
         y = fusedrc.functional.conv_bn_act(x, conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                                            padding=1)
         y.sum().backward()
         assert y.shape == (0, 4, 8, 8) and x.grad.shape == x.shape
-        assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
-        fc1, fc2 = torch.nn.Linear(0, 5), torch.nn.Linear(5, 3)
-        x = torch.randn(4, 0, requires_grad=True)
+        assert torch.equal(bn.running_mean, torch.zeros(4, device=dev))
+        assert torch.equal(bn.running_var, torch.ones(4, device=dev))
+        fc1, fc2 = torch.nn.Linear(0, 5, device=dev), torch.nn.Linear(5, 3, device=dev)
+        x = torch.randn(4, 0, device=dev, requires_grad=True)
         y1 = fusedrc.functional.linear_act(x, fc1.weight, fc1.bias)
         y2 = fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
     assert torch.equal(y1, torch.relu(fc1.bias).expand(4, 5))
     assert torch.allclose(y2, fc2(torch.relu(fc1.bias)).expand(4, 3))
     (y1.sum() + y2.sum()).backward()
-    assert torch.allclose(fc1.bias.grad, torch.nn.functional.linear(torch.ones(4, 0), fc1.weight, fc1.bias)
+    assert torch.allclose(fc1.bias.grad, torch.nn.functional.linear(torch.ones(4, 0, device=dev), fc1.weight, fc1.bias)
                           .gt(0).float().sum(0) * (1 + fc2.weight.sum(0)))
 
 
@@ -363,8 +371,7 @@ def test_fused_modules_inside_a_region_run_plain(backend):
     composition of torch ops: the region keeps only its inputs either way, and a fused op's own
     recompute would add a third pass of its GEMM/conv. BatchNorm's statistics move once; outputs and
     gradients are the plain model's; the same modules outside a region run fused."""
-    if backend == "triton":
-        pytest.importorskip("triton")
+    dev = _backend_device(backend)
     seen = []
     torch.manual_seed(0)
     block = nn.Sequential(fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1), nn.Flatten(), fusedrc.nn.LinearReLU(64, 8),
@@ -373,7 +380,8 @@ def test_fused_modules_inside_a_region_run_plain(backend):
     lin.load_state_dict(block[2].state_dict())
     plain = nn.Sequential(copy.deepcopy(block[0].conv), copy.deepcopy(block[0].bn), nn.ReLU(), nn.Flatten(), lin,
                           nn.ReLU(), copy.deepcopy(block[3].fc1), nn.GELU(), copy.deepcopy(block[3].fc2), nn.Tanh())
-    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    block, plain = block.to(dev), plain.to(dev)
+    x = torch.randn(2, 3, 4, 4, device=dev, requires_grad=True)
     xr = x.detach().clone().requires_grad_(True)
     with fusedrc.use_backend(backend), FusedOpLog(seen):
         y = fusedrc.recompute(block, x)
@@ -554,8 +562,10 @@ def test_plain_eager_calls_skip_the_dispatcher_with_the_same_results(backend):
     models = [fusedrc.nn.FusedMLP(6, 10, 5, activation="gelu"), fusedrc.nn.GatedMLP(6, 10, 5),
               fusedrc.nn.LinearReLU(6, 8), fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1)]
     models[0].fc1.weight.requires_grad_(False)
+    dev = _backend_device(backend)
     for m in models:
-        x = torch.randn(2, 3, 5, 5) if isinstance(m, fusedrc.nn.ConvBNReLU) else torch.randn(4, 6)
+        m.to(dev)
+        x = torch.randn(2, 3, 5, 5, device=dev) if isinstance(m, fusedrc.nn.ConvBNReLU) else torch.randn(4, 6, device=dev)
         x.requires_grad_(True)
         results = []
         for watch in (None, FusedOpLog()):

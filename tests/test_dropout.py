@@ -18,23 +18,29 @@ from tests._utils import SavedBytes, rel_err
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
-def _seed_after(s):
-    """The seed fused_mlp draws right after ``torch.manual_seed(s)`` (CPU generator)."""
+def _dev(backend):
+    """Where a backend's case runs: the Triton kernels on CUDA when there is a GPU (CPU tensors
+    under the interpreter otherwise), the reference on the CPU (its Bernoulli stream is per device)."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
+def _seed_after(s, device=torch.device("cpu")):
+    """The seed fused_mlp draws right after ``torch.manual_seed(s)`` (``device``'s generator)."""
     torch.manual_seed(s)
-    return torch.randint(0, 2**62, (1,))
+    return torch.randint(0, 2**62, (1,), device=device)
 
 
 def _mask(backend, seed, rows, cols, p):
     if backend == "triton":
-        return R.philox_keep(int(seed), rows, cols, p).double()
-    return (R.dropout_factor(seed, (rows, cols), p, torch.empty(0)) != 0).double()
+        return R.philox_keep(int(seed), rows, cols, p).double().to(seed.device)
+    return (R.dropout_factor(seed, (rows, cols), p, torch.empty(0, device=seed.device)) != 0).double()
 
 
-def _inputs(M, K, H, N, dtype, bias=True):
+def _inputs(M, K, H, N, dtype, bias=True, device=torch.device("cpu")):
     g = torch.Generator().manual_seed(M * 1000 + H)
 
     def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype).requires_grad_()
     return (r(M, K), r(H, K, scale=K ** -0.5), r(H, scale=0.5) if bias else None,
             r(N, H, scale=H ** -0.5), r(N, scale=0.5) if bias else None)
 
@@ -61,9 +67,10 @@ _CASES = [
 ])
 def test_forward_and_gradients_match_an_explicit_mask(backend, dtype, act, bias, shape, p):
     M, K, H, N = shape
-    tensors = _inputs(*shape, dtype, bias)
+    dev = _dev(backend)
+    tensors = _inputs(*shape, dtype, bias, device=dev)
     y, g, grads = _run(backend, tensors, act, p)
-    keep = _mask(backend, _seed_after(1), M, H, p)
+    keep = _mask(backend, _seed_after(1, dev), M, H, p)
     d = [t.detach().double().requires_grad_() if t is not None else None for t in tensors]
     a = R.activation_forward(F.linear(d[0], d[1], d[2]), act)
     y_ref = F.linear(a * keep / (1 - p), d[3], d[4])
@@ -83,7 +90,8 @@ def test_gated_ffn_dropout_matches_an_explicit_mask(backend, dtype, act, shape, 
     """The gated FFN's dropout on its product (T5 v1.1): the same mask function as the FFN's, forward
     and every gradient against float64 autograd through that mask; only x and the seed are kept."""
     M, K, H, N = shape
-    x, wg, bg, wd, bd = _inputs(*shape, dtype)
+    dev = _dev(backend)
+    x, wg, bg, wd, bd = _inputs(*shape, dtype, device=dev)
     wu, bu = (t.detach().flip(0).clone().requires_grad_() for t in (wg, bg))
     tensors = (x, wg, bg, wu, bu, wd, bd)
     with fusedrc.use_backend(backend):
@@ -94,7 +102,7 @@ def test_gated_ffn_dropout_matches_an_explicit_mask(backend, dtype, act, shape, 
         grads = torch.autograd.grad(y, tensors, g)
     # x and the parameters (plain tensors here, so counted) and the 8-byte seed: no mask, no hidden tensor
     assert s.bytes == sum(t.numel() * t.element_size() for t in tensors) + 8
-    keep = _mask(backend, _seed_after(1), M, H, p)
+    keep = _mask(backend, _seed_after(1, dev), M, H, p)
     d = [t.detach().double().requires_grad_() for t in tensors]
     a = R.activation_forward(F.linear(d[0], d[1], d[2]), act) * F.linear(d[0], d[3], d[4])
     y_ref = F.linear(a * keep / (1 - p), d[5], d[6])
@@ -125,10 +133,11 @@ def test_gated_module_dropout_modes():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mask_statistics_seeds_and_extremes(backend):
     M, K, H, N = 64, 8, 96, 8
-    tensors = _inputs(M, K, H, N, torch.float32)
+    dev = _dev(backend)
+    tensors = _inputs(M, K, H, N, torch.float32, device=dev)
     with fusedrc.use_backend(backend):
         for p in (0.1, 0.5):
-            kept = _mask(backend, _seed_after(3), M, H, p).mean().item()
+            kept = _mask(backend, _seed_after(3, dev), M, H, p).mean().item()
             sigma = (p * (1 - p) / (M * H)) ** 0.5
             assert abs(kept - (1 - p)) < 5 * sigma, (p, kept)
         ya, _, _ = _run(backend, tensors, "relu", 0.5, s=7)
@@ -147,8 +156,9 @@ def test_mask_statistics_seeds_and_extremes(backend):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mask_is_regenerated_not_saved(backend):
-    x = torch.randn(24, 16, requires_grad=True)
-    ffn = fusedrc.nn.FusedMLP(16, 64, dropout=0.25)
+    dev = _dev(backend)
+    x = torch.randn(24, 16, device=dev, requires_grad=True)
+    ffn = fusedrc.nn.FusedMLP(16, 64, dropout=0.25, device=dev)
     with fusedrc.use_backend(backend), SavedBytes() as s:
         y = ffn(x)
     # x (24 x 16 fp32) and the 8-byte seed: no mask, no hidden activation
@@ -160,9 +170,10 @@ def test_mask_is_regenerated_not_saved(backend):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_nan_propagates_through_dropped_units(backend):
     # torch's dropout multiplies by its mask: a dropped NaN stays NaN. So do the fused paths.
-    x = torch.randn(6, 8)
+    dev = _dev(backend)
+    x = torch.randn(6, 8, device=dev)
     x[2, 3] = float("nan")
-    fc1, fc2 = nn.Linear(8, 32), nn.Linear(32, 4)
+    fc1, fc2 = nn.Linear(8, 32, device=dev), nn.Linear(32, 4, device=dev)
     with fusedrc.use_backend(backend):
         y = fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, "relu", dropout_p=0.5)
     eager = fc2(F.dropout(F.relu(fc1(x)), 0.5))

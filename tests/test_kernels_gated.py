@@ -180,6 +180,8 @@ def test_functional_keeps_only_x(backend, device):
 
 def test_module_state_dict_and_from_modules(device):
     gate, up, down, plain = _llama_mlp(12, 30, bias=True)
+    for mod in (gate, up, down):
+        mod.to(device)
     m = fusedrc.nn.GatedMLP(12, 30, bias=True).to(device)
     holder = nn.Module()
     holder.gate_proj, holder.up_proj, holder.down_proj = gate, up, down
@@ -191,7 +193,7 @@ def test_module_state_dict_and_from_modules(device):
         w = fusedrc.nn.GatedMLP.from_modules(gate, up, down, nn.SiLU())
         assert w.gate_proj is gate and rel_err(w(x), plain(x)) < 1e-5
     with pytest.raises(ValueError, match="up_proj"):
-        fusedrc.nn.GatedMLP.from_modules(gate, nn.Linear(12, 31), down, "silu")
+        fusedrc.nn.GatedMLP.from_modules(gate, nn.Linear(12, 31, device=device), down, "silu")
     with pytest.raises(ValueError, match="act"):
         fusedrc.nn.GatedMLP.from_modules(gate, up, down, nn.Tanh())
 
@@ -216,6 +218,8 @@ def test_bad_input_names_the_argument(device):
 
 def test_double_backward_raises(device):
     gate, up, down, _ = _llama_mlp(8, 16)
+    for mod in (gate, up, down):
+        mod.to(device)
     x = torch.randn(3, 8, device=device, requires_grad=True)
     y = fusedrc.functional.gated_mlp(x, gate.weight, None, up.weight, None, down.weight, None)
     with pytest.raises(RuntimeError, match="double backward through the fused op fusedrc::gated_mlp"):

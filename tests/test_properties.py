@@ -36,6 +36,15 @@ size = st.integers(1, 9)  # 1 and odd sizes included
 frozen_masks = st.one_of(st.just(0), st.integers(0, 2**7 - 1))
 
 
+# where the current case's tensors live: CUDA for the Triton backend on a GPU host (the kernels
+# need CUDA tensors there), the CPU otherwise (the interpreter; the reference backend)
+_DEVICE = [torch.device("cpu")]
+
+
+def _use_device(backend):
+    _DEVICE[0] = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 def make(shape, layout, dtype, gen, scale=1.0):
     """A tensor of logical ``shape`` and the given memory layout, a view of a leaf that
     requires grad (the gradient is taken with respect to the view)."""
@@ -43,7 +52,8 @@ def make(shape, layout, dtype, gen, scale=1.0):
     n = len(shape)
 
     def rand(*s):
-        return (torch.randn(*s, generator=gen, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+        t = torch.randn(*s, generator=gen, dtype=torch.float64) * scale
+        return t.to(device=_DEVICE[0], dtype=dtype).requires_grad_()
 
     if layout == "transposed" and n >= 2:
         base = rand(*reversed(shape))
@@ -91,7 +101,7 @@ def compare(ours_fn, plain_fn, inputs, buffers, dtype, gen, frozen=0):
     y, bufs = run(ours_fn, inputs, buffers)
     y_p, bufs_p = run(plain_fn, inputs, buffers)
     assert y.requires_grad == bool(names)
-    g = torch.randn(y_p.shape, generator=gen, dtype=torch.float64)
+    g = torch.randn(y_p.shape, generator=gen, dtype=torch.float64).to(y_p.device)
 
     def grads(y, leaves, g):
         return dict(zip(names, torch.autograd.grad(y, [leaves[n] for n in names], g))) if names else {}
@@ -179,6 +189,7 @@ def _layer(c, gen, names, n_out, n_in, w_layout, b_layout):
 
 
 def run_linear_act(c, backend):
+    _use_device(backend)
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, act = c["dtype"], c["activation"]
     inputs = dict(
@@ -193,6 +204,7 @@ def run_linear_act(c, backend):
 
 
 def run_fused_mlp(c, backend):
+    _use_device(backend)
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, k, hid, n, act = c["dtype"], c["k"], c["hidden"], c["n"], c["activation"]
     inputs = dict(x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
@@ -206,6 +218,7 @@ def run_fused_mlp(c, backend):
 
 
 def run_gated_mlp(c, backend):
+    _use_device(backend)
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, k, hid, n, act = c["dtype"], c["k"], c["hidden"], c["n"], c["activation"]
     inputs = dict(x=make([*c["lead"], k], c["x_layout"], dtype, gen)[1],
@@ -223,21 +236,22 @@ def run_gated_mlp(c, backend):
 
 def _conv_operand(shape, layout, dtype, gen, scale=1.0):
     if layout == "channels_last":
-        base = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        base = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device=_DEVICE[0], dtype=dtype)
         return base.contiguous(memory_format=torch.channels_last).requires_grad_()
     if layout == "transposed":  # H and W swapped in memory
         base = torch.randn(*shape[:2], shape[3], shape[2], generator=gen, dtype=torch.float64) * scale
-        return base.to(dtype).requires_grad_().transpose(2, 3)
+        return base.to(device=_DEVICE[0], dtype=dtype).requires_grad_().transpose(2, 3)
     return make(shape, layout, dtype, gen, scale)[1]
 
 
 def run_conv_bn_act(c, backend):
+    _use_device(backend)
     gen = torch.Generator().manual_seed(c["seed"])
     dtype, cout, act, training = c["dtype"], c["cout"], c["activation"], c["training"]
 
     def vec(scale=1.0, shift=0.0):
         t = torch.randn(cout, generator=gen, dtype=torch.float64) * scale + shift
-        return t.to(dtype).requires_grad_()
+        return t.to(device=_DEVICE[0], dtype=dtype).requires_grad_()
 
     inputs = dict(
         x=_conv_operand([c["n"], c["cin"], c["h"], c["w"]], c["x_layout"], dtype, gen),
@@ -249,8 +263,10 @@ def run_conv_bn_act(c, backend):
         residual=make(list(c["out"]), "contiguous", dtype, gen)[1] if c["residual"] else None,
     )
     buffers = dict(
-        running_mean=(torch.randn(cout, generator=gen, dtype=torch.float64) * 0.1).to(dtype) if c["stats"] else None,
-        running_var=(torch.rand(cout, generator=gen, dtype=torch.float64) + 0.5).to(dtype) if c["stats"] else None,
+        running_mean=(torch.randn(cout, generator=gen, dtype=torch.float64) * 0.1).to(_DEVICE[0], dtype)
+        if c["stats"] else None,
+        running_var=(torch.rand(cout, generator=gen, dtype=torch.float64) + 0.5).to(_DEVICE[0], dtype)
+        if c["stats"] else None,
     )
     conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"])
 

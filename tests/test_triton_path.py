@@ -141,7 +141,8 @@ def test_autocast_on_triton_matches_eager(device):
     with torch.autocast(device.type, dtype=dtype):
         y_ref = block(x)
     assert y.dtype == y_ref.dtype == dtype
-    assert c.gemms == 0
+    # the FFN's output GEMM is never rerun: cuBLAS on CUDA (plain_gemm), a Triton GEMM elsewhere
+    assert c.gemms == (1 if device.type == "cuda" else 0)
     assert rel_err(y, y_ref) < 2e-2
 
 
