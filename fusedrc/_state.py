@@ -116,20 +116,28 @@ def region_hook(pack):
     return pack
 
 
+_NO_QUERY = object()
+
+
+def top_saved_tensors_pack():
+    """The pack function of this thread's innermost saved-tensors hooks; None without any hooks;
+    ``_NO_QUERY`` on a torch that cannot tell (no ``_top_saved_tensors_default_hooks``)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return _NO_QUERY
+    hooks = top(False)
+    return None if hooks is None else hooks[0]
+
+
 def under_recompute_hooks() -> bool:
     """Whether the innermost saved-tensors hooks of this thread are a recompute's: a fusedrc region's
     (its forward or rerun) or torch.utils.checkpoint's (non-reentrant: forward or recomputation). Such
     hooks replace saved tensors by placeholders that are unpacked once per backward and rebuilt by a
     rerun that must save the same tensors. Byte counters, offloading hooks or none: False. Unknown (a
     torch without the query): True, the cautious answer."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return True
-    hooks = top(False)
-    if hooks is None:
-        return False
-    pack = hooks[0]
-    return getattr(pack, "_fusedrc_region", False) or getattr(pack, "__module__", None) == "torch.utils.checkpoint"
+    pack = top_saved_tensors_pack()
+    return pack is _NO_QUERY or getattr(pack, "_fusedrc_region", False) \
+        or getattr(pack, "__module__", None) == "torch.utils.checkpoint"
 
 
 def inside_region() -> bool:
@@ -145,11 +153,8 @@ def inside_region() -> bool:
     torch.compile the region is a torch.utils.checkpoint call and the fused ops stay."""
     if torch.compiler.is_compiling():  # first: dynamo folds it and traces nothing below
         return False
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # a torch without it: fused ops stay fused everywhere (always consistent)
-        return False
-    hooks = top(False)
-    return hooks is not None and getattr(hooks[0], "_fusedrc_region", False)
+    # no hooks, or a torch that cannot tell (then fused ops stay fused everywhere: always consistent)
+    return getattr(top_saved_tensors_pack(), "_fusedrc_region", False)
 
 
 def tf32_matmul_allowed() -> bool:

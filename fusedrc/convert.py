@@ -106,6 +106,7 @@ from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_act_call,
                         fused_dropout_p)
 from ._saved import SavedBytes
+from ._state import top_saved_tensors_pack
 from .recompute import _is_marked, _mark, bind_replicas, unmark
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
@@ -926,30 +927,33 @@ def _t5_dense(ctx, name, m):
     return new
 
 
-def _gated_linears_ok(g, u, d):
-    """Gate, up and down projections the gated op models: plain Linears, gate and up alike."""
-    return (all(type(lin) is nn.Linear for lin in (g, u, d)) and g.weight.shape == u.weight.shape
-            and d.in_features == g.out_features and (g.bias is None) == (u.bias is None))
+def _gated_unit(ctx, name, m, wrapper, act_key, keys):
+    """``m`` wrapped by ``wrapper`` as one fused gated FFN unit, its activation at ``act_key`` and its
+    gate/up/down Linears at ``keys``; ``m`` itself (the reason in the plan) where the gated op cannot
+    stand for it: an activation with no fused form, Linears that are not plain or do not match."""
+    act_mod = getattr(m, act_key)
+    act = _act_name(act_mod)
+    if act is None:
+        ctx.skip(name, f"activation {type(act_mod).__name__} has no fused form")
+        return m
+    g, u, d = (getattr(m, k) for k in keys)
+    if not (all(type(lin) is nn.Linear for lin in (g, u, d)) and g.weight.shape == u.weight.shape
+            and d.in_features == g.out_features and (g.bias is None) == (u.bias is None)):
+        ctx.skip(name, f"{'/'.join(keys)} are not plain nn.Linear of matching shapes")
+        return m
+    new = wrapper.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (g, u))
+    return new
 
 
 @register_rule("T5DenseGatedActDense")
 def _t5_dense_gated(ctx, name, m):
     """T5 v1.1 / Flan-T5 / mT5: act(wi_0(x)) * wi_1(x) -> dropout -> wo, the gated FFN."""
-    act = _act_name(m.act)
-    if act is None:
-        ctx.skip(name, f"activation {type(m.act).__name__} has no fused form")
-        return m
-    g, u, d = m.wi_0, m.wi_1, m.wo
-    if not _gated_linears_ok(g, u, d):
-        ctx.skip(name, "wi_0/wi_1/wo are not plain nn.Linear of matching shapes")
-        return m
     if type(m.dropout) is not nn.Dropout:
         ctx.skip(name, f"{type(m.dropout).__name__} between the gate and wo has no fused form")
         return m
-    new = FusedT5DenseGatedActDense.wrap(m)
-    new.__dict__["_fusedrc_act"] = act
-    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (g, u))
-    return new
+    return _gated_unit(ctx, name, m, FusedT5DenseGatedActDense, "act", ("wi_0", "wi_1", "wo"))
 
 
 class FusedT5DenseGatedActDense(Wrapper):
@@ -1073,18 +1077,9 @@ def _gated_mlp(ctx, name, m):
     if arg is None:
         ctx.skip(name, f"{type(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
         return m
-    act = _act_name(m.act_fn)
-    if act is None:
-        ctx.skip(name, f"activation {type(m.act_fn).__name__} has no fused form")
-        return m
-    g, u, d = m.gate_proj, m.up_proj, m.down_proj
-    if not _gated_linears_ok(g, u, d):
-        ctx.skip(name, "gate_proj/up_proj/down_proj are not plain nn.Linear of matching shapes")
-        return m
-    new = FusedGatedMLP.wrap(m)
-    new.__dict__["_fusedrc_act"] = act
-    new.__dict__["_fusedrc_arg"] = arg
-    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (g, u))
+    new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
+    if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
+        new.__dict__["_fusedrc_arg"] = arg
     return new
 
 
@@ -1334,11 +1329,10 @@ class _ContextChanged(RuntimeError):
 
 
 def _trace_context():
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return (
         torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
         tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
-        None if top is None else top(False),
+        top_saved_tensors_pack(),
     )
 
 

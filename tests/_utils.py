@@ -7,6 +7,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"}
 
 
+def backend_device(backend):
+    """Where a test case for ``backend`` runs: the Triton backend's on CUDA when there is a GPU (the
+    kernels need CUDA tensors there; CPU tensors under the interpreter elsewhere), the reference
+    backend's on the CPU."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 class SavedBytes(contextlib.AbstractContextManager):
     """Bytes autograd keeps through saved tensors, parameters excluded (counted once each)."""
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fusedrc
-from _utils import FusedOpLog, SavedBytes
+from _utils import FusedOpLog, SavedBytes, backend_device
 
 
 def test_public_names():
@@ -294,11 +294,9 @@ def test_fallback_for_unfusable_blocks_is_correct():
 
 
 def _backend_device(backend):
-    """The Triton backend's cases on CUDA where there is a GPU (CPU tensors under the interpreter
-    elsewhere); the reference backend's on the CPU."""
     if backend == "triton":
         pytest.importorskip("triton")
-    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    return backend_device(backend)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -20,6 +20,8 @@ from fusedrc import nn as fnn
 from fusedrc.convert import register_rule
 from fusedrc.reference import activation_forward
 
+from _utils import backend_device
+
 RecomputeError = fusedrc.RecomputeError
 META = "meta"
 
@@ -548,11 +550,6 @@ def _act_ref(h, activation, backend):
     return activation_forward(h, activation)
 
 
-def _dev(backend):
-    # the triton backend runs CUDA tensors on a GPU host, CPU tensors under the interpreter elsewhere
-    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
-
-
 def _leaves(*ts):
     return [t.clone().requires_grad_() if t is not None else None for t in ts]
 
@@ -568,7 +565,7 @@ def _grads(ts):
 def test_nonfinite_linear_act(backend, value, where, activation):
     x, w, b = torch.randn(5, 6), torch.randn(7, 6), torch.randn(7)
     {"x": x, "weight": w, "bias": b}[where].view(-1)[3] = value
-    x, w, b = (t.to(_dev(backend)) for t in (x, w, b))
+    x, w, b = (t.to(backend_device(backend)) for t in (x, w, b))
     ours, ref = _leaves(x, w, b), _leaves(x, w, b)
     with fusedrc.use_backend(backend):
         y = F.linear_act(*ours, activation=activation)
@@ -593,7 +590,7 @@ def test_nonfinite_linear_act(backend, value, where, activation):
 def test_nonfinite_fused_mlp(backend, value, where, activation):
     x, w1, b1, w2, b2 = torch.randn(5, 6), torch.randn(8, 6), torch.randn(8), torch.randn(7, 8), torch.randn(7)
     {"x": x, "w1": w1, "b1": b1, "w2": w2}[where].view(-1)[3] = value
-    x, w1, b1, w2, b2 = (t.to(_dev(backend)) for t in (x, w1, b1, w2, b2))
+    x, w1, b1, w2, b2 = (t.to(backend_device(backend)) for t in (x, w1, b1, w2, b2))
     ours, ref = _leaves(x, w1, b1, w2, b2), _leaves(x, w1, b1, w2, b2)
     with fusedrc.use_backend(backend):
         y = F.fused_mlp(*ours, activation=activation)
@@ -608,7 +605,7 @@ def test_nonfinite_gated_mlp(backend, value, where):
     ts = dict(x=torch.randn(5, 6), w_gate=torch.randn(8, 6), b_gate=torch.randn(8), w_up=torch.randn(8, 6),
               b_up=torch.randn(8), w_down=torch.randn(7, 8), b_down=torch.randn(7))
     ts[where].view(-1)[3] = value
-    vals = [t.to(_dev(backend)) for t in ts.values()]
+    vals = [t.to(backend_device(backend)) for t in ts.values()]
     ours, ref = _leaves(*vals), _leaves(*vals)
     with fusedrc.use_backend(backend):
         y = F.gated_mlp(*ours, activation="silu")
@@ -647,7 +644,7 @@ def _covers(a, c):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_nonfinite_conv_bn_act(backend, value, where, training):
     params, rm, rv = _conv_case(where, value)
-    params, rm, rv = tuple(t.to(_dev(backend)) for t in params), rm.to(_dev(backend)), rv.to(_dev(backend))
+    params, rm, rv = tuple(t.to(backend_device(backend)) for t in params), rm.to(backend_device(backend)), rv.to(backend_device(backend))
     ours, ref = _leaves(*params), _leaves(*params)
     rm1, rv1, rm2, rv2 = rm.clone(), rv.clone(), rm.clone(), rv.clone()
     with fusedrc.use_backend(backend):

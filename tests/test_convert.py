@@ -284,6 +284,18 @@ def test_t5_forward_backward_bytes_steps():
     assert _train_losses(copy.deepcopy(conv), batches, call) == pytest.approx(ref, rel=1e-4)
 
 
+def _spy_dropout_p(monkeypatch, op):
+    """The dropout_p of every call of fusedrc.functional.``op`` from now on (the list, filled in)."""
+    ps = []
+    real = getattr(fusedrc.functional, op)
+
+    def spy(*args, dropout_p=0.0, **kwargs):
+        ps.append(dropout_p)
+        return real(*args, dropout_p=dropout_p, **kwargs)
+    monkeypatch.setattr(fusedrc.functional, op, spy)
+    return ps
+
+
 def test_t5_v1_1_gated_ffn(monkeypatch):
     """T5 v1.1 / Flan-T5 (feed_forward_proj="gated-gelu"): each T5DenseGatedActDense is one fused
     gated FFN, its dropout (their default 0.1) included: outputs and gradients as the original's
@@ -305,13 +317,7 @@ def test_t5_v1_1_gated_ffn(monkeypatch):
     _assert_close_models(model, conv)
     dropped = _t5(feed_forward_proj="gated-gelu", dropout_rate=0.1)
     conv = fusedrc.convert(dropped)
-    ps = []
-    real = fusedrc.functional.gated_mlp
-
-    def spy(*args, dropout_p=0.0, **kwargs):
-        ps.append(dropout_p)
-        return real(*args, dropout_p=dropout_p, **kwargs)
-    monkeypatch.setattr(fusedrc.functional, "gated_mlp", spy)
+    ps = _spy_dropout_p(monkeypatch, "gated_mlp")
     conv(input_ids=ids, labels=dec).loss.backward()
     assert ps == [0.1] * 4
     assert saved_bytes(conv, (ids, None, dec)) < 0.9 * saved_bytes(dropped, (ids, None, dec))
@@ -328,13 +334,7 @@ def test_t5_dropout_between_is_fused(monkeypatch):
     conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
     assert len(plan.fused) == 4 and not plan.skipped
-    ps = []
-    real = fusedrc.functional.fused_mlp
-
-    def spy(*args, dropout_p=0.0, **kwargs):
-        ps.append(dropout_p)
-        return real(*args, dropout_p=dropout_p, **kwargs)
-    monkeypatch.setattr(fusedrc.functional, "fused_mlp", spy)
+    ps = _spy_dropout_p(monkeypatch, "fused_mlp")
     ids, dec = torch.randint(1, 128, (2, 8)), torch.randint(1, 128, (2, 4))
     model.eval(), conv.eval()
     assert rel_err(conv(input_ids=ids, labels=dec).loss, model(input_ids=ids, labels=dec).loss) <= TOL

@@ -13,15 +13,9 @@ from torch import nn
 
 import fusedrc
 from fusedrc import reference as R
-from tests._utils import SavedBytes, rel_err
+from tests._utils import SavedBytes, backend_device, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
-
-
-def _dev(backend):
-    """Where a backend's case runs: the Triton kernels on CUDA when there is a GPU (CPU tensors
-    under the interpreter otherwise), the reference on the CPU (its Bernoulli stream is per device)."""
-    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
 def _seed_after(s, device=torch.device("cpu")):
@@ -67,7 +61,7 @@ _CASES = [
 ])
 def test_forward_and_gradients_match_an_explicit_mask(backend, dtype, act, bias, shape, p):
     M, K, H, N = shape
-    dev = _dev(backend)
+    dev = backend_device(backend)
     tensors = _inputs(*shape, dtype, bias, device=dev)
     y, g, grads = _run(backend, tensors, act, p)
     keep = _mask(backend, _seed_after(1, dev), M, H, p)
@@ -90,7 +84,7 @@ def test_gated_ffn_dropout_matches_an_explicit_mask(backend, dtype, act, shape, 
     """The gated FFN's dropout on its product (T5 v1.1): the same mask function as the FFN's, forward
     and every gradient against float64 autograd through that mask; only x and the seed are kept."""
     M, K, H, N = shape
-    dev = _dev(backend)
+    dev = backend_device(backend)
     x, wg, bg, wd, bd = _inputs(*shape, dtype, device=dev)
     wu, bu = (t.detach().flip(0).clone().requires_grad_() for t in (wg, bg))
     tensors = (x, wg, bg, wu, bu, wd, bd)
@@ -133,7 +127,7 @@ def test_gated_module_dropout_modes():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mask_statistics_seeds_and_extremes(backend):
     M, K, H, N = 64, 8, 96, 8
-    dev = _dev(backend)
+    dev = backend_device(backend)
     tensors = _inputs(M, K, H, N, torch.float32, device=dev)
     with fusedrc.use_backend(backend):
         for p in (0.1, 0.5):
@@ -156,7 +150,7 @@ def test_mask_statistics_seeds_and_extremes(backend):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mask_is_regenerated_not_saved(backend):
-    dev = _dev(backend)
+    dev = backend_device(backend)
     x = torch.randn(24, 16, device=dev, requires_grad=True)
     ffn = fusedrc.nn.FusedMLP(16, 64, dropout=0.25, device=dev)
     with fusedrc.use_backend(backend), SavedBytes() as s:
@@ -170,7 +164,7 @@ def test_mask_is_regenerated_not_saved(backend):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_nan_propagates_through_dropped_units(backend):
     # torch's dropout multiplies by its mask: a dropped NaN stays NaN. So do the fused paths.
-    dev = _dev(backend)
+    dev = backend_device(backend)
     x = torch.randn(6, 8, device=dev)
     x[2, 3] = float("nan")
     fc1, fc2 = nn.Linear(8, 32, device=dev), nn.Linear(32, 4, device=dev)

@@ -22,6 +22,8 @@ import fusedrc
 from fusedrc import functional as F
 from fusedrc.reference import ACTIVATIONS, activation_forward
 
+from _utils import backend_device
+
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
                 print_blob=True)
 reference_settings = settings(max_examples=120, **SETTINGS)
@@ -42,7 +44,7 @@ _DEVICE = [torch.device("cpu")]
 
 
 def _use_device(backend):
-    _DEVICE[0] = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    _DEVICE[0] = backend_device(backend)
 
 
 def make(shape, layout, dtype, gen, scale=1.0):
