@@ -70,8 +70,19 @@ def _dtype_ok(m, x):
     return m.weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)
 
 
+# Linear subclasses whose forward is F.linear's computation, written out: Falcon's FalconLinear is
+# ``input @ weight.T + bias``. Known by class name (fusedrc imports no model library).
+LINEAR_EQUIVALENTS = frozenset({"FalconLinear"})
+
+
+def is_linear(m):
+    """An ``nn.Linear`` whose call is ``F.linear`` (not a subclass doing more, a LoRA layer, ...)."""
+    t = type(m)
+    return t is nn.Linear or t.__name__ in LINEAR_EQUIVALENTS and isinstance(m, nn.Linear)
+
+
 def _plain_linear(m, x):
-    return type(m) is nn.Linear and _dtype_ok(m, x) and m.weight.device == x.device
+    return is_linear(m) and _dtype_ok(m, x) and m.weight.device == x.device
 
 
 def _conv_padding(conv):

@@ -28,7 +28,8 @@ How patterns are found
    (MobileNetV2/V3, ShuffleNetV2), ``MBConv``/``FusedMBConv`` (EfficientNet), MNASNet's, RegNet's
    ``ResBottleneckBlock``, ConvNeXt's ``CNBlock``, Swin's and ViT's encoder blocks; from ``transformers``,
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
-   (``_INLINE_FFN_LAYERS``; the rule reads the forward's source and checks its lines),
+   (``_INLINE_FFN_LAYERS``, and by shape any ``GradientCheckpointingLayer`` holding
+   ``fc1``/``activation_fn``/``fc2``; the rule reads the forward's source and checks its lines),
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``;
    and, by shape rather than class name, every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
@@ -39,7 +40,8 @@ How patterns are found
    MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> act and
    Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act) become one call of
    a parameter-free fused module. A graph is used only where it holds for every call
-   (see ``_fx_trace``).
+   (see ``_fx_trace``); a forward that reads ``training`` gets one graph per mode.
+   Linear subclasses that compute ``F.linear`` (``LINEAR_EQUIVALENTS``: Falcon's) count as Linears.
 
 Every Hugging Face ``GradientCheckpointingLayer`` that no rule made a block in, around
 or inside becomes a block too.
@@ -104,7 +106,7 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_act_call,
-                        fused_dropout_p)
+                        fused_dropout_p, is_linear)
 from ._saved import SavedBytes
 from ._state import top_saved_tensors_pack
 from .recompute import _is_marked, _mark, bind_replicas, unmark
@@ -381,7 +383,7 @@ def _still(act, act_mod, *linears):
     """Whether the modules a fused unit reads are still of the kinds convert fused: plain Linears
     (not, say, a LoRA wrapper put in their place later) and an activation module of the same fused
     activation (not one swapped in). Otherwise the unit runs its modules as they now are."""
-    return all(type(m) is nn.Linear for m in linears) and _act_name(act_mod) == act
+    return all(is_linear(m) for m in linears) and _act_name(act_mod) == act
 
 
 _CBR_KINDS = ("conv_bn_relu", "conv_bn_act", "conv_bn")
@@ -670,10 +672,11 @@ class _FxFused(nn.Module):
 
 _HF_ACTS = {
     "ReLU": "relu", "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu", "ReLUSquaredActivation": "relu2",
+    "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh", "AccurateGELUActivation": "gelu_tanh",
+    "BloomGelu": "gelu_tanh",  # the tanh approximation, written out (equal to fp32 rounding)
+    "SiLU": "silu", "SiLUActivation": "silu", "ReLUSquaredActivation": "relu2",
     # activations without a fused form: named so that fx keeps them as calls and the plan says why
-    "FastGELUActivation": None, "QuickGELUActivation": None, "ClippedGELUActivation": None,
-    "AccurateGELUActivation": None, "MishActivation": None, "LaplaceActivation": None,
+    "QuickGELUActivation": None, "ClippedGELUActivation": None, "MishActivation": None, "LaplaceActivation": None,
     "SqrtSoftplusActivation": None, "XIELUActivation": None,
 }
 
@@ -918,7 +921,7 @@ def _t5_dense(ctx, name, m):
     if not _static_dropouts_ok([m.dropout]):
         ctx.skip(name, f"{type(m.dropout).__name__} between wi and wo has no fused form")
         return m
-    if not (type(m.wi) is nn.Linear and type(m.wo) is nn.Linear):
+    if not (is_linear(m.wi) and is_linear(m.wo)):
         ctx.skip(name, "wi/wo are not plain nn.Linear")
         return m
     new = FusedT5DenseActDense.wrap(m)
@@ -937,7 +940,7 @@ def _gated_unit(ctx, name, m, wrapper, act_key, keys):
         ctx.skip(name, f"activation {type(act_mod).__name__} has no fused form")
         return m
     g, u, d = (getattr(m, k) for k in keys)
-    if not (all(type(lin) is nn.Linear for lin in (g, u, d)) and g.weight.shape == u.weight.shape
+    if not (all(is_linear(lin) for lin in (g, u, d)) and g.weight.shape == u.weight.shape
             and d.in_features == g.out_features and (g.bias is None) == (u.bias is None)):
         ctx.skip(name, f"{'/'.join(keys)} are not plain nn.Linear of matching shapes")
         return m
@@ -1156,10 +1159,23 @@ _INLINE_FFN_LAYERS = (
 )
 
 
+def _hf_layer(m):
+    """A Hugging Face layer: what its own gradient checkpointing recomputes."""
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__[1:])
+
+
+def _looks_inline_ffn_layer(m):
+    """Found by shape, not class name: a Hugging Face layer holding ``fc1``/``fc2`` Linears and an
+    ``activation_fn`` (BioGPT, LED, TrOCR, Speech2Text, MusicGen, ... copy BART's layer); its
+    forward's code is checked as the named ones' is."""
+    return _hf_layer(m) and not isinstance(m, Wrapper) and hasattr(m, "activation_fn") \
+        and all(isinstance(m._modules.get(k), nn.Linear) for k in ("fc1", "fc2"))
+
+
 @register_rule(*_INLINE_FFN_LAYERS)
 def _inline_ffn_layer(ctx, name, m):
     """Hugging Face layers whose forward inlines the FFN on ``self.fc1``/``activation_fn``/``fc2``
-    (OPT, BART and its descendants, Whisper, ...)."""
+    (OPT, BART and its descendants, Whisper, ...; others by shape, ``_looks_inline_ffn_layer``)."""
     ctx.block(name, m, when=_no_kv_cache)
     unit = _join(name, "fc1")
     if _foreign_forward(m):
@@ -1186,7 +1202,7 @@ def _inline_ffn_layer(ctx, name, m):
     if act is None:
         ctx.skip(unit, f"activation {type(m.activation_fn).__name__} has no fused form")
         return m
-    if not (type(m.fc1) is nn.Linear and type(m.fc2) is nn.Linear) or not _nohooks(m.fc1, m.fc2, m.activation_fn):
+    if not (is_linear(m.fc1) and is_linear(m.fc2)) or not _nohooks(m.fc1, m.fc2, m.activation_fn):
         ctx.skip(unit, "fc1/fc2 are not plain nn.Linear without hooks")
         return m
     fc1, act_mod, fc2 = m.fc1, m.activation_fn, m.fc2
@@ -1220,14 +1236,14 @@ def _seq_groups(seq, prefix, ctx):
                 i = end
                 continue
             ctx.skip(_join(prefix, keys[i]), reason)
-        if type(m) is nn.Linear and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
+        if is_linear(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
             act = _act_name(mods[i + 1])
             j = i + 2
             drops = []
             while j < len(mods) and isinstance(mods[j], nn.Dropout):
                 drops.append(mods[j])
                 j += 1
-            if j < len(mods) and type(mods[j]) is nn.Linear and mods[j].in_features == m.out_features:
+            if j < len(mods) and is_linear(mods[j]) and mods[j].in_features == m.out_features:
                 if act is None:
                     ctx.skip(_join(prefix, keys[i]), f"activation {type(mods[i + 1]).__name__} has no fused form")
                 elif not _static_dropouts_ok(drops):
@@ -1267,20 +1283,36 @@ class _FxForward:
     """The instance ``forward`` of a model rewritten by the fx pass: the rewritten graph's code run
     on the model itself, so its attributes, methods, hooks and live parameters and buffers are the
     model's (``model.to(...)`` reaches them). An object, not a closure: the model pickles, and an
-    ``nn.DataParallel`` replica gets one bound to itself."""
+    ``nn.DataParallel`` replica gets one bound to itself.
 
-    def __init__(self, module, gm):
-        self.module, self.gm = module, gm
+    A forward whose graph depends on the training mode (``F.dropout(training=self.training)``)
+    has one graph per mode (``by_mode``), picked at each call by the mode of the modules the
+    trace inlined (``inlined``: their names); when those disagree (one of them switched by hand)
+    the class's own forward runs, unfused."""
+
+    def __init__(self, module, gm, by_mode=None, inlined=()):
+        self.module, self.gm, self.by_mode, self.inlined = module, gm, by_mode, tuple(inlined)
 
     def _fusedrc_rebind(self, replica):
-        return _FxForward(replica, self.gm)
+        return _FxForward(replica, self.gm, self.by_mode, self.inlined)
 
     @property
     def __code__(self):  # read as a plain function's by torch.export (non-strict) for its shape env's name
         return type(self.gm).forward.__code__
 
+    def _graph(self):
+        if self.by_mode is None:
+            return self.gm
+        mode = self.module.training
+        if any(self.module.get_submodule(n).training != mode for n in self.inlined):
+            return None
+        return self.by_mode[mode]
+
     def __call__(self, *args, **kwargs):
-        return type(self.gm).forward(self.module, *args, **kwargs)
+        gm = self._graph()
+        if gm is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return type(gm).forward(self.module, *args, **kwargs)
 
 
 def _symbolic_trace(model, concrete_args=None, flipped=False):
@@ -1295,8 +1327,16 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             # also kept as calls: a marked module, a converted one (a rule's Wrapper, a fused unit)
             # and any module with an instance forward (mark's, an earlier fx rewrite's): inlined,
             # the graph would run the plain computation without the recompute
-            return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m)
+            return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
                     or "forward" in m.__dict__ or isinstance(m, (Wrapper, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
+
+        def call_module(self, m, forward, args, kwargs):
+            if not self.is_leaf_module(m, ""):  # inlined: the trace read its attributes (training)
+                try:
+                    self.inlined.add(self.path_of_module(m))
+                except NameError:  # a module outside the traced one's tree: nothing to watch
+                    pass
+            return super().call_module(m, forward, args, kwargs)
 
         def create_node(self, *args, **kwargs):
             # fx records tensor ops only: an op traced under another grad mode, autocast state or
@@ -1307,6 +1347,7 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             return super().create_node(*args, **kwargs)
 
     tracer = _Tracer()
+    tracer.inlined = set()
     # grad mode on: a recompute/checkpoint call in the forward then pushes its hooks (seen above).
     # ``flipped``: grad mode off and CPU autocast on instead, so that an enable_grad or an
     # autocast(enabled=False) block in the forward is a change too
@@ -1321,7 +1362,9 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             stack.callback(torch.set_autocast_enabled, "cuda", cuda_enabled)
         tracer.context = _trace_context()
         graph = tracer.trace(model, concrete_args=concrete_args)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm.__dict__["_fusedrc_inlined"] = tracer.inlined
+    return gm
 
 
 class _ContextChanged(RuntimeError):
@@ -1337,11 +1380,13 @@ def _trace_context():
 
 
 def _fx_trace(model):
-    """``(graph, None)`` for a ``model`` whose torch.fx graph holds for every call, else
-    ``(None, reason)``: it does not trace, its graph depends on ``training`` (fx would freeze the
-    mode it was traced in, e.g. ``F.dropout(training=self.training)``), or on whether a defaulted
-    argument is passed (fx traces ``if mask is not None:`` as taken, and a call without ``mask``
-    would then fail or compute something else)."""
+    """``(graphs, None)`` for a ``model`` whose torch.fx graphs hold for every call, else
+    ``(None, reason)``. ``graphs`` maps a training mode to its graph: ``{None: graph}`` when the
+    graph is the same in both modes; one per mode when the forward reads ``training`` (fx freezes
+    the mode it traces in, e.g. ``F.dropout(training=self.training)``); see ``_FxForward``.
+    Refused: a forward that does not trace, or whose graph depends on whether a defaulted argument
+    is passed (fx traces ``if mask is not None:`` as taken, and a call without ``mask`` would then
+    fail or compute something else)."""
 
     cls = type(model).__name__
     if "forward" in model.__dict__:  # set by a library's hook (accelerate's, for one)
@@ -1353,15 +1398,20 @@ def _fx_trace(model):
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return None, f"{cls}.forward takes *args or **kwargs; no fx rewrite"
     defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    required = [p.name for p in params if p.default is p.empty]
     modes = [(m, m.training) for m in model.modules()]
+    graphs = {}
     try:
-        gm = _symbolic_trace(model)
-        _symbolic_trace(model, flipped=True)  # the context checks only
-        model.train(not model.training)
-        other = _symbolic_trace(model)
-        for m, training in modes:
-            m.training = training
-        as_default = _symbolic_trace(model, concrete_args=defaults) if defaults else gm
+        for training in (True, False):
+            model.train(training)
+            gm = _symbolic_trace(model)
+            if training:
+                _symbolic_trace(model, flipped=True)  # the context checks only
+            as_default = _symbolic_trace(model, concrete_args=defaults) if defaults else gm
+            if _graph_ops(gm) != _graph_ops(as_default, bool(defaults), required):
+                return None, (f"{cls}.forward computes something else when its defaulted arguments "
+                              f"({', '.join(defaults)}) are left out (torch.fx traces one case); no fx rewrite")
+            graphs[training] = gm
     except _ContextChanged:
         return None, (f"{cls}.forward changes the grad mode, autocast or saved-tensors hooks (no_grad, "
                       "autocast, recompute or checkpoint inside), which torch.fx does not record; no fx rewrite")
@@ -1370,13 +1420,9 @@ def _fx_trace(model):
     finally:
         for m, training in modes:
             m.training = training
-    if gm.code != other.code:
-        return None, f"{cls}.forward reads the training mode (torch.fx would freeze it); no fx rewrite"
-    required = [p.name for p in params if p.default is p.empty]
-    if _graph_ops(gm) != _graph_ops(as_default, bool(defaults), required):
-        return None, (f"{cls}.forward computes something else when its defaulted arguments "
-                      f"({', '.join(defaults)}) are left out (torch.fx traces one case); no fx rewrite")
-    return gm, None
+    if graphs[True].code == graphs[False].code:
+        return {None: graphs[True]}, None
+    return graphs, None
 
 
 def _graph_ops(gm, specialized=False, required=()):
@@ -1394,12 +1440,10 @@ def _graph_ops(gm, specialized=False, required=()):
     return ops
 
 
-def _fx_pass(ctx, model, prefix=""):
-    """Rewrite ``model``'s fused chains through its fx graph: the number found, or the reason it
-    could not be traced (a str)."""
-    gm, reason = _fx_trace(model)
-    if gm is None:
-        return reason
+def _fx_chains(gm, prefix, skip):
+    """The fusable chains of an fx graph, in graph order: ``(key, node, chain, kind, modules, act)``
+    (``key`` names the chain by its ops and modules, the same in another trace of the forward);
+    ``skip(name, reason)`` hears of the patterns left as they are."""
     mods = dict(gm.named_modules())
 
     def mod(node):
@@ -1437,7 +1481,7 @@ def _fx_pass(ctx, model, prefix=""):
         kw.pop("approximate", None)
         return len(c.args) == 1 and not kw
 
-    found = 0
+    found = []
     for node in list(gm.graph.nodes):
         m = mod(node)
         chain = None
@@ -1450,11 +1494,11 @@ def _fx_pass(ctx, model, prefix=""):
                     chain, kind, modules = [node, n1, n2], _cbr_kind(a), [m, mod(n1), a]
                 else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
-        elif type(m) is nn.Linear:
+        elif is_linear(m):
             n1 = single(node)
             act, a = act_of(n1)
             if act is None and n1 and _is_act_module(mod(n1)):
-                ctx.skip(_join(prefix, node.target), f"activation {type(mod(n1)).__name__} has no fused form")
+                skip(_join(prefix, node.target), f"activation {type(mod(n1)).__name__} has no fused form")
             if act is not None:
                 cur, drops = n1, []
                 nxt = single(cur)
@@ -1462,9 +1506,9 @@ def _fx_pass(ctx, model, prefix=""):
                     drops.append(nxt)
                     cur = nxt
                     nxt = single(cur)
-                if nxt and type(mod(nxt)) is nn.Linear and mod(nxt).in_features == m.out_features:
+                if nxt and is_linear(mod(nxt)) and mod(nxt).in_features == m.out_features:
                     if not _static_dropouts_ok([mod(d) for d in drops]):
-                        ctx.skip(_join(prefix, node.target), "dropouts between the FFN's Linears other than one nn.Dropout: "
+                        skip(_join(prefix, node.target), "dropouts between the FFN's Linears other than one nn.Dropout: "
                                               "no fused form")
                     else:
                         chain = [node, n1, *drops, nxt]
@@ -1474,33 +1518,69 @@ def _fx_pass(ctx, model, prefix=""):
         if chain is None or not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
                 or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])):
             continue
+        key = (kind, act, tuple((c.op, str(c.target)) for c in chain))
+        key += (sum(1 for f in found if f[0][:3] == key),)  # the same chain called again
+        found.append((key, node, chain, kind, modules, act))
+    return found
+
+
+def _fx_pass(ctx, model, prefix=""):
+    """Rewrite ``model``'s fused chains through its fx graph(s): the number found, or the reason it
+    could not be traced (a str). With one graph per training mode, a chain is fused when every
+    graph has it (the same ``_FxFused`` in each, so one switch turns it on and off)."""
+    graphs, reason = _fx_trace(model)
+    if graphs is None:
+        return reason
+    reported = set()
+
+    def skip(name, why):
+        if (name, why) not in reported:
+            reported.add((name, why))
+            ctx.skip(name, why)
+
+    chains = {mode: _fx_chains(gm, prefix, skip) for mode, gm in graphs.items()}
+    common = set.intersection(*({c[0] for c in found} for found in chains.values()))
+    first = next(iter(chains.values()))
+    mods = dict(next(iter(graphs.values())).named_modules())
+    fused_by_key, found = {}, 0
+    for key, node, chain, kind, modules, act in first:
+        if key not in common:
+            continue
         # the modules the model does not hold at the chain's node (a functional activation's
         # equivalent) travel with the call, the rest by name
-        fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules)) if c is not mod(n)}
-        fused = _FxFused(kind, fixed, act)
-        sub = f"_fusedrc_fx_{found}"
-        gm.add_submodule(sub, fused)
-        with gm.graph.inserting_before(chain[-1]):
-            registered = [gm.graph.get_attr(n.target) for i, n in enumerate(chain) if i not in fixed]
-            new_node = gm.graph.call_module(sub, (node.args[0], *registered))
-        chain[-1].replace_all_uses_with(new_node)
-        for c in reversed(chain):
-            gm.graph.erase_node(c)
-        ctx.unit(_join(prefix, node.target), kind, *_site_switches(fused.site), (m,))
+        fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules))
+                 if n.op != "call_module" or c is not mods.get(n.target)}
+        fused_by_key[key] = (_FxFused(kind, fixed, act), f"_fusedrc_fx_{found}")
+        ctx.unit(_join(prefix, node.target), kind, *_site_switches(fused_by_key[key][0].site), (modules[0],))
         found += 1
     if not found:
         return 0
-    gm.graph.lint()
-    gm.recompile()
-    # the graph runs on the model itself; it may reach fewer names (a tied weight), never others
-    if not set(gm.state_dict().keys()) <= set(model.state_dict().keys()):
-        del ctx.units[len(ctx.units) - found:]
-        ctx.skip(prefix, "torch.fx rewrite would change the state_dict keys; not applied")
-        return 0
-    for name, sub in gm.named_children():
-        if isinstance(sub, _FxFused):  # parameter-free; reached as self.<name> by the graph's code
-            model.__dict__[name] = sub
-    model.__dict__["forward"] = _FxForward(model, gm)
+    for mode, gm in graphs.items():
+        for key, node, chain, kind, modules, act in chains[mode]:
+            if key not in fused_by_key:
+                continue
+            fused, sub = fused_by_key[key]
+            fixed = fused.__dict__["_fusedrc_fixed"]
+            gm.add_submodule(sub, fused)
+            with gm.graph.inserting_before(chain[-1]):
+                registered = [gm.graph.get_attr(n.target) for i, n in enumerate(chain) if i not in fixed]
+                new_node = gm.graph.call_module(sub, (node.args[0], *registered))
+            chain[-1].replace_all_uses_with(new_node)
+            for c in reversed(chain):
+                gm.graph.erase_node(c)
+        gm.graph.lint()
+        gm.recompile()
+        # the graph runs on the model itself; it may reach fewer names (a tied weight), never others
+        if not set(gm.state_dict().keys()) <= set(model.state_dict().keys()):
+            del ctx.units[len(ctx.units) - found:]
+            ctx.skip(prefix, "torch.fx rewrite would change the state_dict keys; not applied")
+            return 0
+    for fused, sub in fused_by_key.values():  # parameter-free; reached as self.<name> by the graphs' code
+        model.__dict__[sub] = fused
+    gms = list(graphs.values())
+    inlined = set().union(*(gm.__dict__["_fusedrc_inlined"] for gm in gms))
+    by_mode = graphs if len(graphs) > 1 else None
+    model.__dict__["forward"] = _FxForward(model, gms[0], by_mode, sorted(inlined))
     bind_replicas(model)
     return found
 
@@ -1512,7 +1592,7 @@ def _fx_tree(ctx, module, prefix=""):
     names = [u.name for u in ctx.units] + [b.name for b in ctx.blocks]
     claimed = any(not prefix or n == prefix or n.startswith(prefix + ".") for n in names)
     # a Sequential below the root had its runs found by the Sequential pass
-    if not claimed and any(type(m) in (nn.Linear, nn.Conv2d) for m in module.modules()) \
+    if not claimed and any(is_linear(m) or type(m) is nn.Conv2d for m in module.modules()) \
             and not isinstance(module, (nn.ModuleList, nn.ModuleDict, _FusedSequential)) \
             and not (prefix and type(module) is nn.Sequential):
         reason = _fx_pass(ctx, module, prefix)
@@ -1541,6 +1621,8 @@ def _rewrite(ctx, module, prefix=""):
     rule = _RULES.get(type(module).__name__)
     if rule is None and _looks_gated_mlp(module):
         rule = _gated_mlp
+    elif rule is None and _looks_inline_ffn_layer(module):
+        rule = _inline_ffn_layer
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif type(module) is nn.Sequential:
@@ -1564,8 +1646,7 @@ def _layer_blocks(ctx, model):
         return not b or a == b or a.startswith(b + ".")
 
     for name, m in model.named_modules():
-        if not any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__[1:]) or _is_marked(m) \
-                or any(nested(name, t) or nested(t, name) for t in taken):
+        if not _hf_layer(m) or _is_marked(m) or any(nested(name, t) or nested(t, name) for t in taken):
             continue
         ctx.block(name, m, when=_no_kv_cache)
         taken.append(name)

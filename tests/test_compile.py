@@ -325,6 +325,26 @@ def test_converted_model(reference):
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), expect_ops=_FUSED_NET_OPS, steps=3)
 
 
+class _DropoutFFN(nn.Module):
+    """A forward reading self.training (F.dropout): convert gives it one fx graph per mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(nn.functional.dropout(x, 0.25, training=self.training))))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_converted_model_with_a_graph_per_mode(reference, training):
+    def make():
+        conv = fusedrc.convert(_DropoutFFN()).train(training)
+        assert conv.fusedrc_plan.fused == ["fc1"]
+        return conv
+    _compare(make, (4, 16), expect_ops=["fusedrc.fused_mlp"])
+
+
 def test_converted_model_inductor(reference):
     # inductor asserts the custom ops' real output strides against their fake implementations
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), backend="inductor", steps=2, atol=1e-4)

@@ -370,6 +370,26 @@ def _hf_family(family):
                             resid_pdrop=0.0, use_cache=False)
         model, args, kwargs = tr.GPT2LMHeadModel(cfg), (ids,), {}
         units = [f"transformer.h.{i}.mlp" for i in range(2)]
+    elif family == "starcoder2":  # F.dropout(training=self.training) after c_proj: one fx graph per mode
+        cfg = tr.Starcoder2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        model, args, kwargs = tr.Starcoder2ForCausalLM(cfg), (ids,), {}
+        units = [f"model.layers.{i}.mlp.c_fc" for i in range(2)]
+    elif family == "bloom":  # BloomGelu (the tanh GELU written out), dropout_add(training=...) per mode
+        cfg = tr.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4, use_cache=False)
+        model, args, kwargs = tr.BloomForCausalLM(cfg), (ids,), {}
+        units = [f"transformer.h.{i}.mlp.dense_h_to_4h" for i in range(2)]
+    elif family == "falcon":  # FalconLinear: an nn.Linear subclass computing F.linear written out
+        cfg = tr.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              use_cache=False)
+        model, args, kwargs = tr.FalconForCausalLM(cfg), (ids,), {}
+        units = [f"transformer.h.{i}.mlp.dense_h_to_4h" for i in range(2)]
+    elif family == "biogpt":  # BART's layer copied, not in the rule's list: found by its shape
+        cfg = tr.BioGptConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                              use_cache=False)
+        model, args, kwargs = tr.BioGptForCausalLM(cfg), (ids,), {}
+        units = [f"biogpt.layers.{i}.fc1" for i in range(2)]
     else:  # BART inlines its FFN as x = act(fc1(x)): the inline-FFN rule
         cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
                             decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -379,10 +399,12 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
-@pytest.mark.parametrize("family", ["llama", "bert", "gpt2", "bart"])
+@pytest.mark.parametrize("family", ["llama", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon", "biogpt"])
 def test_other_hugging_face_families(family):
-    """Beyond the OPT and T5 rules: fx on the submodules that trace, the rules for GPT-2's MLP and
-    BART-style layers, and every GradientCheckpointingLayer a block (policy="blocks", budgets)."""
+    """Beyond the OPT and T5 rules: fx on the submodules that trace (one graph per training mode
+    where the forward reads it), the rules for GPT-2's MLP and BART-style layers (named, or by
+    shape), Linear subclasses that are F.linear, and every GradientCheckpointingLayer a block
+    (policy="blocks", budgets)."""
     model, args, kwargs, units = _hf_family(family)
     conv = fusedrc.convert(model, example_inputs=args)
     plan = conv.fusedrc_plan
@@ -1040,16 +1062,36 @@ class _MethodNet(nn.Module):
         return "method kept"
 
 
-def test_fx_keeps_the_model_and_its_modes():
-    """The fx rewrite keeps the model's class, methods, attributes and live buffers, and a forward
-    that reads self.training is left unrewritten (fx would freeze the mode)."""
+def test_fx_keeps_the_model_and_its_modes(monkeypatch):
+    """The fx rewrite keeps the model's class, methods, attributes and live buffers. A forward that
+    reads self.training (fx would freeze the mode) gets one rewritten graph per mode, picked at
+    each call; with the modes of the modules it inlines at odds, the class's forward runs."""
     torch.manual_seed(0)
     model = _TrainingNet().train()
-    with pytest.warns(UserWarning, match="no pattern found"):
-        conv = fusedrc.convert(model)
-    assert any("training mode" in r for _, r in conv.fusedrc_plan.skipped)
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused == ["fc1"]
+    ps = _spy_dropout_p(monkeypatch, "fused_mlp")
     x = torch.randn(4, 8)
-    assert torch.equal(conv.eval()(x), model.eval()(x))
+    for mode in (True, False):
+        torch.manual_seed(1)
+        ref = model.train(mode)(x)
+        torch.manual_seed(1)
+        assert torch.equal(conv.train(mode)(x), ref)  # the input's dropout drew the same mask
+        assert len(ps) == 1 and ps.pop() == 0.0  # the FFN ran fused in both modes
+    assert not torch.equal(model.train()(x), model.eval()(x))  # the modes do differ
+    inner = _TrainingNet()
+    outer = nn.Sequential(nn.Identity(), inner)  # fx inlines `inner` into the outer graph
+    outer[1].load_state_dict(model.state_dict())
+    conv = fusedrc.convert(outer)
+    assert conv.fusedrc_plan.fused == ["1.fc1"]
+    conv.train()
+    conv[1].eval()  # inlined, and now in another mode than the graph the root's mode picks
+    assert torch.equal(conv(x), inner.eval()(x)) and not ps  # the class's forward ran, unfused
+    conv.train()
+    torch.manual_seed(2)
+    ref = inner.train()(x)
+    torch.manual_seed(2)
+    assert torch.equal(conv(x), ref) and ps == [0.0]
     model = _MethodNet()
     conv = fusedrc.convert(model)
     assert type(conv) is _MethodNet and conv.describe() == "method kept"
@@ -1161,6 +1203,40 @@ def test_import_torchvision_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed
     with pytest.raises(ModuleNotFoundError, match=r"torchvision is not installed: pip install"):
         _import_torchvision()
+
+
+@pytest.mark.parametrize("act, fused", [
+    ("GELUActivation", "gelu"), ("NewGELUActivation", "gelu_tanh"), ("FastGELUActivation", "gelu_tanh"),
+    ("AccurateGELUActivation", "gelu_tanh"), ("bloom.modeling_bloom.BloomGelu", "gelu_tanh"),
+    ("QuickGELUActivation", None),
+])
+def test_hugging_face_activations(monkeypatch, act, fused):
+    """Hugging Face's activation modules: the tanh GELU written out three ways (and Bloom's) is the
+    fused gelu_tanh (equal to fp32 rounding); one with no fused form is reported, not fused."""
+    import importlib
+
+    _transformers()
+    path, _, cls = act.rpartition(".")
+    module = importlib.import_module(f"transformers.models.{path}" if path else "transformers.activations")
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 32), getattr(module, cls)(), nn.Linear(32, 8))
+    conv = fusedrc.convert(seq) if fused else None
+    if fused is None:
+        with pytest.warns(UserWarning, match="no pattern found"):
+            conv = fusedrc.convert(seq)
+        assert conv.fusedrc_plan.fused == [] and "no fused form" in conv.fusedrc_plan.skipped[0][1]
+        return
+    assert conv.fusedrc_plan.fused == ["0"] and conv.fusedrc_plan.units[0].kind == "ffn"
+    acts, real = [], fusedrc.functional.fused_mlp
+    monkeypatch.setattr(fusedrc.functional, "fused_mlp", lambda *a, **k: acts.append(a[5]) or real(*a, **k))
+    x = torch.randn(16, 8) * 3
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = seq(xa), conv(xb)
+    assert acts == [fused] and rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert rel_err(xb.grad, xa.grad) <= TOL
+    _assert_close_models(seq, conv)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma"])
