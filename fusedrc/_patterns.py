@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 _ACT_MODULES = {nn.ReLU: "relu", nn.SiLU: "silu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
 
@@ -77,7 +78,7 @@ LINEAR_EQUIVALENTS = frozenset({"FalconLinear"})
 
 def is_linear(m):
     """An ``nn.Linear`` whose call is ``F.linear`` (not a subclass doing more, a LoRA layer, ...)."""
-    t = type(m)
+    t = type_before_parametrizations(m)  # a parametrized Linear's class is a generated subclass
     return t is nn.Linear or t.__name__ in LINEAR_EQUIVALENTS and isinstance(m, nn.Linear)
 
 
@@ -97,7 +98,7 @@ def _conv_padding(conv):
 
 def _plain_conv(m, x):
     return (
-        type(m) is nn.Conv2d and m.padding_mode == "zeros" and _conv_padding(m) is not None
+        type_before_parametrizations(m) is nn.Conv2d and m.padding_mode == "zeros" and _conv_padding(m) is not None
         and _dtype_ok(m, x) and m.weight.device == x.device and x.dim() == 4
     )
 

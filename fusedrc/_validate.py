@@ -113,10 +113,14 @@ def check_probability(v, name):
     return v
 
 
-def check_module(m, name, cls):
-    """``m`` must be an instance of ``cls`` (a ``torch.nn`` module class), its parameters materialized."""
+def check_module(m, name, cls, exact=False):
+    """``m`` must be an instance of ``cls`` (a ``torch.nn`` module class; with ``exact``, not a
+    subclass, whose own forward a fused op would skip), its parameters materialized."""
     if not isinstance(m, cls):
         raise TypeError(f"{name} must be an nn.{cls.__name__}, got {type(m).__name__}")
+    if exact and torch.nn.utils.parametrize.type_before_parametrizations(m) is not cls:
+        raise TypeError(f"{name} must be an nn.{cls.__name__}, got the subclass {type(m).__name__}, whose own "
+                        "forward the fused op would skip")
     if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
         raise ValueError(f"{name} is a lazy module whose parameters are not initialized yet; run it once "
                          "on an input first")

@@ -8,10 +8,13 @@ state_dicts load both ways (``LinearReLU`` <-> ``nn.Linear``; ``FusedMLP`` holds
 from __future__ import annotations
 
 from torch import nn
+from torch.nn import functional as TF
+from torch.nn.utils import parametrize
 
 from . import functional as F
-from ._patterns import _conv_padding, activation_name, conv_bn_act_call
+from ._patterns import _conv_padding, _own_hooks, activation_name, conv_bn_act_call, is_linear
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
+from .reference import activation_forward
 
 __all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "ConvBNReLU"]
 
@@ -24,6 +27,24 @@ def _act_name(act):
             f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', 'hardswish'), got {act!r}"
         )
     return check_activation(name, "act")
+
+
+def _as_built(*linears) -> bool:
+    """Whether the held Linears are still what the fused op computes with: plain ``nn.Linear``
+    without hooks of their own. A pre-hook may compute the weight at each call (pruning, the old
+    ``weight_norm``), a module put in one's place (a LoRA layer) computes more: then the module
+    runs its submodules as they are, unfused (parametrizations need nothing: reading ``weight``
+    computes it)."""
+    return all(is_linear(m) and not _own_hooks(m) for m in linears)
+
+
+def _check_linear_module(m, name):
+    """An ``nn.Linear`` whose call is ``F.linear``: a subclass with its own forward (QAT's
+    fake-quantized Linear, ...) would lose it in the fused op."""
+    check_module(m, name, nn.Linear)
+    if not is_linear(m):
+        raise TypeError(f"{name} must be an nn.Linear, got the subclass {type(m).__name__}, whose own forward the "
+                        "fused op would skip")
 
 
 def _check_features(x, name, expected, owner):
@@ -63,7 +84,12 @@ class LinearReLU(nn.Linear):
     @classmethod
     def from_modules(cls, linear: nn.Linear, act: nn.Module | str = "relu"):
         """Wrap an ``nn.Linear`` (sharing its parameters) and an activation module or name."""
-        check_module(linear, "linear", nn.Linear)
+        _check_linear_module(linear, "linear")
+        if _own_hooks(linear) or parametrize.is_parametrized(linear):
+            raise ValueError(
+                "linear has hooks or parametrizations (pruning, weight_norm, spectral_norm, ...) that compute its "
+                "weight at each call; a LinearReLU shares the Linear's parameters, not its hooks: apply them to "
+                "the LinearReLU instead")
         name = _act_name(act)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
@@ -123,8 +149,8 @@ class FusedMLP(nn.Module):
     def from_modules(cls, fc1: nn.Linear, act: nn.Module | str, fc2: nn.Linear, dropout: float = 0.0):
         """Wrap two ``nn.Linear`` layers (sharing their parameters), an activation module or name and
         a dropout probability (or the ``nn.Dropout`` between them)."""
-        check_module(fc1, "fc1", nn.Linear)
-        check_module(fc2, "fc2", nn.Linear)
+        _check_linear_module(fc1, "fc1")
+        _check_linear_module(fc2, "fc2")
         name = _act_name(act)
         if fc2.in_features != fc1.out_features:
             raise ValueError(f"fc2.in_features ({fc2.in_features}) must equal fc1.out_features ({fc1.out_features})")
@@ -141,8 +167,11 @@ class FusedMLP(nn.Module):
     def forward(self, x):
         """``fc2(dropout(act(fc1(x))))`` for ``x`` of shape ``(*, in_features)``."""
         _check_features(x, "in_features", self.fc1.in_features, type(self).__name__)
+        p = self.dropout if self.training else 0.0
+        if not _as_built(self.fc1, self.fc2):
+            return self.fc2(TF.dropout(activation_forward(self.fc1(x), self.activation), p))
         return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation,
-                           dropout_p=self.dropout if self.training else 0.0)
+                           dropout_p=p)
 
     def extra_repr(self):
         return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
@@ -196,9 +225,9 @@ class GatedMLP(nn.Module):
     @classmethod
     def from_modules(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act: nn.Module | str):
         """Wrap three ``nn.Linear`` layers (sharing their parameters) and an activation module or name."""
-        check_module(gate_proj, "gate_proj", nn.Linear)
-        check_module(up_proj, "up_proj", nn.Linear)
-        check_module(down_proj, "down_proj", nn.Linear)
+        _check_linear_module(gate_proj, "gate_proj")
+        _check_linear_module(up_proj, "up_proj")
+        _check_linear_module(down_proj, "down_proj")
         name = _act_name(act)
         if up_proj.weight.shape != gate_proj.weight.shape:
             raise ValueError(f"up_proj must have gate_proj's shape (out_features={gate_proj.out_features}, "
@@ -216,8 +245,10 @@ class GatedMLP(nn.Module):
         """``down_proj(act(gate_proj(x)) * up_proj(x))`` for ``x`` of shape ``(*, in_features)``."""
         _check_features(x, "in_features", self.gate_proj.in_features, type(self).__name__)
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation,
-                           dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if not _as_built(g, u, d):
+            return d(TF.dropout(activation_forward(g(x), self.activation) * u(x), p))
+        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation, dropout_p=p)
 
     def extra_repr(self):
         return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
@@ -284,8 +315,8 @@ class ConvBNReLU(nn.Module):
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module | str | None = "relu"):
         """Wrap an ``nn.Conv2d`` and an ``nn.BatchNorm2d`` (sharing their parameters and buffers)
         and an activation module or name (None: no activation)."""
-        check_module(conv, "conv", nn.Conv2d)
-        check_module(bn, "bn", nn.BatchNorm2d)
+        check_module(conv, "conv", nn.Conv2d, exact=True)
+        check_module(bn, "bn", nn.BatchNorm2d, exact=True)
         _check_conv(conv, "conv.padding")
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.out_channels ({conv.out_channels})")
@@ -304,7 +335,15 @@ class ConvBNReLU(nn.Module):
                 f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
                 f"for {type(self).__name__}, got shape {tuple(x.shape)}"
             )
-        return conv_bn_act_call(self.conv, self.bn, x, residual, self.activation)
+        conv, bn = self.conv, self.bn
+        if (parametrize.type_before_parametrizations(conv) is not nn.Conv2d or type(bn) is not nn.BatchNorm2d
+                or _own_hooks(conv) or _own_hooks(bn)):
+            # hooks of their own (pruning, a pre-hook computing the weight) or other modules put in their
+            # place: the submodules run as they are, unfused
+            y = bn(conv(x))
+            y = y if residual is None else y + residual
+            return y if self.activation is None else activation_forward(y, self.activation)
+        return conv_bn_act_call(conv, bn, x, residual, self.activation)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"

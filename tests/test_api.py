@@ -440,17 +440,21 @@ def test_region_checks_residual_like_the_op():
     assert m.bn.num_batches_tracked.item() == 0  # rejected calls count no batch
 
 
-def test_hooks_on_inner_modules_do_not_run_inside_a_region_either():
-    """A ConvBNReLU's inner conv/bn are parameters holders for the fused op: their hooks do not run,
-    outside a region or inside (where the unit runs plain)."""
+def test_hooks_on_inner_modules_run_and_the_unit_runs_unfused():
+    """Hooks on a ConvBNReLU's inner conv/bn (a pre-hook may compute the weight, as pruning does):
+    the module calls them as plain modules, unfused, outside a region and inside, so the hooks
+    run and see what they would see in an unfused model."""
     m = fusedrc.nn.ConvBNReLU(3, 4, 3, padding=1)
     calls = []
     m.conv.register_forward_pre_hook(lambda *a: calls.append("conv"))
-    m.bn.register_forward_hook(lambda *a: calls.append("bn"))
+    m.bn.register_forward_hook(lambda mod, i, o: calls.append(("bn", o.shape)))
     x = torch.randn(2, 3, 4, 4, requires_grad=True)
-    m(x).sum().backward()
+    with FusedOpLog() as log:
+        m(x).sum().backward()
+    assert calls == ["conv", ("bn", (2, 4, 4, 4))] and log.ops == []
+    calls.clear()
     fusedrc.recompute(lambda t: m(t) * 1.0, x).sum().backward()
-    assert calls == []
+    assert calls[:2] == ["conv", ("bn", (2, 4, 4, 4))]  # (and again in the region's rerun)
 
 
 @pytest.mark.parametrize("fn", ["linear_act_backward", "fused_mlp_backward", "conv_bn_act_backward"])

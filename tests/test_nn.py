@@ -230,3 +230,85 @@ def test_conv_bn_without_activation_residual_gradient_is_its_own_tensor():
     y = torch.compile(m, backend="aot_eager", fullgraph=True)(x, r)
     (dr,) = torch.autograd.grad(y, r, g)
     assert torch.equal(dr, g)
+
+
+def _prune_like(module):
+    """An old-style weight hook, as torch.nn.utils.prune installs it: ``weight`` is recomputed
+    from ``weight_orig`` by a forward pre-hook at every call."""
+    import torch.nn.utils.prune as prune
+
+    prune.l1_unstructured(module, "weight", amount=0.5)
+    return module
+
+
+_GELU = nn.GELU()
+
+
+@pytest.mark.parametrize("make, first, plain", [
+    (lambda: fusedrc.nn.FusedMLP(8, 24, activation="gelu"), lambda m: m.fc1,
+     lambda m, x: m.fc2(_GELU(m.fc1(x)))),
+    (lambda: fusedrc.nn.GatedMLP(8, 24, bias=True), lambda m: m.up_proj,
+     lambda m, x: m.down_proj(nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))),
+    (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1), lambda m: m.conv,
+     lambda m, x: torch.relu(m.bn(m.conv(x)))),
+], ids=["FusedMLP", "GatedMLP", "ConvBNReLU"])
+def test_hooks_on_held_modules_are_honoured(make, first, plain):
+    """A pre-hook computing a held module's weight (pruning) or a forward hook on it: the module
+    runs its submodules as they are (unfused), so each step uses the weight of that step, training
+    steps work (no stale weight from an earlier graph), and the hook fires."""
+    torch.manual_seed(0)
+    m = make()
+    _prune_like(first(m))
+    seen = []
+    first(m).register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    conv = isinstance(m, fusedrc.nn.ConvBNReLU)
+    x = torch.randn(2, 3, 6, 6) if conv else torch.randn(5, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for _ in range(2):  # the second step sees weight_orig moved by the optimizer
+        opt.zero_grad()
+        m(x).square().sum().backward()
+        opt.step()
+    assert len(seen) == 2
+    m.eval()
+    y = m(x)
+    assert len(seen) == 3 and torch.equal(y, plain(m, x))
+    with torch.no_grad():
+        first(m).weight_orig.add_(1.0)
+    assert torch.equal(m(x), plain(m, x)) and not torch.equal(m(x), y)
+
+
+def test_from_modules_refuses_what_the_fused_op_would_skip():
+    """from_modules takes the exact torch classes: a subclass's own forward (QAT fake quantization,
+    timm's BatchNormAct2d) would be lost; LinearReLU shares a Linear's parameters, so a Linear whose
+    weight a hook or parametrization computes is refused with the way out."""
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class ConvPlus(nn.Conv2d):
+        pass
+
+    lin, dbl = nn.Linear(8, 16), Doubled(8, 16)
+    with pytest.raises(TypeError, match="linear must be an nn.Linear, got the subclass Doubled"):
+        fusedrc.nn.LinearReLU.from_modules(dbl)
+    with pytest.raises(TypeError, match="fc2 must be an nn.Linear, got the subclass Doubled"):
+        fusedrc.nn.FusedMLP.from_modules(lin, "relu", Doubled(16, 8))
+    with pytest.raises(TypeError, match="up_proj must be an nn.Linear, got the subclass Doubled"):
+        fusedrc.nn.GatedMLP.from_modules(lin, dbl, nn.Linear(16, 8), "silu")
+    with pytest.raises(TypeError, match="conv must be an nn.Conv2d, got the subclass ConvPlus"):
+        fusedrc.nn.ConvBNReLU.from_modules(ConvPlus(3, 8, 3), nn.BatchNorm2d(8))
+    with pytest.raises(ValueError, match="linear has hooks or parametrizations"):
+        fusedrc.nn.LinearReLU.from_modules(_prune_like(nn.Linear(8, 16)))
+    with pytest.raises(ValueError, match="apply them to the LinearReLU instead"):
+        fusedrc.nn.LinearReLU.from_modules(torch.nn.utils.parametrizations.weight_norm(nn.Linear(8, 16)))
+    # the way out works: a parametrization on the LinearReLU itself
+    torch.manual_seed(0)
+    m = torch.nn.utils.parametrizations.weight_norm(fusedrc.nn.LinearReLU(8, 16))
+    x = torch.randn(4, 8)
+    assert rel_err(m(x), torch.relu(nn.functional.linear(x, m.weight, m.bias))) < 1e-6
+    # a module that holds its Linears takes parametrized ones, and runs fused: reading weight computes it
+    fc1 = torch.nn.utils.parametrizations.weight_norm(nn.Linear(8, 16))
+    mlp = fusedrc.nn.FusedMLP.from_modules(fc1, "relu", nn.Linear(16, 8))
+    with FusedOpLog() as log:
+        y = mlp(x)
+    assert log.ops == ["fused_mlp"] and rel_err(y, mlp.fc2(torch.relu(fc1(x)))) < 1e-6
