@@ -675,8 +675,9 @@ _HF_ACTS = {
     "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh", "AccurateGELUActivation": "gelu_tanh",
     "BloomGelu": "gelu_tanh",  # the tanh approximation, written out (equal to fp32 rounding)
     "SiLU": "silu", "SiLUActivation": "silu", "ReLUSquaredActivation": "relu2",
+    "QuickGELUActivation": "quick_gelu", "QuickGELU": "quick_gelu",  # CLIP's (HF, open_clip): h * sigmoid(1.702 h)
     # activations without a fused form: named so that fx keeps them as calls and the plan says why
-    "QuickGELUActivation": None, "ClippedGELUActivation": None, "MishActivation": None, "LaplaceActivation": None,
+    "ClippedGELUActivation": None, "MishActivation": None, "LaplaceActivation": None,
     "SqrtSoftplusActivation": None, "XIELUActivation": None,
 }
 

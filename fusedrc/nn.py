@@ -24,7 +24,7 @@ def _act_name(act):
     if name is None:
         raise ValueError(
             f"act must be a supported activation (nn.ReLU, nn.GELU, nn.SiLU or one of the names "
-            f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', 'hardswish'), got {act!r}"
+            f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', 'hardswish', 'quick_gelu'), got {act!r}"
         )
     return check_activation(name, "act")
 
@@ -65,7 +65,7 @@ class LinearReLU(nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as in ``nn.Linear``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"`` or ``"hardswish"``.
+            ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"``.
 
     Example::
 
@@ -119,7 +119,7 @@ class FusedMLP(nn.Module):
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for both layers.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"`` or ``"hardswish"``.
+            ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"``.
         dropout: dropout probability on the hidden activation in training mode (``nn.Dropout``
             between the layers), fused: its mask is regenerated in backward, never stored.
 
@@ -194,8 +194,8 @@ class GatedMLP(nn.Module):
         in_features, hidden_features: widths of the input and the hidden layer.
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for the three layers (Llama: ``bias=False``).
-        activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu6"``
-            or ``"hardswish"``.
+        activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu6"``,
+            ``"hardswish"`` or ``"quick_gelu"``.
         dropout: dropout probability on the gated product in training mode (T5 v1.1's
             ``T5DenseGatedActDense``); its mask is regenerated in backward, never stored.
 
@@ -275,7 +275,7 @@ class ConvBNReLU(nn.Module):
             implementation.
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"`` or ``"hardswish"``; None: no activation (a projection or downsample Conv-BN).
+            ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"``; None: no activation (a projection or downsample Conv-BN).
 
     Example::
 

@@ -25,6 +25,15 @@ def _relu2(h):
     return torch.square(torch.relu(h))
 
 
+def _quick_gelu(h):
+    return h * torch.sigmoid(1.702 * h)
+
+
+def _quick_gelu_backward(g, h):
+    s = torch.sigmoid(1.702 * h)
+    return g * s + aten.sigmoid_backward(g * h, s) * 1.702
+
+
 # name -> (forward, backward(grad, h) -> grad_h). Backward uses the aten
 # kernels autograd itself uses, so gradients match the unfused modules'.
 ACTIVATIONS = {
@@ -39,6 +48,8 @@ ACTIVATIONS = {
     "silu": (F.silu, lambda g, h: aten.silu_backward(g, h)),
     "relu6": (F.relu6, lambda g, h: aten.hardtanh_backward(g, h, 0.0, 6.0)),
     "hardswish": (F.hardswish, lambda g, h: aten.hardswish_backward(g, h)),
+    # CLIP's QuickGELU, h * sigmoid(1.702 h); backward as autograd of that composition
+    "quick_gelu": (_quick_gelu, _quick_gelu_backward),
 }
 
 

@@ -55,7 +55,7 @@ except ImportError:  # torch < 2.6: no triton_op either, the fused ops stay cust
     def wrap_triton(kernel):
         return kernel
 
-ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish")
+ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "quick_gelu")
 
 
 # --------------------------------------------------------------------------- tile table
@@ -228,6 +228,8 @@ def _act_fwd(h, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "hardswish":
         # torch's x * min(max(x + 3, 0), 6) / 6 (a NaN x gives NaN through the product)
         y = h * tl.minimum(tl.maximum(h + 3.0, 0.0), 6.0) / 6.0
+    elif ACTIVATION == "quick_gelu":
+        y = h * _sigmoid(1.702 * h)  # CLIP's h * sigmoid(1.702 h)
     else:  # silu
         y = h * _sigmoid(h)
     return y
@@ -260,6 +262,10 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "hardswish":
         # hardswish_backward with torch's CPU kinks: 0 up to -3 included, g from 3 on (CUDA's: -g/2, 3g/2)
         gh = tl.where(h <= -3.0, 0.0, tl.where(h < 3.0, g * (h / 3.0 + 0.5), g))
+    elif ACTIVATION == "quick_gelu":
+        # autograd of h * sigmoid(1.702 h): g s + 1.702 (g h) s (1 - s)
+        s = _sigmoid(1.702 * h)
+        gh = g * s + 1.702 * ((g * h) * (s * (1.0 - s)))
     else:  # silu
         s = _sigmoid(h)
         gh = g * (s * (1.0 + h * (1.0 - s)))

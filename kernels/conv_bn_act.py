@@ -1,6 +1,6 @@
 """Conv2d + BatchNorm2d + activation (+ residual): implicit-GEMM Triton kernels and launchers.
 
-The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, gelu_tanh, silu, relu6, hardswish;
+The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, gelu_tanh, silu, relu6, hardswish, quick_gelu;
 the epilogue functions of kernels/_common.py); ReLU below stands for it.
 
 Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight

@@ -1208,18 +1208,20 @@ def test_import_torchvision_missing_says_how_to_install(monkeypatch):
 @pytest.mark.parametrize("act, fused", [
     ("GELUActivation", "gelu"), ("NewGELUActivation", "gelu_tanh"), ("FastGELUActivation", "gelu_tanh"),
     ("AccurateGELUActivation", "gelu_tanh"), ("bloom.modeling_bloom.BloomGelu", "gelu_tanh"),
-    ("QuickGELUActivation", None),
+    ("QuickGELUActivation", "quick_gelu"), ("ClippedGELUActivation", None),
 ])
 def test_hugging_face_activations(monkeypatch, act, fused):
     """Hugging Face's activation modules: the tanh GELU written out three ways (and Bloom's) is the
-    fused gelu_tanh (equal to fp32 rounding); one with no fused form is reported, not fused."""
+    fused gelu_tanh (equal to fp32 rounding), CLIP's QuickGELU the fused quick_gelu; one with no
+    fused form is reported, not fused."""
     import importlib
 
     _transformers()
     path, _, cls = act.rpartition(".")
     module = importlib.import_module(f"transformers.models.{path}" if path else "transformers.activations")
     torch.manual_seed(0)
-    seq = nn.Sequential(nn.Linear(8, 32), getattr(module, cls)(), nn.Linear(32, 8))
+    act_mod = getattr(module, cls)(-1.0, 1.0) if cls == "ClippedGELUActivation" else getattr(module, cls)()
+    seq = nn.Sequential(nn.Linear(8, 32), act_mod, nn.Linear(32, 8))
     conv = fusedrc.convert(seq) if fused else None
     if fused is None:
         with pytest.warns(UserWarning, match="no pattern found"):

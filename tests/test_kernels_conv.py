@@ -330,7 +330,8 @@ def _activations_launched(seen):
             if name == "_conv_bn_bwd_kernel" or (name == "_conv_bn_fwd_kernel" and kw["APPLY"])}
 
 
-@pytest.mark.parametrize("activation", ["relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "none"])
+@pytest.mark.parametrize("activation", ["relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "quick_gelu",
+                                        "none"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_activations(activation, training, monkeypatch, device):
     """Every activation of the dense kernels runs in the conv epilogues (residual and conv bias

@@ -127,7 +127,7 @@ def test_relu_propagates_nan(device):
     assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
     ok = ~torch.isnan(y_ref)
     torch.testing.assert_close(y[ok], y_ref[ok], rtol=1e-5, atol=1e-6)
-    for act in ("relu2", "silu", "gelu"):  # the others keep NaN too
+    for act in ("relu2", "silu", "gelu", "quick_gelu"):  # the others keep NaN too
         assert torch.equal(torch.isnan(linear_act.linear_act_forward(x, w, b, act)), torch.isnan(y_ref))
 
 
@@ -274,11 +274,11 @@ def test_fused_mlp(shape, dtype, act, bias, device):
     _check_mlp(*_mlp_inputs(*shape, dtype, device, bias), act, dtype)
 
 
-@pytest.mark.parametrize("act", ["relu6", "hardswish"])
+@pytest.mark.parametrize("act", ["relu6", "hardswish", "quick_gelu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_piecewise_activations(act, dtype, device):
-    """relu6 and hardswish (MobileNet's): Linear+act and the FFN, ragged shapes, pre-activations
-    spread over all their pieces (below -3, -3..0, 0..3/6, above 6)."""
+    """relu6 and hardswish (MobileNet's), and CLIP's quick_gelu: Linear+act and the FFN, ragged
+    shapes, pre-activations spread over all their pieces (below -3, -3..0, 0..3/6, above 6)."""
     x, w, b, g = _linear_inputs(37, 21, 19, dtype, device, True)
     _check_linear(x * 4, w, b, g, act, dtype)
     x, w1, b1, w2, b2, g = _mlp_inputs(*MLP_SHAPES[1], dtype, device, True)

@@ -43,7 +43,7 @@ def _check_gated(x, wg, bg, wu, bu, wd, bd, g, act, dtype):
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "relu", "quick_gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_gated_mlp(shape, dtype, act, bias, device):
