@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU session steps, each under its own time limit; everything lands in $1/gpu.tgz, re-packed
-# after each step so a call cut short still returns what it finished.
+# GPU session steps, each under its own time limit; everything is written straight under
+# $1/session (so a call cut short still returns every file written so far) and packed again
+# into $1/gpu.tgz after each step.
 #   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN)
 #   kernels  per-kernel microbenchmarks (fusedrc-bench kernels)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
@@ -20,23 +21,26 @@
 # Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
 # step hung in a CUDA call that never returns is killed 30 s later.
 # In order of priority (a session has 30 device minutes, machine start included: the first three
-# calls fit; the timeouts of one call add up to at most ~520 s):
+# calls fit). The device tool stops a call at 600 s: the timeouts of one call's steps add up to
+# at most 510 s, plus their -k grace periods (at most 60 s):
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tests
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv_grouped models_mobile
+# (Every script here writes what it measured when its timeout's SIGTERM arrives.)
 set -u
 out=${1:?results folder}
 shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests kernels conv sweep models opt)
-w=$(mktemp -d)
+w="$out/session"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$w/results" "$w/plots"
 # to a temporary name, then renamed: a call killed mid-pack keeps the previous archive
 pack() { tar czf "$out/.gpu.tgz.part" -C "$w" . && mv "$out/.gpu.tgz.part" "$out/gpu.tgz"; }
+trap pack EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 opts=(--no-progress --results-dir "$w/results" --plots-dir "$w/plots")
@@ -49,20 +53,20 @@ for step in "${steps[@]}"; do
                 --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
         kernels) timeout -k 30 150 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
-        conv) timeout -k 30 420 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
+        conv) timeout -k 30 360 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         conv_compile) timeout -k 30 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
-        conv_grouped) timeout -k 30 300 python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
+        conv_grouped) timeout -k 30 250 python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
                           --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
-        tiles) timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
-               timeout -k 20 120 python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
-               timeout -k 20 240 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
+        tiles) timeout -k 20 200 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
+               timeout -k 20 100 python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
+               timeout -k 20 200 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
         sweep) timeout -k 30 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
         models) timeout -k 30 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         opt) timeout -k 30 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
-        models_mobile) timeout -k 30 300 python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
+        models_mobile) timeout -k 30 250 python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
                            --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
     esac

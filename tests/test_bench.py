@@ -267,6 +267,7 @@ def test_checkpoint_blocks_matches_original():
     (["--repeats", "0"], "--repeats"),
     (["--workload", "models", "--budgets", "0"], "--budgets"),
     (["--workload", "opt", "--budgets", "0.5,1.5"], "--budgets"),
+    (["--workload", "ffn", "--budgets", "0.5"], "--budgets"),  # no real model to budget
     (["frobnicate"], "unknown subcommand"),
     (["kernels", "--device", "tpu"], "--device"),
     (["plot"], "RESULTS.json"),
@@ -422,3 +423,40 @@ def test_interrupted_model_sweep_keeps_its_first_batch_size(tmp_path, monkeypatc
     schema.validate(doc)
     assert doc["complete"] is False and {c["batch_size"] for c in doc["configs"]} == {2}
     assert doc["workloads"]["resnet50"]["units"] > 0
+
+
+def test_kernel_gemm_counts_match_the_flop_counter():
+    """The GEMM counts the kernels benchmark rates eager and checkpoint by are what torch's
+    FlopCounterMode measures (checkpoint's early stop never reruns an FFN's output GEMM)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for pattern, shape in kernels.shapes("cpu", True):
+        case = kernels._Case(pattern, shape, torch.device("cpu"), torch.float32, "reference")
+        for strategy in ("eager", "torch_checkpoint"):
+            with FlopCounterMode(display=False) as fc:
+                case.forward(strategy).backward(case.grad)
+            assert fc.get_total_flops() == case.units[strategy] * case.gemm_flops, (pattern, strategy)
+
+
+def test_interrupted_kernels_run_writes_what_it_measured(tmp_path, monkeypatch):
+    """A timeout's SIGTERM (KeyboardInterrupt) during the timed rounds: the file holds the pairs
+    timed so far, marked incomplete, validates and redraws."""
+    steps, real = [], kernels._Case.step
+
+    def step(self, s):
+        steps.append(s)
+        if len(steps) == 40:
+            raise KeyboardInterrupt
+        return real(self, s)
+    monkeypatch.setattr(kernels._Case, "step", step)
+    res, plots = tmp_path / "results", tmp_path / "plots"
+    cli.main(["kernels", "--quick", "--warmup", "1", "--repeats", "3", "--no-progress", "--results-dir", str(res),
+              "--plots-dir", str(plots)])
+    (f,) = res.glob("bench_kernels_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    assert doc["complete"] is False and doc["configs"]
+    assert all(len(c["times_s"]) >= 1 for c in doc["configs"])
+    assert signal.getsignal(signal.SIGTERM) is not measure._interrupt  # the handler is put back
+    cli.main(["plot", str(f), "--plots-dir", str(tmp_path / "redrawn")])
+    assert list((tmp_path / "redrawn").glob("*.png"))

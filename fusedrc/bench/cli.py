@@ -200,6 +200,9 @@ def run_sweep(argv):
     args.load_start = measure.loadavg()
     synthetic = [n for n in names if n not in models.MODEL_WORKLOADS]
     real = [n for n in names if n in models.MODEL_WORKLOADS]
+    if args.budgets and not real:
+        p.error(f"--budgets applies to the real-model workloads ({', '.join(models.MODEL_WORKLOADS)}); "
+                f"--workload {args.workload} has none")
     backend = sweep.backend_for(dev)
     notes, skipped = [], []
     compile_reason = None
@@ -348,10 +351,18 @@ def run_kernels(argv):
     else:
         notes.append("GPU: fused ops run the Triton kernels; timed with triton.testing.do_bench "
                      "(warmup/repeats options unused)")
-    with fusedrc.use_backend(backend):
-        records, gemm = kernels.run(dev, dtype, args.quick, args.warmup, args.repeats, backend,
-                                    progress=not args.no_progress)
+    # a `timeout` (benchmarks/gpu_session.sh) or Ctrl-C still writes what was measured
+    prev_handler = measure.interrupt_on_sigterm()
+    try:
+        with fusedrc.use_backend(backend):
+            records, gemm, complete = kernels.run(dev, dtype, args.quick, args.warmup, args.repeats, backend,
+                                                  progress=not args.no_progress)
+    finally:
+        signal.signal(signal.SIGTERM, prev_handler)
+    if not complete:
+        notes.append("interrupted (SIGTERM or Ctrl-C) before the end: the patterns timed so far")
     doc = _header("kernels", args, dev, backend, t_start, notes, skipped)
+    doc["complete"] = complete
     if dev.type == "cuda":
         doc["timer"] = "triton.testing.do_bench"
     doc["gemm_rate"] = gemm

@@ -9,7 +9,7 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
 * ``fused_mlp_dropout`` (``Linear → GELU → Dropout(0.1) → Linear``, the fused op regenerates
   the mask in backward from a Philox seed): same counts as ``fused_mlp``
 * ``gated_mlp`` (Llama's SwiGLU MLP ``down(silu(gate(x)) * up(x))``, in units of one of its three
-  equal GEMMs): eager 9, checkpoint 12, fusedrc 11 (the down projection is never rerun)
+  equal GEMMs): eager 9, checkpoint 11 (early stop: down_proj is not rerun), fusedrc 11
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 
@@ -105,7 +105,7 @@ class _Case:
             self.block = _SwiGLU(d, h)
             xs, ys = (M, d), (M, d)
             self.gemm_flops = 2 * M * d * h  # one of its three GEMMs
-            self.units = {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
+            self.units = {"eager": 9, "torch_checkpoint": 11, "fusedrc": 11}  # FlopCounterMode agrees
         else:
             N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
             self.block = nn.Sequential(nn.Conv2d(C, K, k, 1, k // 2, bias=False), nn.BatchNorm2d(K), nn.ReLU())
@@ -149,12 +149,15 @@ def _gemm_rate(device, dtype, timer, repeats):
 
 
 def run(device, dtype, quick, warmup, repeats, backend, progress=True):
+    """``(records, gemm_rate, complete)``; a KeyboardInterrupt (SIGTERM under
+    ``measure.interrupt_on_sigterm``) ends the timing early: the (pattern, strategy) pairs timed
+    so far are returned, ``complete`` False."""
     timer = measure.Timer(device)
     # keyed by case index: a pattern may run at several shapes
     cases = {i: _Case(p, shape, device, dtype, backend) for i, (p, shape) in enumerate(shapes(device.type, quick))}
     pbar = bar(len(cases) * len(STRATEGIES) * (1 + warmup + repeats), "fusedrc-bench kernels",
                disable=not progress)
-    saved, times = {}, {}
+    saved, times, complete = {}, {}, False
     try:
         for p, c in cases.items():
             for s in STRATEGIES:
@@ -181,12 +184,19 @@ def run(device, dtype, quick, warmup, repeats, backend, progress=True):
                     for s in STRATEGIES:
                         times[p, s].append(timer(lambda: c.step(s)))
                         pbar.update(1)
+        complete = True
+    except KeyboardInterrupt:
+        print("\ninterrupted: writing the patterns timed so far", flush=True)
     finally:
         pbar.close()
-    gemm = _gemm_rate(device, dtype, timer, repeats)
+    if not any(times.values()):
+        raise SystemExit("interrupted before any pattern was timed: nothing written")
+    gemm = _gemm_rate(device, dtype, timer, repeats if complete else min(repeats, 3))  # interrupted: be quick
     records = []
     for p, c in cases.items():
         for s in STRATEGIES:
+            if not times.get((p, s)):
+                continue
             st = measure.summarize(times[p, s])
             flops = c.units[s] * c.gemm_flops
             records.append({"pattern": c.pattern, "strategy": s, "shape": c.shape, "gemm_units": c.units[s],
@@ -194,4 +204,4 @@ def run(device, dtype, quick, warmup, repeats, backend, progress=True):
                             "tflops": flops / st["median_s"] / 1e12,
                             "fraction_of_gemm_rate": flops / st["median_s"] / 1e12 / gemm["tflops"],
                             "saved_activation_bytes": saved[p, s]})
-    return records, gemm
+    return records, gemm, complete

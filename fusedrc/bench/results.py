@@ -22,7 +22,8 @@ def own_peak(r):
     return p if p is not None else r.get("peak_allocated_bytes")
 
 _CSV_SWEEP = ("workload", "strategy", "batch_size", "knob_name", "knob", "recomputed_blocks", "n_blocks",
-              "median_s", "p20_s", "p80_s", "saved_activation_bytes", "peak_allocated_bytes", "compile_s",
+              "median_s", "p20_s", "p80_s", "saved_activation_bytes", "peak_allocated_bytes",
+              "allocated_before_step_bytes", "compile_s",
               "recomputed_units", "n_units", "convert_s")
 _CSV_KERNELS = ("pattern", "strategy", "shape", "gemm_units", "flops", "median_s", "p20_s", "p80_s", "tflops",
                 "fraction_of_gemm_rate", "saved_activation_bytes")

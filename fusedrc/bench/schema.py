@@ -104,6 +104,7 @@ SWEEP = {
 KERNELS = {
     **COMMON,
     "gemm_rate": {"shape": [int], "median_s": NUM, "tflops": NUM},
+    "complete?": bool,
     "configs": [{
         "pattern": Enum("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "conv_bn_act"),
         "strategy": Enum("eager", "torch_checkpoint", "fusedrc"), "shape": dict, "gemm_units": NUM,
