@@ -254,6 +254,11 @@ def conv_bn_act(
     ``training``, the running statistics are updated in place once with the
     averaging factor ``momentum`` (unbiased variance). Kept for backward: ``x``,
     the parameters, the per-channel mean and rstd, and ``residual`` if given.
+    The batch variance that update uses is ``rstd**-2 - eps`` from the op's fp32 rstd: exact
+    to about ``1e-7 * (var + eps)``, so a channel whose variance is far below ``eps`` (a
+    nearly constant one) gets a running variance off by much more than that relatively
+    (1e-4 relative at var = 1e-8, eps = 1e-5; torch accumulates it in fp64 on the CPU), while
+    the ``running_var + eps`` that eval normalizes with stays exact to about 1e-7.
 
     Args:
         x: ``(N, C_in, H, W)``, floating point.
