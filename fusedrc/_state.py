@@ -170,6 +170,47 @@ def tf32_matmul_allowed() -> bool:
     return precision == "tf32" if precision is not None else bool(matmul.allow_tf32)
 
 
+def cudnn_conv_tf32() -> bool:
+    """Whether cuDNN's fp32 convolutions may use tf32 (the conv of the opt-in ``CONV_Z="aten"``
+    path), by either API: the newest precision set at the conv, cuDNN or global level, else the
+    legacy ``allow_tf32``."""
+    cudnn = torch.backends.cudnn
+    for owner in (getattr(cudnn, "conv", None), cudnn, torch.backends):
+        precision = getattr(owner, "fp32_precision", None)
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+    try:
+        return bool(cudnn.allow_tf32)
+    except RuntimeError:  # conv and RNN set apart by the new API: the conv's was read above
+        return True
+
+
+@contextlib.contextmanager
+def pinned_cudnn_tf32(allowed: bool):
+    """cuDNN's fp32 conv precision set to ``allowed`` for the block and restored after (a global
+    setting, as ``torch.backends.cudnn.flags`` sets it): the conv+BN backward's cuDNN recompute
+    runs as its forward did."""
+    if cudnn_conv_tf32() == allowed:
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        previous = conv.fp32_precision
+        conv.fp32_precision = "tf32" if allowed else "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision = previous
+        return
+    previous = cudnn.allow_tf32
+    cudnn.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = previous
+
+
 @contextlib.contextmanager
 def pinned_tf32(allowed: bool):
     """Answer ``allowed`` from :func:`tf32_matmul_allowed` in this thread: a fused op's backward

@@ -188,8 +188,8 @@ def gated_mlp(
     Llama's, Mistral's and Qwen2's MLP (``act = "silu"``: SwiGLU), Gemma's
     (``"gelu_tanh"``: GeGLU). Backward recomputes the gate and up projections
     (one kernel, both in one main loop, emitting their gradients) and never reruns
-    the down projection: 11 GEMMs a step where ``torch.utils.checkpoint`` runs 12,
-    and none of the three hidden-sized intermediates is stored.
+    the down projection: 11 GEMMs a step, as ``torch.utils.checkpoint`` with its early
+    stop, and none of the three hidden-sized intermediates is stored.
 
     Args:
         x: ``(*, in_features)``, floating point.

@@ -26,6 +26,7 @@ fused layer; that CPU time bounded small-batch steps on a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import List, Optional, Tuple
 
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ._backend import get_impl
-from ._state import pinned_tf32, tf32_matmul_allowed
+from ._state import cudnn_conv_tf32, pinned_cudnn_tf32, pinned_tf32, tf32_matmul_allowed, traced
 
 _EMPTY = (0,)
 
@@ -394,6 +395,9 @@ def _conv_bn_act_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual)
     ctx.args = (training, eps, stride, padding, dilation, activation, backend)
     ctx.groups = groups
+    # fp32 convs on cuDNN (CONV_Z="aten") follow cuDNN's tf32 setting: the backward's recompute
+    # must run at the forward's (not recorded while tracing: a compiled graph fixes its own)
+    ctx.cudnn_tf32 = cudnn_conv_tf32() if x.dtype == torch.float32 and not traced(x) else None
 
 
 def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
@@ -403,10 +407,12 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     # channels_last already (a plain .contiguous() would copy it to NCHW every step)
     fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
     mask = _output_mask(ctx, (0, 1, 2, 3, 4, 7))
-    grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
-        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt),
-        *ctx.args, mask, ctx.groups,
-    )
+    pin = pinned_cudnn_tf32(ctx.cudnn_tf32) if ctx.cudnn_tf32 is not None else contextlib.nullcontext()
+    with pin:
+        grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
+            x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt),
+            *ctx.args, mask, ctx.groups,
+        )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
     dx, dw, db, dgamma, dbeta, dres = _wanted_grads(grads, inputs, mask)
     return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None, None

@@ -15,8 +15,8 @@ Backward (8 GEMMs; the down GEMM is never rerun):
     and per-row-tile partial column sums of g_hg and g_hu (the biases' gradients).
     h_g, h_u, act(h_g) never reach global memory.
   dWd = grad_out^T a, dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x (GEMMs)
-torch.utils.checkpoint on the same block runs 12 GEMMs (it reruns the down GEMM too)
-and writes h_g, h_u, act(h_g) and a to memory in its recompute.
+torch.utils.checkpoint on the same block also runs 11 GEMMs (its early stop skips the down
+GEMM) but writes h_g, h_u, act(h_g) and a to memory in its recompute.
 
 Numerics: h_g, h_u and the product act(h_g) * h_u stay in fp32 and only the product is
 rounded to the input's dtype (eager rounds h_g, h_u and act(h_g) to it first: with fp16

@@ -492,6 +492,31 @@ def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn):
         matmul.fp32_precision = before
 
 
+def test_conv_backward_recomputes_at_the_forwards_cudnn_precision(monkeypatch):
+    """cuDNN's fp32 conv precision (what the opt-in CONV_Z="aten" path's conv follows) flipped
+    between forward and backward: the conv+BN backward runs at the forward's, and the setting is
+    back to the user's after it."""
+    from fusedrc import _state, reference
+
+    seen, real = [], reference.conv_bn_act_backward
+    monkeypatch.setattr(reference, "conv_bn_act_backward",
+                        lambda *a: seen.append(_state.cudnn_conv_tf32()) or real(*a))
+    conv = torch.backends.cudnn.conv
+    before = conv.fp32_precision
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    try:
+        for forward_tf32 in (False, True):
+            conv.fp32_precision = "tf32" if forward_tf32 else "ieee"
+            with fusedrc.use_backend("reference"):
+                y = fusedrc.nn.ConvBNReLU(4, 5, 3)(x)
+            conv.fp32_precision = "ieee" if forward_tf32 else "tf32"
+            y.sum().backward()
+            assert seen.pop() is forward_tf32
+            assert conv.fp32_precision == ("ieee" if forward_tf32 else "tf32")
+    finally:
+        conv.fp32_precision = before
+
+
 def _fused_and_plain(op):
     torch.manual_seed(0)
     if op == "linear_act":
