@@ -109,7 +109,7 @@ from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks,
                         fused_dropout_p, is_linear)
 from ._saved import SavedBytes
 from ._state import top_saved_tensors_pack
-from .recompute import _is_marked, _mark, bind_replicas, unmark
+from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
@@ -221,7 +221,7 @@ class Wrapper(nn.Module):
         attributes and hooks stay as they are, and a user's references to it see the fused
         module (``convert(inplace=True)`` rewrites the object it was given; without inplace,
         convert works on a deep copy). ``self.plain`` runs the original class's forward."""
-        original = type(module)
+        original = _class_of(module)  # a Wrapper already (an earlier convert): its original class
         module.__class__ = cls
         module.__dict__["_fusedrc_original_class"] = original
         module.__dict__["sites"] = {}
@@ -233,6 +233,14 @@ class Wrapper(nn.Module):
 
     def _get_name(self):
         return "Fused" + self._fusedrc_original_class.__name__
+
+
+def _class_of(m):
+    """The class a module had before convert: a rule's :class:`Wrapper` (an earlier convert's)
+    remembers it. Rules and checks look at this one, so converting a converted model again
+    rewrites its blocks afresh, as the first convert did."""
+    return m.__dict__.get("_fusedrc_original_class", type(m)) if isinstance(m, (Wrapper, _FusedSequential)) \
+        else type(m)
 
 
 def _set_impl(model, impl):
@@ -852,7 +860,7 @@ def register_rule(*class_names):
 
 def _from_torchvision(m):
     # the 2-D ResNet blocks only: torchvision.models.video has 3-D classes of the same names
-    return type(m).__module__ == "torchvision.models.resnet"
+    return _class_of(m).__module__ == "torchvision.models.resnet"
 
 
 @register_rule("BasicBlock")
@@ -908,7 +916,8 @@ def _torchvision_block(ctx, name, m):
     ``CNBlock``, Swin and ViT encoder blocks: each is a block for ``policy="blocks"`` and budgets
     (the module itself, unchanged); the fx pass finds the Conv-BN[-act] chains and FFNs inside it.
     A class of the same name from elsewhere is left to the other passes."""
-    if type(m).__module__ in _TORCHVISION_BLOCKS[type(m).__name__]:
+    cls = _class_of(m)
+    if cls.__module__ in _TORCHVISION_BLOCKS[cls.__name__]:
         ctx.block(name, m)
     return m
 
@@ -1011,7 +1020,7 @@ def _conv1d_mlp(ctx, name, m):
     if body is None:
         return m
     if body[1:] != _CONV1D_MLP_BODY:
-        ctx.skip(name, f"{type(m).__name__}.forward is not c_fc -> act -> c_proj -> dropout")
+        ctx.skip(name, f"{_class_of(m).__name__}.forward is not c_fc -> act -> c_proj -> dropout")
         return m
     act = _act_name(m.act)
     if act is None:
@@ -1068,7 +1077,8 @@ def _gated_mlp_body(lines):
 
 def _looks_gated_mlp(m):
     return all(isinstance(getattr(m, a, None), nn.Module) for a in _GATED_MLP_ATTRS) \
-        and not type(m).__module__.startswith("torch.") and not isinstance(m, Wrapper)
+        and not _class_of(m).__module__.startswith("torch.") \
+        and (not isinstance(m, Wrapper) or isinstance(m, FusedGatedMLP))
 
 
 def _gated_mlp(ctx, name, m):
@@ -1079,7 +1089,7 @@ def _gated_mlp(ctx, name, m):
         return m
     arg = _gated_mlp_body(lines)
     if arg is None:
-        ctx.skip(name, f"{type(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
+        ctx.skip(name, f"{_class_of(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
         return m
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
@@ -1099,9 +1109,9 @@ def _forward_lines(ctx, unit, m):
     """The code lines of ``m``'s class forward (stripped, no blanks or comments; the ``def``
     line first), or None, reported: a rule reads them to check the shape of the code it fuses."""
     try:
-        src = _inspect.getsource(type(m).forward)
+        src = _inspect.getsource(_class_of(m).forward)
     except (OSError, TypeError):
-        ctx.skip(unit, f"cannot read {type(m).__name__}.forward to check the FFN")
+        ctx.skip(unit, f"cannot read {_class_of(m).__name__}.forward to check the FFN")
         return None
     return [ln.strip() for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 
@@ -1617,16 +1627,25 @@ def _fx_tree(ctx, module, prefix=""):
 def _rewrite(ctx, module, prefix=""):
     """Apply rules and the Sequential pass top-down; returns the (possibly new) module."""
     if _is_marked(module):
-        ctx.skip(prefix, "already marked with fusedrc.mark")
-        return module
-    rule = _RULES.get(type(module).__name__)
+        if not module.__dict__[_MARK].get("by_convert"):
+            ctx.skip(prefix, "already marked with fusedrc.mark")
+            return module
+        unmark(module)  # an earlier convert's block: planned again
+    if isinstance(module.__dict__.get("forward"), _FxForward):  # an earlier convert's fx rewrite: traced again
+        for key in [k for k in module.__dict__ if k == "forward" or k.startswith("_fusedrc_fx_")]:
+            del module.__dict__[key]
+        if not any(hasattr(v, "_fusedrc_rebind") for k, v in module.__dict__.items()
+                   if k != "_replicate_for_data_parallel"):
+            module.__dict__.pop("_replicate_for_data_parallel", None)
+    cls = _class_of(module)
+    rule = _RULES.get(cls.__name__)
     if rule is None and _looks_gated_mlp(module):
         rule = _gated_mlp
     elif rule is None and _looks_inline_ffn_layer(module):
         rule = _inline_ffn_layer
     if rule is not None:
         module = rule(ctx, prefix, module)
-    elif type(module) is nn.Sequential:
+    elif cls is nn.Sequential:
         module = _sequential(ctx, prefix, module)
     for key, child in list(module._modules.items()):
         if child is None or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused)):
@@ -1691,6 +1710,7 @@ def _lookup(model, name):
 def _set_block(block, on):
     if on and not _is_marked(block.module):
         _mark(block.module, when=block.when)
+        block.module.__dict__[_MARK]["by_convert"] = True  # a later convert re-plans it
     elif not on and _is_marked(block.module):
         unmark(block.module)
 

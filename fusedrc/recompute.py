@@ -589,6 +589,7 @@ def _mark(module, output_recompute=False, when=None):
                         "or use torch.compile")
     if _is_marked(module):  # marking twice is marking once (MindSpore's Cell.recompute())
         module.__dict__[_MARK]["output_recompute"] = bool(output_recompute)
+        module.__dict__[_MARK].pop("by_convert", None)  # marked by hand now: a later convert keeps it
         return module
     for name, sub in module.named_modules():
         if sub is not module and _is_marked(sub):

@@ -656,8 +656,9 @@ def test_fx_keeps_marked_and_converted_modules_as_calls():
     assert all(_is_marked(b) for b in conv.blocks)
     assert conv.fusedrc_plan.fused == ["stem"]  # the parent's rewrite fused its stem and kept the blocks' calls
     assert saved_bytes(conv, (x,)) < marked
-    with pytest.warns(UserWarning, match="no pattern found"):  # the stem's Conv-BN-ReLU is fused already
+    with pytest.warns(UserWarning, match="already marked"):  # the stem is planned afresh, the marks kept
         again = fusedrc.convert(conv)
+    assert again.fusedrc_plan.fused == ["stem"] and all(_is_marked(b) for b in again.blocks)
     assert saved_bytes(again, (x,)) == saved_bytes(conv, (x,))
 
 
@@ -1585,3 +1586,56 @@ def test_resnet_activation_swapped_after_convert(swap):
         copy.deepcopy(conv.layer1[0])(torch.randn(2, 64, 8, 8))
     assert ops == (["conv_bn_act"] * 2 if swap == "silu" else [])
     _assert_same_step(model, conv, x)
+
+
+@pytest.mark.parametrize("family", ["resnet18", "llama", "fx"])
+def test_converting_a_converted_model_again(family):
+    """convert on a converted model plans it afresh, as convert on the original does: the rules'
+    rewritten blocks (ResNet's, Llama's gated MLP found by its forward), fused Sequentials and
+    convert's own block marks are taken as what they were; a block marked by hand stays."""
+    torch.manual_seed(0)
+    if family == "resnet18":
+        model, args, kwargs = _resnet("resnet18").train(), (torch.randn(2, 3, 32, 32),), {}
+    elif family == "fx":  # an fx-rewritten submodule, one graph per mode, in a model fx cannot trace
+        model = _Outer().train()
+        args, kwargs = (torch.randn(4, 8),), {}
+    else:
+        model, args, kwargs, _ = _hf_family("llama")
+    out = (lambda m: m(*args, **kwargs)) if family in ("resnet18", "fx") else (lambda m: m(*args, **kwargs).logits)
+    first = fusedrc.convert(model)
+    for policy in ("blocks", "all") if family != "fx" else ("all", "all"):
+        fresh = fusedrc.convert(model, policy=policy).fusedrc_plan
+        again = fusedrc.convert(first, policy=policy)
+        plan = again.fusedrc_plan
+        assert plan.fused == fresh.fused and plan.recomputed_blocks == fresh.recomputed_blocks
+        assert plan.skipped == fresh.skipped and plan.units[0].kind == fresh.units[0].kind
+        assert plan.fused and (policy == "all" or plan.recomputed_blocks)
+        assert list(again.state_dict()) == list(model.state_dict())
+        first = again
+    model.zero_grad()
+    torch.manual_seed(5)  # the same dropout masks
+    ya = out(model)
+    torch.manual_seed(5)
+    yb = out(again)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, again)
+    blocks = fusedrc.convert(again, policy="blocks") if family != "fx" else again
+    name = blocks.fusedrc_plan.recomputed_blocks[0] if family != "fx" else "net"
+    fusedrc.mark(blocks.get_submodule(name))  # now marked by hand: a later convert leaves it
+    with pytest.warns(UserWarning, match="already marked" if family != "fx" else "no pattern found"):
+        plan = fusedrc.convert(blocks, policy="blocks" if family != "fx" else "all").fusedrc_plan
+    assert (name, "already marked with fusedrc.mark") in plan.skipped
+    assert copy.deepcopy(again).fusedrc_plan.fused == again.fusedrc_plan.fused
+
+
+class _Outer(nn.Module):
+    """A model fx cannot trace whole (``*rest``) around one it can (whose forward reads training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.blocks = _TrainingNet(), nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, x, *rest):
+        return self.blocks[0](self.net(x))
