@@ -1170,6 +1170,29 @@ _INLINE_FFN_LAYERS = (
 )
 
 
+def _plain_linear_of(stand_in):
+    """An ``nn.Linear`` holding a stand-in's parameters (the same tensors, so the same keys)."""
+    lin = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(lin)
+    lin.in_features, lin.out_features = stand_in.in_features, stand_in.out_features
+    lin.weight, lin.bias = stand_in.weight, stand_in.bias
+    lin.training = stand_in.training
+    return lin
+
+
+def _unfuse_inline_ffn(layer) -> bool:
+    """Put plain modules back where an earlier convert put an inlined FFN's stand-ins (fc1's
+    parameters, the activation module, fc2's), so the rule can plan the layer afresh; False (left
+    as it is) when one of them has hooks of its own or is not convert's."""
+    head, act, tail = (layer._modules.get(k) for k in ("fc1", "activation_fn", "fc2"))
+    if not (isinstance(head, _FFNHead) and isinstance(act, _FFNAct) and isinstance(tail, _FFNTail)) \
+            or any(_own_hooks(s) for s in (head, act, tail)):
+        return False
+    layer._modules["fc1"], layer._modules["fc2"] = _plain_linear_of(head), _plain_linear_of(tail)
+    layer._modules["activation_fn"] = act.__dict__["_fusedrc_act_mod"]
+    return True
+
+
 def _hf_layer(m):
     """A Hugging Face layer: what its own gradient checkpointing recomputes."""
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__[1:])
@@ -1192,8 +1215,8 @@ def _inline_ffn_layer(ctx, name, m):
     if _foreign_forward(m):
         ctx.skip(unit, f"{type(m).__name__} has a forward set on the instance: its code is not the class's")
         return m
-    if isinstance(m.__dict__["_modules"].get("fc1"), _FFNHead):
-        ctx.skip(unit, "converted already, by an earlier fusedrc.convert")
+    if isinstance(m.__dict__["_modules"].get("fc1"), _FFNHead) and not _unfuse_inline_ffn(m):
+        ctx.skip(unit, "converted already, by an earlier fusedrc.convert (hooks on its stand-ins)")
         return m
     lines = _forward_lines(ctx, unit, m)
     if lines is None:

@@ -1588,17 +1588,20 @@ def test_resnet_activation_swapped_after_convert(swap):
     _assert_same_step(model, conv, x)
 
 
-@pytest.mark.parametrize("family", ["resnet18", "llama", "fx"])
+@pytest.mark.parametrize("family", ["resnet18", "llama", "opt", "fx"])
 def test_converting_a_converted_model_again(family):
     """convert on a converted model plans it afresh, as convert on the original does: the rules'
     rewritten blocks (ResNet's, Llama's gated MLP found by its forward), fused Sequentials and
-    convert's own block marks are taken as what they were; a block marked by hand stays."""
+    convert's own block marks and OPT's inlined-FFN stand-ins are taken as what they were; a block
+    marked by hand stays."""
     torch.manual_seed(0)
     if family == "resnet18":
         model, args, kwargs = _resnet("resnet18").train(), (torch.randn(2, 3, 32, 32),), {}
     elif family == "fx":  # an fx-rewritten submodule, one graph per mode, in a model fx cannot trace
         model = _Outer().train()
         args, kwargs = (torch.randn(4, 8),), {}
+    elif family == "opt":
+        model, args, kwargs = _opt(), (torch.randint(0, 128, (2, 16)),), {}
     else:
         model, args, kwargs, _ = _hf_family("llama")
     out = (lambda m: m(*args, **kwargs)) if family in ("resnet18", "fx") else (lambda m: m(*args, **kwargs).logits)
@@ -1628,6 +1631,11 @@ def test_converting_a_converted_model_again(family):
         plan = fusedrc.convert(blocks, policy="blocks" if family != "fx" else "all").fusedrc_plan
     assert (name, "already marked with fusedrc.mark") in plan.skipped
     assert copy.deepcopy(again).fusedrc_plan.fused == again.fusedrc_plan.fused
+    if family == "opt":  # a hook on a stand-in: that layer is left as it is, and said
+        again.model.decoder.layers[1].fc2.register_forward_hook(lambda *a: None)
+        plan = fusedrc.convert(again).fusedrc_plan
+        assert plan.fused == ["model.decoder.layers.0.fc1"]
+        assert any(n == "model.decoder.layers.1.fc1" and "converted already" in r for n, r in plan.skipped)
 
 
 class _Outer(nn.Module):
