@@ -61,7 +61,7 @@ def fused_dropout_p(module, training=None):
     dropout that does nothing now, ``p`` for a training ``nn.Dropout`` (the exact class: a
     subclass may draw its mask otherwise), None for anything the fused op cannot stand for.
     ``training`` overrides the module's mode (True: whether it can be fused in either mode)."""
-    if module is None or _is_noop_dropout(module, training):
+    if module is None or _is_noop_dropout(module, training) or type(module) is nn.Identity:
         return 0.0
     return float(module.p) if type(module) is nn.Dropout else None
 
@@ -76,9 +76,12 @@ def _dtype_ok(m, x):
 LINEAR_EQUIVALENTS = frozenset({"FalconLinear"})
 
 
-def is_linear(m):
-    """An ``nn.Linear`` whose call is ``F.linear`` (not a subclass doing more, a LoRA layer, ...)."""
-    t = type_before_parametrizations(m)  # a parametrized Linear's class is a generated subclass
+def is_linear(m, parametrized=False):
+    """An ``nn.Linear`` whose call is ``F.linear`` (not a subclass doing more, a LoRA layer, ...).
+    ``parametrized``: one with parametrizations counts too (its class is a generated subclass);
+    for callers that read its ``weight`` once a call, as the module does (each read reruns the
+    parametrization, and spectral_norm's updates its state)."""
+    t = type_before_parametrizations(m) if parametrized else type(m)
     return t is nn.Linear or t.__name__ in LINEAR_EQUIVALENTS and isinstance(m, nn.Linear)
 
 
@@ -98,7 +101,7 @@ def _conv_padding(conv):
 
 def _plain_conv(m, x):
     return (
-        type_before_parametrizations(m) is nn.Conv2d and m.padding_mode == "zeros" and _conv_padding(m) is not None
+        type(m) is nn.Conv2d and m.padding_mode == "zeros" and _conv_padding(m) is not None
         and _dtype_ok(m, x) and m.weight.device == x.device and x.dim() == 4
     )
 

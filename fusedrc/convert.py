@@ -278,11 +278,30 @@ def _static_cbr(conv, bn, act):
         return "the Conv2d is not a plain zero-padded convolution (or has asymmetric 'same' padding)"
     if isinstance(bn, nn.SyncBatchNorm):
         return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
-    if type(bn) is not nn.BatchNorm2d or bn.num_features != conv.out_channels:
+    if not (type(bn) is nn.BatchNorm2d or _is_bn_act(bn)) or bn.num_features != conv.out_channels:
         return "the norm is not an nn.BatchNorm2d over the conv's channels"
+    if _is_bn_act(bn) and (type(bn.drop) is not nn.Identity or _bn_act_name(bn) is False):
+        return f"timm's BatchNormAct2d with {type(bn.drop).__name__} / {type(bn.act).__name__}: no fused form"
     if act is not None and _act_name(act) is None:
         return f"activation {type(act).__name__} has no fused form"
     return None
+
+
+def _is_bn_act(m):
+    """timm's ``BatchNormAct2d``: an ``nn.BatchNorm2d`` subclass whose forward is BatchNorm2d's
+    followed by ``self.drop`` and ``self.act`` (EfficientNet, MobileNetV3, ... in timm)."""
+    t = type(m)
+    return t.__name__ == "BatchNormAct2d" and t.__module__.startswith("timm.") and isinstance(m, nn.BatchNorm2d)
+
+
+def _bn_act_name(bn):
+    """The fused activation of a BatchNormAct2d: None for ``nn.Identity`` (no activation), False
+    for one with no fused form."""
+    act = bn.act
+    if type(act) is nn.Identity:
+        return None
+    name = _act_name(act)
+    return False if name is None else name
 
 
 def _cbr_kind(act, residual=False):
@@ -310,6 +329,9 @@ def _cbr(site, conv, bn, act, x, residual=None):
     modelled. The activation is the one ``act`` is now (a ReLU swapped for a SiLU after convert runs
     fused as SiLU)."""
 
+    if _is_bn_act(bn):  # timm's BatchNormAct2d applies its own activation
+        return _cbr_bn_act(site, conv, bn, x)
+
     def plain(x, residual=None):
         y = bn(conv(x))
         if residual is not None:
@@ -322,6 +344,19 @@ def _cbr(site, conv, bn, act, x, residual=None):
     if residual is None:
         return _run_site(site, lambda x: conv_bn_act_call(conv, bn, x, activation=name), plain, x)
     return _run_site(site, lambda x, r: conv_bn_act_call(conv, bn, x, r, name), plain, x, residual)
+
+
+def _cbr_bn_act(site, conv, bn, x):
+    """``bn(conv(x))`` for timm's BatchNormAct2d ``bn`` (its drop an Identity, its act a fused
+    one or an Identity), fused when ``site`` is on and the call is modelled."""
+    def plain(x):
+        return bn(conv(x))
+
+    act = None if type(bn.act) is nn.Identity else bn.act
+    if site is None or not site.enabled or not _runtime_cbr_ok(conv, bn, act, x) or not _nohooks(bn.drop):
+        return plain(x)
+    name = _bn_act_name(bn)
+    return _run_site(site, lambda x: conv_bn_act_call(conv, bn, x, activation=name), plain, x)
 
 
 class FusedBasicBlock(Wrapper):
@@ -400,7 +435,13 @@ _CBR_KINDS = ("conv_bn_relu", "conv_bn_act", "conv_bn")
 def _run_chain(site, kind, act, chain, x):
     """A fused group's modules on ``x``: Conv-BN[-act] (2 or 3 modules) or a dense chain."""
     if kind in _CBR_KINDS:
-        return _cbr(site, chain[0], chain[1], chain[2] if len(chain) == 3 else None, x)
+        conv, bn = chain[0], chain[1]
+        act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
+        if any(type(m) is not nn.Identity for m in chain[2:-1]):  # a module put in an Identity's place
+            for m in chain:
+                x = m(x)
+            return x
+        return _cbr(site, conv, bn, act_mod, x)
     return _run_dense(site, kind, act, chain, x)
 
 
@@ -1105,15 +1146,22 @@ def _t5_block(ctx, name, m):
     return m
 
 
-def _forward_lines(ctx, unit, m):
+def _source_lines(m):
     """The code lines of ``m``'s class forward (stripped, no blanks or comments; the ``def``
-    line first), or None, reported: a rule reads them to check the shape of the code it fuses."""
+    line first), or None when its source cannot be read."""
     try:
         src = _inspect.getsource(_class_of(m).forward)
     except (OSError, TypeError):
-        ctx.skip(unit, f"cannot read {_class_of(m).__name__}.forward to check the FFN")
         return None
     return [ln.strip() for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
+def _forward_lines(ctx, unit, m):
+    """``_source_lines``, the failure reported: a rule reads them to check the shape of the code it fuses."""
+    lines = _source_lines(m)
+    if lines is None:
+        ctx.skip(unit, f"cannot read {_class_of(m).__name__}.forward to check the FFN")
+    return lines
 
 
 def _inline_ffn(lines):
@@ -1202,8 +1250,11 @@ def _looks_inline_ffn_layer(m):
     """Found by shape, not class name: a Hugging Face layer holding ``fc1``/``fc2`` Linears and an
     ``activation_fn`` (BioGPT, LED, TrOCR, Speech2Text, MusicGen, ... copy BART's layer); its
     forward's code is checked as the named ones' is."""
-    return _hf_layer(m) and not isinstance(m, Wrapper) and hasattr(m, "activation_fn") \
-        and all(isinstance(m._modules.get(k), nn.Linear) for k in ("fc1", "fc2"))
+    if not (_hf_layer(m) and not isinstance(m, Wrapper) and hasattr(m, "activation_fn")
+            and all(isinstance(m._modules.get(k), nn.Linear) for k in ("fc1", "fc2"))):
+        return False
+    lines = _source_lines(m)  # only a forward that passes the rule's code check: the others are the fx pass's
+    return lines is not None and _inline_ffn(lines)[0] is None
 
 
 @register_rule(*_INLINE_FFN_LAYERS)
@@ -1320,12 +1371,14 @@ class _FxForward:
     ``nn.DataParallel`` replica gets one bound to itself.
 
     A forward whose graph depends on the training mode (``F.dropout(training=self.training)``)
-    has one graph per mode (``by_mode``), picked at each call by the mode of the modules the
-    trace inlined (``inlined``: their names); when those disagree (one of them switched by hand)
-    the class's own forward runs, unfused."""
+    has one graph per mode (``by_mode``), picked at each call by the module's mode; when a module
+    whose code the graph holds (``inlined``: their names, every submodule but the ones the graph
+    calls and theirs) is in the other mode (switched by hand), the class's own forward runs,
+    unfused."""
 
     def __init__(self, module, gm, by_mode=None, inlined=()):
         self.module, self.gm, self.by_mode, self.inlined = module, gm, by_mode, tuple(inlined)
+        self._inlined_modules = None  # resolved at the first call
 
     def _fusedrc_rebind(self, replica):
         return _FxForward(replica, self.gm, self.by_mode, self.inlined)
@@ -1338,7 +1391,9 @@ class _FxForward:
         if self.by_mode is None:
             return self.gm
         mode = self.module.training
-        if any(self.module.get_submodule(n).training != mode for n in self.inlined):
+        if self._inlined_modules is None:
+            self._inlined_modules = [self.module.get_submodule(n) for n in self.inlined]
+        if any(m.training != mode for m in self._inlined_modules):
             return None
         return self.by_mode[mode]
 
@@ -1362,15 +1417,8 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             # and any module with an instance forward (mark's, an earlier fx rewrite's): inlined,
             # the graph would run the plain computation without the recompute
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
+                    or _is_bn_act(m)
                     or "forward" in m.__dict__ or isinstance(m, (Wrapper, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
-
-        def call_module(self, m, forward, args, kwargs):
-            if not self.is_leaf_module(m, ""):  # inlined: the trace read its attributes (training)
-                try:
-                    self.inlined.add(self.path_of_module(m))
-                except NameError:  # a module outside the traced one's tree: nothing to watch
-                    pass
-            return super().call_module(m, forward, args, kwargs)
 
         def create_node(self, *args, **kwargs):
             # fx records tensor ops only: an op traced under another grad mode, autocast state or
@@ -1381,7 +1429,6 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             return super().create_node(*args, **kwargs)
 
     tracer = _Tracer()
-    tracer.inlined = set()
     # grad mode on: a recompute/checkpoint call in the forward then pushes its hooks (seen above).
     # ``flipped``: grad mode off and CPU autocast on instead, so that an enable_grad or an
     # autocast(enabled=False) block in the forward is a change too
@@ -1395,10 +1442,32 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             torch.set_autocast_enabled("cuda", True)
             stack.callback(torch.set_autocast_enabled, "cuda", cuda_enabled)
         tracer.context = _trace_context()
-        graph = tracer.trace(model, concrete_args=concrete_args)
+        # a random draw while tracing (LayerDrop's `if torch.rand([]) < p:`) would be frozen into
+        # the graph: seen as a moved RNG state, which is then put back (convert draws nothing)
+        rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            graph = tracer.trace(model, concrete_args=concrete_args)
+        finally:
+            drew = not torch.equal(rng, torch.random.get_rng_state()) or (
+                cuda_rng is not None and any(not torch.equal(a, b) for a, b in zip(cuda_rng, torch.cuda.get_rng_state_all())))
+            torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        if drew:
+            raise _RandomAtTrace
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    gm.__dict__["_fusedrc_inlined"] = tracer.inlined
+    # the modules whose code the graph holds (their attributes, `training` among them, frozen in
+    # it): all but the ones it calls, and what those hold
+    called = [n.target for n in graph.nodes if n.op == "call_module"]
+    gm.__dict__["_fusedrc_inlined"] = {
+        name for name, _ in model.named_modules(remove_duplicate=False)
+        if name and not any(name == c or name.startswith(c + ".") for c in called)}
     return gm
+
+
+class _RandomAtTrace(RuntimeError):
+    """The forward drew random numbers while fx traced it (random control flow)."""
 
 
 class _ContextChanged(RuntimeError):
@@ -1449,6 +1518,9 @@ def _fx_trace(model):
     except _ContextChanged:
         return None, (f"{cls}.forward changes the grad mode, autocast or saved-tensors hooks (no_grad, "
                       "autocast, recompute or checkpoint inside), which torch.fx does not record; no fx rewrite")
+    except _RandomAtTrace:
+        return None, (f"{cls}.forward draws random numbers in Python (random control flow such as LayerDrop), "
+                      "which torch.fx would freeze; no fx rewrite")
     except Exception as e:  # noqa: BLE001 - any tracing failure means: no fx rewrite
         return None, f"torch.fx cannot trace {cls} ({type(e).__name__}); no fx rewrite"
     finally:
@@ -1521,11 +1593,23 @@ def _fx_chains(gm, prefix, skip):
         chain = None
         if type(m) is nn.Conv2d and _static_conv_ok(m):
             n1 = single(node)
-            if n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
-                n2 = single(n1)
+            if n1 and _is_bn_act(mod(n1)) and mod(n1).num_features == m.out_channels:
+                bn = mod(n1)
+                reason = _static_cbr(m, bn, None)
+                if reason is not None:
+                    skip(_join(prefix, node.target), reason)
+                else:  # timm's BatchNorm + act in one module
+                    act = _bn_act_name(bn)
+                    kind = "conv_bn" if act is None else _cbr_kind(bn.act)
+                    chain, modules = [node, n1], [m, bn]
+            elif n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
+                ids, n2 = [], single(n1)
+                while n2 and type(mod(n2)) is nn.Identity:  # timm's drop_block placeholders
+                    ids.append(n2)
+                    n2 = single(n2)
                 act, a = act_of(n2)
                 if act is not None:
-                    chain, kind, modules = [node, n1, n2], _cbr_kind(a), [m, mod(n1), a]
+                    chain, kind, modules = [node, n1, *ids, n2], _cbr_kind(a), [m, mod(n1), *map(mod, ids), a]
                 else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
         elif is_linear(m):
@@ -1536,7 +1620,7 @@ def _fx_chains(gm, prefix, skip):
             if act is not None:
                 cur, drops = n1, []
                 nxt = single(cur)
-                while nxt and isinstance(mod(nxt), nn.Dropout):
+                while nxt and (isinstance(mod(nxt), nn.Dropout) or type(mod(nxt)) is nn.Identity):
                     drops.append(nxt)
                     cur = nxt
                     nxt = single(cur)
@@ -1605,7 +1689,10 @@ def _fx_pass(ctx, model, prefix=""):
         gm.graph.lint()
         gm.recompile()
         # the graph runs on the model itself; it may reach fewer names (a tied weight), never others
-        if not set(gm.state_dict().keys()) <= set(model.state_dict().keys()):
+        # (non-persistent buffers included: gm's copies of them are persistent)
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        if not set(gm.state_dict().keys()) <= names:
             del ctx.units[len(ctx.units) - found:]
             ctx.skip(prefix, "torch.fx rewrite would change the state_dict keys; not applied")
             return 0

@@ -35,14 +35,14 @@ def _as_built(*linears) -> bool:
     ``weight_norm``), a module put in one's place (a LoRA layer) computes more: then the module
     runs its submodules as they are, unfused (parametrizations need nothing: reading ``weight``
     computes it)."""
-    return all(is_linear(m) and not _own_hooks(m) for m in linears)
+    return all(is_linear(m, parametrized=True) and not _own_hooks(m) for m in linears)
 
 
 def _check_linear_module(m, name):
     """An ``nn.Linear`` whose call is ``F.linear``: a subclass with its own forward (QAT's
     fake-quantized Linear, ...) would lose it in the fused op."""
     check_module(m, name, nn.Linear)
-    if not is_linear(m):
+    if not is_linear(m, parametrized=True):
         raise TypeError(f"{name} must be an nn.Linear, got the subclass {type(m).__name__}, whose own forward the "
                         "fused op would skip")
 

@@ -8,6 +8,7 @@ norm of the reference) of at most 1e-4 in float32; transformer FFNs are bitwise
 equal in practice, still held to the same bound.
 """
 import copy
+import sys
 import types
 import warnings
 
@@ -1647,3 +1648,87 @@ class _Outer(nn.Module):
 
     def forward(self, x, *rest):
         return self.blocks[0](self.net(x))
+
+
+def test_parametrized_linears_are_left_as_they_are():
+    """A Linear with a parametrization (weight_norm, spectral_norm: its weight computed at each
+    read, spectral_norm's power iteration updating its state) is not fused by convert: a stand-in
+    would freeze the computed weight, and the fused paths read it more than once a call."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 8))
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert fusedrc.convert(seq).fusedrc_plan.fused == []
+    model = _opt()
+    weight_norm(model.model.decoder.layers[0].fc1)
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused == ["model.decoder.layers.1.fc1"]
+    assert list(conv.state_dict()) == list(model.state_dict())
+    batches = [torch.randint(0, 128, (2, 16)) for _ in range(2)]
+    call = lambda m, b: m(b, labels=b).loss  # noqa: E731
+    ref = _train_losses(copy.deepcopy(model), batches, call)
+    assert _train_losses(conv, batches, call) == pytest.approx(ref, rel=1e-4)
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop: which blocks run is drawn in Python at each training call."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MethodNet() for _ in range(2))  # fused by fx: the root is traced first
+
+    def forward(self, x):
+        for b in self.blocks:
+            if self.training and torch.rand([]) < 0.5:
+                continue
+            x = b(x)
+        return x
+
+
+def test_fx_refuses_a_forward_drawing_random_numbers():
+    """A forward whose control flow draws random numbers (LayerDrop) is not rewritten by fx (the
+    draw would be frozen into the graph); its blocks are fused on their own, and convert leaves
+    the RNG stream where it was."""
+    torch.manual_seed(0)
+    model = _LayerDrop().train()
+    state = torch.random.get_rng_state()
+    conv = fusedrc.convert(model)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert conv.fusedrc_plan.fused == ["blocks.0.fc1", "blocks.1.fc1"] and "forward" not in conv.__dict__
+    assert "draws random numbers" in sys.modules["fusedrc.convert"]._fx_trace(model)[1]
+    x = torch.randn(4, 8)
+    runs = set()
+    for seed in range(12):  # the converted model draws its layers as the original does
+        torch.manual_seed(seed)
+        ya = model(x)
+        torch.manual_seed(seed)
+        yb = conv(x)
+        assert rel_err(yb, ya) <= TOL
+        runs.add(round(ya.sum().item(), 4))
+    assert len(runs) > 2
+
+
+class _Probe(nn.Module):
+    """A wrapper reaching its backbone through methods, not calls: the backbone's code (and its
+    training flag) is in the wrapper's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = _TrainingNet()
+
+    def forward(self, x):
+        return self.backbone.forward(x)
+
+
+def test_fx_per_mode_graph_watches_modules_reached_through_methods():
+    torch.manual_seed(0)
+    model = _Probe()
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused == ["backbone.fc1"]
+    x = torch.randn(4, 8)
+    model.train()
+    model.backbone.eval()  # a linear probe: the backbone deterministic
+    conv.train()
+    conv.backbone.eval()
+    assert torch.equal(conv(x), model(x)) and torch.equal(conv(x), conv(x))
