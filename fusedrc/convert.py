@@ -1692,10 +1692,10 @@ def _fx_pass(ctx, model, prefix=""):
         # (non-persistent buffers included: gm's copies of them are persistent)
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        if not set(gm.state_dict().keys()) <= names:
+        if not set(gm.state_dict().keys()) <= names:  # tensors fx baked in as constants, for one
             del ctx.units[len(ctx.units) - found:]
-            ctx.skip(prefix, "torch.fx rewrite would change the state_dict keys; not applied")
-            return 0
+            return (f"the torch.fx graph of {type(model).__name__} reaches names the model does not hold "
+                    "(tensors baked in as constants); no fx rewrite")
     for fused, sub in fused_by_key.values():  # parameter-free; reached as self.<name> by the graphs' code
         model.__dict__[sub] = fused
     gms = list(graphs.values())

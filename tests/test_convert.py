@@ -1732,3 +1732,47 @@ def test_fx_per_mode_graph_watches_modules_reached_through_methods():
     conv.train()
     conv.backbone.eval()
     assert torch.equal(conv(x), model(x)) and torch.equal(conv(x), conv(x))
+
+
+def _timm():
+    _import_torchvision_quiet()  # timm imports torchvision
+    return pytest.importorskip("timm", reason="timm is not installed (test extra)")
+
+
+@pytest.mark.parametrize("name, kwargs, kinds", [
+    # BatchNormAct2d (timm's BN + act module): Conv-BN-SiLU and Conv-BN units
+    ("efficientnet_b0", {}, {"conv_bn_act": 33, "conv_bn": 16}),
+    # nn.Identity placeholders (drop_block, aa) between BN and the activation
+    ("resnet18", {}, {"conv_bn_relu": 5, "conv_bn": 8}),
+    # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block
+    ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}),
+])
+def test_timm_models(name, kwargs, kinds):
+    """timm models (built from code, no weights): convert fuses their Conv-BN-act chains and
+    MLPs; outputs, gradients and BatchNorm statistics match the original; fewer bytes kept."""
+    timm = _timm()
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train()
+    conv = fusedrc.convert(model)
+    found = {}
+    for u in conv.fusedrc_plan.units:
+        found[u.kind] = found.get(u.kind, 0) + 1
+    assert found == kinds and not conv.fusedrc_plan.skipped
+    assert list(conv.state_dict()) == list(model.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), conv(xb)
+    assert rel_err(yb, ya) <= TOL
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    # all gradients as one vector: EfficientNet's projection BN biases have gradients that are
+    # zero in theory (the next training BN removes the mean), float noise of the whole's scale
+    flat = lambda m: torch.cat([p.grad.flatten() for p in m.parameters()])  # noqa: E731
+    assert rel_err(xb.grad, xa.grad) <= TOL and rel_err(flat(conv), flat(model)) <= TOL
+    for (n, u), v in zip(model.named_buffers(), conv.buffers()):
+        assert rel_err(v, u) <= TOL if u.is_floating_point() else torch.equal(u, v), n
+    with SavedBytes() as b:
+        conv(x.clone().requires_grad_())
+    with SavedBytes() as a:
+        model(x.clone().requires_grad_())
+    assert b.bytes < a.bytes
