@@ -904,9 +904,34 @@ def _from_torchvision(m):
     return _class_of(m).__module__ == "torchvision.models.resnet"
 
 
+# timm's residual blocks and transformer layers, by class name -> the modules defining it: each
+# is a block for policy="blocks" and budgets (the module itself, unchanged); the fx pass finds
+# the Conv-BN-act chains and MLPs inside
+_TIMM_BLOCKS = {
+    "BasicBlock": ("timm.models.resnet", "timm.models.byobnet"),
+    "Bottleneck": ("timm.models.resnet", "timm.models.regnet", "timm.models.resnetv2"),
+    "BottleneckBlock": ("timm.models.byobnet",), "DarkBlock": ("timm.models.byobnet",),
+    "EdgeBlock": ("timm.models.byobnet",),
+    "DepthwiseSeparableConv": ("timm.models._efficientnet_blocks",),
+    "InvertedResidual": ("timm.models._efficientnet_blocks",), "EdgeResidual": ("timm.models._efficientnet_blocks",),
+    "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins"),
+    "MixerBlock": ("timm.models.mlp_mixer",), "SwinTransformerBlock": ("timm.models.swin_transformer",),
+    "ConvNeXtBlock": ("timm.models.convnext",),
+}
+
+
+def _timm_block(ctx, name, m):
+    """Whether ``m`` is one of timm's blocks (then declared one)."""
+    cls = _class_of(m)
+    if cls.__module__ in _TIMM_BLOCKS.get(cls.__name__, ()):
+        ctx.block(name, m)
+        return True
+    return False
+
+
 @register_rule("BasicBlock")
 def _basic_block(ctx, name, m):
-    if not _from_torchvision(m):
+    if _timm_block(ctx, name, m) or not _from_torchvision(m):
         return m
     new = FusedBasicBlock.wrap(m)
     _declare_cbr(ctx, new, name, "conv1", m.conv1, m.bn1, m.relu)
@@ -917,7 +942,7 @@ def _basic_block(ctx, name, m):
 
 @register_rule("Bottleneck")
 def _bottleneck(ctx, name, m):
-    if not _from_torchvision(m):
+    if _timm_block(ctx, name, m) or not _from_torchvision(m):
         return m
     new = FusedBottleneck.wrap(m)
     _declare_cbr(ctx, new, name, "conv1", m.conv1, m.bn1, m.relu)
@@ -950,16 +975,19 @@ _TORCHVISION_BLOCKS = {
 }
 
 
-@register_rule(*_TORCHVISION_BLOCKS)
+@register_rule(*_TORCHVISION_BLOCKS, *(n for n in _TIMM_BLOCKS if n not in ("BasicBlock", "Bottleneck")))
 def _torchvision_block(ctx, name, m):
     """torchvision's residual blocks: MobileNetV2/V3 and ShuffleNetV2 ``InvertedResidual``,
     EfficientNet ``MBConv``/``FusedMBConv``, MNASNet's, RegNet ``ResBottleneckBlock``, ConvNeXt
     ``CNBlock``, Swin and ViT encoder blocks: each is a block for ``policy="blocks"`` and budgets
     (the module itself, unchanged); the fx pass finds the Conv-BN[-act] chains and FFNs inside it.
-    A class of the same name from elsewhere is left to the other passes."""
+    timm's blocks (``_TIMM_BLOCKS``) likewise. A class of the same name from elsewhere is left to
+    the other passes."""
     cls = _class_of(m)
-    if cls.__module__ in _TORCHVISION_BLOCKS[cls.__name__]:
+    if cls.__module__ in _TORCHVISION_BLOCKS.get(cls.__name__, ()):
         ctx.block(name, m)
+    else:
+        _timm_block(ctx, name, m)
     return m
 
 
@@ -1404,7 +1432,7 @@ class _FxForward:
         return type(gm).forward(self.module, *args, **kwargs)
 
 
-def _symbolic_trace(model, concrete_args=None, flipped=False):
+def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()):
     """``torch.fx.symbolic_trace``, keeping as called modules (leaves, not inlined) the activation
     modules of any library (Hugging Face's GELUActivation, ...) and the modules with hooks or an
     instance forward: the graph then calls whatever sits at their names at run time, so an
@@ -1417,7 +1445,7 @@ def _symbolic_trace(model, concrete_args=None, flipped=False):
             # and any module with an instance forward (mark's, an earlier fx rewrite's): inlined,
             # the graph would run the plain computation without the recompute
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
-                    or _is_bn_act(m)
+                    or _is_bn_act(m) or (id(m) in leaves and m is not model)  # a block: marked later
                     or "forward" in m.__dict__ or isinstance(m, (Wrapper, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
 
         def create_node(self, *args, **kwargs):
@@ -1482,7 +1510,7 @@ def _trace_context():
     )
 
 
-def _fx_trace(model):
+def _fx_trace(model, leaves=frozenset()):
     """``(graphs, None)`` for a ``model`` whose torch.fx graphs hold for every call, else
     ``(None, reason)``. ``graphs`` maps a training mode to its graph: ``{None: graph}`` when the
     graph is the same in both modes; one per mode when the forward reads ``training`` (fx freezes
@@ -1507,10 +1535,10 @@ def _fx_trace(model):
     try:
         for training in (True, False):
             model.train(training)
-            gm = _symbolic_trace(model)
+            gm = _symbolic_trace(model, leaves=leaves)
             if training:
-                _symbolic_trace(model, flipped=True)  # the context checks only
-            as_default = _symbolic_trace(model, concrete_args=defaults) if defaults else gm
+                _symbolic_trace(model, flipped=True, leaves=leaves)  # the context checks only
+            as_default = _symbolic_trace(model, concrete_args=defaults, leaves=leaves) if defaults else gm
             if _graph_ops(gm) != _graph_ops(as_default, bool(defaults), required):
                 return None, (f"{cls}.forward computes something else when its defaulted arguments "
                               f"({', '.join(defaults)}) are left out (torch.fx traces one case); no fx rewrite")
@@ -1642,11 +1670,11 @@ def _fx_chains(gm, prefix, skip):
     return found
 
 
-def _fx_pass(ctx, model, prefix=""):
+def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
     """Rewrite ``model``'s fused chains through its fx graph(s): the number found, or the reason it
     could not be traced (a str). With one graph per training mode, a chain is fused when every
     graph has it (the same ``_FxFused`` in each, so one switch turns it on and off)."""
-    graphs, reason = _fx_trace(model)
+    graphs, reason = _fx_trace(model, leaves)
     if graphs is None:
         return reason
     reported = set()
@@ -1706,18 +1734,24 @@ def _fx_pass(ctx, model, prefix=""):
     return found
 
 
-def _fx_tree(ctx, module, prefix=""):
+def _fx_tree(ctx, module, prefix="", leaves=None):
     """The fx pass on the outermost modules that trace, below any rule's or Sequential's finds:
-    most Hugging Face models do not trace as a whole, but their MLP modules do. The reason the
-    root could not be traced, or None."""
-    names = [u.name for u in ctx.units] + [b.name for b in ctx.blocks]
-    claimed = any(not prefix or n == prefix or n.startswith(prefix + ".") for n in names)
+    most Hugging Face models do not trace as a whole, but their MLP modules do. The blocks rules
+    declared are calls in a graph (``leaves``: a later mark must see their calls) and are traced
+    on their own. The reason the root could not be traced, or None."""
+    if leaves is None:
+        leaves = frozenset(id(b.module) for b in ctx.blocks)
+    claimed = any(not prefix or u.name == prefix or u.name.startswith(prefix + ".") for u in ctx.units)
     # a Sequential below the root had its runs found by the Sequential pass
     if not claimed and any(is_linear(m) or type(m) is nn.Conv2d for m in module.modules()) \
             and not isinstance(module, (nn.ModuleList, nn.ModuleDict, _FusedSequential)) \
             and not (prefix and type(module) is nn.Sequential):
-        reason = _fx_pass(ctx, module, prefix)
+        reason = _fx_pass(ctx, module, prefix, leaves)
         if not isinstance(reason, str):
+            inner = [b for b in ctx.blocks if b.name != prefix and (not prefix or b.name.startswith(prefix + "."))]
+            for b in inner:  # the outermost blocks the graph called: their code is not in it
+                if not any(o is not b and b.name.startswith(o.name + ".") for o in inner):
+                    _fx_tree(ctx, b.module, b.name, leaves)
             return None
     else:
         reason = None
@@ -1730,7 +1764,7 @@ def _fx_tree(ctx, module, prefix=""):
                 or type(child).__module__.startswith("torch.") \
                 and not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             continue
-        _fx_tree(ctx, child, _join(prefix, key))
+        _fx_tree(ctx, child, _join(prefix, key), leaves)
     return reason
 
 

@@ -97,7 +97,7 @@ def _convert(**kw):
 
 
 EX = (torch.randn(2, 3),)
-ACT = r"activation must be one of \['gelu', 'gelu_tanh', 'hardswish', 'relu', 'relu2', 'relu6', 'silu'\]"
+ACT = r"activation must be one of \['gelu', 'gelu_tanh', 'hardswish', 'quick_gelu', 'relu', 'relu2', 'relu6', 'silu'\]"
 f64 = torch.float64
 
 # (id, call, exception, regex naming the argument and the expectation)

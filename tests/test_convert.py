@@ -1739,17 +1739,18 @@ def _timm():
     return pytest.importorskip("timm", reason="timm is not installed (test extra)")
 
 
-@pytest.mark.parametrize("name, kwargs, kinds", [
+@pytest.mark.parametrize("name, kwargs, kinds, blocks", [
     # BatchNormAct2d (timm's BN + act module): Conv-BN-SiLU and Conv-BN units
-    ("efficientnet_b0", {}, {"conv_bn_act": 33, "conv_bn": 16}),
+    ("efficientnet_b0", {}, {"conv_bn_act": 33, "conv_bn": 16}, 16),
     # nn.Identity placeholders (drop_block, aa) between BN and the activation
-    ("resnet18", {}, {"conv_bn_relu": 5, "conv_bn": 8}),
+    ("resnet18", {}, {"conv_bn_relu": 5, "conv_bn": 8}, 8),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block
-    ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}),
+    ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}, 12),
 ])
-def test_timm_models(name, kwargs, kinds):
+def test_timm_models(name, kwargs, kinds, blocks):
     """timm models (built from code, no weights): convert fuses their Conv-BN-act chains and
-    MLPs; outputs, gradients and BatchNorm statistics match the original; fewer bytes kept."""
+    MLPs; outputs, gradients and BatchNorm statistics match the original; fewer bytes kept;
+    policy="blocks" recomputes timm's blocks."""
     timm = _timm()
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).train()
@@ -1776,3 +1777,8 @@ def test_timm_models(name, kwargs, kinds):
     with SavedBytes() as a:
         model(x.clone().requires_grad_())
     assert b.bytes < a.bytes
+    whole = fusedrc.convert(model, policy="blocks")
+    assert len(whole.fusedrc_plan.recomputed_blocks) == blocks
+    with SavedBytes() as c:
+        yc = whole(x.clone().requires_grad_())
+    assert c.bytes < b.bytes and rel_err(yc, model(x)) <= TOL  # one more training step each
