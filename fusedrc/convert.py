@@ -991,6 +991,11 @@ def _torchvision_block(ctx, name, m):
     return m
 
 
+# rules for torchvision's and timm's classes, by their names: another library's class of the same
+# name is not theirs
+_LIBRARY_RULES = (_basic_block, _bottleneck, _resnet, _torchvision_block)
+
+
 @register_rule("T5DenseActDense")
 def _t5_dense(ctx, name, m):
     act = _act_name(m.act)
@@ -1783,6 +1788,8 @@ def _rewrite(ctx, module, prefix=""):
             module.__dict__.pop("_replicate_for_data_parallel", None)
     cls = _class_of(module)
     rule = _RULES.get(cls.__name__)
+    if rule in _LIBRARY_RULES and not cls.__module__.startswith(("torchvision.", "timm.")):
+        rule = None  # a class of your own named BasicBlock or Block: the checks by shape apply
     if rule is None and _looks_gated_mlp(module):
         rule = _gated_mlp
     elif rule is None and _looks_inline_ffn_layer(module):

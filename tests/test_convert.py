@@ -1302,6 +1302,11 @@ def test_gated_mlp_look_alike_with_another_forward_is_reported():
     assert rel_err(conv["b"](hidden_state=x), model["b"](x)) < 1e-6
     with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
         conv["b"](x=x)
+    # a class of your own named as torchvision's and timm's blocks (nanoGPT's Block, ...) is not
+    # theirs: the checks by shape still apply to it
+    Block = type("Block", (Llamaish,), {})
+    conv = fusedrc.convert(nn.ModuleDict({"b": Block()}))
+    assert {u.name: u.kind for u in conv.fusedrc_plan.units} == {"b": "gated_ffn"}
 
 
 class _LoraLinear(nn.Module):
