@@ -457,26 +457,25 @@ def test_hooks_on_inner_modules_run_and_the_unit_runs_unfused():
     assert calls[:2] == ["conv", ("bn", (2, 4, 4, 4))]  # (and again in the region's rerun)
 
 
-@pytest.mark.parametrize("fn", ["linear_act_backward", "fused_mlp_backward", "conv_bn_act_backward"])
-def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn):
-    """torch's tf32 setting flipped between forward and backward: the backward (whose recompute
-    must match the forward bit for bit) still sees the forward's precision."""
+@pytest.mark.parametrize("fn, setting", [
+    ("linear_act_backward", "matmul"), ("fused_mlp_backward", "matmul"), ("conv_bn_act_backward", "matmul"),
+    ("conv_bn_act_backward", "cudnn"),  # the conv the opt-in CONV_Z="aten" path takes from cuDNN
+])
+def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn, setting):
+    """torch's tf32 setting (matmuls, or cuDNN's convs) flipped between forward and backward: the
+    backward (whose recompute must match the forward bit for bit) still sees the forward's
+    precision, and the setting is the user's again after it."""
     from fusedrc import _state, reference
 
-    seen = []
-    real = getattr(reference, fn)
-
-    def spy(*args):
-        seen.append(_state.tf32_matmul_allowed())
-        return real(*args)
-
-    monkeypatch.setattr(reference, fn, spy)
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
+    flags, allowed = ((torch.backends.cuda.matmul, _state.tf32_matmul_allowed) if setting == "matmul"
+                      else (torch.backends.cudnn.conv, _state.cudnn_conv_tf32))
+    seen, real = [], getattr(reference, fn)
+    monkeypatch.setattr(reference, fn, lambda *a: seen.append(allowed()) or real(*a))
+    before = flags.fp32_precision
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
     try:
         for forward_tf32 in (False, True):
-            matmul.fp32_precision = "tf32" if forward_tf32 else "ieee"
+            flags.fp32_precision = "tf32" if forward_tf32 else "ieee"
             with fusedrc.use_backend("reference"):
                 if fn == "conv_bn_act_backward":
                     y = fusedrc.nn.ConvBNReLU(4, 5, 3)(x)
@@ -484,37 +483,12 @@ def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn):
                     y = fusedrc.nn.FusedMLP(6, 8)(x)
                 else:
                     y = fusedrc.nn.LinearReLU(6, 8)(x)
-            matmul.fp32_precision = "ieee" if forward_tf32 else "tf32"
+            flags.fp32_precision = "ieee" if forward_tf32 else "tf32"
             y.sum().backward()
             assert seen.pop() is forward_tf32
-            assert _state.tf32_matmul_allowed() is not forward_tf32  # the pin ends with the backward
+            assert allowed() is not forward_tf32  # the pin ends with the backward
     finally:
-        matmul.fp32_precision = before
-
-
-def test_conv_backward_recomputes_at_the_forwards_cudnn_precision(monkeypatch):
-    """cuDNN's fp32 conv precision (what the opt-in CONV_Z="aten" path's conv follows) flipped
-    between forward and backward: the conv+BN backward runs at the forward's, and the setting is
-    back to the user's after it."""
-    from fusedrc import _state, reference
-
-    seen, real = [], reference.conv_bn_act_backward
-    monkeypatch.setattr(reference, "conv_bn_act_backward",
-                        lambda *a: seen.append(_state.cudnn_conv_tf32()) or real(*a))
-    conv = torch.backends.cudnn.conv
-    before = conv.fp32_precision
-    x = torch.randn(2, 4, 6, 6, requires_grad=True)
-    try:
-        for forward_tf32 in (False, True):
-            conv.fp32_precision = "tf32" if forward_tf32 else "ieee"
-            with fusedrc.use_backend("reference"):
-                y = fusedrc.nn.ConvBNReLU(4, 5, 3)(x)
-            conv.fp32_precision = "ieee" if forward_tf32 else "tf32"
-            y.sum().backward()
-            assert seen.pop() is forward_tf32
-            assert conv.fp32_precision == ("ieee" if forward_tf32 else "tf32")
-    finally:
-        conv.fp32_precision = before
+        flags.fp32_precision = before
 
 
 def _fused_and_plain(op):
