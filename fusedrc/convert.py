@@ -94,6 +94,7 @@ import copy
 import fnmatch
 import inspect as _inspect
 import numbers
+import random as _random
 import re as _re
 import sys as _sys
 import types
@@ -329,7 +330,7 @@ def _cbr(site, conv, bn, act, x, residual=None):
     modelled. The activation is the one ``act`` is now (a ReLU swapped for a SiLU after convert runs
     fused as SiLU)."""
 
-    if _is_bn_act(bn):  # timm's BatchNormAct2d applies its own activation
+    if _is_bn_act(bn) and act is None and residual is None:  # timm's BatchNormAct2d: its own activation
         return _cbr_bn_act(site, conv, bn, x)
 
     def plain(x, residual=None):
@@ -338,7 +339,8 @@ def _cbr(site, conv, bn, act, x, residual=None):
             y += residual  # in place, as torchvision's blocks: an fp32 identity under autocast keeps y half
         return y if act is None else act(y)
 
-    if site is None or not site.enabled or not _runtime_cbr_ok(conv, bn, act, x):
+    if site is None or not site.enabled or not _runtime_cbr_ok(conv, bn, act, x) or _is_bn_act(bn):
+        # (a BatchNormAct2d put where a unit's BatchNorm2d was: its activation, then the unit's)
         return plain(x) if residual is None else plain(x, residual)
     name = None if act is None else _act_name(act)
     if residual is None:
@@ -1404,31 +1406,52 @@ class _FxForward:
     ``nn.DataParallel`` replica gets one bound to itself.
 
     A forward whose graph depends on the training mode (``F.dropout(training=self.training)``)
-    has one graph per mode (``by_mode``), picked at each call by the module's mode; when a module
-    whose code the graph holds (``inlined``: their names, every submodule but the ones the graph
-    calls and theirs) is in the other mode (switched by hand), the class's own forward runs,
-    unfused."""
+    has one graph per mode (``by_mode``), picked at each call by the module's mode.
 
-    def __init__(self, module, gm, by_mode=None, inlined=()):
+    The graph holds the code of the submodules it does not call (``inlined``: their names) and
+    calls the others by name (``called``). When one of the inlined ones is no longer the module
+    traced (replaced or deleted: timm's ``reparameterize_model``), has hooks or a forward of its
+    own (added after convert, a ``fusedrc.mark``), or is in the other training mode than the
+    module (a per-mode graph), or a called one is gone, the class's own forward runs, unfused:
+    the model then computes what it would unconverted."""
+
+    def __init__(self, module, gm, by_mode=None, inlined=(), called=()):
         self.module, self.gm, self.by_mode, self.inlined = module, gm, by_mode, tuple(inlined)
-        self._inlined_modules = None  # resolved at the first call
+        self.called = tuple(called)
+        self._watched = None  # resolved at the first call
 
     def _fusedrc_rebind(self, replica):
-        return _FxForward(replica, self.gm, self.by_mode, self.inlined)
+        return _FxForward(replica, self.gm, self.by_mode, self.inlined, self.called)
 
     @property
     def __code__(self):  # read as a plain function's by torch.export (non-strict) for its shape env's name
         return type(self.gm).forward.__code__
 
+    def _slot(self, name):
+        """(parent, key, the module there now) of a submodule name."""
+        parent_name, _, key = name.rpartition(".")
+        parent = self.module.get_submodule(parent_name) if parent_name else self.module
+        return parent, key, parent._modules.get(key)
+
     def _graph(self):
-        if self.by_mode is None:
-            return self.gm
+        """The graph to run now, or None: the class's forward (see the class docstring)."""
+        watched = getattr(self, "_watched", None)
+        if watched is None:
+            try:
+                watched = ([self._slot(n) for n in self.inlined],
+                           [self._slot(n)[:2] for n in getattr(self, "called", ())])
+            except AttributeError:  # a module on the way is gone already
+                return None
+            self._watched = watched
+        inlined, called = watched
         mode = self.module.training
-        if self._inlined_modules is None:
-            self._inlined_modules = [self.module.get_submodule(n) for n in self.inlined]
-        if any(m.training != mode for m in self._inlined_modules):
+        for parent, key, m in inlined:
+            if (parent._modules.get(key) is not m or _own_hooks(m) or "forward" in m.__dict__
+                    or self.by_mode is not None and m.training != mode):
+                return None
+        if any(parent._modules.get(key) is None for parent, key in called):
             return None
-        return self.by_mode[mode]
+        return self.gm if self.by_mode is None else self.by_mode[mode]
 
     def __call__(self, *args, **kwargs):
         gm = self._graph()
@@ -1477,16 +1500,11 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
         tracer.context = _trace_context()
         # a random draw while tracing (LayerDrop's `if torch.rand([]) < p:`) would be frozen into
         # the graph: seen as a moved RNG state, which is then put back (convert draws nothing)
-        rng = torch.random.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        states = _rng_states()
         try:
             graph = tracer.trace(model, concrete_args=concrete_args)
         finally:
-            drew = not torch.equal(rng, torch.random.get_rng_state()) or (
-                cuda_rng is not None and any(not torch.equal(a, b) for a, b in zip(cuda_rng, torch.cuda.get_rng_state_all())))
-            torch.random.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+            drew = _rng_moved(states)
         if drew:
             raise _RandomAtTrace
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -1496,7 +1514,36 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
     gm.__dict__["_fusedrc_inlined"] = {
         name for name, _ in model.named_modules(remove_duplicate=False)
         if name and not any(name == c or name.startswith(c + ".") for c in called)}
+    gm.__dict__["_fusedrc_called"] = set(called)
     return gm
+
+
+def _rng_states():
+    """The random generators a forward may draw from in Python: torch's (CPU, and CUDA's when
+    initialized), Python's ``random`` (MusicGen's LayerDrop) and NumPy's (when imported)."""
+    np = _sys.modules.get("numpy")
+    return (torch.random.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            _random.getstate(), np.random.get_state() if np is not None else None)
+
+
+def _rng_moved(states) -> bool:
+    """Whether any generator moved since ``_rng_states()``; each is put back where it was."""
+    cpu, cuda, py, npy = states
+    moved = not torch.equal(cpu, torch.random.get_rng_state())
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        now = torch.cuda.get_rng_state_all()
+        moved |= any(not torch.equal(a, b) for a, b in zip(cuda, now))
+        torch.cuda.set_rng_state_all(cuda)
+    moved |= _random.getstate() != py
+    _random.setstate(py)
+    if npy is not None:
+        np = _sys.modules["numpy"]
+        now = np.random.get_state()
+        moved |= now[1].tobytes() != npy[1].tobytes() or now[2:] != npy[2:]
+        np.random.set_state(npy)
+    return moved
 
 
 class _RandomAtTrace(RuntimeError):
@@ -1733,8 +1780,9 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
         model.__dict__[sub] = fused
     gms = list(graphs.values())
     inlined = set().union(*(gm.__dict__["_fusedrc_inlined"] for gm in gms))
+    called = set().union(*(gm.__dict__["_fusedrc_called"] for gm in gms))
     by_mode = graphs if len(graphs) > 1 else None
-    model.__dict__["forward"] = _FxForward(model, gms[0], by_mode, sorted(inlined))
+    model.__dict__["forward"] = _FxForward(model, gms[0], by_mode, sorted(inlined), sorted(called))
     bind_replicas(model)
     return found
 

@@ -1787,3 +1787,105 @@ def test_timm_models(name, kwargs, kinds, blocks):
     with SavedBytes() as c:
         yc = whole(x.clone().requires_grad_())
     assert c.bytes < b.bytes and rel_err(yc, model(x)) <= TOL  # one more training step each
+
+
+class _Gate(nn.Module):
+    """A submodule fx inlines into its parent's graph (not a torch module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.scale(x))
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.gate = nn.Linear(8, 32), nn.Linear(32, 8), _Gate()
+
+    def forward(self, x):
+        return self.gate(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("change", ["hook", "swap", "delete_leaf", "mark"])
+def test_fx_graph_gives_way_to_changes_of_the_modules_it_inlined(change):
+    """The fx graph holds the code of the submodules it inlined: a hook added to one after
+    convert, one replaced (timm's reparameterize_model), a called module deleted, one marked:
+    the class's forward runs then, unfused, and computes what the original does."""
+    torch.manual_seed(0)
+    model = _Gated()
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused == ["fc1"] and "forward" in conv.__dict__
+    x = torch.randn(4, 8)
+    calls = []
+    for m in (model, conv):
+        if change == "hook":
+            m.gate.register_forward_hook(lambda mod, i, o: calls.append(1) or o * 0)
+        elif change == "swap":
+            m.gate = nn.Identity()
+        elif change == "delete_leaf":  # a module called by the graph removed (its parent reworked)
+            del m.gate.scale
+            m.gate.__class__ = type("Reworked", (nn.Module,), {"forward": lambda self, x: x + 1})
+        else:
+            fusedrc.mark(m.gate)
+    with FusedOpLog() as log:
+        y = conv(x)
+    assert torch.equal(y, model(x)) and log.ops == []
+    if change == "hook":
+        assert calls == [1, 1] and not y.any()
+
+
+def test_batchnormact_swapped_into_a_unit_runs_the_modules_as_they_are():
+    """timm's BatchNormAct2d put where a fused unit's BatchNorm2d was (its own activation, then
+    the unit's activation and residual): the unit runs its modules as they now are."""
+    timm = _timm()
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    model = _resnet("resnet18").train()
+    conv = fusedrc.convert(model)
+    for m in (model, conv):
+        bn = BatchNormAct2d(64, apply_act=False)
+        torch.manual_seed(1)
+        bn.weight.data.uniform_(0.5, 1.5)
+        m.layer1[0].bn2 = bn  # the residual tail's norm
+    x = torch.randn(2, 3, 32, 32)
+    assert rel_err(conv(x), model(x)) <= TOL
+    assert timm is not None
+
+
+def test_fx_refuses_python_and_numpy_random_draws():
+    """LayerDrop drawn with Python's random (MusicGen) or NumPy's (wav2vec2) is random control
+    flow too: no fx rewrite of that forward, and both generators are left where they were."""
+    import random
+
+    np = pytest.importorskip("numpy")
+
+    class Drop(nn.Module):
+        def __init__(self, numpy):
+            super().__init__()
+            self.numpy, self.blocks = numpy, nn.ModuleList(_MethodNet() for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                if self.training and (np.random.rand() if self.numpy else random.random()) < 0.5:
+                    continue
+                x = b(x)
+            return x
+
+    for numpy in (False, True):
+        model = Drop(numpy).train()
+        py, npy = random.getstate(), np.random.get_state()
+        conv = fusedrc.convert(model)
+        assert random.getstate() == py and np.random.get_state()[2:] == npy[2:]
+        assert "forward" not in conv.__dict__ and len(conv.fusedrc_plan.fused) == 3
+        x = torch.randn(4, 8)
+        for seed in range(6):
+            random.seed(seed)
+            np.random.seed(seed)
+            ya = model(x)
+            random.seed(seed)
+            np.random.seed(seed)
+            assert rel_err(conv(x), ya) <= TOL
