@@ -1474,7 +1474,8 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
             # the graph would run the plain computation without the recompute
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
                     or _is_bn_act(m) or (id(m) in leaves and m is not model)  # a block: marked later
-                    or "forward" in m.__dict__ or isinstance(m, (Wrapper, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
+                    or "forward" in m.__dict__
+                    or isinstance(m, (Wrapper, _FusedSequential, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
 
         def create_node(self, *args, **kwargs):
             # fx records tensor ops only: an op traced under another grad mode, autocast state or
@@ -1794,17 +1795,22 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
     on their own. The reason the root could not be traced, or None."""
     if leaves is None:
         leaves = frozenset(id(b.module) for b in ctx.blocks)
-    claimed = any(not prefix or u.name == prefix or u.name.startswith(prefix + ".") for u in ctx.units)
+    claimed = isinstance(module, (Wrapper, _FusedSequential)) or any(
+        (not prefix or u.name == prefix or u.name.startswith(prefix + ".")) and _held_inline(module, prefix, u.name)
+        for u in ctx.units)
     # a Sequential below the root had its runs found by the Sequential pass
     if not claimed and any(is_linear(m) or type(m) is nn.Conv2d for m in module.modules()) \
             and not isinstance(module, (nn.ModuleList, nn.ModuleDict, _FusedSequential)) \
             and not (prefix and type(module) is nn.Sequential):
         reason = _fx_pass(ctx, module, prefix, leaves)
         if not isinstance(reason, str):
-            inner = [b for b in ctx.blocks if b.name != prefix and (not prefix or b.name.startswith(prefix + "."))]
-            for b in inner:  # the outermost blocks the graph called: their code is not in it
-                if not any(o is not b and b.name.startswith(o.name + ".") for o in inner):
-                    _fx_tree(ctx, b.module, b.name, leaves)
+            # what the graph calls and holds chains fx has not seen: the outermost blocks, and the
+            # fused Sequentials (their ungrouped children), each traced on its own
+            inner = [b.name for b in ctx.blocks if b.name != prefix and (not prefix or b.name.startswith(prefix + "."))]
+            inner += [_join(prefix, n) for n, m in module.named_modules() if n and isinstance(m, _FusedSequential)]
+            for name in inner:
+                if not any(o != name and name.startswith(o + ".") for o in inner) and not _under_wrapper(module, prefix, name):
+                    _fx_tree(ctx, ctx.root.get_submodule(name), name, leaves)
             return None
     else:
         reason = None
@@ -1819,6 +1825,33 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
             continue
         _fx_tree(ctx, child, _join(prefix, key), leaves)
     return reason
+
+
+def _under_wrapper(module, prefix, name):
+    """Whether submodule ``name`` (below ``module``, at ``prefix``) sits in a rule's Wrapper (the
+    rule handled it)."""
+    parts = (name[len(prefix) + 1:] if prefix else name).split(".")
+    m = module
+    for p in parts[:-1]:
+        m = m._modules.get(p)
+        if m is None or isinstance(m, Wrapper):
+            return True
+    return False
+
+
+def _held_inline(module, prefix, unit):
+    """Whether fused ``unit`` (a name below ``module``, at ``prefix``) lives in code an fx graph of
+    ``module`` would inline: its owner is not a call in that graph. Owners that are calls: a rule's
+    Wrapper, a fused Sequential, a module an earlier fx pass rewrote (its instance forward). An
+    OPT-style layer holding its FFN's stand-ins is not: they find their layer by its forward's
+    frame, which a graph would replace."""
+    rel = unit[len(prefix) + 1:] if prefix else unit
+    try:
+        at = module.get_submodule(rel)
+        owner = at if isinstance(at, Wrapper) else module.get_submodule(rel.rpartition(".")[0])
+    except AttributeError:
+        return True
+    return not (isinstance(owner, (Wrapper, _FusedSequential)) or "forward" in owner.__dict__) or owner is module
 
 
 def _rewrite(ctx, module, prefix=""):
@@ -2069,6 +2102,7 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
         model = copy.deepcopy(model)
     ctx = _Context()
     model = _rewrite(ctx, model)
+    ctx.root = model
     if not _is_marked(model):  # a marked root is left as it is
         reason = _fx_tree(ctx, model)
         _layer_blocks(ctx, model)

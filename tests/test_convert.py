@@ -1748,7 +1748,7 @@ def _timm():
     # BatchNormAct2d (timm's BN + act module): Conv-BN-SiLU and Conv-BN units
     ("efficientnet_b0", {}, {"conv_bn_act": 33, "conv_bn": 16}, 16),
     # nn.Identity placeholders (drop_block, aa) between BN and the activation
-    ("resnet18", {}, {"conv_bn_relu": 5, "conv_bn": 8}, 8),
+    ("resnet18", {}, {"conv_bn_relu": 9, "conv_bn": 11}, 8),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block
     ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}, 12),
 ])
