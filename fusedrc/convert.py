@@ -1399,6 +1399,18 @@ def _sequential(ctx, name, seq):
     return new
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attrs(module, names, mods=None):
+    """``{name: {attribute: value}}`` of the plain-valued attributes (bool, int, float, str, None;
+    not ``training``, not private) of ``module`` ("") and its submodules ``names`` (``mods``: the
+    same, resolved)."""
+    mods = [module.get_submodule(n) for n in names] if mods is None else mods
+    return {n: {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN and k != "training" and not k.startswith("_")}
+            for n, m in zip(("", *names), (module, *mods))}
+
+
 class _FxForward:
     """The instance ``forward`` of a model rewritten by the fx pass: the rewritten graph's code run
     on the model itself, so its attributes, methods, hooks and live parameters and buffers are the
@@ -1415,13 +1427,16 @@ class _FxForward:
     module (a per-mode graph), or a called one is gone, the class's own forward runs, unfused:
     the model then computes what it would unconverted."""
 
-    def __init__(self, module, gm, by_mode=None, inlined=(), called=()):
+    def __init__(self, module, gm, by_mode=None, inlined=(), called=(), frozen=None):
         self.module, self.gm, self.by_mode, self.inlined = module, gm, by_mode, tuple(inlined)
         self.called = tuple(called)
+        # the plain attributes (flags, rates) of the module and of those it inlined, as traced: fx
+        # froze their values into the graph (timm's grad_checkpointing, a drop rate)
+        self.frozen = _plain_attrs(module, inlined) if frozen is None else frozen
         self._watched = None  # resolved at the first call
 
     def _fusedrc_rebind(self, replica):
-        return _FxForward(replica, self.gm, self.by_mode, self.inlined, self.called)
+        return _FxForward(replica, self.gm, self.by_mode, self.inlined, self.called, self.frozen)
 
     @property
     def __code__(self):  # read as a plain function's by torch.export (non-strict) for its shape env's name
@@ -1451,6 +1466,9 @@ class _FxForward:
                 return None
         if any(parent._modules.get(key) is None for parent, key in called):
             return None
+        frozen = getattr(self, "frozen", None)
+        if frozen and _plain_attrs(self.module, self.inlined, [m for _, _, m in inlined]) != frozen:
+            return None
         return self.gm if self.by_mode is None else self.by_mode[mode]
 
     def __call__(self, *args, **kwargs):
@@ -1473,7 +1491,7 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
             # and any module with an instance forward (mark's, an earlier fx rewrite's): inlined,
             # the graph would run the plain computation without the recompute
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
-                    or _is_bn_act(m) or (id(m) in leaves and m is not model)  # a block: marked later
+                    or _is_bn_act(m) or (id(m) in leaves or _hf_layer(m)) and m is not model  # blocks: marked later
                     or "forward" in m.__dict__
                     or isinstance(m, (Wrapper, _FusedSequential, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
 
@@ -1730,6 +1748,8 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
     graphs, reason = _fx_trace(model, leaves)
     if graphs is None:
         return reason
+    # the submodules the graphs call (their code is not in them): _fx_tree traces them on their own
+    ctx.fx_called = sorted(set().union(*(gm.__dict__["_fusedrc_called"] for gm in graphs.values())))
     reported = set()
 
     def skip(name, why):
@@ -1804,13 +1824,12 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
             and not (prefix and type(module) is nn.Sequential):
         reason = _fx_pass(ctx, module, prefix, leaves)
         if not isinstance(reason, str):
-            # what the graph calls and holds chains fx has not seen: the outermost blocks, and the
-            # fused Sequentials (their ungrouped children), each traced on its own
-            inner = [b.name for b in ctx.blocks if b.name != prefix and (not prefix or b.name.startswith(prefix + "."))]
-            inner += [_join(prefix, n) for n, m in module.named_modules() if n and isinstance(m, _FusedSequential)]
-            for name in inner:
-                if not any(o != name and name.startswith(o + ".") for o in inner) and not _under_wrapper(module, prefix, name):
-                    _fx_tree(ctx, ctx.root.get_submodule(name), name, leaves)
+            # what the graph calls may hold chains it has not seen (a block, a fused Sequential's
+            # other children, a module kept a call for its hooks): each traced on its own
+            for name in ctx.fx_called:
+                child = module.get_submodule(name)
+                if not _skip_in_fx_tree(child) and not _is_act_module(child) and not _is_bn_act(child):
+                    _fx_tree(ctx, child, _join(prefix, name), leaves)
             return None
     else:
         reason = None
@@ -1818,25 +1837,20 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
         # torch's own modules are fx leaves, its containers are not
         # a Wrapper: converted already (by a rule, or an earlier convert); a fused Sequential's
         # ungrouped children (torchvision's Conv2dNormActivation beside a grouped Conv-BN) may trace
-        if child is None or _is_marked(child) \
-                or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused, Wrapper)) \
-                or type(child).__module__.startswith("torch.") \
-                and not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-            continue
-        _fx_tree(ctx, child, _join(prefix, key), leaves)
+        if not _skip_in_fx_tree(child):
+            _fx_tree(ctx, child, _join(prefix, key), leaves)
     return reason
 
 
-def _under_wrapper(module, prefix, name):
-    """Whether submodule ``name`` (below ``module``, at ``prefix``) sits in a rule's Wrapper (the
-    rule handled it)."""
-    parts = (name[len(prefix) + 1:] if prefix else name).split(".")
-    m = module
-    for p in parts[:-1]:
-        m = m._modules.get(p)
-        if m is None or isinstance(m, Wrapper):
-            return True
-    return False
+def _skip_in_fx_tree(child):
+    """Modules the fx pass never looks into: torch's own (fx leaves; its containers are not), a
+    marked one, a rule's Wrapper (converted already, by a rule or an earlier convert) and the
+    fused units' stand-ins. A fused Sequential is looked into: its ungrouped children
+    (torchvision's Conv2dNormActivation beside a grouped Conv-BN) may trace."""
+    return (child is None or _is_marked(child)
+            or isinstance(child, (_FFNHead, _FFNAct, _FFNTail, _FxFused, Wrapper))
+            or type(child).__module__.startswith("torch.")
+            and not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)))
 
 
 def _held_inline(module, prefix, unit):

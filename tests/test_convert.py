@@ -1889,3 +1889,100 @@ def test_fx_refuses_python_and_numpy_random_draws():
             random.seed(seed)
             np.random.seed(seed)
             assert rel_err(conv(x), ya) <= TOL
+
+
+class _Flagged(nn.Module):
+    """A forward branching on a plain attribute (timm's grad_checkpointing, a drop rate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.double = nn.Linear(8, 32), nn.Linear(32, 8), False
+
+    def forward(self, x):
+        x = self.fc2(torch.relu(self.fc1(x)))
+        return 2 * x if self.double else x
+
+
+def test_fx_graph_gives_way_to_a_changed_attribute():
+    """fx freezes the plain attributes a forward reads: when one changes after convert (timm's
+    set_grad_checkpointing), the model's own forward runs, and computes what the original does."""
+    torch.manual_seed(0)
+    model = _Flagged()
+    conv = fusedrc.convert(model)
+    assert conv.fusedrc_plan.fused == ["fc1"]
+    x = torch.randn(4, 8)
+    assert torch.equal(conv(x), model(x))
+    model.double = conv.double = True
+    assert torch.equal(conv(x), model(x))
+    timm = _timm()
+    net = fusedrc.convert(timm.create_model("resnet18", pretrained=False, num_classes=10))
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    try:
+        torch.utils.checkpoint.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)
+        net.set_grad_checkpointing(True)
+        net(torch.randn(2, 3, 32, 32, requires_grad=True)).sum().backward()
+    finally:
+        torch.utils.checkpoint.checkpoint = real
+    assert len(calls) == 8  # one per block, as unconverted
+
+
+def test_fx_traces_what_a_graph_calls_on_its_own():
+    """Modules a graph calls rather than inlines are traced on their own: one kept a call for its
+    forward hook (feature extraction), a Hugging Face layer (a block under policy="blocks", whose
+    mark must see its calls)."""
+    class Stem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.relu = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.bn(self.conv(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = Stem()
+            self.head = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+
+        def forward(self, x):
+            return self.head(self.stem(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    model.stem.register_forward_hook(lambda *a: None)
+    assert sorted(fusedrc.convert(model).fusedrc_plan.fused) == ["head.0", "stem.conv"]
+
+    tr = _transformers()
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.act = nn.Linear(16, 16), nn.ReLU()
+            self.mlp = tr.models.llama.modeling_llama.LlamaMLP(tr.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                                                              num_key_value_heads=2))
+
+        def forward(self, x):
+            return self.mlp(self.act(self.proj(x)))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Layer()
+
+        def forward(self, x):
+            return self.layer(x)
+
+    outer = Outer()
+    x = torch.randn(2, 4, 16)
+    for policy in ("all", "blocks"):
+        conv = fusedrc.convert(outer, policy=policy)
+        assert sorted(conv.fusedrc_plan.fused) == ["layer.mlp", "layer.proj"]
+        with FusedOpLog() as log:
+            y = conv(x)
+        assert rel_err(y, outer(x)) <= TOL
+        if policy == "all":
+            assert {"linear_act", "gated_mlp"} <= set(log.ops) and "forward" not in conv.__dict__
+        else:  # the layer recomputed whole (its units run plain inside the region)
+            assert conv.fusedrc_plan.recomputed_blocks == ["layer"]
