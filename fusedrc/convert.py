@@ -1400,6 +1400,7 @@ def _sequential(ctx, name, seq):
 
 
 _PLAIN = (bool, int, float, str, type(None))
+_MISSING = object()
 
 
 def _plain_attrs(module, names, mods=None):
@@ -1467,8 +1468,11 @@ class _FxForward:
         if any(parent._modules.get(key) is None for parent, key in called):
             return None
         frozen = getattr(self, "frozen", None)
-        if frozen and _plain_attrs(self.module, self.inlined, [m for _, _, m in inlined]) != frozen:
-            return None
+        if frozen:  # (in the order of ("", *inlined): _plain_attrs)
+            for m, attrs in zip((self.module, *(m for _, _, m in inlined)), frozen.values()):
+                d = m.__dict__
+                if any(d.get(k, _MISSING) != v for k, v in attrs.items()):
+                    return None
         return self.gm if self.by_mode is None else self.by_mode[mode]
 
     def __call__(self, *args, **kwargs):

@@ -26,7 +26,6 @@ fused layer; that CPU time bounded small-batch steps on a GPU.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import List, Optional, Tuple
 
@@ -34,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._backend import get_impl
-from ._state import cudnn_conv_tf32, pinned_cudnn_tf32, pinned_tf32, tf32_matmul_allowed, traced
+from ._state import cudnn_conv_tf32, pinned_cudnn_tf32, pinned_tf32, tf32_matmul_allowed
 
 _EMPTY = (0,)
 
@@ -395,9 +394,6 @@ def _conv_bn_act_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual)
     ctx.args = (training, eps, stride, padding, dilation, activation, backend)
     ctx.groups = groups
-    # fp32 convs on cuDNN (CONV_Z="aten") follow cuDNN's tf32 setting: the backward's recompute
-    # must run at the forward's (not recorded while tracing: a compiled graph fixes its own)
-    ctx.cudnn_tf32 = cudnn_conv_tf32() if x.dtype == torch.float32 and not traced(x) else None
 
 
 def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
@@ -407,12 +403,10 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     # channels_last already (a plain .contiguous() would copy it to NCHW every step)
     fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
     mask = _output_mask(ctx, (0, 1, 2, 3, 4, 7))
-    pin = pinned_cudnn_tf32(ctx.cudnn_tf32) if ctx.cudnn_tf32 is not None else contextlib.nullcontext()
-    with pin:
-        grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
-            x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt),
-            *ctx.args, mask, ctx.groups,
-        )
+    grads = pick("conv_bn_act_backward", x, ctx.args[-1])(
+        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out.contiguous(memory_format=fmt),
+        *ctx.args, mask, ctx.groups,
+    )
     inputs = (x, weight, bias, bn_weight, bn_bias, residual)
     dx, dw, db, dgamma, dbeta, dres = _wanted_grads(grads, inputs, mask)
     return dx, dw, db, dgamma, dbeta, None, None, dres, None, None, None, None, None, None, None, None
@@ -422,15 +416,16 @@ _AUTOGRAD["conv_bn_act"] = (_conv_bn_act_backward, _conv_bn_act_setup)
 
 
 def _pinning_precision(backward, setup):
-    """``backward`` runs at the fp32 GEMM precision (tf32 or not) that torch allowed when the
-    forward ran: its recompute must equal the forward bit for bit (the ReLU mask, the dropout
-    scale), even if ``torch.backends.cuda.matmul`` changed in between."""
+    """``backward`` runs at the fp32 precision (tf32 or not) that torch allowed when the forward
+    ran, for matmuls and for cuDNN's convs (the conv op's opt-in ``CONV_Z="aten"`` path): its
+    recompute must equal the forward bit for bit (the ReLU mask, the dropout scale), even if
+    ``torch.backends.cuda.matmul`` or ``torch.backends.cudnn`` changed in between."""
     def pinned_setup(ctx, inputs, output):
         setup(ctx, inputs, output)
-        ctx.tf32 = tf32_matmul_allowed()
+        ctx.tf32, ctx.cudnn_tf32 = tf32_matmul_allowed(), cudnn_conv_tf32()
 
     def pinned_backward(ctx, *grads):
-        with pinned_tf32(ctx.tf32):
+        with pinned_tf32(ctx.tf32), pinned_cudnn_tf32(ctx.cudnn_tf32):
             return backward(ctx, *grads)
 
     return pinned_backward, pinned_setup
