@@ -8,10 +8,14 @@ means the generic recompute path, which is always correct.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.utils.parametrize import type_before_parametrizations
+
+from .reference import leaky_relu_name
 
 _ACT_MODULES = {nn.ReLU: "relu", nn.SiLU: "silu", nn.ReLU6: "relu6", nn.Hardswish: "hardswish"}
 
@@ -22,6 +26,8 @@ def activation_name(module):
         return _ACT_MODULES[type(module)]
     if type(module) is nn.GELU:
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    if type(module) is nn.LeakyReLU and math.isfinite(module.negative_slope):
+        return leaky_relu_name(module.negative_slope)
     return None
 
 

@@ -93,6 +93,7 @@ import contextlib
 import copy
 import fnmatch
 import inspect as _inspect
+import math
 import numbers
 import random as _random
 import re as _re
@@ -111,6 +112,7 @@ from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks,
 from ._saved import SavedBytes
 from ._state import top_saved_tensors_pack
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
+from .reference import leaky_relu_name
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
@@ -912,8 +914,9 @@ def _from_torchvision(m):
 _TIMM_BLOCKS = {
     "BasicBlock": ("timm.models.resnet", "timm.models.byobnet"),
     "Bottleneck": ("timm.models.resnet", "timm.models.regnet", "timm.models.resnetv2"),
-    "BottleneckBlock": ("timm.models.byobnet",), "DarkBlock": ("timm.models.byobnet",),
-    "EdgeBlock": ("timm.models.byobnet",),
+    # cspnet: CSPResNet, CSPDarkNet, DarkNet (Conv-BN-LeakyReLU)
+    "BottleneckBlock": ("timm.models.byobnet", "timm.models.cspnet"),
+    "DarkBlock": ("timm.models.byobnet", "timm.models.cspnet"), "EdgeBlock": ("timm.models.byobnet", "timm.models.cspnet"),
     "DepthwiseSeparableConv": ("timm.models._efficientnet_blocks",),
     "InvertedResidual": ("timm.models._efficientnet_blocks",), "EdgeResidual": ("timm.models._efficientnet_blocks",),
     "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins"),
@@ -1682,13 +1685,20 @@ def _fx_chains(gm, prefix, skip):
         if node.target is nn.functional.gelu:
             approx = node.kwargs.get("approximate", "none")
             return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx), nn.GELU(approximate=approx)
+        if node.target is nn.functional.leaky_relu:
+            slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+            # a number fixed in the code (not a tensor or a value computed in the graph)
+            if type(slope) in (int, float) and math.isfinite(slope):
+                return leaky_relu_name(slope), nn.LeakyReLU(slope)
         return None, None
 
     def plain_args(c):
         kw = dict(c.kwargs)
         kw.pop("inplace", None)
         kw.pop("approximate", None)
-        return len(c.args) == 1 and not kw
+        kw.pop("negative_slope", None)
+        max_args = 2 if c.target is nn.functional.leaky_relu else 1  # its slope may be positional
+        return 1 <= len(c.args) <= max_args and not kw
 
     found = []
     for node in list(gm.graph.nodes):

@@ -83,7 +83,9 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
         weight: ``(out_features, in_features)``, as in ``nn.Linear``; same dtype and device as ``x``.
         bias: ``(out_features,)`` or None.
         activation: ``"relu"``, ``"relu2"`` (squared ReLU), ``"gelu"`` (erf),
-            ``"gelu_tanh"``, ``"silu"``, ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"`` (CLIP's ``h * sigmoid(1.702 h)``).
+            ``"gelu_tanh"``, ``"silu"``, ``"relu6"``, ``"hardswish"``, ``"quick_gelu"`` (CLIP's
+            ``h * sigmoid(1.702 h)``) or ``"leaky_relu"`` (negative slope 0.01, as ``nn.LeakyReLU()``;
+            ``"leaky_relu:0.1"`` for another slope).
 
     Returns:
         ``(*, out_features)``, in ``x``'s dtype.

@@ -23,8 +23,9 @@ def _act_name(act):
     name = act if isinstance(act, str) else activation_name(act)
     if name is None:
         raise ValueError(
-            f"act must be a supported activation (nn.ReLU, nn.GELU, nn.SiLU or one of the names "
-            f"'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', 'hardswish', 'quick_gelu'), got {act!r}"
+            f"act must be a supported activation (nn.ReLU, nn.GELU, nn.SiLU, nn.ReLU6, nn.Hardswish, "
+            f"nn.LeakyReLU or one of the names 'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', "
+            f"'hardswish', 'quick_gelu', 'leaky_relu', 'leaky_relu:<negative slope>'), got {act!r}"
         )
     return check_activation(name, "act")
 
@@ -65,7 +66,8 @@ class LinearReLU(nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as in ``nn.Linear``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"``.
+            ``"relu6"``, ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``:
+            negative slope 0.1).
 
     Example::
 
@@ -119,7 +121,8 @@ class FusedMLP(nn.Module):
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for both layers.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"``.
+            ``"relu6"``, ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``:
+            negative slope 0.1).
         dropout: dropout probability on the hidden activation in training mode (``nn.Dropout``
             between the layers), fused: its mask is regenerated in backward, never stored.
 
@@ -195,7 +198,7 @@ class GatedMLP(nn.Module):
         out_features: width of the output (default ``in_features``).
         bias, device, dtype: as in ``nn.Linear``, for the three layers (Llama: ``bias=False``).
         activation: ``"silu"`` (default), ``"relu"``, ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu6"``,
-            ``"hardswish"`` or ``"quick_gelu"``.
+            ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``: negative slope 0.1).
         dropout: dropout probability on the gated product in training mode (T5 v1.1's
             ``T5DenseGatedActDense``); its mask is regenerated in backward, never stored.
 
@@ -275,7 +278,8 @@ class ConvBNReLU(nn.Module):
             implementation.
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
-            ``"relu6"``, ``"hardswish"`` or ``"quick_gelu"``; None: no activation (a projection or downsample Conv-BN).
+            ``"relu6"``, ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``: negative
+            slope 0.1); None: no activation (a projection or downsample Conv-BN).
 
     Example::
 

@@ -15,6 +15,8 @@ model's first layer). None means all.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -50,7 +52,12 @@ ACTIVATIONS = {
     "hardswish": (F.hardswish, lambda g, h: aten.hardswish_backward(g, h)),
     # CLIP's QuickGELU, h * sigmoid(1.702 h); backward as autograd of that composition
     "quick_gelu": (_quick_gelu, _quick_gelu_backward),
+    # torch's default slope; "leaky_relu:<slope>" for another (split_activation)
+    "leaky_relu": (F.leaky_relu, lambda g, h: aten.leaky_relu_backward(g, h, LEAKY_SLOPE, False)),
 }
+
+# nn.LeakyReLU's default negative slope: "leaky_relu" alone means it
+LEAKY_SLOPE = 0.01
 
 
 def wanted(output_mask, n: int) -> tuple:
@@ -62,9 +69,34 @@ def wanted(output_mask, n: int) -> tuple:
     return tuple(bool(m) for m in output_mask)
 
 
-def check_activation(activation) -> str:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+def split_activation(activation, name="activation"):
+    """``(kind, slope)`` of an activation name: ``"leaky_relu:<slope>"`` is LeakyReLU with that
+    negative slope (any finite float), ``"leaky_relu"`` the default 0.01; every other name has
+    slope 0.0. Anything else is a ``ValueError`` naming ``name`` and the choices."""
+    if isinstance(activation, str):
+        if activation in ACTIVATIONS:
+            return activation, (LEAKY_SLOPE if activation == "leaky_relu" else 0.0)
+        kind, sep, slope = activation.partition(":")
+        if kind == "leaky_relu" and sep:
+            try:
+                value = float(slope)
+            except ValueError:
+                value = float("nan")
+            if math.isfinite(value):
+                return kind, value
+            raise ValueError(f"{name}: the slope of {activation!r} must be a finite float, as in 'leaky_relu:0.1'")
+    raise ValueError(f"{name} must be one of {sorted(ACTIVATIONS)} or 'leaky_relu:<negative slope>', "
+                     f"got {activation!r}")
+
+
+def leaky_relu_name(slope) -> str:
+    """The activation name of ``nn.LeakyReLU(slope)``."""
+    return "leaky_relu" if float(slope) == LEAKY_SLOPE else f"leaky_relu:{float(slope)!r}"
+
+
+def check_activation(activation, name="activation") -> str:
+    """``activation`` if it names a fused activation; a ``ValueError`` naming ``name`` otherwise."""
+    split_activation(activation, name)
     return activation
 
 
@@ -74,11 +106,19 @@ NO_ACTIVATION = "none"
 
 
 def activation_forward(h, activation):
-    return h if activation == NO_ACTIVATION else ACTIVATIONS[activation][0](h)
+    if activation == NO_ACTIVATION:
+        return h
+    kind, slope = split_activation(activation)
+    return F.leaky_relu(h, slope) if kind == "leaky_relu" else ACTIVATIONS[kind][0](h)
 
 
 def activation_backward(grad, h, activation):
-    return grad if activation == NO_ACTIVATION else ACTIVATIONS[activation][1](grad, h)
+    if activation == NO_ACTIVATION:
+        return grad
+    kind, slope = split_activation(activation)
+    if kind == "leaky_relu":
+        return aten.leaky_relu_backward(grad, h, slope, False)
+    return ACTIVATIONS[kind][1](grad, h)
 
 
 # --------------------------------------------------------------------------- Linear + act

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fusedrc._state import tf32_matmul_allowed, traced
+from fusedrc.reference import check_activation, split_activation  # noqa: F401  (one definition)
 from fusedrc.reference import wanted  # noqa: F401  (the launchers' output_mask, one definition)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -55,7 +56,8 @@ except ImportError:  # torch < 2.6: no triton_op either, the fused ops stay cust
     def wrap_triton(kernel):
         return kernel
 
-ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "quick_gelu")
+# kernel ACTIVATION names; "leaky_relu" takes its slope as NEG_SLOPE (act_meta)
+ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "quick_gelu", "leaky_relu")
 
 
 # --------------------------------------------------------------------------- tile table
@@ -209,7 +211,7 @@ def _gelu_tanh_t(h):
 
 
 @triton.jit
-def _act_fwd(h, ACTIVATION: tl.constexpr):
+def _act_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
     """act(h) in fp32. ReLU keeps NaN (a NaN is not < 0), as torch does."""
     if ACTIVATION == "none":
         y = h
@@ -230,13 +232,15 @@ def _act_fwd(h, ACTIVATION: tl.constexpr):
         y = h * tl.minimum(tl.maximum(h + 3.0, 0.0), 6.0) / 6.0
     elif ACTIVATION == "quick_gelu":
         y = h * _sigmoid(1.702 * h)  # CLIP's h * sigmoid(1.702 h)
+    elif ACTIVATION == "leaky_relu":
+        y = tl.where(h > 0.0, h, h * NEG_SLOPE)  # torch's x > 0 ? x : x * slope (NaN: NaN * slope)
     else:  # silu
         y = h * _sigmoid(h)
     return y
 
 
 @triton.jit
-def _act_grad(h, g, ACTIVATION: tl.constexpr):
+def _act_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
     """act'(h) * g in fp32, with the formulas of torch's backward kernels."""
     if ACTIVATION == "none":
         gh = g
@@ -266,6 +270,8 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr):
         # autograd of h * sigmoid(1.702 h): g s + 1.702 (g h) s (1 - s)
         s = _sigmoid(1.702 * h)
         gh = g * s + 1.702 * ((g * h) * (s * (1.0 - s)))
+    elif ACTIVATION == "leaky_relu":
+        gh = tl.where(h > 0.0, g, g * NEG_SLOPE)  # leaky_relu_backward: a NaN h takes the slope side
     else:  # silu
         s = _sigmoid(h)
         gh = g * (s * (1.0 + h * (1.0 - s)))
@@ -398,7 +404,7 @@ def _gemm_act_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -411,14 +417,15 @@ def _gemm_act_kernel(
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     seed = tl.load(seed_ptr) if DROPOUT else 0
-    _fwd_epilogue(_act_fwd(acc, ACTIVATION), c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
+    _fwd_epilogue(_act_fwd(acc, ACTIVATION, NEG_SLOPE), c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
                   drop_threshold, drop_scale, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
 def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
                    seed, drop_threshold, drop_scale,
-                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+                   NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them), in
     SPLIT column slices one after the other (halving recursively: each slice's temporaries are
@@ -427,10 +434,10 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0,
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
         _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
                        seed, drop_threshold, drop_scale,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                       HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2,
                        seed, drop_threshold, drop_scale,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                       HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = c0 + tl.arange(0, WIDTH)
@@ -441,14 +448,14 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0,
             # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
             factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
         if STORE_ACT:
-            a = _act_fwd(h, ACTIVATION)
+            a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
             if DROPOUT:
                 a = a * factor
             tl.store(act_ptr + base + offs, a.to(act_ptr.dtype.element_ty), mask=mask)
         g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
             g = g * factor
-        gh = _act_grad(h, g, ACTIVATION)
+        gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
         tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
@@ -461,7 +468,8 @@ def _gemm_act_grad_kernel(
     a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
+    DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -478,7 +486,7 @@ def _gemm_act_grad_kernel(
     seed = tl.load(seed_ptr) if DROPOUT else 0
     _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
                    seed, drop_threshold, drop_scale,
-                   HAS_BIAS, STORE_ACT, ACTIVATION, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+                   HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -625,7 +633,7 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=False)
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     with _device_guard(a):
-        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, ACTIVATION=activation, **meta)
+        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, **act_meta(activation), **meta)
     return out
 
 
@@ -681,17 +689,21 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
             *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed, *scalars,
-            STORE_ACT=store_act, ACTIVATION=activation, **meta,
+            STORE_ACT=store_act, **act_meta(activation), **meta,
         )
     # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
     dbias = part.sum(0).to(bias.dtype) if bias is not None else None
     return gh, act, dbias
 
 
-def check_activation(activation: str) -> str:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return activation
+def act_meta(activation: str) -> dict:
+    """The kernels' activation constexprs of an activation name: ``"leaky_relu:0.1"`` is
+    ACTIVATION="leaky_relu", NEG_SLOPE=0.1 (one compile per slope); NEG_SLOPE is 0.0 for the
+    others, so each of them compiles once."""
+    if activation == "none":
+        return dict(ACTIVATION="none", NEG_SLOPE=0.0)
+    kind, slope = split_activation(activation)
+    return dict(ACTIVATION=kind, NEG_SLOPE=slope)
 
 
 # --------------------------------------------------------------------------- ahead-of-time inspection
@@ -732,7 +744,8 @@ def inspect_specs():
     heaviest epilogue), bias on, EVEN_K, and STORE_ACT on for the grad kernel
     (as ``fused_mlp`` launches it). sm_90 entries also with TMA loads (``GEMM_TMA``;
     config ``"loads": "tma"``); bf16 entries also with the FFN's dropout in the epilogue
-    (config ``"dropout": true``: Philox per element, the heaviest epilogue)."""
+    (config ``"dropout": true``: Philox per element, the heaviest epilogue). The grad kernel of
+    one sm_90 bf16 entry also with each other activation (config ``"activation"``)."""
     specs = []
     by_key = {}
     for (family, opclass, bucket), cfg in _TABLE.items():
@@ -768,7 +781,7 @@ def inspect_specs():
             split = _epilogue_split(cfg, kernel is _gemm_act_grad_kernel, dropout)
             constexprs["EPILOGUE_SPLIT"] = split
             constexprs.update({
-                "ACTIVATION": "gelu",
+                "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
                 "GROUP_M": cfg.GROUP_M, "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
                 "TMA": tma,
@@ -793,4 +806,13 @@ def inspect_specs():
             }
             by_key[key] = spec
             specs.append(spec)
+    # every other activation's epilogue (values and derivative), on one sm_90 bf16 grad kernel
+    # (gelu's, the heaviest, stands for them in the table above)
+    base = next(s for s in specs if s["kernel"] == "_gemm_act_grad_kernel" and s["arch"] == "sm_90"
+                and s["dtype"] == torch.bfloat16 and "loads" not in s["config"] and "dropout" not in s["config"])
+    for act in ACTIVATIONS:
+        if act != "gelu":
+            meta = act_meta("leaky_relu:0.1" if act == "leaky_relu" else act)
+            specs.append(dict(base, constexprs=dict(base["constexprs"], **meta),
+                              config=dict(base["config"], activation=act), source=base["source"] + "/activation"))
     return specs

@@ -1,7 +1,8 @@
 """Conv2d + BatchNorm2d + activation (+ residual): implicit-GEMM Triton kernels and launchers.
 
-The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, gelu_tanh, silu, relu6, hardswish, quick_gelu;
-the epilogue functions of kernels/_common.py); ReLU below stands for it.
+The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, gelu_tanh, silu, relu6,
+hardswish, quick_gelu, leaky_relu with its ``NEG_SLOPE``; the epilogue functions of kernels/_common.py);
+ReLU below stands for it.
 
 Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
 (C_out, C_in / groups, KH, KW). With groups=1 the convolution is an implicit GEMM:
@@ -71,14 +72,11 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    ACTIVATIONS, _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _upcast_flag, cdiv,
-    device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
+    _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _upcast_flag, act_meta, cdiv,
+    check_activation, device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
 )
 
-__all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "SUPPORTED_ACTIVATIONS"]
-
-# the dense kernels' epilogue functions (_common), and "none": Conv-BN without an activation
-SUPPORTED_ACTIVATIONS = ACTIVATIONS + ("none",)
+__all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config"]
 
 # Strategy switches (module level: the launchers' signatures are fixed). Every setting gives
 # the same results; they exist to be measured on a GPU per shape. "auto" decides per layer
@@ -496,7 +494,7 @@ def _conv_bn_fwd_kernel(
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
     FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
     APPLY: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    ACTIVATION: tl.constexpr,
+    ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -527,24 +525,25 @@ def _conv_bn_fwd_kernel(
         o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
         r_pix = _pix_offsets(offs_m, OH, OW, s_rn, s_rh, s_rw)
         _apply_epilogue(zf, col0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
-                        mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M,
+                        mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, NEG_SLOPE, BLOCK_M,
                         BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
 def _apply_epilogue(zf, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr,
                     mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                    HAS_B: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    HAS_B: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The forward's normalize + affine (+ residual) + activation on channels [c0, c0 + WIDTH) of its
     tile, in SPLIT column slices one after the other (as the dense grad kernel's epilogue)."""
     if SPLIT > 1:
         z0, z1 = _column_halves(zf, BLOCK_M, WIDTH)
         _apply_epilogue(z0, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr, rstd_ptr,
-                        gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
-        _apply_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr,
-                        rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2,
+                        gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, NEG_SLOPE, BLOCK_M, WIDTH // 2,
                         SPLIT // 2)
+        _apply_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_ptr, mean_ptr,
+                        rstd_ptr, gamma_ptr, beta_ptr, HAS_RES, HAS_W, HAS_B, ACTIVATION, NEG_SLOPE, BLOCK_M,
+                        WIDTH // 2, SPLIT // 2)
     else:
         offs_n = c0 + tl.arange(0, WIDTH)
         mask_n = offs_n < C_OUT
@@ -555,7 +554,7 @@ def _apply_epilogue(zf, c0, o_pix, r_pix, mask_m, C_OUT, s_oc, s_rc, y_ptr, res_
         if HAS_RES:
             pre = pre + tl.load(res_ptr + r_pix[:, None] + (offs_n * s_rc)[None, :], mask=mask,
                                 other=0.0).to(tl.float32)
-        y = _act_fwd(pre, ACTIVATION)  # ReLU: NaN stays NaN like torch.relu
+        y = _act_fwd(pre, ACTIVATION, NEG_SLOPE)  # ReLU: NaN stays NaN like torch.relu
         tl.store(y_ptr + o_pix[:, None] + (offs_n * s_oc)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -613,7 +612,7 @@ def _conv_bn_bwd_kernel(
     FROM_Z: tl.constexpr, STORE_Z: tl.constexpr, REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr,
     TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    ACTIVATION: tl.constexpr,
+    ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -645,7 +644,7 @@ def _conv_bn_bwd_kernel(
     _bwd_epilogue(zf, col0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
                   g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
                   pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                  HAS_W, HAS_B, ACTIVATION, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+                  HAS_W, HAS_B, ACTIVATION, NEG_SLOPE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -655,7 +654,7 @@ def _bwd_epilogue(
     pg_ptr, pgx_ptr, pdb_ptr,
     REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr, TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
+    ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The backward kernel's epilogue on channels [c0, c0 + WIDTH) of its tile (zf holds them),
     in SPLIT column slices one after the other (as the dense grad kernel's epilogue)."""
@@ -664,11 +663,11 @@ def _bwd_epilogue(
         _bwd_epilogue(z0, c0, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc, s_gc,
                       g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr, sgx_ptr,
                       pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS, HAS_RES,
-                      HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                      HAS_W, HAS_B, ACTIVATION, NEG_SLOPE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _bwd_epilogue(z1, c0 + WIDTH // 2, o_pix, r_pix, g_pix, mask_m, pid_m, C_OUT, inv_count, s_oc, s_rc,
                       s_gc, g_ptr, res_ptr, dz_ptr, dres_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, sg_ptr,
                       sgx_ptr, pg_ptr, pgx_ptr, pdb_ptr, REDUCE, EMIT_DZ, TRAINING, STORE_DRES, HAS_BIAS,
-                      HAS_RES, HAS_W, HAS_B, ACTIVATION, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                      HAS_RES, HAS_W, HAS_B, ACTIVATION, NEG_SLOPE, BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
         offs_n = c0 + tl.arange(0, WIDTH)
         mask_n = offs_n < C_OUT
@@ -683,7 +682,7 @@ def _bwd_epilogue(
         gout = tl.load(g_ptr + g_pix[:, None] + (offs_n * s_gc)[None, :], mask=mask, other=0.0).to(tl.float32)
         # torch's activation backward formulas (ReLU: threshold_backward, a NaN pre lets grad through).
         # gout is 0 outside the mask and pre finite there, so g is 0 there too (the sums rely on it)
-        g = _act_grad(pre, gout, ACTIVATION)
+        g = _act_grad(pre, gout, ACTIVATION, NEG_SLOPE)
         xhat = (zf - mean[None, :]) * rstd[None, :]
         if STORE_DRES:
             tl.store(dres_ptr + o_offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
@@ -829,8 +828,16 @@ def _memory_format(x: torch.Tensor):
     return torch.contiguous_format
 
 
+def _known_activation(activation) -> bool:
+    """The dense kernels' epilogue activations, and "none" (Conv-BN without an activation)."""
+    try:
+        return activation == "none" or bool(check_activation(activation))
+    except ValueError:
+        return False
+
+
 def _supported(x, weight, activation, stride, padding, dilation, groups=1, residual=None) -> bool:
-    if activation not in SUPPORTED_ACTIVATIONS or groups < 1 or x.dim() != 4 or weight.dim() != 4:
+    if not _known_activation(activation) or groups < 1 or x.dim() != 4 or weight.dim() != 4:
         return False
     if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
         return False
@@ -932,7 +939,7 @@ def conv_bn_act_forward(
             **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct,
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
-            ACTIVATION=activation if apply else "relu",  # unused without APPLY: one compile for all
+            **act_meta(activation if apply else "relu"),  # unused without APPLY: one compile for all
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1081,7 +1088,7 @@ def conv_bn_act_backward(
             **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct,
             FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce, EMIT_DZ=emit, TRAINING=bool(training),
             STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
-            HAS_W=gamma is not None, HAS_B=beta is not None, ACTIVATION=activation,
+            HAS_W=gamma is not None, HAS_B=beta is not None, **act_meta(activation),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
             PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1313,7 +1320,7 @@ def inspect_specs():
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if fn in (_conv_bn_fwd_kernel, _conv_bn_bwd_kernel):
             constexprs["EPILOGUE_SPLIT"] = config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
-            constexprs["ACTIVATION"] = activation
+            constexprs.update(act_meta(activation))
             if activation != "relu":
                 config["activation"] = activation
         return {"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype, "config": config,

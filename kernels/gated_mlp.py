@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ._common import (
     _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _dropout_factor, _tile_ids,
-    _tile_safe, _upcast_flag, cdiv, check_activation, device_capability, dot_precision, dropout_args, gemm_config,
-    launcher, plain_gemm, uses_aten_gemm, wanted,
+    _tile_safe, _upcast_flag, act_meta, cdiv, check_activation, device_capability, dot_precision, dropout_args,
+    gemm_config, launcher, plain_gemm, uses_aten_gemm, wanted,
 )
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
@@ -115,14 +115,14 @@ def _gated_act_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     hg, hu, pid_m, row0, col0 = _gated_preacts(
         a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
-    y = _act_fwd(hg, ACTIVATION) * hu
+    y = _act_fwd(hg, ACTIVATION, NEG_SLOPE) * hu
     if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
         y = y * _dropout_factor(tl.load(seed_ptr), row0 + tl.arange(0, BLOCK_M), col0, drop_threshold, drop_scale,
                                 BLOCK_M, BLOCK_N)
@@ -138,7 +138,8 @@ def _gated_act_grad_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
+    DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -152,7 +153,7 @@ def _gated_act_grad_kernel(
     mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
     offs = (row0.to(tl.int64) * N + col0) + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    act = _act_fwd(hg, ACTIVATION)
+    act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
     if DROPOUT:  # the forward's mask, regenerated: a = dropout(act * hu) for dW_down, g through the mask
         factor = _dropout_factor(tl.load(seed_ptr), row0 + offs_m, col0, drop_threshold, drop_scale, BLOCK_M, BLOCK_N)
         g = g * factor
@@ -161,7 +162,7 @@ def _gated_act_grad_kernel(
     elif STORE_ACT:
         tl.store(act_ptr + offs, (act * hu).to(act_ptr.dtype.element_ty), mask=mask)
     ghu = g * act
-    ghg = _act_grad(hg, g * hu, ACTIVATION)
+    ghg = _act_grad(hg, g * hu, ACTIVATION, NEG_SLOPE)
     tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
     tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -210,7 +211,7 @@ def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=No
         return out
     _, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     with _device_guard(x):
-        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, *scalars, ACTIVATION=activation, **meta)
+        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, *scalars, **act_meta(activation), **meta)
     return out
 
 
@@ -239,7 +240,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
-            *scalars, STORE_ACT=store_act, ACTIVATION=activation, **meta,
+            *scalars, STORE_ACT=store_act, **act_meta(activation), **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows: deterministic
     return ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
@@ -326,7 +327,8 @@ def inspect_specs():
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
             constexprs = {
-                "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "DROPOUT": dropout,
+                "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
+                "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
             }

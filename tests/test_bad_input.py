@@ -97,7 +97,8 @@ def _convert(**kw):
 
 
 EX = (torch.randn(2, 3),)
-ACT = r"activation must be one of \['gelu', 'gelu_tanh', 'hardswish', 'quick_gelu', 'relu', 'relu2', 'relu6', 'silu'\]"
+ACT = (r"activation must be one of \['gelu', 'gelu_tanh', 'hardswish', 'leaky_relu', 'quick_gelu', 'relu', 'relu2', "
+       r"'relu6', 'silu'\] or 'leaky_relu:<negative slope>'")
 f64 = torch.float64
 
 # (id, call, exception, regex naming the argument and the expectation)
@@ -136,6 +137,11 @@ CASES = [
      r"bias is on meta but input is on cpu"),
     ("linear_act/activation-unknown", lin(x2, lambda: r(4, 3), activation="tanh"), ValueError, ACT + ", got 'tanh'"),
     ("linear_act/activation-none", lin(x2, lambda: r(4, 3), activation=None), ValueError, ACT + ", got None"),
+    ("linear_act/leaky-slope-text", lin(x2, lambda: r(4, 3), activation="leaky_relu:big"), ValueError,
+     r"activation: the slope of 'leaky_relu:big' must be a finite float"),
+    ("linear_act/leaky-slope-inf", lin(x2, lambda: r(4, 3), activation="leaky_relu:inf"), ValueError,
+     r"activation: the slope of 'leaky_relu:inf' must be a finite float"),
+    ("linear_act/other-slope", lin(x2, lambda: r(4, 3), activation="relu:0.1"), ValueError, ACT + ", got 'relu:0.1'"),
     ("linear_act/activation-list", lin(x2, lambda: r(4, 3), activation=["relu"]), ValueError,
      ACT + r", got \['relu'\]"),
     # ------------------------------------------------------------ functional.fused_mlp

@@ -1483,6 +1483,56 @@ def test_conv_bn_other_activations_sequential_and_fx():
         assert plan.final_bytes < plan.baseline_bytes
 
 
+class _LeakyNet(nn.Module):
+    """LeakyReLU written the ways models write it: positional and keyword slopes, in place, the
+    default, and a slope the graph computes (no fused form: the chain is Conv-BN, then the call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+        self.c2, self.b2 = nn.Conv2d(6, 6, 1, bias=False), nn.BatchNorm2d(6)
+        self.c3, self.b3 = nn.Conv2d(6, 4, 3, bias=False), nn.BatchNorm2d(4)
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = nn.functional.leaky_relu(self.b1(self.c1(x)), 0.1)
+        x = nn.functional.leaky_relu(self.b2(self.c2(x)), negative_slope=0.2, inplace=True)
+        x = self.b3(self.c3(x))
+        x = nn.functional.leaky_relu(x, x.shape[1] / 100)  # a slope from the graph: 0.04, as is
+        return self.fc2(nn.functional.leaky_relu(self.fc1(x.mean((2, 3)))))
+
+
+def test_leaky_relu_sequential_and_fx():
+    """Conv-BN-LeakyReLU (DarkNet's, YOLO's) and a Linear-LeakyReLU-Linear FFN are fused, each with
+    its own slope, from nn.LeakyReLU modules and from F.leaky_relu calls; a slope that is not a
+    number fixed in the code leaves a Conv-BN unit; two training steps match the original's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.LeakyReLU(0.1, inplace=True),
+                        nn.Flatten(), nn.Linear(6 * 25, 16), nn.LeakyReLU(), nn.Linear(16, 3)).train()
+    fx = _LeakyNet().train()
+    x = torch.randn(2, 3, 5, 5)
+    cases = ((seq, [("0", "conv_bn_act", "leaky_relu:0.1"), ("4", "ffn", "leaky_relu")]),
+             (fx, [("c1", "conv_bn_act", "leaky_relu:0.1"), ("c2", "conv_bn_act", "leaky_relu:0.2"),
+                   ("c3", "conv_bn", None), ("fc1", "ffn", "leaky_relu")]))
+    for model, want in cases:
+        conv = fusedrc.convert(model)
+        assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [w[:2] for w in want]
+        acts = []
+        with fusedrc.use_backend("reference"):
+            orig = fusedrc.reference.activation_forward
+
+            def spy(h, activation):
+                acts.append(activation)
+                return orig(h, activation)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fusedrc.reference, "activation_forward", spy)
+                copy.deepcopy(conv)(x)
+        assert [a for a in acts if a != "none"] == [w[2] for w in want if w[2]]
+        for _ in range(2):
+            model.zero_grad(), conv.zero_grad()
+            _assert_same_step(model, conv, x)
+
+
 def _assert_step_matches_in_float64(model, conv, x):
     """One training step of ``model`` and its conversion ``conv`` on ``x``, judged against ``model`` in
     float64: the BatchNorm biases in front of a conv + BN (MBConv's projections) have a gradient of 0
@@ -1751,6 +1801,8 @@ def _timm():
     ("resnet18", {}, {"conv_bn_relu": 9, "conv_bn": 11}, 8),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block
     ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}, 12),
+    # Conv-BN-LeakyReLU(0.01) through BatchNormAct2d; cspnet's DarkBlock
+    ("darknet17", {}, {"conv_bn_act": 16}, 5),
 ])
 def test_timm_models(name, kwargs, kinds, blocks):
     """timm models (built from code, no weights): convert fuses their Conv-BN-act chains and

@@ -331,7 +331,7 @@ def _activations_launched(seen):
 
 
 @pytest.mark.parametrize("activation", ["relu2", "gelu", "gelu_tanh", "silu", "relu6", "hardswish", "quick_gelu",
-                                        "none"])
+                                        "leaky_relu:0.1", "none"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_activations(activation, training, monkeypatch, device):
     """Every activation of the dense kernels runs in the conv epilogues (residual and conv bias
@@ -340,7 +340,9 @@ def test_activations(activation, training, monkeypatch, device):
     seen = record_launches(monkeypatch, K)
     t, geom = _inputs(SHAPES["3x3s2"], torch.float32, bias=True, affine=True, residual=True, device=device)
     _check_all(t, geom, training, torch.float32, activation)
-    assert _activations_launched(seen) == {activation}
+    assert _activations_launched(seen) == {activation.partition(":")[0]}
+    if activation.startswith("leaky_relu"):  # the slope reaches the kernels
+        assert {kw["NEG_SLOPE"] for _, kw in seen if kw.get("ACTIVATION") == "leaky_relu"} == {0.1}
 
 
 @pytest.mark.parametrize("activation,conv_z", [("silu", "triton"), ("gelu", "aten")])

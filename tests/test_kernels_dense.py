@@ -127,7 +127,7 @@ def test_relu_propagates_nan(device):
     assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
     ok = ~torch.isnan(y_ref)
     torch.testing.assert_close(y[ok], y_ref[ok], rtol=1e-5, atol=1e-6)
-    for act in ("relu2", "silu", "gelu", "quick_gelu"):  # the others keep NaN too
+    for act in ("relu2", "silu", "gelu", "quick_gelu", "leaky_relu"):  # the others keep NaN too
         assert torch.equal(torch.isnan(linear_act.linear_act_forward(x, w, b, act)), torch.isnan(y_ref))
 
 
@@ -274,11 +274,12 @@ def test_fused_mlp(shape, dtype, act, bias, device):
     _check_mlp(*_mlp_inputs(*shape, dtype, device, bias), act, dtype)
 
 
-@pytest.mark.parametrize("act", ["relu6", "hardswish", "quick_gelu"])
+@pytest.mark.parametrize("act", ["relu6", "hardswish", "quick_gelu", "leaky_relu", "leaky_relu:0.2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_piecewise_activations(act, dtype, device):
-    """relu6 and hardswish (MobileNet's), and CLIP's quick_gelu: Linear+act and the FFN, ragged
-    shapes, pre-activations spread over all their pieces (below -3, -3..0, 0..3/6, above 6)."""
+    """relu6 and hardswish (MobileNet's), CLIP's quick_gelu and LeakyReLU (default and another
+    slope): Linear+act and the FFN, ragged shapes, pre-activations spread over all their pieces
+    (below -3, -3..0, 0..3/6, above 6)."""
     x, w, b, g = _linear_inputs(37, 21, 19, dtype, device, True)
     _check_linear(x * 4, w, b, g, act, dtype)
     x, w1, b1, w2, b2, g = _mlp_inputs(*MLP_SHAPES[1], dtype, device, True)
@@ -308,6 +309,25 @@ def test_piecewise_activations_nan_and_kinks(act, device):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), gval
         ok = ~torch.isnan(want)
         assert torch.allclose(got[ok], want[ok], rtol=1e-6, atol=0), (gval, got.flatten(), want.flatten())
+
+
+@pytest.mark.parametrize("act", ["leaky_relu", "leaky_relu:0.2", "leaky_relu:-1.5"])
+def test_leaky_relu_matches_aten_everywhere(act, device):
+    """LeakyReLU at its kink (0), tiny, huge and infinite values and NaN: forward and input gradient
+    equal to aten's leaky_relu / leaky_relu_backward bit for bit (x > 0 ? x : x * slope; a NaN
+    pre-activation takes the slope side in backward), incoming gradients 1, -inf and NaN; a
+    negative slope too."""
+    nan, inf = float("nan"), float("inf")
+    h = torch.tensor([inf, -inf, 0.0, -0.0, 1e-30, -1e-30, 2.5, -2.5, 1e38, -3e38, nan], device=device)[:, None]
+    w = torch.ones(1, 1, device=device)
+    y, y_ref = linear_act.linear_act_forward(h, w, None, act), R.linear_act_forward(h, w, None, act)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and torch.equal(y.nan_to_num(), y_ref.nan_to_num())
+    for gval in (1.0, -inf, nan):
+        g = torch.full_like(h, gval)
+        got = linear_act.linear_act_backward(h, w, None, g, act)[0]
+        want = R.linear_act_backward(h, w, None, g, act)[0]
+        assert torch.equal(got.isnan(), want.isnan()), gval
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (gval, got.flatten(), want.flatten())
 
 
 def test_fused_mlp_noncontiguous(device):

@@ -50,7 +50,7 @@ def test_gated_mlp(shape, dtype, act, bias, device):
     _check_gated(*_inputs(*shape, dtype, device, bias), act, dtype)
 
 
-@pytest.mark.parametrize("act", ["gelu", "relu2"])
+@pytest.mark.parametrize("act", ["gelu", "relu2", "leaky_relu:0.2"])
 def test_gated_mlp_other_activations_and_one_bias(act, device):
     """The remaining activations; a gate bias without an up bias (the kernel adds zeros for it)."""
     _check_gated(*_inputs(29, 40, 36, 11, torch.float32, device, bias=True, up_bias=False), act, torch.float32)

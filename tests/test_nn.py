@@ -14,7 +14,8 @@ def _check_grads(a_params, b_params, tol=1e-5):
         assert (a.grad - b.grad).norm() <= tol * max(b.grad.norm(), 10.0)
 
 
-@pytest.mark.parametrize("activation,act", [("relu", nn.ReLU()), ("gelu_tanh", nn.GELU("tanh")), ("silu", nn.SiLU())])
+@pytest.mark.parametrize("activation,act", [("relu", nn.ReLU()), ("gelu_tanh", nn.GELU("tanh")), ("silu", nn.SiLU()),
+                                            ("leaky_relu", nn.LeakyReLU()), ("leaky_relu:0.2", nn.LeakyReLU(0.2))])
 def test_linear_relu_state_dict_and_numerics(activation, act):
     lin = nn.Linear(12, 20)
     m = fusedrc.nn.LinearReLU(12, 20, activation=activation)
@@ -115,7 +116,8 @@ def test_rejected_conv_bn_relu_call_leaves_num_batches_tracked():
         assert bn.num_batches_tracked.item() == 0
 
 
-@pytest.mark.parametrize("activation,act", [("silu", nn.SiLU()), ("gelu", nn.GELU())])
+@pytest.mark.parametrize("activation,act", [("silu", nn.SiLU()), ("gelu", nn.GELU()),
+                                            ("leaky_relu:0.1", nn.LeakyReLU(0.1, inplace=True))])
 def test_conv_bn_act_module(activation, act):
     """ConvBNReLU with another activation (EfficientNet's and YOLO's Conv-BN-SiLU), with a residual:
     outputs, gradients and running statistics as the plain modules'; from_modules takes the
