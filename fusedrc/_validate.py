@@ -12,6 +12,8 @@ import numbers
 import torch
 from torch.autograd import forward_ad
 
+from .reference import check_activation  # noqa: F401  (the one definition, re-exported for the layers)
+
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -66,13 +68,6 @@ def check_vector(t, name, size, x, name_x="input", *, dtype=True):
     if t.shape[0] != size:
         raise ValueError(f"{name} must have shape ({size},), got {tuple(t.shape)}")
     check_same(x, name_x, t, name, dtype=dtype)
-
-
-def check_activation(activation, name="activation") -> str:
-    """The name of a fused activation; anything else is a ``ValueError`` listing the choices."""
-    from .reference import check_activation as check
-
-    return check(activation, name)
 
 
 def check_int(v, name, *, min_value=0):

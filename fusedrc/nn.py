@@ -14,7 +14,7 @@ from torch.nn.utils import parametrize
 from . import functional as F
 from ._patterns import _conv_padding, _own_hooks, activation_name, conv_bn_act_call, is_linear
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
-from .reference import activation_forward
+from .reference import ACTIVATIONS, activation_forward
 
 __all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "ConvBNReLU"]
 
@@ -24,8 +24,8 @@ def _act_name(act):
     if name is None:
         raise ValueError(
             f"act must be a supported activation (nn.ReLU, nn.GELU, nn.SiLU, nn.ReLU6, nn.Hardswish, "
-            f"nn.LeakyReLU or one of the names 'relu', 'relu2', 'gelu', 'gelu_tanh', 'silu', 'relu6', "
-            f"'hardswish', 'quick_gelu', 'leaky_relu', 'leaky_relu:<negative slope>'), got {act!r}"
+            f"nn.LeakyReLU or one of the names {sorted(ACTIVATIONS)} or 'leaky_relu:<negative slope>'), "
+            f"got {act!r}"
         )
     return check_activation(name, "act")
 
