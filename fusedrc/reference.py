@@ -319,34 +319,37 @@ def conv_bn_act_backward(
     if residual is not None:
         pre = pre + residual
     acc = _acc_dtype(x)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
-    g = activation_backward(grad_out, pre, activation).to(acc)
+    g = activation_backward(grad_out, pre, activation)
     del pre
     dresidual = g.to(grad_out.dtype) if residual is not None and need[5] else None
     if dresidual is grad_out:  # no activation, fp32/fp64: an op may not return its input
         dresidual = dresidual.clone()
-    xhat = (z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape)
-    del z
-    dims = (0, 2, 3)
-    dbeta = g.sum(dims)
-    dgamma = (g * xhat).sum(dims)
-    gamma = bn_weight.to(acc) if bn_weight is not None else torch.ones_like(rstd, dtype=acc)
-    scale = (gamma * rstd).view(shape)
-    if training:
-        n = g.numel() // C
-        dz = scale * (g - (dbeta / n).view(shape) - xhat * (dgamma / n).view(shape))
-    else:
-        dz = scale * g
-    del g, xhat
-    dz = dz.to(x.dtype)
     conv_mask = [need[0], need[1], need[2] and bias is not None]
+    bn_mask = [any(conv_mask), need[3] and bn_weight is not None, need[4] and bn_bias is not None]
+    gamma = bn_weight.to(acc) if bn_weight is not None else None
+    dz = dgamma = dbeta = None
+    if training and any(bn_mask):
+        # aten's fused BN backward (what autograd runs for the unfused module): one read of g and z
+        # instead of about eight elementwise passes. Its mixed-dtype rule: parameters and statistics in acc.
+        dz, dgamma, dbeta = aten.native_batch_norm_backward(
+            g.to(x.dtype), z, gamma, None, None, mean.to(acc), rstd.to(acc), True, eps, bn_mask)
+    elif any(bn_mask):
+        g = g.to(acc)
+        dims = (0, 2, 3)
+        dbeta = g.sum(dims) if bn_mask[2] else None
+        if bn_mask[1]:
+            dgamma = (g * ((z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape))).sum(dims)
+        scale = rstd.to(acc) if gamma is None else gamma * rstd.to(acc)
+        dz = (g * scale.view(shape)).to(x.dtype) if bn_mask[0] else None
+    del z, g
     dx, dweight, dbias = aten.convolution_backward(
         dz, x, weight, [C] if bias is not None else None,
         _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], groups, conv_mask,
     ) if any(conv_mask) else (None, None, None)
     # some aten kernels (CPU's) fill a gradient the mask turned off: drop it
     dx, dweight, dbias = (g if m else None for g, m in zip((dx, dweight, dbias), conv_mask))
-    dbn_weight = dgamma.to(bn_weight.dtype) if bn_weight is not None and need[3] else None
-    dbn_bias = dbeta.to(bn_bias.dtype) if bn_bias is not None and need[4] else None
+    dbn_weight = dgamma.to(bn_weight.dtype) if bn_mask[1] else None
+    dbn_bias = dbeta.to(bn_bias.dtype) if bn_mask[2] else None
     return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
 
 
