@@ -1,9 +1,11 @@
 """Train a small Hugging Face causal LM on synthetic tokens, original vs ``fusedrc.convert``.
 
 Builds ``OPTForCausalLM`` from a small ``OPTConfig`` (no download; ``--arch llama`` a
-``LlamaForCausalLM``, ``--arch gpt2`` a ``GPT2LMHeadModel`` of the same size), converts a copy
+``LlamaForCausalLM``, ``--arch gpt2`` a ``GPT2LMHeadModel``, ``--arch mixtral`` a
+``MixtralForCausalLM`` (8 experts of intermediate 2 * hidden, top-2) of the same size), converts a copy
 with ``fusedrc.convert`` (each decoder layer's FFN fc1 -> ReLU -> fc2 becomes one
-fused recompute op; Llama's gated MLP a fused gated FFN; GPT-2's MLP a fused FFN;
+fused recompute op; Llama's gated MLP a fused gated FFN; GPT-2's MLP a fused FFN; Mixtral's
+experts one fused routed-experts op;
 ``--policy blocks`` also recomputes whole decoder layers with
 ``fusedrc.mark``; ``--budget 0.3`` lets convert choose), and trains both from the
 same weights on the same random token batches (causal LM loss). Prints each
@@ -16,6 +18,7 @@ Run::
     python examples/train_opt.py                    # 4 layers, d=128, seq 64, batch 4, 5 steps: CPU, < 1 min
     python examples/train_opt.py --policy blocks
     python examples/train_opt.py --arch llama --budget 0.5
+    python examples/train_opt.py --arch mixtral
     python examples/train_opt.py --device cuda --layers 12 --hidden 768 --seq 512 --batch 8
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ from fusedrc.convert import import_torchvision  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arch", default="opt", choices=["opt", "llama", "gpt2"])
+    p.add_argument("--arch", default="opt", choices=["opt", "llama", "gpt2", "mixtral"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -46,7 +49,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--activation", default=None,
                    help="activation function (relu, gelu, gelu_new, silu); default: the architecture's "
-                        "(OPT relu, Llama silu, GPT-2 gelu_new)")
+                        "(OPT relu, Llama and Mixtral silu, GPT-2 gelu_new)")
     p.add_argument("--policy", default="all", choices=["all", "blocks"])
     p.add_argument("--budget", type=float, default=None, help="memory_budget for convert (fraction)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -74,6 +77,12 @@ def main(argv=None):
             num_attention_heads=args.heads, num_key_value_heads=args.heads, hidden_act=act or "silu",
             max_position_embeddings=max(args.seq, 64), use_cache=False)
         model_cls, name = tr.LlamaForCausalLM, "Llama"
+    elif args.arch == "mixtral":
+        cfg = tr.MixtralConfig(
+            vocab_size=args.vocab, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.heads, hidden_act=act or "silu",
+            num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=max(args.seq, 64), use_cache=False)
+        model_cls, name = tr.MixtralForCausalLM, "Mixtral"
     else:
         cfg = tr.GPT2Config(
             vocab_size=args.vocab, n_embd=h, n_layer=args.layers, n_head=args.heads, n_positions=max(args.seq, 64),

@@ -7,7 +7,7 @@ Public API::
     fusedrc.mark(module) / fusedrc.unmark(module)  # MindSpore Cell.recompute()
     fusedrc.use_backend("auto"|"triton"|"reference"), fusedrc.current_backend()
     fusedrc.RecomputeError
-    fusedrc.functional.{linear_act, fused_mlp, gated_mlp, conv_bn_act}
+    fusedrc.functional.{linear_act, fused_mlp, gated_mlp, moe_experts, conv_bn_act}
     fusedrc.nn.{LinearReLU, FusedMLP, GatedMLP, ConvBNReLU}
     fusedrc.convert(model, policy=..., memory_budget=..., example_inputs=...)
 """

@@ -33,7 +33,9 @@ How patterns are found
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``;
    and, by shape rather than class name, every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
-   (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...).
+   (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
+   experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
@@ -180,9 +182,24 @@ def _is_conv1d(module):
         and module.weight.dim() == 2 and module.weight.shape[1] == getattr(module, "nf", None)
 
 
+def _experts_flops(module, args, kwargs, out):
+    """What a fused experts unit reruns in backward: every routed token's gate and up projections."""
+    try:
+        idx = _EXPERTS_SIGNATURE.bind(*args, **kwargs).arguments["top_k_index"]
+    except TypeError:
+        return 0
+    gate_up = _experts_weights(module)[0]
+    return 2 * idx.numel() * gate_up.shape[1] * gate_up.shape[2] if isinstance(idx, torch.Tensor) else 0
+
+
 def _measure_flops(model, example_inputs):
     flops, handles = {}, []
     for m in model.modules():
+        if isinstance(m, FusedExperts):
+            def hook(mod, args, kwargs, out):
+                flops[id(mod)] = flops.get(id(mod), 0) + _experts_flops(mod, args, kwargs, out)
+            handles.append(m.register_forward_hook(hook, with_kwargs=True))
+            continue
         if isinstance(m, (nn.Conv2d, nn.Linear)) or _is_conv1d(m):
             def hook(mod, i, o):
                 if isinstance(o, torch.Tensor):
@@ -1176,6 +1193,104 @@ def _gated_mlp(ctx, name, m):
     return new
 
 
+class FusedExperts(Wrapper):
+    """A Mixture-of-Experts layer's experts under transformers' experts interface
+    (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE and the
+    other classes with stacked ``gate_up_proj``/``down_proj`` weights) as one
+    :func:`fusedrc.functional.moe_experts` call: each expert's gated FFN fused, the routing weights'
+    gradient from the recompute, only the call's inputs kept. Whatever the config's
+    ``experts_implementation`` (eager, grouped_mm, ...), the fused call computes the same function."""
+
+    def __getattr__(self, name):
+        # the original class's own attributes (its _apply_gate, ...) for the plain forward
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_fusedrc_original_class")
+            if original is None or not hasattr(original, name):
+                raise
+            attr = _inspect.getattr_static(original, name)
+            return attr.__get__(self, original) if hasattr(attr, "__get__") else attr
+
+    def forward(self, *args, **kwargs):
+        try:
+            hs, idx, w = _EXPERTS_SIGNATURE.bind(*args, **kwargs).args
+        except TypeError:
+            return self.plain(*args, **kwargs)
+        site = self.sites.get("experts")
+        if (site is None or not site.enabled or not _nohooks(self, self.act_fn) or self._is_expert_parallel
+                or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or not _experts_runtime_ok(self, hs, idx, w)):
+            return self.plain(*args, **kwargs)
+        gate_up, down = _experts_weights(self)
+        act = self.__dict__["_fusedrc_act"]
+        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act),
+                         self.plain, hs, idx, w)
+
+
+_EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+_EXPERTS_SIGNATURE = _inspect.Signature([_inspect.Parameter(n, _inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                         for n in ("hidden_states", "top_k_index", "top_k_weights")])
+
+
+def _experts_weights(m):
+    """(gate_up (E, 2I, K), down (E, N, I)) of an experts module: views when stored transposed."""
+    gate_up, down = m.gate_up_proj, m.down_proj
+    return (gate_up.transpose(1, 2), down.transpose(1, 2)) if m.is_transposed else (gate_up, down)
+
+
+def _experts_runtime_ok(m, hs, idx, w):
+    gate_up = m.gate_up_proj
+    return (isinstance(hs, torch.Tensor) and hs.dim() == 2 and hs.is_floating_point()
+            and isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dim() == 2
+            and idx.shape[0] == hs.shape[0] and isinstance(w, torch.Tensor) and w.shape == idx.shape
+            and (hs.dtype == gate_up.dtype or torch.is_autocast_enabled(hs.device.type))
+            and hs.device == gate_up.device and m.down_proj.dtype == gate_up.dtype)
+
+
+def _looks_experts(m):
+    """transformers' experts classes, found by what ``@use_experts_implementation`` sets (its flags,
+    an interface-dispatching forward) rather than by name: 60-odd classes share the layout."""
+    return (all(isinstance(m.__dict__.get(f), bool) for f in _EXPERTS_FLAGS)
+            and isinstance(getattr(m, "num_experts", None), int)
+            and hasattr(_class_of(m).forward, "__wrapped__")
+            and (not isinstance(m, Wrapper) or isinstance(m, FusedExperts)))
+
+
+def _experts(ctx, name, m):
+    cls = _class_of(m)
+    gate = _inspect.getattr_static(cls, "_apply_gate", None)
+    own = _inspect.signature(cls.forward.__wrapped__).parameters
+    if list(own) != ["self", *_EXPERTS_SIGNATURE.parameters]:
+        reason = f"{cls.__name__}.forward takes ({', '.join(own)}), not (hidden_states, top_k_index, top_k_weights)"
+    elif not m.has_gate:
+        reason = "experts without a gate projection (up_proj only) have no fused form yet"
+    elif m.has_bias:
+        reason = "experts with biases have no fused form yet"
+    elif m.has_post_expert_norm:
+        reason = "a norm after each expert has no fused form"
+    elif not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate":
+        reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
+    elif _act_name(m.act_fn) is None:
+        reason = f"activation {type(m.act_fn).__name__} has no fused form"
+    elif not _nohooks(m, m.act_fn):
+        reason = "hooks registered on the modules"
+    else:
+        reason = None
+        gate_up, down = _experts_weights(m) if all(
+            isinstance(getattr(m, k, None), nn.Parameter) and getattr(m, k).dim() == 3
+            for k in ("gate_up_proj", "down_proj")) else (None, None)
+        if gate_up is None or gate_up.shape[1] % 2 or down.shape[0] != gate_up.shape[0] \
+                or down.shape[2] * 2 != gate_up.shape[1]:
+            reason = "gate_up_proj/down_proj are not 3-D parameters of matching expert and intermediate sizes"
+    if reason is not None:
+        ctx.skip(name, reason)
+        return m
+    new = FusedExperts.wrap(m)
+    new.__dict__["_fusedrc_act"] = _act_name(m.act_fn)
+    _site_unit(ctx, new, name, "experts", "moe_experts", (new,))
+    return new
+
+
 @register_rule("T5Block")
 def _t5_block(ctx, name, m):
     # the whole layer (attention and FFN sublayers), as Hugging Face's gradient checkpointing
@@ -1903,6 +2018,8 @@ def _rewrite(ctx, module, prefix=""):
         rule = _gated_mlp
     elif rule is None and _looks_inline_ffn_layer(module):
         rule = _inline_ffn_layer
+    elif rule is None and _looks_experts(module):
+        rule = _experts
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif cls is nn.Sequential:

@@ -57,9 +57,11 @@ def register_triton_ops() -> None:
         return
 
     for name, impl in _IMPLS.items():
-        _TRITON_OPS[name] = triton_op(f"fusedrc::{name}_triton", impl, mutates_args=())
+        if name not in _NO_TRITON_TWIN:
+            _TRITON_OPS[name] = triton_op(f"fusedrc::{name}_triton", impl, mutates_args=())
     for name, (backward, setup) in _AUTOGRAD.items():
-        _TRITON_OPS[name].register_autograd(backward, setup_context=setup)
+        if name in _TRITON_OPS:
+            _TRITON_OPS[name].register_autograd(backward, setup_context=setup)
 
 
 def _twin_traceable(x: Tensor) -> bool:
@@ -87,7 +89,7 @@ def pick(name: str, x: Tensor, backend: str):
     where it can be traced, else the custom op (which runs either backend)."""
     if _plain_eager(x):
         return _EAGER[name]
-    if backend == "triton" and _TRITON_OPS and _twin_traceable(x):
+    if backend == "triton" and name in _TRITON_OPS and _twin_traceable(x):
         return _TRITON_OPS[name]
     return _CUSTOM_OPS[name]
 
@@ -323,6 +325,62 @@ def _gated_mlp_backward(ctx, grad_out):
 
 
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
+
+
+# --------------------------------------------------------------------------- routed experts (MoE)
+# The body loops over the experts a batch routes to (a host sync, data-dependent shapes): opaque
+# custom ops under torch.compile, no triton_op twin (its body would be traced as the fake one).
+def _moe_experts_impl(
+    x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, activation: str,
+    backend: str,
+) -> Tensor:
+    return _laid_out(get_impl(backend, "moe_experts", "moe_experts_forward")(
+        x, top_k_index, top_k_weights, gate_up, down, activation))
+
+
+moe_experts_op = _custom_op("moe_experts", _moe_experts_impl)
+
+
+@moe_experts_op.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend):
+    return _empty((x.shape[0], down.shape[1]), x)
+
+
+def _moe_experts_backward_impl(
+    x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, grad_out: Tensor,
+    activation: str, backend: str, output_mask: Optional[List[bool]] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = get_impl(backend, "moe_experts", "moe_experts_backward")(
+        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask)
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
+
+
+moe_experts_backward_op = _custom_op("moe_experts_backward", _moe_experts_backward_impl)
+
+
+@moe_experts_backward_op.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backend, output_mask=None):
+    return _fake_grads((x, top_k_weights, gate_up, down), output_mask, x)
+
+
+def _moe_experts_setup(ctx, inputs, output):
+    *tensors, activation, backend = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _moe_experts_backward(ctx, grad_out):
+    _no_double_backward("moe_experts")
+    x, top_k_index, top_k_weights, gate_up, down = ctx.saved_tensors
+    mask = _output_mask(ctx, (0, 2, 3, 4))
+    grads = pick("moe_experts_backward", x, ctx.backend)(
+        x, top_k_index, top_k_weights, gate_up, down, grad_out.contiguous(), ctx.activation, ctx.backend, mask)
+    dx, dw, dgu, dd = _wanted_grads(grads, (x, top_k_weights, gate_up, down), mask)
+    return dx, None, dw, dgu, dd, None, None
+
+
+_AUTOGRAD["moe_experts"] = (_moe_experts_backward, _moe_experts_setup)
+_NO_TRITON_TWIN = {"moe_experts", "moe_experts_backward"}
 
 
 # --------------------------------------------------------------------------- Conv + BN + act

@@ -273,6 +273,122 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down
 
 
+# --------------------------------------------------------------------------- routed experts (MoE)
+# Hugging Face's experts layout (transformers' ``use_experts_implementation``): gate_up (E, 2I, K)
+# holds each expert's gate rows then its up rows, down (E, N, I); token t's output is
+# sum_j w[t, j] * expert_{idx[t, j]}(x[t]). The loop over experts (``moe_forward_with`` /
+# ``moe_backward_with``) is shared by both backends; each passes its per-expert computation.
+def route(top_k_index, num_experts):
+    """(order, tokens, counts) of a (T, k) expert choice: the T*k slots sorted by expert (stable),
+    each sorted slot's token, and the number of slots of each expert (a list: one host sync)."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, torch.div(order, top_k_index.shape[1], rounding_mode="floor"), counts
+
+
+def expert_weights(gate_up, down, e):
+    """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights."""
+    hidden = gate_up.shape[1] // 2
+    return gate_up[e, :hidden], gate_up[e, hidden:], down[e]
+
+
+def _unroute(slots, order, top_k_index):
+    """Per-slot rows in sorted order back to (T, k, ...) token order."""
+    out = torch.empty_like(slots)
+    out[order] = slots
+    return out.view(*top_k_index.shape, *slots.shape[1:])
+
+
+def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation):
+    order, tokens, counts = route(top_k_index, gate_up.shape[0])
+    acc = torch.promote_types(x.dtype, torch.float32)
+    slots = torch.empty((order.numel(), down.shape[1]), device=x.device, dtype=acc)
+    w = top_k_weights.reshape(-1)[order].to(acc)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = slice(start, start + n)
+            y = expert_forward(x[tokens[rows]], *expert_weights(gate_up, down, e), activation)
+            torch.mul(y, w[rows, None], out=slots[rows])
+            start += n
+    return _unroute(slots, order, top_k_index).sum(1).to(x.dtype)
+
+
+def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
+                      output_mask=None):
+    need_dx, need_dw, need_dgu, need_dd = wanted(output_mask, 4)
+    order, tokens, counts = route(top_k_index, gate_up.shape[0])
+    acc = torch.promote_types(x.dtype, torch.float32)
+    S = order.numel()
+    dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc) if need_dx else None
+    dw_slots = torch.empty(S, device=x.device, dtype=acc) if need_dw else None
+    dgu = torch.zeros_like(gate_up) if need_dgu else None
+    dd = torch.zeros_like(down) if need_dd else None
+    w = top_k_weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        tok = tokens[rows]
+        dxe, dwg, dwu, dde, dwe = expert_backward(
+            x[tok], *expert_weights(gate_up, down, e), grad_out[tok], w[rows], activation,
+            (need_dx, need_dw, need_dgu, need_dd))
+        hidden = gate_up.shape[1] // 2
+        if need_dx:
+            dx_slots[rows] = dxe
+        if need_dw:
+            dw_slots[rows] = dwe
+        if need_dgu:
+            dgu[e, :hidden], dgu[e, hidden:] = dwg, dwu
+        if need_dd:
+            dd[e] = dde
+        start += n
+    dx = _unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
+    dw = _unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
+    return dx, dw, dgu, dd
+
+
+def _expert_forward(x, w_gate, w_up, w_down, activation):
+    return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
+
+
+def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need):
+    """One expert's gradients with its output rows scaled by ``scale``: (dx, dw_gate, dw_up, dw_down,
+    dscale), dscale = a . (grad_out Wd) per row (the down GEMM is not rerun for it)."""
+    need_dx, need_dw, need_dgu, need_dd = need
+    hg = F.linear(x, w_gate)
+    hu = F.linear(x, w_up)
+    act = activation_forward(hg, activation)
+    a = act * hu
+    grad_y = grad_out.mm(w_down)  # unscaled
+    acc = torch.promote_types(x.dtype, torch.float32)
+    dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
+    grad_a = grad_y * scale[:, None].to(grad_y.dtype)
+    dw_down = (grad_out * scale[:, None].to(grad_out.dtype)).t().mm(a) if need_dd else None
+    del a
+    grad_hu = grad_a * act
+    grad_hg = activation_backward(grad_a * hu, hg, activation)
+    dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up)) if need_dx else None
+    dw_gate = grad_hg.t().mm(x) if need_dgu else None
+    dw_up = grad_hu.t().mm(x) if need_dgu else None
+    return dx, dw_gate, dw_up, dw_down, dscale
+
+
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation):
+    """Routed gated experts: x (T, K), top_k_index/top_k_weights (T, k), gate_up (E, 2I, K), down (E, N, I);
+    returns (T, N) in x's dtype (the weighted sum over the k choices in fp32)."""
+    return moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation)
+
+
+def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None):
+    """(dx, dtop_k_weights, dgate_up, ddown); each expert's gate and up projections recomputed from x,
+    its down projection not (the routing weight's gradient is a . (grad Wd))."""
+    return moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
+                             output_mask)
+
+
 # --------------------------------------------------------------------------- Conv + BN + act
 def conv_bn_act_forward(
     x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,

@@ -136,10 +136,11 @@ def _gated_act_kernel(
 @triton.jit
 def _gated_act_grad_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
+    scale_ptr, dscale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -154,6 +155,12 @@ def _gated_act_grad_kernel(
     offs = (row0.to(tl.int64) * N + col0) + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+    if ROW_SCALE:  # a routed expert's output scaled per row by r: g is the unscaled g_out Wd
+        # d r = a . (g_out Wd): this tile's share of the row dot, one partial per column tile
+        rows = offs_m < M - row0
+        dot = tl.sum(tl.where(mask, act * hu * g, 0.0), axis=1)
+        tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
+        g = g * tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32)[:, None]
     if DROPOUT:  # the forward's mask, regenerated: a = dropout(act * hu) for dW_down, g through the mask
         factor = _dropout_factor(tl.load(seed_ptr), row0 + offs_m, col0, drop_threshold, drop_scale, BLOCK_M, BLOCK_N)
         g = g * factor
@@ -215,14 +222,21 @@ def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=No
     return out
 
 
-def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None):
+def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None,
+                   row_scale=None):
     """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None).
     With ``dropout`` (as given to ``gated_act``) ``grad_a`` is the gradient of dropout(act(h_g) * h_u)
-    and the stored product is dropped out too."""
+    and the stored product is dropped out too.
+
+    ``row_scale`` (M,): the product's rows scale by it downstream (a routed expert's weights, no
+    dropout); ``grad_a`` is then the unscaled gradient, the g_h's are scaled, and a sixth value is
+    returned: the gradient of ``row_scale``, a_m . grad_a_m per row (fp32)."""
     M, H = x.shape[0], w_gate.shape[0]
     ghg = torch.empty((M, H), device=x.device, dtype=x.dtype)
     ghu = torch.empty_like(ghg)
     act = torch.empty_like(ghg) if store_act else None
+    routed = row_scale is not None
+    assert not (routed and dropout is not None and dropout[0]), "row_scale with dropout"
 
     def bias_grad(part, bias):
         if bias is None:
@@ -230,20 +244,24 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
 
     if M == 0 or H == 0:
-        return ghg, ghu, act, bias_grad(None, b_gate), bias_grad(None, b_up)
+        out = ghg, ghu, act, bias_grad(None, b_gate), bias_grad(None, b_up)
+        return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
     cfg, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
+    dscale = torch.empty((cdiv(H, cfg.BLOCK_N), M), device=x.device, dtype=torch.float32) if routed else None
     grad_a = grad_a.contiguous()
     fill = operands[0]  # an unused pointer argument is an input, never an output (see launcher)
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
-            *scalars, STORE_ACT=store_act, **act_meta(activation), **meta,
+            row_scale.contiguous() if routed else fill, dscale if routed else fill,
+            *scalars, STORE_ACT=store_act, ROW_SCALE=routed, **act_meta(activation), **meta,
         )
-    # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows: deterministic
-    return ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
+    # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows (cdiv(H, BLOCK_N) for dscale): deterministic
+    out = ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
+    return out + (dscale.sum(0),) if routed else out
 
 
 def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
@@ -293,7 +311,8 @@ def inspect_specs():
     """One spec per distinct compile of the two dual kernels for the sm90/sm80 dense table entries
     (BLOCK_N halved, ``gated_config``): fp16 and bf16 for "16bit" entries, fp32 for the others;
     activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it); bf16
-    also with dropout on the product (config ``"dropout": true``: T5 v1.1's)."""
+    also with dropout on the product (config ``"dropout": true``: T5 v1.1's); the grad kernel of one
+    sm_90 bf16 entry also with the routed experts' row scale (config ``"row_scale": true``)."""
     specs, seen = [], {}
     kernels = ((_gated_act_kernel, "_gated_act_kernel"), (_gated_act_grad_kernel, "_gated_act_grad_kernel"))
     for (family, opclass, bucket), entry in _TABLE.items():
@@ -323,6 +342,8 @@ def inspect_specs():
             if kernel is _gated_act_grad_kernel:
                 sig.update(partg_ptr="*fp32", partu_ptr="*fp32")
             sig["seed_ptr"] = "*i64"
+            if kernel is _gated_act_grad_kernel:
+                sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
             aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
@@ -333,7 +354,7 @@ def inspect_specs():
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
             }
             if kernel is _gated_act_grad_kernel:
-                constexprs["STORE_ACT"] = True
+                constexprs.update(STORE_ACT=True, ROW_SCALE=False)
             for c in constexprs:
                 sig[c] = "constexpr"
             config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
@@ -349,4 +370,10 @@ def inspect_specs():
             }
             seen[key] = spec
             specs.append(spec)
+    # the routed experts' variant (row scale and its gradient in the epilogue), one sm_90 bf16 entry
+    base = next(sp for sp in specs if sp["kernel"] == "_gated_act_grad_kernel" and sp["arch"] == "sm_90"
+                and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"])
+    routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True},
+              "config": {**base["config"], "row_scale": True}}
+    specs.insert(0, routed)
     return specs

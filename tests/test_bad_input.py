@@ -56,6 +56,15 @@ def gated(x, wg, bg, wu, bu, wd, bd, **kw):
     return lambda: F.gated_mlp(c(x), c(wg), c(bg), c(wu), c(bu), c(wd), c(bd), **kw)
 
 
+def moe(x=None, idx=None, w=None, gate_up=None, down=None, **kw):
+    """moe_experts on 3 tokens of 4 features, top-2 of 3 experts of 5 hidden units, each default replaceable."""
+    def call():
+        args = [x() if x else r(3, 4), idx() if idx else torch.tensor([[0, 1], [1, 2], [2, 0]]),
+                w() if w else r(3, 2), gate_up() if gate_up else r(3, 10, 4), down() if down else r(3, 4, 5)]
+        return F.moe_experts(*args, **kw)
+    return call
+
+
 def cba(x=x4, w=w4, gamma=None, beta=None, rm=None, rv=None, **kw):
     c = lambda v: v() if callable(v) else v  # noqa: E731
     return lambda: F.conv_bn_act(c(x), c(w), c(gamma), c(beta), c(rm), c(rv), **kw)
@@ -192,6 +201,28 @@ CASES = [
      r"w_up is on meta but input is on cpu"),
     ("gated_mlp/activation", gated(x2, r(8, 3), None, r(8, 3), None, r(3, 8), None, activation="swish"), ValueError,
      ACT + ", got 'swish'"),
+    # ------------------------------------------------------------ functional.moe_experts
+    ("moe_experts/hidden_states-3d", moe(x=lambda: r(1, 3, 4)), ValueError, r"hidden_states must be 2-D, got 3-D"),
+    ("moe_experts/top_k_index-float", moe(idx=lambda: r(3, 2)), TypeError,
+     r"top_k_index must be an integer tensor \(the chosen experts\), got dtype torch\.float32"),
+    ("moe_experts/top_k_index-tokens", moe(idx=lambda: torch.zeros(2, 2, dtype=torch.long)), ValueError,
+     r"top_k_index must have shape \(tokens, k\) = \(3, k\) to match hidden_states, got \(2, 2\)"),
+    ("moe_experts/top_k_index-range", moe(idx=lambda: torch.tensor([[0, 1], [1, 3], [2, 0]])), ValueError,
+     r"top_k_index must hold expert numbers in \[0, 3\), got values in \[0, 3\]"),
+    ("moe_experts/top_k_weights-shape", moe(w=lambda: r(3, 1)), ValueError,
+     r"top_k_weights must have top_k_index's shape \(3, 2\), got \(3, 1\)"),
+    ("moe_experts/gate_up_proj-features", moe(gate_up=lambda: r(3, 10, 5)), ValueError,
+     r"gate_up_proj must have shape \(num_experts, 2 \* intermediate, 4\) to match hidden_states' last dimension, "
+     r"got \(3, 10, 5\)"),
+    ("moe_experts/gate_up_proj-2d", moe(gate_up=lambda: r(10, 4)), ValueError, r"gate_up_proj must be 3-D, got 2-D"),
+    ("moe_experts/down_proj-intermediate", moe(down=lambda: r(3, 4, 6)), ValueError,
+     r"down_proj must have shape \(3, out_features, 5\) to match gate_up_proj's experts and intermediate size, "
+     r"got \(3, 4, 6\)"),
+    ("moe_experts/down_proj-dtype", moe(down=lambda: r(3, 4, 5, dtype=f64)), TypeError,
+     r"down_proj has dtype torch\.float64 but hidden_states has dtype torch\.float32"),
+    ("moe_experts/gate_up_proj-device", moe(gate_up=lambda: r(3, 10, 4, device=META)), ValueError,
+     r"gate_up_proj is on meta but hidden_states is on cpu"),
+    ("moe_experts/activation", moe(activation="swish"), ValueError, ACT + ", got 'swish'"),
     # ------------------------------------------------------------ functional.conv_bn_act
     ("conv_bn_act/input-3d", cba(x=lambda: r(3, 5, 5)), ValueError, r"input must be 4-D, got 3-D"),
     ("conv_bn_act/input-int", cba(x=lambda: torch.ones(2, 3, 5, 5, dtype=torch.int32)), TypeError,
@@ -497,7 +528,7 @@ def test_valid_unusual_inputs_are_accepted():
 def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
-    public = {"linear_act", "fused_mlp", "gated_mlp", "conv_bn_act", "LinearReLU", "FusedMLP", "GatedMLP",
+    public = {"linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "LinearReLU", "FusedMLP", "GatedMLP",
               "ConvBNReLU", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public

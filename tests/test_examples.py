@@ -51,7 +51,7 @@ def test_train_resnet(capsys):
     assert out.count("conv_bn_act") == 33 and ratio < 1.0
 
 
-@pytest.mark.parametrize("arch, unit", [("opt", "fc1"), ("llama", "mlp"), ("gpt2", "mlp")])
+@pytest.mark.parametrize("arch, unit", [("opt", "fc1"), ("llama", "mlp"), ("gpt2", "mlp"), ("mixtral", "experts")])
 def test_train_causal_lm(arch, unit, capsys):
     try:
         import_torchvision()  # transformers imports torchvision when it is installed

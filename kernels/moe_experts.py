@@ -1,0 +1,74 @@
+"""Routed gated experts (a Mixture-of-Experts layer's experts, Hugging Face's layout).
+
+Pure-torch reference: ``fusedrc.reference.moe_experts_forward`` / ``moe_experts_backward``; the
+loop over experts (slots sorted by expert, weighted sum over the k choices in fp32, no atomics)
+is the reference's ``moe_forward_with`` / ``moe_backward_with``, shared: only each expert's
+computation differs.
+
+Kept for backward: x, the routing (index, weights) and the weights, what checkpointing the
+experts call keeps. Per expert with rows r (its tokens) and routing weights s:
+
+Forward (3 GEMMs): ``_gated_act_kernel`` (gate and up in one main loop, a = act(h_g) * h_u
+  written once), then the down GEMM; y * s summed into the output.
+Backward (8 GEMMs; the down GEMM is not rerun, not even for ds):
+  G = g_out[r] Wd                                       (GEMM, unscaled)
+  ``_gated_act_grad_kernel`` with ROW_SCALE recomputes h_g, h_u bit for bit and emits
+    g_hg, g_hu for g_a = s * G, a, and per column tile the partial row dots a . G, whose
+    sum is ds (d(s * a Wd^T) / ds = a . (g_out Wd)).
+  dWd = (s * g_out[r])^T a, dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r], dWu = g_hu^T x[r]
+torch.utils.checkpoint on the experts call runs 12 GEMMs (its recompute must rerun the down
+GEMM: the weights' gradient reads the expert outputs) and writes every expert's h_g, h_u,
+act(h_g) and a at once.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._common import check_activation, plain_gemm, uses_aten_gemm
+from .gated_mlp import gated_act, gated_act_grad
+
+__all__ = ["moe_experts_forward", "moe_experts_backward"]
+
+
+def _reference():
+    from fusedrc import reference
+
+    return reference
+
+
+def _expert_forward(x, w_gate, w_up, w_down, activation):
+    return plain_gemm(gated_act(x, w_gate, w_up, None, None, activation), w_down.t())
+
+
+def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need):
+    need_dx, need_dw, need_dgu, need_dd = need
+    grad_y = plain_gemm(grad_out, w_down, out_dtype=x.dtype)           # unscaled: the kernel scales it
+    ghg, ghu, a, _, _, dscale = gated_act_grad(x, w_gate, w_up, None, None, grad_y, activation,
+                                               store_act=need_dd, row_scale=scale.float())
+    del grad_y
+    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype) \
+        if need_dd else None
+    del a
+    if not need_dx:
+        dx = None
+    elif uses_aten_gemm(ghu, w_up):
+        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)
+    else:
+        dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
+        dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
+    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype) if need_dgu else None
+    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype) if need_dgu else None
+    return dx, dw_gate, dw_up, dw_down, dscale
+
+
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation):
+    """Same contract as ``fusedrc.reference.moe_experts_forward``."""
+    check_activation(activation)
+    return _reference().moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation)
+
+
+def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None):
+    """Same contract as ``fusedrc.reference.moe_experts_backward``."""
+    check_activation(activation)
+    return _reference().moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out,
+                                          activation, output_mask)

@@ -1,0 +1,284 @@
+"""Routed gated experts (``fusedrc.functional.moe_experts``): both backends against a float64
+per-token oracle, the routing weights' gradient from the recompute, what is kept for backward,
+the GEMM count, torch.compile; and ``fusedrc.convert`` on Hugging Face MoE models (Mixtral,
+Qwen2-MoE with its shared expert, OLMoE, Aria's transposed weights).
+
+Triton kernels run under Triton's interpreter on the CPU (tests/conftest.py).
+"""
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import fusedrc
+from fusedrc import functional as F
+from fusedrc import reference as R
+from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
+
+from _utils import GemmCounter, SavedBytes, backend_device, rel_err
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+BACKENDS = ["reference", "triton"]
+
+
+def _routing(T, k, E, *, skip=None, device="cpu"):
+    """(T, k) distinct experts per token; expert ``skip`` gets no token."""
+    pool = [e for e in range(E) if e != skip]
+    idx = torch.stack([torch.tensor(pool)[torch.randperm(len(pool))[:k]] for _ in range(T)])
+    return idx.to(device), torch.rand(T, k, dtype=torch.float64).to(device)
+
+
+def _weights(E, K, I, N):
+    return torch.randn(E, 2 * I, K, dtype=torch.float64) * K ** -0.5, torch.randn(E, N, I, dtype=torch.float64) * I ** -0.5
+
+
+def _oracle(x, idx, w, gate_up, down, act):
+    """Token by token, in float64, through autograd: out[t] = sum_j w[t, j] expert_idx[t, j](x[t])."""
+    I = gate_up.shape[1] // 2
+    rows = []
+    for t in range(x.shape[0]):
+        y = 0
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            h = R.activation_forward(x[t] @ gate_up[e, :I].T, act) * (x[t] @ gate_up[e, I:].T)
+            y = y + w[t, j] * (h @ down[e].T)
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def _check(backend, dtype, T, K, I, N, E, k, act, skip=None):
+    device = backend_device(backend)
+    x = torch.randn(T, K, dtype=torch.float64)
+    idx, w = _routing(T, k, E, skip=skip)
+    gate_up, down = _weights(E, K, I, N)
+    g = torch.randn(T, N, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
+    ref = _oracle(leaves[0], idx, *leaves[1:], act)
+    ref_grads = torch.autograd.grad(ref, leaves, g)
+    # the routing weights stay fp32 beside half activations (as a router's softmax gives them)
+    ours = [t.to(device, torch.float64 if dtype == torch.float64 else torch.float32 if t is w else dtype)
+            .requires_grad_() for t in (x, w, gate_up, down)]
+    with fusedrc.use_backend(backend):
+        y = F.moe_experts(ours[0], idx.to(device), *ours[1:], activation=act)
+        grads = torch.autograd.grad(y, ours, g.to(device, dtype))
+    assert y.dtype == dtype and y.shape == (T, N)
+    assert rel_err(y, ref) < TOL[dtype], "out"
+    for name, got, want, t in zip(["dx", "dweights", "dgate_up", "ddown"], grads, ref_grads, ours):
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert rel_err(got, want) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_experts_matches_float64_oracle(backend, dtype):
+    """Awkward sizes (no block multiple), top-2 of 5 experts with one expert left without tokens."""
+    _check(backend, dtype, T=13, K=24, I=20, N=17, E=5, k=2, act="silu", skip=3)
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "relu", "leaky_relu:0.2"])
+def test_moe_experts_activations_and_top1(act):
+    """Other activations (Triton's epilogues), top-1 routing, a single token, float64 (reference)."""
+    _check("triton", torch.float32, T=9, K=16, I=12, N=16, E=3, k=1, act=act)
+    _check("reference", torch.float64, T=1, K=8, I=4, N=8, E=4, k=2, act=act)
+
+
+def test_routing_scale_kernel_matches_reference():
+    """The grad kernel's ROW_SCALE epilogue: the gate/up gradients of the scaled rows and the row
+    dots a . (g Wd) summed over several column tiles, against the reference expert."""
+    from fusedrc.kernels import gated_mlp, moe_experts
+
+    M, K, I, N = 37, 33, 50, 20
+    x = torch.randn(M, K, dtype=torch.float64)
+    wg, wu = torch.randn(I, K, dtype=torch.float64) * K ** -0.5, torch.randn(I, K, dtype=torch.float64) * K ** -0.5
+    wd, g = torch.randn(N, I, dtype=torch.float64) * I ** -0.5, torch.randn(M, N, dtype=torch.float64)
+    scale = torch.rand(M, dtype=torch.float64) - 0.25  # negative and near-zero scales too
+    cfg = gated_mlp._dual_launch(x.float(), wg.float(), wu.float(), None, None)[0]
+    assert I > cfg.BLOCK_N  # the row dot spans several column tiles
+    need = (True, True, True, True)
+    want = R._expert_backward(x, wg, wu, wd, g, scale, "silu", need)
+    got = moe_experts._expert_backward(x.float(), wg.float(), wu.float(), wd.float(), g.float(), scale.float(),
+                                       "silu", need)
+    for name, a, b in zip(["dx", "dw_gate", "dw_up", "dw_down", "dscale"], got, want):
+        assert rel_err(a, b) < 1e-5, name
+
+
+def test_keeps_only_the_inputs_and_runs_11_gemms_an_expert():
+    """Kept for backward: the call's inputs (what checkpointing it keeps), no intermediate; 3 GEMMs an
+    expert forward, 8 backward (the down projection is not rerun for the routing weights)."""
+    T, K, I, N, E, k = 16, 8, 32, 8, 4, 2
+    x = torch.randn(T, K, requires_grad=True)
+    idx, w = _routing(T, k, E)
+    w = w.float().requires_grad_()
+    gate_up, down = (torch.nn.Parameter(t.float()) for t in _weights(E, K, I, N))
+    with fusedrc.use_backend("reference"):
+        with SavedBytes() as saved:
+            y = F.moe_experts(x, idx, w, gate_up, down)
+        assert saved.bytes == sum(t.numel() * t.element_size() for t in (x, idx, w))
+        hit = idx.unique().numel()
+        with GemmCounter() as fwd:
+            y = F.moe_experts(x, idx, w, gate_up, down)
+        with GemmCounter() as bwd:
+            y.sum().backward()
+    assert (fwd.gemms, bwd.gemms) == (3 * hit, 8 * hit)
+
+
+def test_frozen_parts_and_determinism():
+    """Gradients only where asked (frozen experts, fixed routing weights); two runs bitwise equal."""
+    T, K, I, N, E, k = 10, 8, 12, 8, 3, 2
+    x = torch.randn(T, K, requires_grad=True)
+    idx, w = _routing(T, k, E)
+    w = w.float()
+    gate_up, down = (t.float() for t in _weights(E, K, I, N))
+    down.requires_grad_()
+    with fusedrc.use_backend("reference"):
+        runs = []
+        for _ in range(2):
+            y = F.moe_experts(x, idx, w, gate_up, down, "gelu")
+            runs.append((y, *torch.autograd.grad(y.square().sum(), (x, down))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    ref = F._moe_plain(x, idx, w, gate_up, down, "gelu")
+    assert rel_err(runs[0][2], torch.autograd.grad(ref.square().sum(), down)[0]) < 1e-5
+
+
+def test_autocast_and_compile():
+    """bf16 autocast casts the input and the experts' weights, as F.linear does; torch.compile
+    runs the op opaque (it loops over the routed experts): no graph break, same results."""
+    T, K, I, N, E, k = 12, 16, 8, 16, 4, 2
+    x = torch.randn(T, K, requires_grad=True)
+    idx, w = _routing(T, k, E)
+    w = w.float().requires_grad_()
+    gate_up, down = (t.float().requires_grad_() for t in _weights(E, K, I, N))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = F.moe_experts(x, idx, w, gate_up, down)
+        plain = F._moe_plain(x, idx, w, gate_up.bfloat16(), down.bfloat16(), "silu")
+    assert y.dtype == torch.bfloat16 and rel_err(y, plain) < 1e-2
+
+    def fn(x, idx, w, gate_up, down):
+        return F.moe_experts(x, idx, w, gate_up, down).square().sum()
+
+    explain = torch._dynamo.explain(fn)(x, idx, w, gate_up, down)
+    assert explain.graph_break_count == 0
+    eager = torch.autograd.grad(fn(x, idx, w, gate_up, down), (x, w, gate_up, down))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, idx, w, gate_up, down), (x, w, gate_up, down))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, eager))
+
+
+# --------------------------------------------------------------------------- fusedrc.convert on HF MoE models
+def _transformers():
+    try:
+        _import_torchvision()
+    except ImportError:
+        pass
+    return pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+
+
+def _moe_model(family):
+    tr = _transformers()
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, use_cache=False)
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    if family == "mixtral":
+        cfg = tr.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
+        return tr.MixtralForCausalLM(cfg), experts
+    if family == "qwen2_moe":  # plus a shared expert: a Llama-form gated MLP (gated_ffn)
+        cfg = tr.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                num_experts=4, num_experts_per_tok=2, **common)
+        shared = [f"model.layers.{i}.mlp.shared_expert" for i in range(2)]
+        return tr.Qwen2MoeForCausalLM(cfg), [u for pair in zip(experts, shared) for u in pair]
+    if family == "olmoe":
+        cfg = tr.OlmoeConfig(intermediate_size=24, num_experts=4, num_experts_per_tok=2, **common)
+        return tr.OlmoeForCausalLM(cfg), experts
+    # Aria's experts keep their weights transposed (is_transposed): fused on the transposed views
+    cfg = tr.AriaTextConfig(intermediate_size=24, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **common)
+    shared = [f"model.layers.{i}.mlp.shared_experts" for i in range(2)]
+    return tr.AriaTextForCausalLM(cfg), [u for pair in zip(experts, shared) for u in pair]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria"])
+def test_convert_moe_models(family):
+    """Every experts module becomes one fused unit (found by what transformers' experts decorator
+    sets, not by class name); the state_dict keys stay; loss and every gradient match the original;
+    the bytes kept equal checkpointing the same units'; blocks and budgets plan as for dense models."""
+    model, units = _moe_model(family)
+    model.train()
+    ids = torch.randint(0, 64, (2, 12))
+    conv = fusedrc.convert(model, example_inputs=(ids,))
+    plan = conv.fusedrc_plan
+    assert plan.fused == units and not plan.skipped
+    assert all(u.kind == "moe_experts" for u in plan.units if u.name.endswith(".experts"))
+    assert list(conv.state_dict()) == list(model.state_dict())
+    assert plan.final_bytes < 0.7 * plan.baseline_bytes
+    assert plan.final_bytes <= saved_bytes(_set_impl(copy.deepcopy(conv), "checkpoint"), (ids,))
+    la, lb = model(ids, labels=ids).loss, conv(ids, labels=ids).loss
+    assert abs(la.item() - lb.item()) < 1e-5
+    la.backward()
+    lb.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
+        if p.grad is not None:
+            assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+    budget = fusedrc.convert(model, memory_budget=0.3, example_inputs=(ids,)).fusedrc_plan
+    assert budget.final_bytes <= budget.target_bytes
+    assert all(u.cost > 0 for u in budget.units)  # the experts' recompute FLOPs too
+
+
+def test_convert_moe_follows_the_modules_and_reports_what_it_leaves():
+    """The experts interface chosen in the config does not matter (the fused call computes the same
+    function); hooks or an activation swapped in later run the module as it is; experts with their
+    own gating are reported, not fused."""
+    tr = _transformers()
+    model, _ = _moe_model("mixtral")
+    model.train()
+    ids = torch.randint(0, 64, (2, 10))
+    eager = copy.deepcopy(model)
+    eager.config._experts_implementation = "eager"
+    conv = fusedrc.convert(eager)
+    assert rel_err(conv(ids).logits, model(ids).logits) < 1e-5
+    experts = conv.model.layers[0].mlp.experts
+    calls = []
+    handle = experts.register_forward_hook(lambda *a: calls.append(1))
+    with fusedrc.use_backend("reference"), _OpCount() as ops:
+        conv(ids)
+    assert calls and ops.count == 1  # layer 0 ran plainly (hooked), layer 1 fused
+    handle.remove()
+    experts.act_fn = torch.nn.Tanh()  # no fused form: the module as it now is
+    with _OpCount() as ops:
+        y = conv(ids).logits
+    assert ops.count == 1
+    assert torch.isfinite(y).all()
+
+    gated = copy.deepcopy(model)
+    cls = type(gated.model.layers[0].mlp.experts)
+    sub = type("CustomGateExperts", (cls,), {"_apply_gate": lambda self, gu: TF.silu(gu[..., ::2]) * gu[..., 1::2]})
+    gated.model.layers[0].mlp.experts.__class__ = sub
+    with pytest.warns(UserWarning, match="gates its experts its own way"):
+        plan = fusedrc.convert(gated).fusedrc_plan
+    assert plan.fused == ["model.layers.1.mlp.experts"]
+    assert plan.skipped == [("model.layers.0.mlp.experts",
+                             "CustomGateExperts gates its experts its own way (not act(gate) * up on the halves "
+                             "of gate_up_proj)")]
+
+
+class _OpCount:
+    """Counts fused experts calls (the op's plain-eager Function or the custom op)."""
+
+    def __enter__(self):
+        from fusedrc import functional
+
+        self.count, self._orig = 0, functional.ops.pick
+
+        def pick(name, x, backend):
+            if name == "moe_experts":
+                self.count += 1
+            return self._orig(name, x, backend)
+
+        functional.ops.pick = pick
+        return self
+
+    def __exit__(self, *exc):
+        from fusedrc import functional
+
+        functional.ops.pick = self._orig
