@@ -182,14 +182,17 @@ def _is_conv1d(module):
         and module.weight.dim() == 2 and module.weight.shape[1] == getattr(module, "nf", None)
 
 
-def _experts_flops(module, args, kwargs, out):
-    """What a fused experts unit reruns in backward: every routed token's gate and up projections."""
+def _experts_flops(module, args, kwargs):
+    """(the experts' forward, the gate and up projections a fused unit reruns in backward) in FLOPs."""
     try:
         idx = _EXPERTS_SIGNATURE.bind(*args, **kwargs).arguments["top_k_index"]
     except TypeError:
-        return 0
-    gate_up = _experts_weights(module)[0]
-    return 2 * idx.numel() * gate_up.shape[1] * gate_up.shape[2] if isinstance(idx, torch.Tensor) else 0
+        return 0, 0
+    if not isinstance(idx, torch.Tensor):
+        return 0, 0
+    gate_up, down = _experts_weights(module)
+    rerun = 2 * idx.numel() * gate_up.shape[1] * gate_up.shape[2]
+    return rerun + 2 * idx.numel() * down.shape[1] * down.shape[2], rerun
 
 
 def _measure_flops(model, example_inputs):
@@ -197,7 +200,9 @@ def _measure_flops(model, example_inputs):
     for m in model.modules():
         if isinstance(m, FusedExperts):
             def hook(mod, args, kwargs, out):
-                flops[id(mod)] = flops.get(id(mod), 0) + _experts_flops(mod, args, kwargs, out)
+                whole, rerun = _experts_flops(mod, args, kwargs)
+                key = id(mod.__dict__["_fusedrc_recompute"])
+                flops[id(mod)], flops[key] = flops.get(id(mod), 0) + whole, flops.get(key, 0) + rerun
             handles.append(m.register_forward_hook(hook, with_kwargs=True))
             continue
         if isinstance(m, (nn.Conv2d, nn.Linear)) or _is_conv1d(m):
@@ -1218,12 +1223,14 @@ class FusedExperts(Wrapper):
         except TypeError:
             return self.plain(*args, **kwargs)
         site = self.sites.get("experts")
-        if (site is None or not site.enabled or not _nohooks(self, self.act_fn) or self._is_expert_parallel
+        if (site is None or not site.enabled or not _nohooks(self, self.act_fn)
+                or getattr(self, "_is_expert_parallel", False)
                 or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or not _experts_runtime_ok(self, hs, idx, w)):
             return self.plain(*args, **kwargs)
         gate_up, down = _experts_weights(self)
         act = self.__dict__["_fusedrc_act"]
-        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act),
+        # transformers' implementations return hidden_states' dtype, also under autocast
+        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act).to(h.dtype),
                          self.plain, hs, idx, w)
 
 
@@ -1243,6 +1250,7 @@ def _experts_runtime_ok(m, hs, idx, w):
     return (isinstance(hs, torch.Tensor) and hs.dim() == 2 and hs.is_floating_point()
             and isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dim() == 2
             and idx.shape[0] == hs.shape[0] and isinstance(w, torch.Tensor) and w.shape == idx.shape
+            and w.is_floating_point() and idx.device == w.device == hs.device
             and (hs.dtype == gate_up.dtype or torch.is_autocast_enabled(hs.device.type))
             and hs.device == gate_up.device and m.down_proj.dtype == gate_up.dtype)
 
@@ -1287,8 +1295,15 @@ def _experts(ctx, name, m):
         return m
     new = FusedExperts.wrap(m)
     new.__dict__["_fusedrc_act"] = _act_name(m.act_fn)
-    _site_unit(ctx, new, name, "experts", "moe_experts", (new,))
+    # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
+    new.__dict__["_fusedrc_recompute"] = _RecomputeKey()
+    _site_unit(ctx, new, name, "experts", "moe_experts", (new.__dict__["_fusedrc_recompute"],))
     return new
+
+
+class _RecomputeKey:
+    """Stands in ``recompute_modules`` for the part of a module a fused unit reruns (its FLOPs are
+    measured under this object's id; the module's own id holds its whole forward, a block's cost)."""
 
 
 @register_rule("T5Block")

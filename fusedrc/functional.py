@@ -261,7 +261,7 @@ def _check_routing(x, top_k_index, top_k_weights, num_experts):
                          f"got {tuple(top_k_weights.shape)}")
     check_device(x, "hidden_states", top_k_weights, "top_k_weights")
     if top_k_index.numel() and not torch.compiler.is_compiling() and top_k_index.device.type != "meta":
-        lo, hi = top_k_index.min().item(), top_k_index.max().item()  # one host sync (routing needs counts anyway)
+        lo, hi = torch.stack(torch.aminmax(top_k_index)).tolist()  # one host sync (routing syncs anyway)
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"top_k_index must hold expert numbers in [0, {num_experts}), got values in [{lo}, {hi}]"
                              " (expert-parallel sentinels are not supported)")

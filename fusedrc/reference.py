@@ -301,6 +301,8 @@ def _unroute(slots, order, top_k_index):
 
 
 def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation):
+    if x.device.type == "meta":  # shapes only (bincount has no meta kernel)
+        return x.new_empty((x.shape[0], down.shape[1]))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
     slots = torch.empty((order.numel(), down.shape[1]), device=x.device, dtype=acc)
@@ -318,13 +320,17 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
 def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
                       output_mask=None):
     need_dx, need_dw, need_dgu, need_dd = wanted(output_mask, 4)
+    if x.device.type == "meta":
+        return tuple(t.new_empty(t.shape) if need else None
+                     for t, need in zip((x, top_k_weights, gate_up, down), (need_dx, need_dw, need_dgu, need_dd)))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
     S = order.numel()
     dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc) if need_dx else None
     dw_slots = torch.empty(S, device=x.device, dtype=acc) if need_dw else None
-    dgu = torch.zeros_like(gate_up) if need_dgu else None
-    dd = torch.zeros_like(down) if need_dd else None
+    # dense (not zeros_like: a transposed view's strides would cost the op a copy of each)
+    dgu = torch.zeros(gate_up.shape, device=x.device, dtype=gate_up.dtype) if need_dgu else None
+    dd = torch.zeros(down.shape, device=x.device, dtype=down.dtype) if need_dd else None
     w = top_k_weights.reshape(-1)[order]
     start = 0
     for e, n in enumerate(counts):

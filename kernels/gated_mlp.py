@@ -373,7 +373,9 @@ def inspect_specs():
     # the routed experts' variant (row scale and its gradient in the epilogue), one sm_90 bf16 entry
     base = next(sp for sp in specs if sp["kernel"] == "_gated_act_grad_kernel" and sp["arch"] == "sm_90"
                 and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"])
-    routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True},
-              "config": {**base["config"], "row_scale": True}}
+    # as moe_experts launches it: SwiGLU, no bias, the scales a slice at any offset, any row count
+    routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True, "HAS_BIAS": False, "ACTIVATION": "silu"},
+              "config": {**base["config"], "row_scale": True},
+              "aligned": [a for a in base["aligned"] if a not in ("scale_ptr", "M")]}
     specs.insert(0, routed)
     return specs

@@ -91,6 +91,8 @@ def test_quick_kernels(quick_run):
     assert saved["fused_mlp_dropout", "eager"] > saved["fused_mlp", "eager"]
     # the gated FFN keeps x alone, as checkpoint does; eager keeps its hidden-sized intermediates
     assert saved["gated_mlp", "fusedrc"] == saved["gated_mlp", "torch_checkpoint"] < saved["gated_mlp", "eager"]
+    # the routed experts keep the call's inputs (x, the routing index and weights), as checkpoint does
+    assert saved["moe_experts", "fusedrc"] <= saved["moe_experts", "torch_checkpoint"] < saved["moe_experts", "eager"]
     if doc["device"]["type"] == "cpu":
         assert any("interpreter" in n for n in doc["notes"])
     _assert_png_not_blank(plots / f"bench_kernels_quick_{doc['device']['type']}.png")

@@ -23,10 +23,15 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 BACKENDS = ["reference", "triton"]
 
 
-def _routing(T, k, E, *, skip=None, device="cpu"):
-    """(T, k) distinct experts per token; expert ``skip`` gets no token."""
-    pool = [e for e in range(E) if e != skip]
-    idx = torch.stack([torch.tensor(pool)[torch.randperm(len(pool))[:k]] for _ in range(T)])
+def _routing(T, k, E, *, skip=None, repeat=False, device="cpu"):
+    """(T, k) distinct experts per token (``repeat``: any, a token may pick one expert twice);
+    expert ``skip`` gets no token."""
+    pool = torch.tensor([e for e in range(E) if e != skip])
+    if repeat:
+        idx = pool[torch.randint(len(pool), (T, k))]
+        idx[0] = pool[0]  # at least one token routed twice to the same expert
+    else:
+        idx = torch.stack([pool[torch.randperm(len(pool))[:k]] for _ in range(T)])
     return idx.to(device), torch.rand(T, k, dtype=torch.float64).to(device)
 
 
@@ -48,10 +53,10 @@ def _oracle(x, idx, w, gate_up, down, act):
     return torch.stack(rows)
 
 
-def _check(backend, dtype, T, K, I, N, E, k, act, skip=None):
+def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False):
     device = backend_device(backend)
     x = torch.randn(T, K, dtype=torch.float64)
-    idx, w = _routing(T, k, E, skip=skip)
+    idx, w = _routing(T, k, E, skip=skip, repeat=repeat)
     gate_up, down = _weights(E, K, I, N)
     g = torch.randn(T, N, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
@@ -78,10 +83,13 @@ def test_moe_experts_matches_float64_oracle(backend, dtype):
 
 
 @pytest.mark.parametrize("act", ["gelu_tanh", "relu", "leaky_relu:0.2"])
-def test_moe_experts_activations_and_top1(act):
-    """Other activations (Triton's epilogues), top-1 routing, a single token, float64 (reference)."""
+def test_moe_experts_activations_top1_and_repeats(act):
+    """Other activations (Triton's epilogues), top-1 routing, a single token, float64 (reference);
+    top-3 where a token may pick the same expert more than once."""
     _check("triton", torch.float32, T=9, K=16, I=12, N=16, E=3, k=1, act=act)
     _check("reference", torch.float64, T=1, K=8, I=4, N=8, E=4, k=2, act=act)
+    for backend in BACKENDS:
+        _check(backend, torch.float32, T=7, K=8, I=12, N=8, E=3, k=3, act=act, repeat=True)
 
 
 def test_routing_scale_kernel_matches_reference():
@@ -124,15 +132,17 @@ def test_keeps_only_the_inputs_and_runs_11_gemms_an_expert():
     assert (fwd.gemms, bwd.gemms) == (3 * hit, 8 * hit)
 
 
-def test_frozen_parts_and_determinism():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_parts_and_determinism(backend):
     """Gradients only where asked (frozen experts, fixed routing weights); two runs bitwise equal."""
     T, K, I, N, E, k = 10, 8, 12, 8, 3, 2
-    x = torch.randn(T, K, requires_grad=True)
-    idx, w = _routing(T, k, E)
+    device = backend_device(backend)
+    x = torch.randn(T, K, device=device, requires_grad=True)
+    idx, w = _routing(T, k, E, device=device)
     w = w.float()
-    gate_up, down = (t.float() for t in _weights(E, K, I, N))
+    gate_up, down = (t.float().to(device) for t in _weights(E, K, I, N))
     down.requires_grad_()
-    with fusedrc.use_backend("reference"):
+    with fusedrc.use_backend(backend):
         runs = []
         for _ in range(2):
             y = F.moe_experts(x, idx, w, gate_up, down, "gelu")
@@ -153,7 +163,9 @@ def test_autocast_and_compile():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = F.moe_experts(x, idx, w, gate_up, down)
         plain = F._moe_plain(x, idx, w, gate_up.bfloat16(), down.bfloat16(), "silu")
-    assert y.dtype == torch.bfloat16 and rel_err(y, plain) < 1e-2
+    assert y.dtype == torch.bfloat16 and rel_err(y, plain) < 1e-2  # as F.linear under autocast
+    meta = [t.to("meta") for t in (x, idx, w, gate_up, down)]
+    assert F.moe_experts(*meta).shape == (T, N)  # shapes only
 
     def fn(x, idx, w, gate_up, down):
         return F.moe_experts(x, idx, w, gate_up, down).square().sum()
@@ -223,6 +235,12 @@ def test_convert_moe_models(family):
     budget = fusedrc.convert(model, memory_budget=0.3, example_inputs=(ids,)).fusedrc_plan
     assert budget.final_bytes <= budget.target_bytes
     assert all(u.cost > 0 for u in budget.units)  # the experts' recompute FLOPs too
+    if family == "mixtral":  # its backward reruns the gate and up projections: 2 of the experts' 3 GEMMs
+        S = 2 * ids.numel()  # routed tokens: top-2
+        _, two_i, K = model.model.layers[0].mlp.experts.gate_up_proj.shape
+        assert [u.cost for u in budget.units] == [2 * S * two_i * K] * 2
+        # a layer's block reruns the experts' 3 GEMMs (and the attention's)
+        assert all(b.cost > 2 * S * two_i * K + 2 * S * K * two_i // 2 for b in budget.blocks)
 
 
 def test_convert_moe_follows_the_modules_and_reports_what_it_leaves():
@@ -237,6 +255,11 @@ def test_convert_moe_follows_the_modules_and_reports_what_it_leaves():
     eager.config._experts_implementation = "eager"
     conv = fusedrc.convert(eager)
     assert rel_err(conv(ids).logits, model(ids).logits) < 1e-5
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # hidden_states' dtype out, as transformers' experts
+        assert conv(ids).logits.dtype == model(ids).logits.dtype
+        hs = torch.randn(5, 32)
+        route = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]]), torch.rand(5, 2)
+        assert conv.model.layers[1].mlp.experts(hs, *route).dtype == torch.float32
     experts = conv.model.layers[0].mlp.experts
     calls = []
     handle = experts.register_forward_hook(lambda *a: calls.append(1))
@@ -282,3 +305,25 @@ class _OpCount:
         from fusedrc import functional
 
         functional.ops.pick = self._orig
+
+
+def test_convert_mixtral_on_the_triton_backend():
+    """A converted Mixtral's experts through the Triton kernels (the interpreter on the CPU): loss and
+    every gradient as the original's."""
+    model, _ = _moe_model("mixtral")
+    model.train()
+    device = backend_device("triton")
+    model.to(device)
+    ids = torch.randint(0, 64, (2, 8), device=device)
+    conv = fusedrc.convert(model)
+    la = model(ids, labels=ids).loss
+    with fusedrc.use_backend("triton"), _OpCount() as ops:
+        lb = conv(ids, labels=ids).loss
+    assert ops.count == 2
+    la.backward()
+    with fusedrc.use_backend("triton"):
+        lb.backward()
+    assert abs(la.item() - lb.item()) < 1e-5
+    for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
+        if p.grad is not None:
+            assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name

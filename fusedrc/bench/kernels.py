@@ -10,6 +10,10 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
   the mask in backward from a Philox seed): same counts as ``fused_mlp``
 * ``gated_mlp`` (Llama's SwiGLU MLP ``down(silu(gate(x)) * up(x))``, in units of one of its three
   equal GEMMs): eager 9, checkpoint 11 (early stop: down_proj is not rerun), fusedrc 11
+* ``moe_experts`` (a MoE layer's routed SwiGLU experts, top-2 of 8, weighted by differentiable routing
+  weights; in units of one of an expert's three GEMMs over all routed tokens): eager 9 (the experts loop
+  as Hugging Face's eager forward writes it), checkpoint 12 (its recompute reruns the down projection,
+  whose output the routing weights' gradient reads), fusedrc 11
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 
@@ -29,7 +33,7 @@ import fusedrc
 from . import measure
 from .progress import bar
 
-PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "conv_bn_act")
+PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "moe_experts", "conv_bn_act")
 DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
@@ -43,14 +47,17 @@ def shapes(device_type: str, quick: bool) -> list:
     if quick:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
                 ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
+                ("moe_experts", dict(T=128, d=128, h=172, E=8, k=2)),
                 ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
                 ("fused_mlp", dict(M=16384, d=1024, h=4096)), ("fused_mlp_dropout", dict(M=16384, d=1024, h=4096)),
                 ("gated_mlp", dict(M=8192, d=4096, h=11008)),  # Llama-2 7B's MLP, 8192 tokens
+                ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2)),  # Mixtral 8x7B's experts, 8192 tokens
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
             ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
+            ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3))]
 
 
@@ -80,6 +87,33 @@ class _SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _MoEExperts(nn.Module):
+    """A MoE layer's experts for a fixed routing (top-k of E per token, differentiable routing weights),
+    as Hugging Face's eager experts forward computes them; ``fused`` is fusedrc's op on the same tensors."""
+
+    def __init__(self, T, d, h, E, k, generator):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d, generator=generator) * d ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, d, h, generator=generator) * h ** -0.5)
+        scores = torch.rand(T, E, generator=generator)
+        self.register_buffer("top_k_index", scores.topk(k, dim=1).indices)
+        self.top_k_weights = nn.Parameter(torch.rand(T, k, generator=generator))
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        h = self.gate_up_proj.shape[1] // 2
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(self.top_k_index == e)
+            gate, up = nn.functional.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+            out = out.index_add(0, token, y * self.top_k_weights[token, slot, None])
+        return out
+
+    def fused(self, x):
+        return fusedrc.functional.moe_experts(x, self.top_k_index, self.top_k_weights, self.gate_up_proj,
+                                              self.down_proj)
+
+
 class _Case:
     """One pattern: its modules, inputs, output gradient and the three ways to run it."""
 
@@ -106,6 +140,12 @@ class _Case:
             xs, ys = (M, d), (M, d)
             self.gemm_flops = 2 * M * d * h  # one of its three GEMMs
             self.units = {"eager": 9, "torch_checkpoint": 11, "fusedrc": 11}  # FlopCounterMode agrees
+        elif pattern == "moe_experts":
+            T, d, h, E, k = (shape[n] for n in ("T", "d", "h", "E", "k"))
+            self.block = _MoEExperts(T, d, h, E, k, g)
+            xs, ys = (T, d), (T, d)
+            self.gemm_flops = 2 * T * k * d * h  # one of an expert's three GEMMs, over every routed token
+            self.units = {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
         else:
             N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
             self.block = nn.Sequential(nn.Conv2d(C, K, k, 1, k // 2, bias=False), nn.BatchNorm2d(K), nn.ReLU())
@@ -118,6 +158,8 @@ class _Case:
         self.grad = torch.randn(ys, generator=g).to(device=device, dtype=dtype)
         self.params = list(self.block.parameters())
         self.fused = self.block
+        if pattern == "moe_experts":
+            self.fused = self.block.fused
         if pattern == "gated_mlp":  # the same parameters in fusedrc's module
             b = self.block
             self.fused = fusedrc.nn.GatedMLP.from_modules(b.gate_proj, b.up_proj, b.down_proj, "silu")
@@ -127,6 +169,8 @@ class _Case:
             return self.block(self.x)
         if strategy == "torch_checkpoint":
             return checkpoint(self.block, self.x, use_reentrant=False)
+        if self.pattern == "moe_experts":
+            return self.fused(self.x)
         return fusedrc.recompute(self.fused, self.x)  # a recognised pattern: the fused op
 
     def step(self, strategy):
@@ -161,7 +205,8 @@ def run(device, dtype, quick, warmup, repeats, backend, progress=True):
     try:
         for p, c in cases.items():
             for s in STRATEGIES:
-                counter = measure.SavedBytes(c.params)
+                # what the module holds anyway (parameters, buffers: the MoE case's routing) is no activation
+                counter = measure.SavedBytes(c.params + list(c.block.buffers()))
                 with counter:
                     out = c.forward(s)
                 out.backward(c.grad)
