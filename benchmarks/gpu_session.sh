@@ -14,20 +14,21 @@
 #   sweep    the default memory-vs-speed sweep without torch.compile (images in channels_last)
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
+#   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (depthwise convs: the DIRECT kernels)
 # Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
 # 156 s on 12 workers, so the suite alone takes most of a call). Commit first: the device tool
 # ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
 # Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
 # step hung in a CUDA call that never returns is killed 30 s later.
-# In order of priority (a session has 30 device minutes, machine start included: the first three
-# calls fit). The device tool stops a call at 600 s: the timeouts of one call's steps add up to
+# In order of priority (a session now has 15 device minutes, machine start included: the first
+# call, perhaps two). The device tool stops a call at 600 s: the timeouts of one call's steps add up to
 # at most 510 s, plus their -k grace periods (at most 60 s):
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tests
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt mixtral
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv_grouped models_mobile
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.)
 set -u
@@ -66,6 +67,7 @@ for step in "${steps[@]}"; do
         models) timeout -k 30 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         opt) timeout -k 30 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
+        mixtral) timeout -k 30 200 python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
         models_mobile) timeout -k 30 250 python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
                            --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;

@@ -112,7 +112,7 @@ from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_act_call,
                         fused_dropout_p, is_linear)
 from ._saved import SavedBytes
-from ._state import top_saved_tensors_pack
+from ._state import inside_region, top_saved_tensors_pack
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
 from .reference import leaky_relu_name
 
@@ -1223,7 +1223,9 @@ class FusedExperts(Wrapper):
         except TypeError:
             return self.plain(*args, **kwargs)
         site = self.sites.get("experts")
-        if (site is None or not site.enabled or not _nohooks(self, self.act_fn)
+        # inside a recomputed region (a block) the original implementation: the region keeps only its
+        # inputs already, and transformers' grouped_mm beats a plain per-expert loop
+        if (site is None or not site.enabled or not _nohooks(self, self.act_fn) or inside_region()
                 or getattr(self, "_is_expert_parallel", False)
                 or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or not _experts_runtime_ok(self, hs, idx, w)):
             return self.plain(*args, **kwargs)

@@ -232,6 +232,29 @@ def test_efficientnet_quick_run(tmp_path):
     _assert_png_not_blank(plots / f"bench_efficientnet_b0_quick_{doc['device']['type']}.png")
 
 
+def test_mixtral_quick_run(tmp_path):
+    """The opt-in Mixtral workload: its routed-experts units keep what checkpoint on them keeps and take
+    the place of the experts inside whole blocks (the original implementation runs in a region)."""
+    from fusedrc.bench import models
+
+    if why := models.require("mixtral"):
+        pytest.skip(why)
+    res, plots = tmp_path / "results", tmp_path / "plots"
+    cli.main(["--workload", "mixtral", "--quick", "--warmup", "0", "--repeats", "1", "--no-progress",
+              "--results-dir", str(res), "--plots-dir", str(plots)])
+    (f,) = res.glob("bench_sweep_mixtral_quick_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    info = doc["workloads"]["mixtral"]
+    assert info["units"] == 2 and info["blocks"] == 2 and info["unit_kinds"] == ["moe_experts"]
+    cs = {c["strategy"]: c for c in doc["configs"]}
+    assert set(cs) == set(models.MODEL_STRATEGIES)
+    saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
+    assert saved["convert_all"] <= saved["torch_checkpoint"] < 0.5 * saved["no_recompute"]
+    assert saved["convert_blocks"] <= 1.1 * saved["torch_checkpoint_blocks"] < saved["torch_checkpoint"]
+    _assert_png_not_blank(plots / f"bench_mixtral_quick_{doc['device']['type']}.png")
+
+
 def test_checkpoint_blocks_matches_original():
     """torch_checkpoint_blocks runs each block under torch.utils.checkpoint with the block's kwargs."""
     from torch import nn

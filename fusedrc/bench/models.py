@@ -1,8 +1,8 @@
-"""Real models: torchvision ResNet-50 and EfficientNet-B0 and a small Hugging Face OPT, built from code
-(no downloads).
+"""Real models: torchvision ResNet-50 and EfficientNet-B0 and small Hugging Face OPT and Mixtral, built
+from code (no downloads).
 
-Opt-in workloads (``--workload resnet50``, ``efficientnet_b0``, ``opt`` or ``models``: ResNet-50 and
-OPT). Each is trained
+Opt-in workloads (``--workload resnet50``, ``efficientnet_b0``, ``opt``, ``mixtral`` or ``models``:
+ResNet-50 and OPT). Each is trained
 for a step (``zero_grad`` + forward + loss + backward + ``SGD.step``) under these
 strategies, each on its own copy of the same initial weights:
 
@@ -11,10 +11,10 @@ strategies, each on its own copy of the same initial weights:
                                ``fusedrc.convert`` fuses (every Conv-BN-ReLU chain, residual tail and
                                the stem of the ResNet; EfficientNet's Conv-BN-SiLU chains, depthwise
                                ones included, and its projections' Conv-BN; every decoder layer's FFN
-                               fc1 -> ReLU -> fc2 of OPT): the converted model with its units switched to
-                               checkpoint;
+                               fc1 -> ReLU -> fc2 of OPT; every MoE layer's routed experts and Mixtral's):
+                               the converted model with its units switched to checkpoint;
 * ``torch_checkpoint_blocks``  ``torch.utils.checkpoint`` on each whole block (ResNet ``Bottleneck``,
-                               EfficientNet ``MBConv``, ``OPTDecoderLayer``: the blocks
+                               EfficientNet ``MBConv``, ``OPTDecoderLayer``, ``MixtralDecoderLayer``: the blocks
                                ``convert(policy="blocks")`` recomputes);
 * ``convert_all``              ``fusedrc.convert(model, policy="all")``: every unit fused;
 * ``convert_blocks``           ``fusedrc.convert(model, policy="blocks")``: every unit fused and every
@@ -27,7 +27,7 @@ strategies, each on its own copy of the same initial weights:
                                and whole blocks where units are not enough.
 
 Losses: cross-entropy against random labels (the image models, 1000 classes) and the
-causal-LM loss of the token batch against itself shifted by one (OPT), computed
+causal-LM loss of the token batch against itself shifted by one (OPT, Mixtral), computed
 on the logits outside the counted forward (as ``convert`` measures ``model(x)``).
 """
 from __future__ import annotations
@@ -45,13 +45,15 @@ from torch.utils.checkpoint import checkpoint
 import fusedrc
 from fusedrc.convert import _set_impl, import_torchvision
 
-MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "opt")
+MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "opt", "mixtral")
 IMAGE_MODELS = ("resnet50", "efficientnet_b0")  # torchvision classifiers: images in, 1000 logits out
 MODEL_STRATEGIES = ("no_recompute", "torch_checkpoint", "torch_checkpoint_blocks", "convert_all",
                     "convert_blocks", "convert_budget")
 # EfficientNet-B0: units keep ~0.42 of the activations, whole blocks ~0.05 (README, CPU at 64 px)
-BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "efficientnet_b0": (0.8, 0.5, 0.3), "opt": (0.75, 0.5, 0.35)}
-QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "opt": (0.5,)}
+# Mixtral: its fused experts keep ~0.35 of the activations (examples/train_opt.py --arch mixtral)
+BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "efficientnet_b0": (0.8, 0.5, 0.3), "opt": (0.75, 0.5, 0.35),
+           "mixtral": (0.6, 0.4, 0.25)}
+QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "opt": (0.5,), "mixtral": (0.5,)}
 _LR = 1e-4
 
 
@@ -144,6 +146,30 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
         desc = (f"transformers OPTForCausalLM(OPTConfig(hidden {cfg['hidden']}, {cfg['layers']} layers, ffn "
                 f"{cfg['ffn']}, {cfg['heads']} heads, vocab {cfg['vocab']}, relu, dropout 0.1)), "
                 f"input batch x {cfg['seq']} random token ids")
+        loss = "causal-LM cross_entropy(logits[:, :-1], ids[:, 1:])"
+    elif name == "mixtral":
+        if quick:
+            cfg = dict(hidden=64, layers=2, inter=128, experts=4, heads=4, kv_heads=2, vocab=256, seq=32)
+        elif cuda:  # Mixtral 8x7B's proportions (8 experts, intermediate 3.5 x hidden, top-2), scaled down
+            cfg = dict(hidden=1024, layers=8, inter=3584, experts=8, heads=16, kv_heads=8, vocab=32000, seq=512)
+        else:
+            cfg = dict(hidden=256, layers=4, inter=896, experts=8, heads=4, kv_heads=2, vocab=2048, seq=128)
+        try:
+            import_torchvision()
+        except ImportError:
+            pass
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["inter"],
+                               num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                               num_key_value_heads=cfg["kv_heads"], num_local_experts=cfg["experts"],
+                               num_experts_per_tok=2, max_position_embeddings=max(cfg["seq"], 64), use_cache=False)
+        model = MixtralForCausalLM(config)
+        shapes = dict(cfg, top_k=2, activation="silu", attn_implementation=config._attn_implementation,
+                      experts_implementation=config._experts_implementation)
+        desc = (f"transformers MixtralForCausalLM(MixtralConfig(hidden {cfg['hidden']}, {cfg['layers']} layers, "
+                f"{cfg['experts']} experts of intermediate {cfg['inter']}, top-2, {cfg['heads']} heads, vocab "
+                f"{cfg['vocab']})), input batch x {cfg['seq']} random token ids")
         loss = "causal-LM cross_entropy(logits[:, :-1], ids[:, 1:])"
     else:
         raise ValueError(f"unknown model workload {name!r}; choose from {', '.join(MODEL_WORKLOADS)}")

@@ -140,7 +140,7 @@ def _plot_model(doc, wl, cs, plots_dir):
                 yerr=_yerr([base]),
                 color=STYLE["no_recompute"][1], marker="s", ms=9, ls="none", capsize=3, zorder=4,
                 label="original (no recompute)")
-        unit = "sequences" if wl == "opt" else "images"
+        unit = "sequences" if wl in ("opt", "mixtral") else "images"
         _finish_axes(ax, xlabel, f"batch {b} {unit}", max(_memory(doc, c)[0] for c in rows),
                      1.35 * max(c["median_s"] for c in rows) * 1e3)
         all_texts.append(texts)
@@ -152,7 +152,8 @@ def _plot_model(doc, wl, cs, plots_dir):
     labels = [lab for lab in order if lab in handles]
     fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=2, fontsize=8.5, frameon=False,
                bbox_to_anchor=(0.5, 0.0))
-    kinds = {"resnet50": "Conv-BN-ReLU chains", "efficientnet_b0": "Conv-BN(-SiLU) chains"}.get(wl, "FFNs")
+    kinds = {"resnet50": "Conv-BN-ReLU chains", "efficientnet_b0": "Conv-BN(-SiLU) chains",
+             "mixtral": "routed-experts modules"}.get(wl, "FFNs")
     fig.text(0.5, 0.105, f"units: the {info.get('units', '?')} {kinds} fusedrc.convert fuses; blocks: the "
              f"{info.get('blocks', '?')} blocks policy='blocks' recomputes whole;\nb: convert's memory_budget "
              "(a fraction of the original's activation bytes as convert counts them)",
