@@ -35,7 +35,8 @@ How patterns are found
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
-   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`).
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`); timm's MLPs of 1x1
+   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``: a fused FFN over each pixel's channels).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
@@ -765,6 +766,8 @@ def _act_name(mod):
     cls = type(mod).__name__
     if cls == "GELUActivation" and getattr(mod, "act", None) is not None:
         return "gelu"
+    if cls == "GELU" and type(mod).__module__ == "timm.layers.activations":  # F.gelu(input), erf
+        return "gelu"
     return _HF_ACTS.get(cls)
 
 
@@ -1021,6 +1024,87 @@ def _torchvision_block(ctx, name, m):
 # rules for torchvision's and timm's classes, by their names: another library's class of the same
 # name is not theirs
 _LIBRARY_RULES = (_basic_block, _bottleneck, _resnet, _torchvision_block)
+
+
+class FusedConvMlp(Wrapper):
+    """timm's MLPs of 1x1 convolutions, ``Mlp(use_conv=True)`` (``fc1 -> act -> drop1 -> norm -> fc2 ->
+    drop2``: the MLP of timm's small ConvNeXts, ``conv_mlp=True``, and of MetaFormer/PoolFormer-style
+    models) and ``ConvMlp`` (``fc1 -> norm -> act -> drop -> fc2``), ``norm`` an ``nn.Identity``: one
+    fused FFN over the channels of each pixel (:func:`_conv_ffn`)."""
+
+    def forward(self, x):
+        site, fc1, fc2 = self.sites.get("ffn"), self.fc1, self.fc2
+        _, mid, after = _CONV_MLP_FORMS[_class_of(self).__name__]
+        act = self.__dict__["_fusedrc_act"]
+        p = fused_dropout_p(getattr(self, mid))
+        if (site is None or not site.enabled or p is None or _conv_mlp_reason(self, mid) is not None
+                or _act_name(self.act) != act or not _nohooks(self, *self.children())
+                or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
+                or not _dense_runtime_ok(x, fc1, fc2)):
+            return self.plain(x)
+        y = _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p),
+                      lambda x: fc2(getattr(self, mid)(self.act(fc1(x)))), x)
+        return getattr(self, after)(y) if after else y
+
+
+def _conv_ffn(x, fc1, fc2, act, p):
+    """``fc2(dropout(act(fc1(x))))`` for 1x1 convolutions on NCHW ``x``, as one fused FFN on its
+    (pixels, channels) rows: a view of a channels_last input, one copy (the tensor the op keeps,
+    as a checkpoint keeps x) of a contiguous one; the output in the input's memory format."""
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    y = F.fused_mlp(x.permute(0, 2, 3, 1), fc1.weight.flatten(1), fc1.bias, fc2.weight.flatten(1), fc2.bias, act,
+                    dropout_p=p).permute(0, 3, 1, 2)
+    return y if channels_last else y.contiguous()
+
+
+# class name -> (its forward's lines after the def, the dropout between act and fc2, the module after fc2)
+_CONV_MLP_FORMS = {
+    "Mlp": (["x = self.fc1(x)", "x = self.act(x)", "x = self.drop1(x)", "x = self.norm(x)", "x = self.fc2(x)",
+             "x = self.drop2(x)", "return x"], "drop1", "drop2"),
+    "ConvMlp": (["x = self.fc1(x)", "x = self.norm(x)", "x = self.act(x)", "x = self.drop(x)", "x = self.fc2(x)",
+                 "return x"], "drop", None),
+}
+
+
+def _is_pointwise(conv):
+    return (type(conv) is nn.Conv2d and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
+            and conv.groups == 1 and _conv_padding(conv) == [0, 0])
+
+
+def _conv_mlp_reason(m, mid):
+    if not (_is_pointwise(m.fc1) and _is_pointwise(m.fc2)) or m.fc2.in_channels != m.fc1.out_channels:
+        return "fc1/fc2 are not plain 1x1 convolutions (stride 1, no padding, groups 1) of matching channels"
+    if type(m.norm) is not nn.Identity:
+        return f"a {type(m.norm).__name__} inside the MLP has no fused form"
+    if fused_dropout_p(getattr(m, mid), training=True) is None:
+        return f"{type(getattr(m, mid)).__name__} between the activation and fc2 has no fused form"
+    return None
+
+
+@register_rule(*_CONV_MLP_FORMS)
+def _conv_mlp(ctx, name, m):
+    """timm's ``Mlp`` with 1x1 convolutions and ``ConvMlp`` (timm.layers.mlp, or a copy in a timm model
+    file), their forwards checked line by line; a Linear ``Mlp`` is left to the fx pass."""
+    cls = _class_of(m)
+    # timm.layers.mlp's, and copies in timm's model files (inception_next's ConvMlp): the lines decide
+    if not cls.__module__.startswith("timm.") or type(getattr(m, "fc1", None)) is not nn.Conv2d:
+        return m
+    body, mid, _ = _CONV_MLP_FORMS[cls.__name__]
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    reason = _conv_mlp_reason(m, mid) if lines[1:] == body else f"{cls.__name__}.forward is not timm's"
+    if reason is None and _act_name(m.act) is None:
+        reason = f"activation {type(m.act).__name__} has no fused form"
+    if reason is None and not _nohooks(*m.children()):
+        reason = "hooks registered on the modules"
+    if reason is not None:
+        ctx.skip(name, reason)
+        return m
+    new = FusedConvMlp.wrap(m)
+    new.__dict__["_fusedrc_act"] = _act_name(m.act)
+    _site_unit(ctx, new, name, "ffn", "conv_ffn", (m.fc1,))
+    return new
 
 
 @register_rule("T5DenseActDense")

@@ -15,7 +15,7 @@ def backend_device(backend):
 
 
 class SavedBytes(contextlib.AbstractContextManager):
-    """Bytes autograd keeps through saved tensors, parameters excluded (counted once each)."""
+    """Bytes autograd keeps through saved tensors, parameters and their views excluded (counted once each)."""
 
     def __init__(self):
         self.bytes = 0
@@ -24,7 +24,8 @@ class SavedBytes(contextlib.AbstractContextManager):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
 
     def _pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
+        # a view of a parameter (a 1x1 conv's weight.flatten(1), a Conv1D's weight.t()) is no activation
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
             if key not in self._seen:
                 self._seen.add(key)

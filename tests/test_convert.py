@@ -1803,6 +1803,8 @@ def _timm():
     ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}, 12),
     # Conv-BN-LeakyReLU(0.01) through BatchNormAct2d; cspnet's DarkBlock
     ("darknet17", {}, {"conv_bn_act": 16}, 5),
+    # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels
+    ("convnext_atto", {}, {"conv_ffn": 12}, 12),
 ])
 def test_timm_models(name, kwargs, kinds, blocks):
     """timm models (built from code, no weights): convert fuses their Conv-BN-act chains and
@@ -1839,6 +1841,55 @@ def test_timm_models(name, kwargs, kinds, blocks):
     with SavedBytes() as c:
         yc = whole(x.clone().requires_grad_())
     assert c.bytes < b.bytes and rel_err(yc, model(x)) <= TOL  # one more training step each
+
+
+def test_timm_conv_mlps():
+    """timm's MLPs of 1x1 convolutions (Mlp(use_conv=True), ConvMlp and inception_next's copy) run as
+    one fused FFN over each pixel's channels: NCHW or channels_last in, the same memory format out, the
+    bytes a checkpoint of the MLP keeps; the dropout between act and fc2 fused (same results in eval,
+    the fused op in training); a norm inside or a changed forward is reported and left."""
+    timm = _timm()
+    from timm.layers import ConvMlp, Mlp
+
+    mlps = {"mlp": Mlp(16, 48, use_conv=True, drop=0.25), "conv_mlp": ConvMlp(16, 48, act_layer=nn.GELU),
+            "inception_next": timm.create_model("inception_next_atto").stages[0].blocks[0].mlp}
+    for name, m in mlps.items():
+        c = 40 if name == "inception_next" else 16
+        conv = fusedrc.convert(nn.Sequential(m))
+        assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("0", "conv_ffn")]
+        for channels_last in (False, True):
+            x = torch.randn(2, c, 5, 7)
+            x = x.to(memory_format=torch.channels_last) if channels_last else x
+            m.eval(), conv.eval()
+            assert rel_err(conv(x), m(x)) <= 1e-6
+            m.train(), conv.train()
+            if name == "mlp":  # its dropout: fused (mask regenerated in backward), so draws differ
+                with FusedOpLog() as log:
+                    conv(x)
+                assert log.ops == ["fused_mlp"]
+                continue
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            with SavedBytes() as kept:
+                yb = conv(xb)
+            ya = m(xa)
+            assert yb.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            assert kept.bytes == x.numel() * 4  # x's rows, nothing hidden-sized
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+            assert rel_err(xb.grad, xa.grad) <= TOL
+            for p, q in zip(m.parameters(), conv.parameters()):
+                assert rel_err(q.grad, p.grad) <= TOL
+            m.zero_grad()
+            conv.zero_grad()
+    m, conv = mlps["conv_mlp"], fusedrc.convert(nn.Sequential(mlps["conv_mlp"]))
+    x = torch.randn(2, 16, 3, 5).to(memory_format=torch.channels_last)
+    with fusedrc.use_backend("triton"), FusedOpLog() as log:  # the kernels (Triton's interpreter on the CPU)
+        y = conv(x)
+    assert log.ops == ["fused_mlp_triton"] and rel_err(y, m(x)) <= 1e-5
+    normed = ConvMlp(16, 48, norm_layer=nn.BatchNorm2d)  # the fx pass fuses fc1 -> BN -> ReLU instead
+    with pytest.warns(UserWarning, match="a BatchNorm2d inside the MLP has no fused form"):
+        plan = fusedrc.convert(nn.Sequential(normed)).fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [("0.fc1", "conv_bn_relu")]
 
 
 class _Gate(nn.Module):
