@@ -28,7 +28,8 @@
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt mixtral
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
+#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" mixtral
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv_grouped models_mobile
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.)
 set -u

@@ -1037,8 +1037,9 @@ class FusedConvMlp(Wrapper):
         _, mid, after = _CONV_MLP_FORMS[_class_of(self).__name__]
         act = self.__dict__["_fusedrc_act"]
         p = fused_dropout_p(getattr(self, mid))
+        # inside a recomputed region (a block) the convolutions themselves: the region keeps its inputs
         if (site is None or not site.enabled or p is None or _conv_mlp_reason(self, mid) is not None
-                or _act_name(self.act) != act or not _nohooks(self, *self.children())
+                or inside_region() or _act_name(self.act) != act or not _nohooks(self, *self.children())
                 or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
                 or not _dense_runtime_ok(x, fc1, fc2)):
             return self.plain(x)
@@ -1050,8 +1051,11 @@ class FusedConvMlp(Wrapper):
 def _conv_ffn(x, fc1, fc2, act, p):
     """``fc2(dropout(act(fc1(x))))`` for 1x1 convolutions on NCHW ``x``, as one fused FFN on its
     (pixels, channels) rows: a view of a channels_last input, one copy (the tensor the op keeps,
-    as a checkpoint keeps x) of a contiguous one; the output in the input's memory format."""
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    as a checkpoint keeps x) of a contiguous one; the output in the memory format the conv would
+    give (channels_last when x's channels are its innermost dimension, as torch decides it)."""
+    from torch._prims_common import suggest_memory_format  # eager's Tensor::suggest_memory_format
+
+    channels_last = suggest_memory_format(x) == torch.channels_last
     y = F.fused_mlp(x.permute(0, 2, 3, 1), fc1.weight.flatten(1), fc1.bias, fc2.weight.flatten(1), fc2.bias, act,
                     dropout_p=p).permute(0, 3, 1, 2)
     return y if channels_last else y.contiguous()
@@ -2113,7 +2117,7 @@ def _rewrite(ctx, module, prefix=""):
             module.__dict__.pop("_replicate_for_data_parallel", None)
     cls = _class_of(module)
     rule = _RULES.get(cls.__name__)
-    if rule in _LIBRARY_RULES and not cls.__module__.startswith(("torchvision.", "timm.")):
+    if rule in _LIBRARY_RULES + (_conv_mlp,) and not cls.__module__.startswith(("torchvision.", "timm.")):
         rule = None  # a class of your own named BasicBlock or Block: the checks by shape apply
     if rule is None and _looks_gated_mlp(module):
         rule = _gated_mlp

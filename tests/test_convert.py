@@ -1858,8 +1858,9 @@ def test_timm_conv_mlps():
         conv = fusedrc.convert(nn.Sequential(m))
         assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("0", "conv_ffn")]
         for channels_last in (False, True):
-            x = torch.randn(2, c, 5, 7)
-            x = x.to(memory_format=torch.channels_last) if channels_last else x
+            x = torch.randn(2, c, 5, 8)
+            # channels_last: a slice, not dense (its output is channels_last all the same, as the conv's)
+            x = x.to(memory_format=torch.channels_last)[..., :7] if channels_last else x[..., :7]
             m.eval(), conv.eval()
             assert rel_err(conv(x), m(x)) <= 1e-6
             m.train(), conv.train()
@@ -1873,7 +1874,7 @@ def test_timm_conv_mlps():
                 yb = conv(xb)
             ya = m(xa)
             assert yb.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-            assert kept.bytes == x.numel() * 4  # x's rows, nothing hidden-sized
+            assert kept.bytes == x.numel() * 4  # x's rows (a copy unless a dense channels_last), nothing hidden-sized
             ya.square().sum().backward()
             yb.square().sum().backward()
             assert rel_err(xb.grad, xa.grad) <= TOL
@@ -1886,6 +1887,16 @@ def test_timm_conv_mlps():
     with fusedrc.use_backend("triton"), FusedOpLog() as log:  # the kernels (Triton's interpreter on the CPU)
         y = conv(x)
     assert log.ops == ["fused_mlp_triton"] and rel_err(y, m(x)) <= 1e-5
+    class Mlp(nn.Module):  # a user's class named like timm's: the checks by shape apply, not timm's rule
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    assert [(u.name, u.kind) for u in fusedrc.convert(nn.Sequential(Mlp())).fusedrc_plan.units] == [("0", "gated_ffn")]
     normed = ConvMlp(16, 48, norm_layer=nn.BatchNorm2d)  # the fx pass fuses fc1 -> BN -> ReLU instead
     with pytest.warns(UserWarning, match="a BatchNorm2d inside the MLP has no fused form"):
         plan = fusedrc.convert(nn.Sequential(normed)).fusedrc_plan
