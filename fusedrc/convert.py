@@ -30,7 +30,8 @@ How patterns are found
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``, and by shape any ``GradientCheckpointingLayer`` holding
    ``fc1``/``activation_fn``/``fc2``; the rule reads the forward's source and checks its lines),
-   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``;
+   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
+   ``AlbertLayer`` (its ``ff_chunk``);
    and, by shape rather than class name, every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
@@ -1108,6 +1109,59 @@ def _conv_mlp(ctx, name, m):
     new = FusedConvMlp.wrap(m)
     new.__dict__["_fusedrc_act"] = _act_name(m.act)
     _site_unit(ctx, new, name, "ffn", "conv_ffn", (m.fc1,))
+    return new
+
+
+class FusedAlbertLayer(Wrapper):
+    """Hugging Face ``AlbertLayer``: its ``ff_chunk`` (``ffn -> activation -> ffn_output``, which
+    ``apply_chunking_to_forward`` calls) as one fused FFN; the rest of the layer as it is. ALBERT
+    shares its layers across depth: each call keeps its own input."""
+
+    def forward(self, *args, **kwargs):
+        return self.plain(*args, **kwargs)  # the original forward, whose self.ff_chunk is the one below
+
+    def ff_chunk(self, attention_output):
+        site, fc1, fc2 = self.sites.get("ffn"), self.ffn, self.ffn_output
+        act = self.__dict__["_fusedrc_act"]
+
+        def plain(x):
+            return self._fusedrc_original_class.ff_chunk(self, x)
+
+        if (site is None or not site.enabled or not _nohooks(fc1, self.activation, fc2) or inside_region()
+                or not _still(act, self.activation, fc1, fc2) or not _dense_runtime_ok(attention_output, fc1, fc2)):
+            return plain(attention_output)
+        return _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act), plain,
+                         attention_output)
+
+
+_ALBERT_FF_CHUNK = ["def ff_chunk(self, attention_output: torch.Tensor) -> torch.Tensor:",
+                    "ffn_output = self.ffn(attention_output)", "ffn_output = self.activation(ffn_output)",
+                    "ffn_output = self.ffn_output(ffn_output)", "return ffn_output"]
+
+
+@register_rule("AlbertLayer")
+def _albert_layer(ctx, name, m):
+    unit = _join(name, "ffn")
+    try:
+        src = _inspect.getsource(_class_of(m).ff_chunk)
+    except (AttributeError, OSError, TypeError):
+        src = ""
+    lines = [ln.strip() for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    # the annotations may differ between versions: the body decides
+    if lines[1:] != _ALBERT_FF_CHUNK[1:] or not lines[0].startswith("def ff_chunk(self, attention_output"):
+        ctx.skip(unit, f"{_class_of(m).__name__}.ff_chunk is not ffn -> activation -> ffn_output")
+        return m
+    act = _act_name(m.activation)
+    if act is None:
+        ctx.skip(unit, f"activation {type(m.activation).__name__} has no fused form")
+        return m
+    if not (is_linear(m.ffn) and is_linear(m.ffn_output)) or not _nohooks(m.ffn, m.activation, m.ffn_output) \
+            or _foreign_forward(m):
+        ctx.skip(unit, "ffn/ffn_output are not plain nn.Linear without hooks")
+        return m
+    new = FusedAlbertLayer.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, unit, "ffn", "ffn", (m.ffn,))
     return new
 
 

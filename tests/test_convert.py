@@ -433,6 +433,41 @@ def test_other_hugging_face_families(family):
     assert all(u.cost > 0 for u in budget.units) and all(b.cost > 0 for b in budget.blocks)  # GPT-2: Conv1D FLOPs
 
 
+def test_albert_shared_layer_ffn():
+    """ALBERT: its one shared AlbertLayer's ff_chunk (ffn -> gelu_new -> ffn_output) is a fused FFN,
+    each of the layer's calls keeping its own input; the MLM head's dense + GELU a fused Linear+act;
+    outputs and gradients as the original's, the bytes of checkpoint on the same units; a changed
+    ff_chunk is reported and left."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    cfg = tr.AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=3, num_attention_heads=4, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    model = tr.AlbertForMaskedLM(cfg).train()
+    ids = torch.randint(3, 100, (2, 12))
+    conv = fusedrc.convert(model, example_inputs=(ids,))
+    plan = conv.fusedrc_plan
+    assert plan.fused == ["albert.encoder.albert_layer_groups.0.albert_layers.0.ffn", "predictions.dense"]
+    assert not plan.skipped and list(conv.state_dict()) == list(model.state_dict())
+    assert plan.final_bytes < 0.5 * plan.baseline_bytes
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (ids,))
+    with FusedOpLog() as log:
+        yb = conv(ids).logits
+    assert log.ops.count("fused_mlp") == 3  # the shared layer, called once per hidden layer
+    ya = model(ids).logits
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, conv)  # attention.key.bias: a gradient zero in theory, float noise
+
+    layer_cls = type(model.albert.encoder.albert_layer_groups[0].albert_layers[0])
+    other = type("AlbertLayer", (layer_cls,), {"ff_chunk": lambda self, x: self.ffn_output(self.activation(self.ffn(x)))})
+    changed = copy.deepcopy(model)
+    changed.albert.encoder.albert_layer_groups[0].albert_layers[0].__class__ = other
+    with pytest.warns(UserWarning, match="ff_chunk is not ffn -> activation -> ffn_output"):
+        assert fusedrc.convert(changed).fusedrc_plan.fused == ["predictions.dense"]
+
+
 @pytest.mark.parametrize("code, reason, dropout", [
     ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(h)", None, False),
     ("h = self.activation_fn(self.fc1(x))\nh = nn.functional.dropout(h, p=self.activation_dropout, "
