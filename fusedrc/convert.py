@@ -1103,12 +1103,18 @@ def _conv_mlp(ctx, name, m):
         reason = f"activation {type(m.act).__name__} has no fused form"
     if reason is None and not _nohooks(*m.children()):
         reason = "hooks registered on the modules"
+    return _wrapped_unit(ctx, name, m, reason, FusedConvMlp, _act_name(m.act), "ffn", "conv_ffn", (m.fc1,))
+
+
+def _wrapped_unit(ctx, name, m, reason, wrapper, act, key, kind, recompute_modules):
+    """``m`` turned into ``wrapper`` holding one fused unit (its activation ``act``, site ``key``), or,
+    with a ``reason``, ``m`` itself and the reason in the plan."""
     if reason is not None:
         ctx.skip(name, reason)
         return m
-    new = FusedConvMlp.wrap(m)
-    new.__dict__["_fusedrc_act"] = _act_name(m.act)
-    _site_unit(ctx, new, name, "ffn", "conv_ffn", (m.fc1,))
+    new = wrapper.wrap(m)
+    new.__dict__["_fusedrc_act"] = act
+    _site_unit(ctx, new, name, key, kind, recompute_modules)
     return new
 
 
@@ -1141,28 +1147,22 @@ _ALBERT_FF_CHUNK = ["def ff_chunk(self, attention_output: torch.Tensor) -> torch
 
 @register_rule("AlbertLayer")
 def _albert_layer(ctx, name, m):
-    unit = _join(name, "ffn")
-    try:
-        src = _inspect.getsource(_class_of(m).ff_chunk)
-    except (AttributeError, OSError, TypeError):
-        src = ""
-    lines = [ln.strip() for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if not hasattr(_class_of(m), "ff_chunk"):  # another library's AlbertLayer: not this rule's
+        return m
+    lines = _source_lines(m, "ff_chunk")
+    act = _act_name(getattr(m, "activation", None))
     # the annotations may differ between versions: the body decides
-    if lines[1:] != _ALBERT_FF_CHUNK[1:] or not lines[0].startswith("def ff_chunk(self, attention_output"):
-        ctx.skip(unit, f"{_class_of(m).__name__}.ff_chunk is not ffn -> activation -> ffn_output")
-        return m
-    act = _act_name(m.activation)
-    if act is None:
-        ctx.skip(unit, f"activation {type(m.activation).__name__} has no fused form")
-        return m
-    if not (is_linear(m.ffn) and is_linear(m.ffn_output)) or not _nohooks(m.ffn, m.activation, m.ffn_output) \
+    if not lines or lines[1:] != _ALBERT_FF_CHUNK[1:] or not lines[0].startswith("def ff_chunk(self, attention_output"):
+        reason = f"{_class_of(m).__name__}.ff_chunk is not ffn -> activation -> ffn_output"
+    elif act is None:
+        reason = f"activation {type(m.activation).__name__} has no fused form"
+    elif not (is_linear(m.ffn) and is_linear(m.ffn_output)) or not _nohooks(m.ffn, m.activation, m.ffn_output) \
             or _foreign_forward(m):
-        ctx.skip(unit, "ffn/ffn_output are not plain nn.Linear without hooks")
-        return m
-    new = FusedAlbertLayer.wrap(m)
-    new.__dict__["_fusedrc_act"] = act
-    _site_unit(ctx, new, unit, "ffn", "ffn", (m.ffn,))
-    return new
+        reason = "ffn/ffn_output are not plain nn.Linear without hooks"
+    else:
+        reason = None
+    return _wrapped_unit(ctx, _join(name, "ffn"), m, reason, FusedAlbertLayer, act, "ffn", "ffn",
+                         (getattr(m, "ffn", None),))
 
 
 @register_rule("T5DenseActDense")
@@ -1434,14 +1434,11 @@ def _experts(ctx, name, m):
         if gate_up is None or gate_up.shape[1] % 2 or down.shape[0] != gate_up.shape[0] \
                 or down.shape[2] * 2 != gate_up.shape[1]:
             reason = "gate_up_proj/down_proj are not 3-D parameters of matching expert and intermediate sizes"
-    if reason is not None:
-        ctx.skip(name, reason)
-        return m
-    new = FusedExperts.wrap(m)
-    new.__dict__["_fusedrc_act"] = _act_name(m.act_fn)
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
-    new.__dict__["_fusedrc_recompute"] = _RecomputeKey()
-    _site_unit(ctx, new, name, "experts", "moe_experts", (new.__dict__["_fusedrc_recompute"],))
+    key = _RecomputeKey()
+    new = _wrapped_unit(ctx, name, m, reason, FusedExperts, _act_name(m.act_fn), "experts", "moe_experts", (key,))
+    if reason is None:
+        new.__dict__["_fusedrc_recompute"] = key
     return new
 
 
@@ -1458,12 +1455,12 @@ def _t5_block(ctx, name, m):
     return m
 
 
-def _source_lines(m):
-    """The code lines of ``m``'s class forward (stripped, no blanks or comments; the ``def``
+def _source_lines(m, method="forward"):
+    """The code lines of ``m``'s class ``method`` (stripped, no blanks or comments; the ``def``
     line first), or None when its source cannot be read."""
     try:
-        src = _inspect.getsource(_class_of(m).forward)
-    except (OSError, TypeError):
+        src = _inspect.getsource(getattr(_class_of(m), method))
+    except (AttributeError, OSError, TypeError):
         return None
     return [ln.strip() for ln in src.splitlines() if ln.strip() and not ln.strip().startswith("#")]
 

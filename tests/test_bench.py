@@ -206,19 +206,27 @@ def test_models_plot_redraws_from_saved_file(models_run, tmp_path):
                           for w in ("resnet50", "opt"))
 
 
+def _quick_model_run(tmp_path, name):
+    """``fusedrc-bench --workload name --quick``, one repeat: (its validated result document, plots dir)."""
+    from fusedrc.bench import models
+
+    if why := models.require(name):
+        pytest.skip(why)
+    res, plots = tmp_path / "results", tmp_path / "plots"
+    cli.main(["--workload", name, "--quick", "--warmup", "0", "--repeats", "1", "--no-progress",
+              "--results-dir", str(res), "--plots-dir", str(plots)])
+    (f,) = res.glob(f"bench_sweep_{name}_quick_*.json")
+    doc = json.loads(f.read_text())
+    schema.validate(doc)
+    return doc, plots
+
+
 def test_efficientnet_quick_run(tmp_path):
     """The opt-in EfficientNet-B0 workload (depthwise Conv-BN-SiLU units, MBConv blocks): every strategy
     ran; the fused units keep what checkpoint on them keeps, whole blocks far less; the budget is met."""
     from fusedrc.bench import models
 
-    if why := models.require("efficientnet_b0"):
-        pytest.skip(why)
-    res, plots = tmp_path / "results", tmp_path / "plots"
-    cli.main(["--workload", "efficientnet_b0", "--quick", "--warmup", "0", "--repeats", "1", "--no-progress",
-              "--results-dir", str(res), "--plots-dir", str(plots)])
-    (f,) = res.glob("bench_sweep_efficientnet_b0_quick_*.json")
-    doc = json.loads(f.read_text())
-    schema.validate(doc)
+    doc, plots = _quick_model_run(tmp_path, "efficientnet_b0")
     info = doc["workloads"]["efficientnet_b0"]
     assert info["units"] == 49 and info["blocks"] == 16 and "conv_bn_act" in info["unit_kinds"]
     cs = {c["strategy"]: c for c in doc["configs"]}
@@ -237,14 +245,7 @@ def test_mixtral_quick_run(tmp_path):
     the place of the experts inside whole blocks (the original implementation runs in a region)."""
     from fusedrc.bench import models
 
-    if why := models.require("mixtral"):
-        pytest.skip(why)
-    res, plots = tmp_path / "results", tmp_path / "plots"
-    cli.main(["--workload", "mixtral", "--quick", "--warmup", "0", "--repeats", "1", "--no-progress",
-              "--results-dir", str(res), "--plots-dir", str(plots)])
-    (f,) = res.glob("bench_sweep_mixtral_quick_*.json")
-    doc = json.loads(f.read_text())
-    schema.validate(doc)
+    doc, plots = _quick_model_run(tmp_path, "mixtral")
     info = doc["workloads"]["mixtral"]
     assert info["units"] == 2 and info["blocks"] == 2 and info["unit_kinds"] == ["moe_experts"]
     cs = {c["strategy"]: c for c in doc["configs"]}
