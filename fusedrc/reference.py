@@ -307,11 +307,12 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
     acc = torch.promote_types(x.dtype, torch.float32)
     slots = torch.empty((order.numel(), down.shape[1]), device=x.device, dtype=acc)
     w = top_k_weights.reshape(-1)[order].to(acc)
+    xs = x[tokens]  # one gather: each expert's rows are then a slice (a launch per expert fewer)
     start = 0
     for e, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            y = expert_forward(x[tokens[rows]], *expert_weights(gate_up, down, e), activation)
+            y = expert_forward(xs[rows], *expert_weights(gate_up, down, e), activation)
             torch.mul(y, w[rows, None], out=slots[rows])
             start += n
     return _unroute(slots, order, top_k_index).sum(1).to(x.dtype)
@@ -332,16 +333,16 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
     dgu = torch.zeros(gate_up.shape, device=x.device, dtype=gate_up.dtype) if need_dgu else None
     dd = torch.zeros(down.shape, device=x.device, dtype=down.dtype) if need_dd else None
     w = top_k_weights.reshape(-1)[order]
+    xs, gs = x[tokens], grad_out[tokens]  # one gather each, sliced per expert
+    hidden = gate_up.shape[1] // 2
     start = 0
     for e, n in enumerate(counts):
         if not n:
             continue
         rows = slice(start, start + n)
-        tok = tokens[rows]
         dxe, dwg, dwu, dde, dwe = expert_backward(
-            x[tok], *expert_weights(gate_up, down, e), grad_out[tok], w[rows], activation,
+            xs[rows], *expert_weights(gate_up, down, e), gs[rows], w[rows], activation,
             (need_dx, need_dw, need_dgu, need_dd))
-        hidden = gate_up.shape[1] // 2
         if need_dx:
             dx_slots[rows] = dxe
         if need_dw:
