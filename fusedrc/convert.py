@@ -1374,7 +1374,8 @@ class FusedExperts(Wrapper):
         gate_up, down = _experts_weights(self)
         act = self.__dict__["_fusedrc_act"]
         # transformers' implementations return hidden_states' dtype, also under autocast
-        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act).to(h.dtype),
+        gated = self.has_gate
+        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act, gated=gated).to(h.dtype),
                          self.plain, hs, idx, w)
 
 
@@ -1384,13 +1385,14 @@ _EXPERTS_SIGNATURE = _inspect.Signature([_inspect.Parameter(n, _inspect.Paramete
 
 
 def _experts_weights(m):
-    """(gate_up (E, 2I, K), down (E, N, I)) of an experts module: views when stored transposed."""
-    gate_up, down = m.gate_up_proj, m.down_proj
+    """(gate_up (E, 2I, K), down (E, N, I)) of an experts module: views when stored transposed; an
+    ungated one's up_proj (E, I, K) in gate_up's place."""
+    gate_up, down = (m.gate_up_proj if m.has_gate else m.up_proj), m.down_proj
     return (gate_up.transpose(1, 2), down.transpose(1, 2)) if m.is_transposed else (gate_up, down)
 
 
 def _experts_runtime_ok(m, hs, idx, w):
-    gate_up = m.gate_up_proj
+    gate_up = _experts_weights(m)[0]
     return (isinstance(hs, torch.Tensor) and hs.dim() == 2 and hs.is_floating_point()
             and isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dim() == 2
             and idx.shape[0] == hs.shape[0] and isinstance(w, torch.Tensor) and w.shape == idx.shape
@@ -1414,13 +1416,11 @@ def _experts(ctx, name, m):
     own = _inspect.signature(cls.forward.__wrapped__).parameters
     if list(own) != ["self", *_EXPERTS_SIGNATURE.parameters]:
         reason = f"{cls.__name__}.forward takes ({', '.join(own)}), not (hidden_states, top_k_index, top_k_weights)"
-    elif not m.has_gate:
-        reason = "experts without a gate projection (up_proj only) have no fused form yet"
     elif m.has_bias:
         reason = "experts with biases have no fused form yet"
     elif m.has_post_expert_norm:
         reason = "a norm after each expert has no fused form"
-    elif not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate":
+    elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"):
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
     elif _act_name(m.act_fn) is None:
         reason = f"activation {type(m.act_fn).__name__} has no fused form"
@@ -1428,12 +1428,12 @@ def _experts(ctx, name, m):
         reason = "hooks registered on the modules"
     else:
         reason = None
+        names = ("gate_up_proj" if m.has_gate else "up_proj", "down_proj")
         gate_up, down = _experts_weights(m) if all(
-            isinstance(getattr(m, k, None), nn.Parameter) and getattr(m, k).dim() == 3
-            for k in ("gate_up_proj", "down_proj")) else (None, None)
-        if gate_up is None or gate_up.shape[1] % 2 or down.shape[0] != gate_up.shape[0] \
-                or down.shape[2] * 2 != gate_up.shape[1]:
-            reason = "gate_up_proj/down_proj are not 3-D parameters of matching expert and intermediate sizes"
+            isinstance(getattr(m, k, None), nn.Parameter) and getattr(m, k).dim() == 3 for k in names) else (None, None)
+        if gate_up is None or down.shape[0] != gate_up.shape[0] \
+                or down.shape[2] * (2 if m.has_gate else 1) != gate_up.shape[1]:
+            reason = f"{'/'.join(names)} are not 3-D parameters of matching expert and intermediate sizes"
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
     key = _RecomputeKey()
     new = _wrapped_unit(ctx, name, m, reason, FusedExperts, _act_name(m.act_fn), "experts", "moe_experts", (key,))

@@ -267,7 +267,7 @@ def _check_routing(x, top_k_index, top_k_weights, num_experts):
                              " (expert-parallel sentinels are not supported)")
 
 
-def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation):
+def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
     """The experts as plain torch ops (autograd, forward AD and torch.func see through them)."""
     order, tokens, counts = reference.route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -275,10 +275,11 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation):
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            wg, wu, wd = reference.expert_weights(gate_up, down, e)
+            wg, wu, wd = reference.expert_weights(gate_up, down, e, gated)
             xe = x[tokens[start:start + n]]
-            a = reference.activation_forward(torch.nn.functional.linear(xe, wg), activation) \
-                * torch.nn.functional.linear(xe, wu)
+            a = reference.activation_forward(torch.nn.functional.linear(xe, wu if wg is None else wg), activation)
+            if wg is not None:
+                a = a * torch.nn.functional.linear(xe, wu)
             outs.append(torch.nn.functional.linear(a, wd).to(acc) * w[start:start + n, None])
             start += n
     slots = torch.cat(outs) if outs else x.new_zeros((0, down.shape[1]), dtype=acc)
@@ -289,7 +290,7 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation):
 
 def moe_experts(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-    activation: str = "silu",
+    activation: str = "silu", *, gated: bool = True,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -308,6 +309,8 @@ def moe_experts(
         gate_up_proj: ``(num_experts, 2 * intermediate, hidden)``.
         down_proj: ``(num_experts, out_features, intermediate)``.
         activation: as in :func:`linear_act`; ``"silu"`` by default.
+        gated: False for ungated experts ``act(x Wu_eᵀ) Wd_eᵀ`` (Nemotron-H's): ``gate_up_proj`` then
+            holds the up projections alone, ``(num_experts, intermediate, hidden)``.
 
     Returns:
         ``(tokens, out_features)`` in ``hidden_states``' dtype (the sum over the ``k`` choices in fp32).
@@ -326,12 +329,16 @@ def moe_experts(
     _check_params(hidden_states, (gate_up_proj, "gate_up_proj", 3, False), (down_proj, "down_proj", 3, False),
                   name_x="hidden_states")
     check_activation(activation)
-    E, two_i, k_in = gate_up_proj.shape
-    if two_i % 2 or k_in != hidden_states.shape[1]:
-        raise ValueError(f"gate_up_proj must have shape (num_experts, 2 * intermediate, {hidden_states.shape[1]}) "
+    if not isinstance(gated, bool):
+        raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
+    E, rows, k_in = gate_up_proj.shape
+    if (gated and rows % 2) or k_in != hidden_states.shape[1]:
+        what = "2 * intermediate" if gated else "intermediate"
+        raise ValueError(f"gate_up_proj must have shape (num_experts, {what}, {hidden_states.shape[1]}) "
                          f"to match hidden_states' last dimension, got {tuple(gate_up_proj.shape)}")
-    if down_proj.shape[0] != E or down_proj.shape[2] != two_i // 2:
-        raise ValueError(f"down_proj must have shape ({E}, out_features, {two_i // 2}) to match gate_up_proj's "
+    inter = rows // 2 if gated else rows
+    if down_proj.shape[0] != E or down_proj.shape[2] != inter:
+        raise ValueError(f"down_proj must have shape ({E}, out_features, {inter}) to match gate_up_proj's "
                          f"experts and intermediate size, got {tuple(down_proj.shape)}")
     _check_routing(hidden_states, top_k_index, top_k_weights, E)
     x, gate_up_proj, down_proj = _autocast(hidden_states, gate_up_proj, down_proj)
@@ -339,9 +346,9 @@ def moe_experts(
     check_same(x, "hidden_states", down_proj, "down_proj")
     args = (x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     if needs_unfused(x, top_k_weights, gate_up_proj, down_proj) or inside_region():
-        return _moe_plain(*args)
+        return _moe_plain(*args, gated)
     backend = resolve_backend(x, "moe_experts", "moe_experts_forward")
-    return ops.pick("moe_experts", x, backend)(*args, backend)
+    return ops.pick("moe_experts", x, backend)(*args, backend, gated)
 
 
 def conv_bn_act(

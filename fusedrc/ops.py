@@ -332,26 +332,26 @@ _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
 # custom ops under torch.compile, no triton_op twin (its body would be traced as the fake one).
 def _moe_experts_impl(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, activation: str,
-    backend: str,
+    backend: str, gated: bool = True,
 ) -> Tensor:
     return _laid_out(get_impl(backend, "moe_experts", "moe_experts_forward")(
-        x, top_k_index, top_k_weights, gate_up, down, activation))
+        x, top_k_index, top_k_weights, gate_up, down, activation, gated))
 
 
 moe_experts_op = _custom_op("moe_experts", _moe_experts_impl)
 
 
 @moe_experts_op.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend):
+def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend, gated=True):
     return _empty((x.shape[0], down.shape[1]), x)
 
 
 def _moe_experts_backward_impl(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, grad_out: Tensor,
-    activation: str, backend: str, output_mask: Optional[List[bool]] = None,
+    activation: str, backend: str, output_mask: Optional[List[bool]] = None, gated: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "moe_experts", "moe_experts_backward")(
-        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask)
+        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask, gated)
     return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
@@ -359,14 +359,14 @@ moe_experts_backward_op = _custom_op("moe_experts_backward", _moe_experts_backwa
 
 
 @moe_experts_backward_op.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backend, output_mask=None):
+def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backend, output_mask=None, gated=True):
     return _fake_grads((x, top_k_weights, gate_up, down), output_mask, x)
 
 
 def _moe_experts_setup(ctx, inputs, output):
-    *tensors, activation, backend = inputs
+    *tensors, activation, backend, gated = inputs
     ctx.save_for_backward(*tensors)
-    ctx.activation, ctx.backend = activation, backend
+    ctx.activation, ctx.backend, ctx.gated = activation, backend, gated
 
 
 def _moe_experts_backward(ctx, grad_out):
@@ -374,9 +374,10 @@ def _moe_experts_backward(ctx, grad_out):
     x, top_k_index, top_k_weights, gate_up, down = ctx.saved_tensors
     mask = _output_mask(ctx, (0, 2, 3, 4))
     grads = pick("moe_experts_backward", x, ctx.backend)(
-        x, top_k_index, top_k_weights, gate_up, down, grad_out.contiguous(), ctx.activation, ctx.backend, mask)
+        x, top_k_index, top_k_weights, gate_up, down, grad_out.contiguous(), ctx.activation, ctx.backend, mask,
+        ctx.gated)
     dx, dw, dgu, dd = _wanted_grads(grads, (x, top_k_weights, gate_up, down), mask)
-    return dx, None, dw, dgu, dd, None, None
+    return dx, None, dw, dgu, dd, None, None, None
 
 
 _AUTOGRAD["moe_experts"] = (_moe_experts_backward, _moe_experts_setup)

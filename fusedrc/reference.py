@@ -287,8 +287,11 @@ def route(top_k_index, num_experts):
     return order, torch.div(order, top_k_index.shape[1], rounding_mode="floor"), counts
 
 
-def expert_weights(gate_up, down, e):
-    """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights."""
+def expert_weights(gate_up, down, e, gated=True):
+    """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights; w_gate None for ungated
+    experts (``gate_up`` then holds the up projections alone)."""
+    if not gated:
+        return None, gate_up[e], down[e]
     hidden = gate_up.shape[1] // 2
     return gate_up[e, :hidden], gate_up[e, hidden:], down[e]
 
@@ -300,7 +303,7 @@ def _unroute(slots, order, top_k_index):
     return out.view(*top_k_index.shape, *slots.shape[1:])
 
 
-def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation):
+def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
     if x.device.type == "meta":  # shapes only (bincount has no meta kernel)
         return x.new_empty((x.shape[0], down.shape[1]))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
@@ -312,14 +315,14 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
     for e, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            y = expert_forward(xs[rows], *expert_weights(gate_up, down, e), activation)
+            y = expert_forward(xs[rows], *expert_weights(gate_up, down, e, gated), activation)
             torch.mul(y, w[rows, None], out=slots[rows])
             start += n
     return _unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
 
 def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                      output_mask=None):
+                      output_mask=None, gated=True):
     need_dx, need_dw, need_dgu, need_dd = wanted(output_mask, 4)
     if x.device.type == "meta":
         return tuple(t.new_empty(t.shape) if need else None
@@ -341,14 +344,16 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
             continue
         rows = slice(start, start + n)
         dxe, dwg, dwu, dde, dwe = expert_backward(
-            xs[rows], *expert_weights(gate_up, down, e), gs[rows], w[rows], activation,
+            xs[rows], *expert_weights(gate_up, down, e, gated), gs[rows], w[rows], activation,
             (need_dx, need_dw, need_dgu, need_dd))
         if need_dx:
             dx_slots[rows] = dxe
         if need_dw:
             dw_slots[rows] = dwe
-        if need_dgu:
+        if need_dgu and gated:
             dgu[e, :hidden], dgu[e, hidden:] = dwg, dwu
+        elif need_dgu:
+            dgu[e] = dwu
         if need_dd:
             dd[e] = dde
         start += n
@@ -358,13 +363,18 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
 
 
 def _expert_forward(x, w_gate, w_up, w_down, activation):
+    if w_gate is None:
+        return fused_mlp_forward(x, w_up, None, w_down, None, activation)
     return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
 
 
 def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need):
     """One expert's gradients with its output rows scaled by ``scale``: (dx, dw_gate, dw_up, dw_down,
-    dscale), dscale = a . (grad_out Wd) per row (the down GEMM is not rerun for it)."""
+    dscale), dscale = a . (grad_out Wd) per row (the down GEMM is not rerun for it); an ungated
+    expert (``w_gate`` None) has a = act(x Wu^T) and no dw_gate."""
     need_dx, need_dw, need_dgu, need_dd = need
+    if w_gate is None:
+        return _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need)
     hg = F.linear(x, w_gate)
     hu = F.linear(x, w_up)
     act = activation_forward(hg, activation)
@@ -383,17 +393,34 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need)
     return dx, dw_gate, dw_up, dw_down, dscale
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation):
-    """Routed gated experts: x (T, K), top_k_index/top_k_weights (T, k), gate_up (E, 2I, K), down (E, N, I);
-    returns (T, N) in x's dtype (the weighted sum over the k choices in fp32)."""
-    return moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation)
+def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need):
+    need_dx, need_dw, need_dgu, need_dd = need
+    h = F.linear(x, w_up)
+    a = activation_forward(h, activation)
+    grad_y = grad_out.mm(w_down)  # unscaled
+    acc = torch.promote_types(x.dtype, torch.float32)
+    dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
+    dw_down = (grad_out * scale[:, None].to(grad_out.dtype)).t().mm(a) if need_dd else None
+    del a
+    grad_h = activation_backward(grad_y * scale[:, None].to(grad_y.dtype), h, activation)
+    dx = grad_h.mm(w_up) if need_dx else None
+    dw_up = grad_h.t().mm(x) if need_dgu else None
+    return dx, None, dw_up, dw_down, dscale
 
 
-def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None):
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
+    """Routed experts: x (T, K), top_k_index/top_k_weights (T, k), gate_up (E, 2I, K) (ungated: the up
+    projections, (E, I, K)), down (E, N, I); returns (T, N) in x's dtype (the weighted sum over the
+    k choices in fp32)."""
+    return moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated)
+
+
+def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
+                         gated=True):
     """(dx, dtop_k_weights, dgate_up, ddown); each expert's gate and up projections recomputed from x,
     its down projection not (the routing weight's gradient is a . (grad Wd))."""
     return moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                             output_mask)
+                             output_mask, gated)
 
 
 # --------------------------------------------------------------------------- Conv + BN + act

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_activation, plain_gemm, uses_aten_gemm
+from ._common import check_activation, gemm_act, gemm_act_grad, plain_gemm, uses_aten_gemm
 from .gated_mlp import gated_act, gated_act_grad
 
 __all__ = ["moe_experts_forward", "moe_experts_backward"]
@@ -37,10 +37,31 @@ def _reference():
 
 
 def _expert_forward(x, w_gate, w_up, w_down, activation):
+    if w_gate is None:  # ungated: the dense kernel, act(x Wu^T) never stored
+        return plain_gemm(gemm_act(x, w_up.t(), None, activation), w_down.t())
     return plain_gemm(gated_act(x, w_gate, w_up, None, None, activation), w_down.t())
 
 
+def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need):
+    """The dense grad kernel has no row-scale epilogue: the scale is applied to g_a before it and
+    d scale = a . (g Wd) taken from the a it stores (two passes over the (rows, I) buffers more)."""
+    need_dx, need_dw, need_dgu, need_dd = need
+    grad_y = plain_gemm(grad_out, w_down, out_dtype=torch.float32)     # unscaled, fp32 for the row dots
+    gh, a, _ = gemm_act_grad(x, w_up.t(), None, (grad_y * scale[:, None].float()).to(x.dtype), activation,
+                             store_act=True)
+    dscale = (a.float() * grad_y).sum(1) if need_dw else None
+    del grad_y
+    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype) \
+        if need_dd else None
+    del a
+    dx = plain_gemm(gh, w_up, out_dtype=torch.float32) if need_dx else None
+    dw_up = plain_gemm(gh.t(), x, out_dtype=w_up.dtype) if need_dgu else None
+    return dx, None, dw_up, dw_down, dscale
+
+
 def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need):
+    if w_gate is None:
+        return _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need)
     need_dx, need_dw, need_dgu, need_dd = need
     grad_y = plain_gemm(grad_out, w_down, out_dtype=x.dtype)           # unscaled: the kernel scales it
     ghg, ghu, a, _, _, dscale = gated_act_grad(x, w_gate, w_up, None, None, grad_y, activation,
@@ -61,14 +82,16 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need)
     return dx, dw_gate, dw_up, dw_down, dscale
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation):
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
     """Same contract as ``fusedrc.reference.moe_experts_forward``."""
     check_activation(activation)
-    return _reference().moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation)
+    return _reference().moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
+                                         gated)
 
 
-def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None):
+def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
+                         gated=True):
     """Same contract as ``fusedrc.reference.moe_experts_backward``."""
     check_activation(activation)
     return _reference().moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out,
-                                          activation, output_mask)
+                                          activation, output_mask, gated)

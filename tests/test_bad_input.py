@@ -223,6 +223,9 @@ CASES = [
     ("moe_experts/gate_up_proj-device", moe(gate_up=lambda: r(3, 10, 4, device=META)), ValueError,
      r"gate_up_proj is on meta but hidden_states is on cpu"),
     ("moe_experts/activation", moe(activation="swish"), ValueError, ACT + ", got 'swish'"),
+    ("moe_experts/gated-str", moe(gated="no"), TypeError, r"gated must be a bool, got str 'no'"),
+    ("moe_experts/ungated-down_proj", moe(gated=False), ValueError,
+     r"down_proj must have shape \(3, out_features, 10\) to match gate_up_proj's experts and intermediate size"),
     # ------------------------------------------------------------ functional.conv_bn_act
     ("conv_bn_act/input-3d", cba(x=lambda: r(3, 5, 5)), ValueError, r"input must be 4-D, got 3-D"),
     ("conv_bn_act/input-int", cba(x=lambda: torch.ones(2, 3, 5, 5, dtype=torch.int32)), TypeError,

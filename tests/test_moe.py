@@ -35,38 +35,42 @@ def _routing(T, k, E, *, skip=None, repeat=False, device="cpu"):
     return idx.to(device), torch.rand(T, k, dtype=torch.float64).to(device)
 
 
-def _weights(E, K, I, N):
-    return torch.randn(E, 2 * I, K, dtype=torch.float64) * K ** -0.5, torch.randn(E, N, I, dtype=torch.float64) * I ** -0.5
+def _weights(E, K, I, N, gated=True):
+    rows = 2 * I if gated else I
+    return torch.randn(E, rows, K, dtype=torch.float64) * K ** -0.5, torch.randn(E, N, I, dtype=torch.float64) * I ** -0.5
 
 
-def _oracle(x, idx, w, gate_up, down, act):
+def _oracle(x, idx, w, gate_up, down, act, gated=True):
     """Token by token, in float64, through autograd: out[t] = sum_j w[t, j] expert_idx[t, j](x[t])."""
-    I = gate_up.shape[1] // 2
+    I = down.shape[2]
     rows = []
     for t in range(x.shape[0]):
         y = 0
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
-            h = R.activation_forward(x[t] @ gate_up[e, :I].T, act) * (x[t] @ gate_up[e, I:].T)
+            if gated:
+                h = R.activation_forward(x[t] @ gate_up[e, :I].T, act) * (x[t] @ gate_up[e, I:].T)
+            else:
+                h = R.activation_forward(x[t] @ gate_up[e].T, act)
             y = y + w[t, j] * (h @ down[e].T)
         rows.append(y)
     return torch.stack(rows)
 
 
-def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False):
+def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated=True):
     device = backend_device(backend)
     x = torch.randn(T, K, dtype=torch.float64)
     idx, w = _routing(T, k, E, skip=skip, repeat=repeat)
-    gate_up, down = _weights(E, K, I, N)
+    gate_up, down = _weights(E, K, I, N, gated)
     g = torch.randn(T, N, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
-    ref = _oracle(leaves[0], idx, *leaves[1:], act)
+    ref = _oracle(leaves[0], idx, *leaves[1:], act, gated)
     ref_grads = torch.autograd.grad(ref, leaves, g)
     # the routing weights stay fp32 beside half activations (as a router's softmax gives them)
     ours = [t.to(device, torch.float64 if dtype == torch.float64 else torch.float32 if t is w else dtype)
             .requires_grad_() for t in (x, w, gate_up, down)]
     with fusedrc.use_backend(backend):
-        y = F.moe_experts(ours[0], idx.to(device), *ours[1:], activation=act)
+        y = F.moe_experts(ours[0], idx.to(device), *ours[1:], activation=act, gated=gated)
         grads = torch.autograd.grad(y, ours, g.to(device, dtype))
     assert y.dtype == dtype and y.shape == (T, N)
     assert rel_err(y, ref) < TOL[dtype], "out"
@@ -80,6 +84,13 @@ def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False):
 def test_moe_experts_matches_float64_oracle(backend, dtype):
     """Awkward sizes (no block multiple), top-2 of 5 experts with one expert left without tokens."""
     _check(backend, dtype, T=13, K=24, I=20, N=17, E=5, k=2, act="silu", skip=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ungated_experts(backend, dtype):
+    """Ungated experts act(x Wu^T) Wd^T (Nemotron-H's, squared ReLU), the dense kernels'."""
+    _check(backend, dtype, T=11, K=24, I=20, N=17, E=4, k=2, act="relu2", skip=1, gated=False)
 
 
 @pytest.mark.parametrize("act", ["gelu_tanh", "relu", "leaky_relu:0.2"])
@@ -241,6 +252,42 @@ def test_convert_moe_models(family):
         assert [u.cost for u in budget.units] == [2 * S * two_i * K] * 2
         # a layer's block reruns the experts' 3 GEMMs (and the attention's)
         assert all(b.cost > 2 * S * two_i * K + 2 * S * K * two_i // 2 for b in budget.blocks)
+
+
+def test_convert_ungated_experts_module():
+    """Nemotron-H's experts (``has_gate=False``: up_proj then squared ReLU then down_proj) become one
+    fused unit; outputs and gradients (routing weights' included) as the original's."""
+    tr = _transformers()
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    cfg = tr.NemotronHConfig(hidden_size=32, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = NemotronHExperts(cfg)
+            for p in self.experts.parameters():
+                torch.nn.init.normal_(p, std=0.2)
+
+        def forward(self, h, idx, w):
+            return self.experts(h, idx, w)
+
+    model = Holder()
+    conv = fusedrc.convert(model)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("experts", "moe_experts")]
+    idx, w = _routing(9, 2, 4, repeat=True)
+    h = torch.randn(9, 32)
+    args = [(h.clone().requires_grad_(), idx, w.float().requires_grad_()) for _ in range(2)]
+    ya, yb = model(*args[0]), conv(*args[1])
+    assert rel_err(yb, ya) < 1e-5
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for a, b in zip(args[0], args[1]):
+        if a.is_floating_point():
+            assert rel_err(b.grad, a.grad) < 1e-5
+    for p, q in zip(model.parameters(), conv.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-5
 
 
 def test_convert_moe_follows_the_modules_and_reports_what_it_leaves():
