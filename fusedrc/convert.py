@@ -1343,9 +1343,9 @@ def _gated_mlp(ctx, name, m):
 class FusedExperts(Wrapper):
     """A Mixture-of-Experts layer's experts under transformers' experts interface
     (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE and the
-    other classes with stacked ``gate_up_proj``/``down_proj`` weights) as one
-    :func:`fusedrc.functional.moe_experts` call: each expert's gated FFN fused, the routing weights'
-    gradient from the recompute, only the call's inputs kept. Whatever the config's
+    other classes with stacked ``gate_up_proj``/``down_proj`` weights; Nemotron-H's ungated ``up_proj``
+    experts) as one :func:`fusedrc.functional.moe_experts` call: each expert's FFN fused, the routing
+    weights' gradient from the recompute, only the call's inputs kept. Whatever the config's
     ``experts_implementation`` (eager, grouped_mm, ...), the fused call computes the same function."""
 
     def __getattr__(self, name):
@@ -1372,9 +1372,8 @@ class FusedExperts(Wrapper):
                 or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or not _experts_runtime_ok(self, hs, idx, w)):
             return self.plain(*args, **kwargs)
         gate_up, down = _experts_weights(self)
-        act = self.__dict__["_fusedrc_act"]
+        act, gated = self.__dict__["_fusedrc_act"], self.has_gate
         # transformers' implementations return hidden_states' dtype, also under autocast
-        gated = self.has_gate
         return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act, gated=gated).to(h.dtype),
                          self.plain, hs, idx, w)
 
