@@ -8,7 +8,7 @@ Public API::
     fusedrc.use_backend("auto"|"triton"|"reference"), fusedrc.current_backend()
     fusedrc.RecomputeError
     fusedrc.functional.{linear_act, fused_mlp, gated_mlp, moe_experts, conv_bn_act}
-    fusedrc.nn.{LinearReLU, FusedMLP, GatedMLP, ConvBNReLU}
+    fusedrc.nn.{LinearReLU, FusedMLP, GatedMLP, MoEExperts, ConvBNReLU}
     fusedrc.convert(model, policy=..., memory_budget=..., example_inputs=...)
 """
 import importlib.util as _ilu

@@ -3,10 +3,14 @@
 Parameters and buffers are laid out exactly as in the unfused modules, so
 state_dicts load both ways (``LinearReLU`` <-> ``nn.Linear``; ``FusedMLP`` holds
 ``fc1``/``fc2``; ``GatedMLP`` ``gate_proj``/``up_proj``/``down_proj`` as Llama's MLP;
-``ConvBNReLU`` holds ``conv``/``bn``).
+``MoEExperts`` ``gate_up_proj``/``down_proj`` as Hugging Face's experts; ``ConvBNReLU`` holds
+``conv``/``bn``).
 """
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import nn
 from torch.nn import functional as TF
 from torch.nn.utils import parametrize
@@ -16,7 +20,7 @@ from ._patterns import _conv_padding, _own_hooks, activation_name, conv_bn_act_c
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 from .reference import ACTIVATIONS, activation_forward
 
-__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "ConvBNReLU"]
+__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MoEExperts", "ConvBNReLU"]
 
 
 def _act_name(act):
@@ -259,6 +263,85 @@ class GatedMLP(nn.Module):
     def __setstate__(self, state):
         state.setdefault("dropout", 0.0)  # pickled before dropout existed
         super().__setstate__(state)
+
+
+class MoEExperts(nn.Module):
+    """A Mixture-of-Experts layer's routed experts, in Hugging Face's layout: token ``t``'s output is
+    ``sum_j top_k_weights[t, j] * expert_e(x[t])``, ``e = top_k_index[t, j]``, each expert a gated
+    FFN ``(act(x Wg_eᵀ) * (x Wu_eᵀ)) Wd_eᵀ`` (or, ``gated=False``, ``act(x Wu_eᵀ) Wd_eᵀ``). The router
+    stays yours: it hands the forward the chosen experts and their weights.
+
+    Parameters: ``gate_up_proj`` ``(num_experts, 2 * intermediate_size, hidden_size)`` (each expert's
+    gate rows, then its up rows; ``up_proj`` ``(num_experts, intermediate_size, hidden_size)`` when
+    ungated) and ``down_proj`` ``(num_experts, out_features, intermediate_size)``: the names and
+    shapes of transformers' ``MixtralExperts`` / ``NemotronHExperts``, so their state_dicts load as
+    they are. The forward runs :func:`fusedrc.functional.moe_experts`: only its inputs are kept for
+    backward.
+
+    Args:
+        num_experts, hidden_size, intermediate_size: the experts' count and widths.
+        out_features: width of the output (default ``hidden_size``).
+        activation: as in :class:`GatedMLP` (``"silu"`` by default).
+        gated: False for ungated experts.
+        device, dtype: of the parameters.
+
+    Example::
+
+        >>> experts = fusedrc.nn.MoEExperts(num_experts=4, hidden_size=16, intermediate_size=32)
+        >>> x = torch.randn(6, 16)
+        >>> weights, index = torch.randn(6, 4).softmax(-1).topk(2)
+        >>> experts(x, index, weights).shape
+        torch.Size([6, 16])
+    """
+
+    def __init__(self, num_experts, hidden_size, intermediate_size, out_features=None, activation="silu",
+                 gated=True, device=None, dtype=None):
+        for v, name in ((num_experts, "num_experts"), (hidden_size, "hidden_size"),
+                        (intermediate_size, "intermediate_size")):
+            check_int(v, name, min_value=1)
+        if out_features is not None:
+            check_int(out_features, "out_features", min_value=1)
+        if not isinstance(gated, bool):
+            raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        rows = 2 * intermediate_size if gated else intermediate_size
+        self.num_experts, self.gated = num_experts, gated
+        self.activation = check_activation(activation)
+        first = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **kw))
+        self.register_parameter("gate_up_proj" if gated else "up_proj", first)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, out_features or hidden_size, intermediate_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Each expert's matrices as ``nn.Linear`` initializes its weight (Kaiming uniform, a = sqrt(5))."""
+        for p in (self._first(), self.down_proj):
+            for e in range(p.shape[0]):
+                nn.init.kaiming_uniform_(p[e], a=math.sqrt(5))
+
+    def _first(self):
+        return self.gate_up_proj if self.gated else self.up_proj
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        """``(*, hidden_size)`` states, ``(*, k)`` chosen experts and their weights -> ``(*, out_features)``."""
+        first = self._first()
+        _check_features(hidden_states, "hidden_size", first.shape[2], type(self).__name__)
+        lead = hidden_states.shape[:-1]
+        for t, name in ((top_k_index, "top_k_index"), (top_k_weights, "top_k_weights")):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != len(lead) + 1 or t.shape[:-1] != lead:
+                raise ValueError(f"{name} must have shape ({', '.join(map(str, lead))}, k) to match hidden_states' "
+                                 f"leading dimensions, got {tuple(t.shape)}")
+        y = F.moe_experts(hidden_states.reshape(-1, first.shape[2]), top_k_index.reshape(-1, top_k_index.shape[-1]),
+                          top_k_weights.reshape(-1, top_k_weights.shape[-1]), first, self.down_proj, self.activation,
+                          gated=self.gated)
+        return y.reshape(*lead, self.down_proj.shape[1])
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, hidden_size={self._first().shape[2]}, "
+                f"intermediate_size={self.down_proj.shape[2]}, out_features={self.down_proj.shape[1]}, "
+                f"activation={self.activation!r}" + ("" if self.gated else ", gated=False"))
 
 
 class ConvBNReLU(nn.Module):

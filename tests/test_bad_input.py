@@ -321,6 +321,19 @@ CASES = [
      r"act must be a supported activation .*got Tanh"),
     ("LinearReLU/from_modules-act-name", lambda: fnn.LinearReLU.from_modules(nn.Linear(3, 4), "tanh"), ValueError,
      r"act must be one of .*, got 'tanh'"),
+    # ------------------------------------------------------------ nn.MoEExperts
+    ("MoEExperts/num_experts-zero", lambda: fnn.MoEExperts(0, 4, 8), ValueError,
+     r"num_experts must be a positive int, got 0"),
+    ("MoEExperts/gated-int", lambda: fnn.MoEExperts(2, 4, 8, gated=1), TypeError, r"gated must be a bool, got int 1"),
+    ("MoEExperts/forward-features", lambda: fnn.MoEExperts(2, 4, 8)(r(3, 5), torch.zeros(3, 1, dtype=torch.long),
+                                                                    r(3, 1)), ValueError,
+     r"input must have last dimension hidden_size=4 for MoEExperts, got shape \(3, 5\)"),
+    ("MoEExperts/forward-index-lead", lambda: fnn.MoEExperts(2, 4, 8)(r(2, 3, 4), torch.zeros(6, 1, dtype=torch.long),
+                                                                      r(2, 3, 1)), ValueError,
+     r"top_k_index must have shape \(2, 3, k\) to match hidden_states' leading dimensions, got \(6, 1\)"),
+    ("MoEExperts/forward-weights-list", lambda: fnn.MoEExperts(2, 4, 8)(r(3, 4), torch.zeros(3, 1, dtype=torch.long),
+                                                                        [[1.0]] * 3), TypeError,
+     r"top_k_weights must be a torch\.Tensor, got list"),
     # ------------------------------------------------------------ nn.GatedMLP
     ("GatedMLP/hidden-negative", lambda: fnn.GatedMLP(3, -8), ValueError,
      r"hidden_features must be a non-negative int, got -8"),
@@ -532,6 +545,7 @@ def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
     public = {"linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "LinearReLU", "FusedMLP", "GatedMLP",
+              "MoEExperts",
               "ConvBNReLU", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public

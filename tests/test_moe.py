@@ -190,6 +190,42 @@ def test_autocast_and_compile():
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, eager))
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_experts_module(gated):
+    """fusedrc.nn.MoEExperts: transformers' experts' parameter names and shapes (their state_dict loads
+    as is), N-D inputs, the functional op's results; state_dict keys as Mixtral's / Nemotron-H's."""
+    experts = fusedrc.nn.MoEExperts(4, 16, 24, out_features=12, activation="relu2" if not gated else "silu",
+                                    gated=gated)
+    assert list(experts.state_dict()) == (["gate_up_proj", "down_proj"] if gated else ["up_proj", "down_proj"])
+    first = experts.gate_up_proj if gated else experts.up_proj
+    assert first.shape == (4, 48 if gated else 24, 16) and experts.down_proj.shape == (4, 12, 24)
+    bound = 1 / 16 ** 0.5  # nn.Linear's init bound for 16 inputs
+    assert 0.5 * bound < first.abs().max() <= bound
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    weights, index = torch.randn(2, 5, 4).softmax(-1).topk(2)
+    y = experts(x, index, weights)
+    want = F.moe_experts(x.reshape(10, 16), index.reshape(10, 2), weights.reshape(10, 2), first,
+                         experts.down_proj, experts.activation, gated=gated)
+    assert y.shape == (2, 5, 12) and torch.equal(y.reshape(10, 12), want)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and first.grad is not None
+    if gated:
+        _transformers()
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        cfg = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4)
+        cfg._experts_implementation = "eager"
+        hf = MixtralExperts(cfg)
+        for p in hf.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        ours = fusedrc.nn.MoEExperts(4, 16, 24)
+        ours.load_state_dict(hf.state_dict())
+        x2 = torch.randn(6, 16)
+        w6, i6 = torch.randn(6, 4).softmax(-1).topk(2)
+        assert rel_err(ours(x2, i6, w6), hf(x2, i6, w6)) < 1e-5
+
+
 # --------------------------------------------------------------------------- fusedrc.convert on HF MoE models
 def _transformers():
     try:
