@@ -1127,17 +1127,9 @@ class FusedAlbertLayer(Wrapper):
         return self.plain(*args, **kwargs)  # the original forward, whose self.ff_chunk is the one below
 
     def ff_chunk(self, attention_output):
-        site, fc1, fc2 = self.sites.get("ffn"), self.ffn, self.ffn_output
-        act = self.__dict__["_fusedrc_act"]
-
-        def plain(x):
-            return self._fusedrc_original_class.ff_chunk(self, x)
-
-        if (site is None or not site.enabled or not _nohooks(fc1, self.activation, fc2) or inside_region()
-                or not _still(act, self.activation, fc1, fc2) or not _dense_runtime_ok(attention_output, fc1, fc2)):
-            return plain(attention_output)
-        return _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act), plain,
-                         attention_output)
+        # the original ff_chunk is these three modules in a row (its lines are checked): a dense chain
+        return _run_dense(self.sites.get("ffn"), "ffn", self.__dict__["_fusedrc_act"],
+                          [self.ffn, self.activation, self.ffn_output], attention_output)
 
 
 _ALBERT_FF_CHUNK = ["def ff_chunk(self, attention_output: torch.Tensor) -> torch.Tensor:",

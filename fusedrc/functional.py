@@ -275,17 +275,12 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            wg, wu, wd = reference.expert_weights(gate_up, down, e, gated)
-            xe = x[tokens[start:start + n]]
-            a = reference.activation_forward(torch.nn.functional.linear(xe, wu if wg is None else wg), activation)
-            if wg is not None:
-                a = a * torch.nn.functional.linear(xe, wu)
-            outs.append(torch.nn.functional.linear(a, wd).to(acc) * w[start:start + n, None])
+            weights = reference.expert_weights(gate_up, down, e, gated)
+            y = reference.expert_forward(x[tokens[start:start + n]], *weights, activation)
+            outs.append(y.to(acc) * w[start:start + n, None])
             start += n
     slots = torch.cat(outs) if outs else x.new_zeros((0, down.shape[1]), dtype=acc)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return slots[inverse].view(*top_k_index.shape, -1).sum(1).to(x.dtype)
+    return reference.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
 
 def moe_experts(

@@ -296,11 +296,11 @@ def expert_weights(gate_up, down, e, gated=True):
     return gate_up[e, :hidden], gate_up[e, hidden:], down[e]
 
 
-def _unroute(slots, order, top_k_index):
-    """Per-slot rows in sorted order back to (T, k, ...) token order."""
-    out = torch.empty_like(slots)
-    out[order] = slots
-    return out.view(*top_k_index.shape, *slots.shape[1:])
+def unroute(slots, order, top_k_index):
+    """Per-slot rows in sorted order back to (T, k, ...) token order: a gather through the inverse
+    permutation (differentiable, also under torch.func: ``functional``'s plain composition uses it)."""
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return slots[inverse].view(*top_k_index.shape, *slots.shape[1:])
 
 
 def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
@@ -318,7 +318,7 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
             y = expert_forward(xs[rows], *expert_weights(gate_up, down, e, gated), activation)
             torch.mul(y, w[rows, None], out=slots[rows])
             start += n
-    return _unroute(slots, order, top_k_index).sum(1).to(x.dtype)
+    return unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
 
 def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
@@ -357,12 +357,13 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
         if need_dd:
             dd[e] = dde
         start += n
-    dx = _unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
-    dw = _unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
+    dx = unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
+    dw = unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
     return dx, dw, dgu, dd
 
 
-def _expert_forward(x, w_gate, w_up, w_down, activation):
+def expert_forward(x, w_gate, w_up, w_down, activation):
+    """One expert's output, as torch ops (``functional``'s plain composition runs it with autograd)."""
     if w_gate is None:
         return fused_mlp_forward(x, w_up, None, w_down, None, activation)
     return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
@@ -373,46 +374,37 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need)
     dscale), dscale = a . (grad_out Wd) per row (the down GEMM is not rerun for it); an ungated
     expert (``w_gate`` None) has a = act(x Wu^T) and no dw_gate."""
     need_dx, need_dw, need_dgu, need_dd = need
-    if w_gate is None:
-        return _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need)
-    hg = F.linear(x, w_gate)
     hu = F.linear(x, w_up)
-    act = activation_forward(hg, activation)
-    a = act * hu
+    if w_gate is None:
+        a = activation_forward(hu, activation)
+    else:
+        hg = F.linear(x, w_gate)
+        act = activation_forward(hg, activation)
+        a = act * hu
     grad_y = grad_out.mm(w_down)  # unscaled
     acc = torch.promote_types(x.dtype, torch.float32)
     dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
     grad_a = grad_y * scale[:, None].to(grad_y.dtype)
     dw_down = (grad_out * scale[:, None].to(grad_out.dtype)).t().mm(a) if need_dd else None
     del a
-    grad_hu = grad_a * act
-    grad_hg = activation_backward(grad_a * hu, hg, activation)
-    dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up)) if need_dx else None
-    dw_gate = grad_hg.t().mm(x) if need_dgu else None
+    if w_gate is None:
+        grad_hu, grad_hg, dw_gate = activation_backward(grad_a, hu, activation), None, None
+    else:
+        grad_hu = grad_a * act
+        grad_hg = activation_backward(grad_a * hu, hg, activation)
+        dw_gate = grad_hg.t().mm(x) if need_dgu else None
+    dx = grad_hu.mm(w_up) if need_dx else None
+    if need_dx and grad_hg is not None:
+        dx = grad_hg.mm(w_gate).add_(dx)
     dw_up = grad_hu.t().mm(x) if need_dgu else None
     return dx, dw_gate, dw_up, dw_down, dscale
-
-
-def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need):
-    need_dx, need_dw, need_dgu, need_dd = need
-    h = F.linear(x, w_up)
-    a = activation_forward(h, activation)
-    grad_y = grad_out.mm(w_down)  # unscaled
-    acc = torch.promote_types(x.dtype, torch.float32)
-    dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
-    dw_down = (grad_out * scale[:, None].to(grad_out.dtype)).t().mm(a) if need_dd else None
-    del a
-    grad_h = activation_backward(grad_y * scale[:, None].to(grad_y.dtype), h, activation)
-    dx = grad_h.mm(w_up) if need_dx else None
-    dw_up = grad_h.t().mm(x) if need_dgu else None
-    return dx, None, dw_up, dw_down, dscale
 
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
     """Routed experts: x (T, K), top_k_index/top_k_weights (T, k), gate_up (E, 2I, K) (ungated: the up
     projections, (E, I, K)), down (E, N, I); returns (T, N) in x's dtype (the weighted sum over the
     k choices in fp32)."""
-    return moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated)
+    return moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated)
 
 
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,

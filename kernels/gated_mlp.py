@@ -293,17 +293,24 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     del grad_a
     dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None  # (N, M) @ (M, H)
     del a
+    dx, dw_gate, dw_up = input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu)
+    dx = dx.to(x.dtype) if dx is not None else None
+    return (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
+
+
+def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu):
+    """(dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x), None where not needed; dX with the
+    second GEMM accumulating into the first (fp32 on the Triton GEMM, x's dtype on cuBLAS)."""
     if not need_dx:
         dx = None
     elif uses_aten_gemm(ghu, w_up):
-        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up).to(x.dtype)       # the second GEMM accumulates
+        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)
     else:
         dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
         dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
-        dx = dx.to(x.dtype)
     dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype) if need_dwg else None  # (H, M) @ (M, K)
     dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype) if need_dwu else None
-    return (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
+    return dx, dw_gate, dw_up
 
 
 # --------------------------------------------------------------------------- ahead-of-time inspection

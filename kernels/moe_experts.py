@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_activation, gemm_act, gemm_act_grad, plain_gemm, uses_aten_gemm
-from .gated_mlp import gated_act, gated_act_grad
+from ._common import check_activation, gemm_act_grad, plain_gemm
+from .fused_mlp import fused_mlp_forward
+from .gated_mlp import gated_act_grad, gated_mlp_forward, input_grads
 
 __all__ = ["moe_experts_forward", "moe_experts_backward"]
 
@@ -37,9 +38,9 @@ def _reference():
 
 
 def _expert_forward(x, w_gate, w_up, w_down, activation):
-    if w_gate is None:  # ungated: the dense kernel, act(x Wu^T) never stored
-        return plain_gemm(gemm_act(x, w_up.t(), None, activation), w_down.t())
-    return plain_gemm(gated_act(x, w_gate, w_up, None, None, activation), w_down.t())
+    if w_gate is None:  # ungated: the dense FFN's kernel, act(x Wu^T) never stored
+        return fused_mlp_forward(x, w_up, None, w_down, None, activation)
+    return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
 
 
 def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need):
@@ -70,16 +71,7 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need)
     dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype) \
         if need_dd else None
     del a
-    if not need_dx:
-        dx = None
-    elif uses_aten_gemm(ghu, w_up):
-        dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)
-    else:
-        dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
-        dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
-    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype) if need_dgu else None
-    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype) if need_dgu else None
-    return dx, dw_gate, dw_up, dw_down, dscale
+    return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu), dw_down, dscale)
 
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
