@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU session steps, each under its own time limit; everything is written straight under
-# $1/session (so a call cut short still returns every file written so far) and packed again
-# into $1/gpu.tgz after each step.
-#   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN)
+# GPU session steps, each under its own time limit; results are written to a work folder and
+# packed into $1/gpu.tgz after each step (and on exit), the pytest log copied to $1/pytest.log.
+#   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN);
+#            FUSEDRC_TEST_WORKERS (default 12) overrides the worker count
 #   kernels  per-kernel microbenchmarks (fusedrc-bench kernels)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
@@ -31,13 +31,16 @@
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" mixtral
 #   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv_grouped models_mobile
-# (Every script here writes what it measured when its timeout's SIGTERM arrives.)
+# (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
+# can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's three parts takes it).
 set -u
 out=${1:?results folder}
 shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests kernels conv sweep models opt)
-w="$out/session"
+# The device tool returns at most 8 files from its $OUT: work in a folder beside it and return
+# the archive (packed after every step) and the pytest log.
+w=${FUSEDRC_SESSION_WORK:-/tmp/fusedrc-session}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$w/results" "$w/plots"
 # to a temporary name, then renamed: a call killed mid-pack keeps the previous archive
@@ -45,31 +48,43 @@ pack() { tar czf "$out/.gpu.tgz.part" -C "$w" . && mv "$out/.gpu.tgz.part" "$out
 trap pack EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# a step's time limit, FUSEDRC_TIMEOUT_<STEP> (seconds) overriding its default
+limit() { local v="FUSEDRC_TIMEOUT_${1^^}"; echo "${!v:-$2}"; }
 opts=(--no-progress --results-dir "$w/results" --plots-dir "$w/plots")
 for step in "${steps[@]}"; do
     echo "=== $step"
     case $step in
         tests)
             # SIGINT: pytest stops and still prints its summary of failures
-            timeout -s INT -k 30 500 python3 -m pytest -q -n 12 -p no:cacheprovider -rA --maxfail=200 tests \
-                --ignore=tests/test_inspect.py > "$w/pytest.log" 2>&1
+            # the files only a GPU can check first: xdist hands tests out in collection order, so a
+            # run cut by its timeout has covered the kernels (test_inspect compiles AOT: CPU work)
+            first=(kernels_dense kernels_gated kernels_conv moe triton_path amp_cuda amp compile distributed
+                   output_mask dropout properties nn api recompute bad_input convert)
+            files=()
+            for f in "${first[@]}"; do files+=("tests/test_$f.py"); done
+            for f in tests/test_*.py; do
+                case " ${files[*]} " in *" $f "*) ;; *) [ "$f" = tests/test_inspect.py ] || files+=("$f") ;; esac
+            done
+            timeout -s INT -k 30 $(limit tests 500) python3 -m pytest -q -n "${FUSEDRC_TEST_WORKERS:-12}" \
+                -p no:cacheprovider -rA --maxfail=200 --durations=25 "${files[@]}" > "$w/pytest.log" 2>&1
+            cp "$w/pytest.log" "$out/pytest.log"
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
-        kernels) timeout -k 30 150 python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
-        conv) timeout -k 30 360 python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
+        kernels) timeout -k 30 $(limit kernels 150) python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
+        conv) timeout -k 30 $(limit conv 360) python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
-        conv_compile) timeout -k 30 400 python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
-        conv_grouped) timeout -k 30 250 python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
+        conv_compile) timeout -k 30 $(limit conv_compile 400) python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
+        conv_grouped) timeout -k 30 $(limit conv_grouped 250) python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
                           --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
-        tiles) timeout -k 20 200 python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
-               timeout -k 20 100 python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
-               timeout -k 20 200 python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
-        sweep) timeout -k 30 150 python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
-        models) timeout -k 30 400 python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
+        tiles) timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
+               timeout -k 20 $(limit tiles 100) python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
+               timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
+        sweep) timeout -k 30 $(limit sweep 150) python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
+        models) timeout -k 30 $(limit models 400) python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
-        opt) timeout -k 30 150 python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
-        mixtral) timeout -k 30 200 python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
-        models_mobile) timeout -k 30 250 python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
+        opt) timeout -k 30 $(limit opt 150) python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
+        mixtral) timeout -k 30 $(limit mixtral 200) python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
+        models_mobile) timeout -k 30 $(limit models_mobile 250) python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
                            --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
     esac
