@@ -1370,7 +1370,8 @@ class FusedExperts(Wrapper):
                          self.plain, hs, idx, w)
 
 
-_EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# has_post_expert_norm came later (transformers 5.24 has it, 5.17 not): absent means no norm
+_EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 _EXPERTS_SIGNATURE = _inspect.Signature([_inspect.Parameter(n, _inspect.Parameter.POSITIONAL_OR_KEYWORD)
                                          for n in ("hidden_states", "top_k_index", "top_k_weights")])
 
@@ -1409,7 +1410,7 @@ def _experts(ctx, name, m):
         reason = f"{cls.__name__}.forward takes ({', '.join(own)}), not (hidden_states, top_k_index, top_k_weights)"
     elif m.has_bias:
         reason = "experts with biases have no fused form yet"
-    elif m.has_post_expert_norm:
+    elif m.__dict__.get("has_post_expert_norm", False):
         reason = "a norm after each expert has no fused form"
     elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"):
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"

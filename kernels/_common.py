@@ -72,7 +72,8 @@ class GemmConfig(NamedTuple):
     # other: each slice's incoming gradient, activation temporaries and stores are live alone.
     # sm_90, bf16, 128x128 on 8 warps, gelu: 255 registers unsplit, 174 in halves, 128 in
     # quarters (2 CTAs per SM instead of 1, so one CTA's epilogue overlaps another's main loop).
-    # Values only, never the recomputed h: any split gives the same bits.
+    # Values only, never the recomputed h: any split gives the same g_h and act(h) bits; the bias
+    # gradient's column sums agree to rounding (a GPU adds a slice's rows in another order).
     EPILOGUE_SPLIT: int = 1
 
 

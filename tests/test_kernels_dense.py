@@ -389,8 +389,10 @@ def test_tile_table_rules():
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_epilogue_split(act, device):
-    """The grad kernel's epilogue in 1, 2 or 4 column slices: the same g_h, act(h) and bias
-    gradient bit for bit (ragged M and N, so the last tile's slices are partly or wholly masked)."""
+    """The grad kernel's epilogue in 1, 2 or 4 column slices: the same g_h and act(h) bit for bit
+    (ragged M and N, so the last tile's slices are partly or wholly masked); the bias gradient to
+    rounding (a slice's column sums are laid out over other threads on a GPU, which changes the
+    order of the row additions; seen on an H200)."""
     M, K, N = 70, 40, 90
     x, w, b, g = _linear_inputs(M, K, N, torch.float32, device, True)
     base = _common.gemm_config(M, N, K, torch.float32, "ieee", _common.device_capability(x))
@@ -398,8 +400,8 @@ def test_epilogue_split(act, device):
     outs = [_common.gemm_act_grad(x, w.t(), b, g, act, store_act=True, config=base._replace(EPILOGUE_SPLIT=s))
             for s in (1, 2, 4)]
     for other in outs[1:]:
-        for t, u in zip(outs[0], other):
-            assert torch.equal(t, u)
+        assert torch.equal(outs[0][0], other[0]) and torch.equal(outs[0][1], other[1])
+        assert _rel(other[2], outs[0][2]) < 1e-6
     gh, a, db = outs[0]
     h_ref = _d(x) @ _d(w).t() + _d(b)
     gh_ref = R.activation_backward(_d(g), h_ref, act)
