@@ -16,8 +16,9 @@
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 #   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (depthwise convs: the DIRECT kernels)
-# Usage on the GPU machine, one 10-minute call per line (session 3's partial run: 384 tests in
-# 156 s on 12 workers, so the suite alone takes most of a call). Commit first: the device tool
+# Usage on the GPU machine, one 10-minute call per line (2026-11-26, H200: 1075 of ~1290 tests in
+# 306 s on 14 workers, so the suite alone takes most of a call; kernels 55 s, models 27 s, mixtral
+# 52 s, opt 41 s, sweep 44 s, conv 120+ s, conv_grouped 110+ s (cut)). Commit first: the device tool
 # ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
 # Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
 # step hung in a CUDA call that never returns is killed 30 s later.

@@ -9,13 +9,13 @@ Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
 M = N*OH*OW output pixels, N = C_out, K = KH*KW*C_in, iterated in one flat loop
 over (tap, C_in block) with tap = (kh, kw) outer and the channel block inner,
 fp32 accumulator, ``tl.dot``. Every tensor is read through its strides.
-Grouped convolutions (depthwise, ResNeXt, RegNet; up to ``DIRECT_MAX_GROUP_CHANNELS``
-input channels per group) take the same passes with a direct conv in place of the
-implicit GEMM (``DIRECT``: fp32 FMA over taps x the group's channels, same tile shape,
-so every epilogue below is shared). Wider groups with a multiple of 16 output channels
-each run the implicit GEMM per group: BLOCK_N divides the group's output channels, so a
-tile's columns read one group's input channels (``group_strategy``). dX/dW of any
-grouped conv are aten's grouped conv backward.
+Grouped convolutions with a multiple of 16 output channels per group run the implicit
+GEMM per group: BLOCK_N divides the group's output channels, so a tile's columns read one
+group's input channels (``group_strategy``). Opt-in (``DIRECT_MAX_GROUP_CHANNELS``, 0 by
+default: slower than the reference path on an H200), groups up to that many input channels
+take the same passes with a direct conv in place of the implicit GEMM (``DIRECT``: fp32 FMA
+over taps x the group's channels, same tile shape, so every epilogue below is shared).
+dX/dW of any grouped conv are aten's grouped conv backward.
 
 Forward (training), DESIGN §4:
   1. ``_conv_bn_fwd_kernel`` (STATS, STORE_Z): conv tile, + conv bias, rounded to
@@ -58,7 +58,8 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
 All partial reductions go through per-tile buffers reduced in a fixed order: no
 atomics anywhere, results are bitwise repeatable. Tile configurations come from
 the fixed table below (no autotuning). Groups wider than ``DIRECT_MAX_GROUP_CHANNELS``
-channels with a number of output channels per group that is no multiple of 16, float64,
+channels (by default: every grouping) with a number of output channels per group that is no
+multiple of 16 (depthwise convs among them), float64,
 empty tensors and samples past 32-bit offsets run the reference implementation
 (fusedrc.reference), which is correct.
 """
@@ -168,13 +169,16 @@ _INTERPRETER_ELEM_CONFIG = ConvConfig(16, 16, 16, 1, 4, 1)
 # (num_stages 1): the loads are gathers, not dot operands. Starting points, unmeasured.
 _DIRECT_CONFIG = ConvConfig(64, 64, 16, 8, 4, 1, 2)
 _DIRECT_GROUPED_CONFIG = ConvConfig(64, 32, 16, 8, 4, 1, 2)
-# Channels per group up to which a grouped conv runs the DIRECT kernels (ResNeXt-50 32x4d: 4-32,
-# RegNetX: 8-16 at small sizes, depthwise: 1). Wider groups whose output channels per group are a
-# multiple of GROUPED_GEMM_MIN_N run the implicit GEMM per group (a tile's columns inside one group,
-# the group's input channels its K: tensor cores); the rest the reference implementation (aten's
-# grouped conv). The split is a guess until measured on a GPU (benchmarks/gpu_conv_tradeoff.py
-# --shapes grouped times both).
-DIRECT_MAX_GROUP_CHANNELS = 32
+# Channels per group up to which a grouped conv runs the DIRECT kernels (opt-in). Wider groups whose
+# output channels per group are a multiple of GROUPED_GEMM_MIN_N run the implicit GEMM per group (a
+# tile's columns inside one group, the group's input channels its K: tensor cores); the rest the
+# reference implementation (aten's grouped conv, cuDNN on CUDA). Off (0) since it was measured
+# (H200, bf16, batch 256, channels_last, conv_tradeoff_grouped_cuda_20261126-040216.json): at 32 the
+# DIRECT kernels took 1.08-1.53x checkpoint's step on EfficientNet-B0's depthwise layers, where the
+# reference path took 0.86-1.04x, and 14-21x on ResNeXt-50's grouped 3x3 (4-16 channels a group),
+# where the reference path / per-group GEMM took 0.93-1.35x. Their one gain is a lower peak (the conv
+# output never held in backward: 590 against 784 MiB on the 112x112 depthwise layer).
+DIRECT_MAX_GROUP_CHANNELS = 0
 GROUPED_GEMM_MIN_N = 16  # tl.dot's smallest N
 
 

@@ -19,6 +19,15 @@ from fusedrc.kernels import conv_bn_act as K  # noqa: E402
 
 from _utils import record_launches  # noqa: E402
 
+# The DIRECT kernels are opt-in (measured slower than the reference path on an H200); their tests
+# here turn them on at the width they were written for.
+_DEFAULT_DIRECT_MAX = K.DIRECT_MAX_GROUP_CHANNELS
+
+
+@pytest.fixture(autouse=True)
+def _direct_kernels_on(monkeypatch):
+    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 32)
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 EPS = 1e-5
 NAMES = ("dx", "dweight", "dbias", "dbn_weight", "dbn_bias", "dresidual")
@@ -31,7 +40,7 @@ SHAPES = {
     "1x1": (2, 20, 5, 5, 7, 1, 1, 0, 1),
     "cout1": (2, 3, 6, 5, 1, 3, 1, 1, 1),
 }
-# grouped convs, the DIRECT kernels: (N, C_in, H, W, C_out, k, stride, padding, dilation, groups)
+# grouped convs, the DIRECT kernels (opt-in): (N, C_in, H, W, C_out, k, stride, padding, dilation, groups)
 GROUPED = {
     "dw3x3": (2, 18, 5, 6, 18, 3, 1, 1, 1, 18),      # depthwise, channels ragged over 16-wide tiles
     "dw5x5s2": (1, 17, 7, 7, 17, 5, 2, 2, 1, 17),    # MBConv's 5x5 stride-2 depthwise, batch 1
@@ -451,6 +460,18 @@ def test_group_strategy():
         assert cfg.BLOCK_N == block_n and (c_out // groups) % cfg.BLOCK_N == 0
         assert cfg.BLOCK_N // cfg.EPILOGUE_SPLIT >= 16
         assert cfg.BLOCK_M == K._TABLE[("sm90", "16bit", "narrow" if c_out // groups <= 64 else "wide")].BLOCK_M
+
+
+def test_grouped_default_is_reference_or_group_gemm(monkeypatch):
+    """By default (DIRECT off) depthwise and narrow groups take the reference path (cuDNN on CUDA),
+    groups with a multiple of 16 output channels the implicit GEMM per group."""
+    assert _DEFAULT_DIRECT_MAX == 0
+    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", _DEFAULT_DIRECT_MAX)
+    w = lambda c_out, c_in: torch.empty(c_out, c_in, 3, 3, device="meta")  # noqa: E731
+    assert K.group_strategy(w(32, 1), 32) is None  # depthwise
+    assert K.group_strategy(w(128, 4), 32) is None  # ResNeXt-50 32x4d's first stage
+    assert K.group_strategy(w(512, 16), 32) == K.group_strategy(w(64, 1), 4) == "gemm"  # 16 out per group
+    assert K.group_strategy(w(64, 64), 1) == "gemm"
 
 
 def test_wide_groups_take_the_reference_path(monkeypatch, device):
