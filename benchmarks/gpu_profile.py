@@ -3,7 +3,7 @@
 Prints, per pattern and strategy, the GPU kernels (self CUDA time) and the CPU-side
 wall time per step, so launch/dispatch overhead shows next to kernel time.
 
-    python benchmarks/gpu_profile.py [--dtype bfloat16]
+    python benchmarks/gpu_profile.py [--dtype bfloat16] [--only conv]
 """
 from __future__ import annotations
 
@@ -22,18 +22,24 @@ SHAPES = {
     "fused_mlp": dict(M=8192, d=4096, h=16384),
     "conv_bn_act": dict(N=32, C=64, K=64, H=56, W=56, k=3),
     "conv_bn_act_small": dict(N=32, C=512, K=512, H=7, W=7, k=3),
+    # batch 256, where the H200 run (2026-11-26) measured 1.2-1.3x checkpoint per layer
+    "conv_bn_act_b256": dict(N=256, C=64, K=64, H=56, W=56, k=3),
+    "conv_bn_act_b256_small": dict(N=256, C=512, K=512, H=7, W=7, k=3),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--only", default="", help="profile the shapes whose name starts with this (e.g. conv)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     with fusedrc.use_backend("triton"):
         for name, shape in SHAPES.items():
-            case = bk._Case(name.replace("_small", ""), shape, dev, dtype, "triton")
+            if not name.startswith(args.only):
+                continue
+            case = bk._Case(name.removesuffix("_small").removesuffix("_b256"), shape, dev, dtype, "triton")
             for s in bk.STRATEGIES:
                 for _ in range(3):
                     case.step(s)

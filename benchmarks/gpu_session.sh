@@ -15,6 +15,7 @@
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 #   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
+#   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (depthwise convs: the DIRECT kernels)
 # Usage on the GPU machine, one 10-minute call per line (2026-11-26, H200: 1075 of ~1290 tests in
 # 306 s on 14 workers, so the suite alone takes most of a call; kernels 55 s, models 27 s, mixtral
@@ -22,16 +23,15 @@
 # ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
 # Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
 # step hung in a CUDA call that never returns is killed 30 s later.
-# In order of priority (a session now has 15 device minutes, machine start included: the first
-# call, perhaps two). The device tool stops a call at 600 s: the timeouts of one call's steps add up to
-# at most 510 s, plus their -k grace periods (at most 60 s):
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tests
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv kernels
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" models
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" tiles
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" sweep opt
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" mixtral
-#   FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 bash benchmarks/gpu_session.sh "$OUT" conv_grouped models_mobile
+# A session has 15 device minutes, machine start (~30 s) included; a warm machine is given back
+# 30 s after a call, so have the next call ready. The device tool stops a call at 600 s: the
+# timeouts of one call's steps add up to at most 510 s, plus their -k grace periods. Next, in
+# order (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts found)/opt/sweep/
+# conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
+#   FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=450 ... gpu_session.sh "$OUT" tests
+#   FUSEDRC_TIMEOUT_TILES=100 ... gpu_session.sh "$OUT" mixtral profile tiles
+#   ... gpu_session.sh "$OUT" conv_grouped models_mobile kernels
+# each with FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 in front.
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
 # can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's three parts takes it).
 set -u
@@ -85,6 +85,9 @@ for step in "${steps[@]}"; do
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         opt) timeout -k 30 $(limit opt 150) python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
         mixtral) timeout -k 30 $(limit mixtral 200) python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
+        # host vs GPU time of the conv pattern (torch.profiler tables; is a layer host-bound?)
+        profile) timeout -k 30 $(limit profile 120) python3 benchmarks/gpu_profile.py --only conv \
+                     > "$w/results/profile_conv.log" 2>&1; grep "^===" "$w/results/profile_conv.log" ;;
         models_mobile) timeout -k 30 $(limit models_mobile 250) python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
                            --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
