@@ -20,12 +20,15 @@ the opt-in DIRECT kernels up to 32 channels per group).
     python benchmarks/gpu_conv_tradeoff.py                    # batch 256, bf16, channels_last
     python benchmarks/gpu_conv_tradeoff.py --batch 32 --nchw --switches --no-compile
     python benchmarks/gpu_conv_tradeoff.py --shapes grouped --no-compile
+    python benchmarks/gpu_conv_tradeoff.py --summarize benchmarks/results/conv_tradeoff_cuda_<time>.json
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import itertools
+import json
+import math
 
 import torch
 from torch import nn
@@ -99,8 +102,56 @@ def conv_layer(shape, batch, dtype, channels_last):
     return block, x, g, step
 
 
+def setting(r) -> str:
+    """A record's strategy, with the switch values for fusedrc's."""
+    if r["strategy"] != "fusedrc":
+        return r["strategy"]
+    return (f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} "
+            f"z={r['CONV_Z']}" + (f" direct<={r['DIRECT_MAX_GROUP_CHANNELS']}" if "DIRECT_MAX_GROUP_CHANNELS" in r
+                                  else ""))
+
+
+def summarize(records) -> dict:
+    """Per setting, over the shapes where it and checkpoint both have timings: the geometric mean
+    of its median step time / checkpoint's, the range, and the number of shapes; per shape, the
+    fastest fusedrc setting. The README's conv tables are this function's output."""
+    med = {}
+    for r in records:
+        if "times_s" in r:
+            med[(tuple(r["shape"]), setting(r))] = measure.quantile(r["times_s"], 0.5)
+    shapes = list(dict.fromkeys(s for s, _ in med))
+    ratios = {}
+    best = {}
+    for shape in shapes:
+        ck = med.get((shape, "torch_checkpoint"))
+        if ck is None:
+            continue
+        for (s, name), t in med.items():
+            if s == shape:
+                ratios.setdefault(name, []).append(t / ck)
+        mine = {name: t / ck for (s, name), t in med.items() if s == shape and name.startswith("fusedrc")}
+        if mine:
+            best[shape] = min(mine.items(), key=lambda kv: kv[1])
+    settings = {name: dict(geomean=math.exp(sum(map(math.log, rs)) / len(rs)), min=min(rs), max=max(rs),
+                           shapes=len(rs)) for name, rs in ratios.items()}
+    return dict(settings=settings, best=best)
+
+
+def _print_summary(path):
+    doc = json.loads(open(path).read())
+    summary = summarize(doc["records"])
+    print(f"{path}: {doc['device']['name']}, batch {doc['batch']}, {doc['dtype']}, {doc['memory_format']}, "
+          f"commit {doc['commit']}")
+    for name, st in summary["settings"].items():
+        print(f"{name:66s} x{st['geomean']:5.3f} ckpt (geometric mean; {st['min']:.2f}-{st['max']:.2f}, "
+              f"{st['shapes']} shapes)")
+    for shape, (name, ratio) in summary["best"].items():
+        print(f"best at {str(shape):36s} x{ratio:5.2f} {name}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--summarize", metavar="JSON", help="print a results file's summary (no GPU) and exit")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--batch", type=int, default=256)
@@ -110,6 +161,8 @@ def main():
     ap.add_argument("--shapes", default="resnet50", choices=("resnet50", "grouped"),
                     help="ResNet-50's layers, or grouped/depthwise ones (EfficientNet-B0, ResNeXt-50)")
     args = ap.parse_args()
+    if args.summarize:
+        return _print_summary(args.summarize)
     shapes = SHAPES if args.shapes == "resnet50" else GROUPED_SHAPES
     dtype = getattr(torch, args.dtype)
     measure.match_fp32_precision(torch.device("cuda"))
@@ -158,10 +211,7 @@ def main():
             ref = {r["strategy"]: measure.quantile(r["times_s"], 0.5) for r in mine if "times_s" in r}
             for r in mine:
                 med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
-                tag = r["strategy"] if r["strategy"] != "fusedrc" else \
-                    f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} " \
-                    f"z={r['CONV_Z']}" + (f" direct<={r['DIRECT_MAX_GROUP_CHANNELS']}"
-                                          if "DIRECT_MAX_GROUP_CHANNELS" in r else "")
+                tag = setting(r)
                 ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
                 print(f"{str(shape):36s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
                       f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)

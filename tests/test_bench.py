@@ -487,3 +487,31 @@ def test_interrupted_kernels_run_writes_what_it_measured(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is not measure._interrupt  # the handler is put back
     cli.main(["plot", str(f), "--plots-dir", str(tmp_path / "redrawn")])
     assert list((tmp_path / "redrawn").glob("*.png"))
+
+
+def test_conv_tradeoff_summary():
+    """benchmarks/gpu_conv_tradeoff.py --summarize: per setting the geometric mean of its median over
+    checkpoint's across the shapes that have both; per shape the fastest fusedrc setting."""
+    import importlib
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    try:
+        tradeoff = importlib.import_module("gpu_conv_tradeoff")
+    finally:
+        sys.path.pop(0)
+    sw = dict(FWD_RECOMPUTE=False, BWD_RECOMPUTE_TWICE=True, CONV_GRAD="aten", CONV_Z="triton")
+    records = [dict(shape=[1], strategy="torch_checkpoint", times_s=[2.0, 2.0, 9.0]),
+               dict(shape=[1], strategy="fusedrc", **sw, times_s=[1.0, 1.0, 1.0]),
+               dict(shape=[1], strategy="fusedrc", **{**sw, "CONV_Z": "aten"}, times_s=[3.0]),
+               dict(shape=[2], strategy="torch_checkpoint", times_s=[1.0]),
+               dict(shape=[2], strategy="fusedrc", **sw, times_s=[2.0]),
+               dict(shape=[2], strategy="fusedrc", **{**sw, "CONV_Z": "aten"}, error="OutOfMemoryError"),
+               dict(shape=[3], strategy="fusedrc", **sw, times_s=[5.0])]  # no checkpoint timing: left out
+    out = tradeoff.summarize(records)
+    default = tradeoff.setting(records[1])
+    assert default == "fusedrc fwd_rc=False twice=True grad=aten z=triton"
+    assert out["settings"][default] == dict(geomean=1.0, min=0.5, max=2.0, shapes=2)  # sqrt(0.5 * 2)
+    assert out["settings"][tradeoff.setting(records[2])]["shapes"] == 1
+    assert out["best"] == {(1,): (default, 0.5), (2,): (default, 2.0)}
