@@ -288,12 +288,14 @@ def route(top_k_index, num_experts):
 
 
 def expert_weights(gate_up, down, e, gated=True):
-    """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights; w_gate None for ungated
-    experts (``gate_up`` then holds the up projections alone)."""
+    """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights (or of their stacked
+    gradients); w_gate None for ungated experts (``gate_up`` then holds the up projections alone),
+    w_down None without ``down``."""
+    w_down = None if down is None else down[e]
     if not gated:
-        return None, gate_up[e], down[e]
+        return None, gate_up[e], w_down
     hidden = gate_up.shape[1] // 2
-    return gate_up[e, :hidden], gate_up[e, hidden:], down[e]
+    return gate_up[e, :hidden], gate_up[e, hidden:], w_down
 
 
 def unroute(slots, order, top_k_index):
@@ -337,25 +339,21 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
     dd = torch.zeros(down.shape, device=x.device, dtype=down.dtype) if need_dd else None
     w = top_k_weights.reshape(-1)[order]
     xs, gs = x[tokens], grad_out[tokens]  # one gather each, sliced per expert
-    hidden = gate_up.shape[1] // 2
     start = 0
     for e, n in enumerate(counts):
         if not n:
             continue
         rows = slice(start, start + n)
-        dxe, dwg, dwu, dde, dwe = expert_backward(
-            xs[rows], *expert_weights(gate_up, down, e, gated), gs[rows], w[rows], activation,
-            (need_dx, need_dw, need_dgu, need_dd))
-        if need_dx:
-            dx_slots[rows] = dxe
-        if need_dw:
-            dw_slots[rows] = dwe
-        if need_dgu and gated:
-            dgu[e, :hidden], dgu[e, hidden:] = dwg, dwu
-        elif need_dgu:
-            dgu[e] = dwu
-        if need_dd:
-            dd[e] = dde
+        # each expert's gradients go straight into their slices (GEMMs with out=): no copy of a
+        # weight-sized gradient per expert; a result that could not be written there is copied
+        dst = (dx_slots[rows] if need_dx else None, *(expert_weights(dgu, None, e, gated)[:2] if need_dgu
+                                                      else (None, None)),
+               dd[e] if need_dd else None, dw_slots[rows] if need_dw else None)
+        got = expert_backward(xs[rows], *expert_weights(gate_up, down, e, gated), gs[rows], w[rows], activation,
+                              (need_dx, need_dw, need_dgu, need_dd), dst)
+        for res, where in zip(got, dst):
+            if where is not None and res is not where:
+                where.copy_(res)
         start += n
     dx = unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
     dw = unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
@@ -369,10 +367,19 @@ def expert_forward(x, w_gate, w_up, w_down, activation):
     return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
 
 
-def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need):
+def _mm(a, b, out=None):
+    """a @ b, written into ``out`` where it has the product's dtype (a view of a stacked gradient)."""
+    if out is not None and out.dtype == a.dtype == b.dtype:
+        return torch.mm(a, b, out=out)
+    return a.mm(b)
+
+
+def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need, out=(None,) * 5):
     """One expert's gradients with its output rows scaled by ``scale``: (dx, dw_gate, dw_up, dw_down,
     dscale), dscale = a . (grad_out Wd) per row (the down GEMM is not rerun for it); an ungated
-    expert (``w_gate`` None) has a = act(x Wu^T) and no dw_gate."""
+    expert (``w_gate`` None) has a = act(x Wu^T) and no dw_gate. ``out``: where to write each of
+    them (views into the stacked gradients, or None); a result not written there is returned for
+    the caller to copy."""
     need_dx, need_dw, need_dgu, need_dd = need
     hu = F.linear(x, w_up)
     if w_gate is None:
@@ -385,18 +392,21 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need)
     acc = torch.promote_types(x.dtype, torch.float32)
     dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
     grad_a = grad_y * scale[:, None].to(grad_y.dtype)
-    dw_down = (grad_out * scale[:, None].to(grad_out.dtype)).t().mm(a) if need_dd else None
+    dw_down = _mm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out[3]) if need_dd else None
     del a
     if w_gate is None:
         grad_hu, grad_hg, dw_gate = activation_backward(grad_a, hu, activation), None, None
     else:
         grad_hu = grad_a * act
         grad_hg = activation_backward(grad_a * hu, hg, activation)
-        dw_gate = grad_hg.t().mm(x) if need_dgu else None
-    dx = grad_hu.mm(w_up) if need_dx else None
+        dw_gate = _mm(grad_hg.t(), x, out[1]) if need_dgu else None
     if need_dx and grad_hg is not None:
-        dx = grad_hg.mm(w_gate).add_(dx)
-    dw_up = grad_hu.t().mm(x) if need_dgu else None
+        dx = _mm(grad_hg, w_gate, out[0]).addmm_(grad_hu, w_up)
+    elif need_dx:
+        dx = _mm(grad_hu, w_up, out[0])
+    else:
+        dx = None
+    dw_up = _mm(grad_hu.t(), x, out[2]) if need_dgu else None
     return dx, dw_gate, dw_up, dw_down, dscale
 
 

@@ -618,17 +618,22 @@ def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_
 
 
 def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", out_dtype=None,
-             config: GemmConfig | None = None, dropout=None) -> torch.Tensor:
+             config: GemmConfig | None = None, dropout=None, out=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N) of any strides; output (M, N) contiguous.
 
     ``dropout``: None or ``(p, seed)``: dropout on act(...), its mask a function of the seed
     and the element's index (``_dropout_factor``). ``config`` overrides the table (tests only:
-    callers that recompute must not).
+    callers that recompute must not). ``out``: a contiguous (M, N) tensor of the output's dtype
+    to write into (a slice of a larger buffer: no copy afterwards).
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
     M, K = a.shape
     N = b.shape[1]
-    out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
+    dtype = out_dtype or a.dtype
+    if out is None:
+        out = torch.empty((M, N), device=a.device, dtype=dtype)
+    else:
+        assert out.shape == (M, N) and out.dtype == dtype and out.is_contiguous(), "gemm_act: out"
     if M == 0 or N == 0:
         return out
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=False)
@@ -653,14 +658,22 @@ def uses_aten_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
             and not torch.are_deterministic_algorithms_enabled())
 
 
-def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None) -> torch.Tensor:
+def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None, out=None) -> torch.Tensor:
     """a @ b (+ bias) with fp32 accumulation, output (M, N) in ``out_dtype`` (default a.dtype).
+    ``out``: an (M, N) tensor to write into and return (a slice of a larger buffer, such as one
+    expert's rows of a stacked weight gradient); written directly where its dtype is the GEMM's
+    and it is contiguous, else the result is copied into it.
 
     For GEMMs nothing recomputes (bit-identical reruns are only needed for a pre-activation)."""
+    direct = out is not None and out.is_contiguous() and out.dtype == (out_dtype or a.dtype)
     if uses_aten_gemm(a, b) and (bias is None or bias.dtype == a.dtype):
-        out = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
-        return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
-    return gemm_act(a, b, bias, out_dtype=out_dtype)
+        if direct and out.dtype == a.dtype:
+            return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+        res = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+        res = res if out_dtype is None or res.dtype == out_dtype else res.to(out_dtype)
+    else:
+        res = gemm_act(a, b, bias, out_dtype=out_dtype, out=out if direct else None)
+    return res if out is None or res is out else out.copy_(res)
 
 
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,

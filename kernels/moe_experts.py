@@ -43,7 +43,7 @@ def _expert_forward(x, w_gate, w_up, w_down, activation):
     return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
 
 
-def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need):
+def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need, out):
     """The dense grad kernel has no row-scale epilogue: the scale is applied to g_a before it and
     d scale = a . (g Wd) taken from the a it stores (two passes over the (rows, I) buffers more)."""
     need_dx, need_dw, need_dgu, need_dd = need
@@ -52,26 +52,28 @@ def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need)
                              store_act=True)
     dscale = (a.float() * grad_y).sum(1) if need_dw else None
     del grad_y
-    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype) \
-        if need_dd else None
+    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype,
+                         out=out[3]) if need_dd else None
     del a
-    dx = plain_gemm(gh, w_up, out_dtype=torch.float32) if need_dx else None
-    dw_up = plain_gemm(gh.t(), x, out_dtype=w_up.dtype) if need_dgu else None
+    dx = plain_gemm(gh, w_up, out_dtype=torch.float32, out=out[0]) if need_dx else None
+    dw_up = plain_gemm(gh.t(), x, out_dtype=w_up.dtype, out=out[2]) if need_dgu else None
     return dx, None, dw_up, dw_down, dscale
 
 
-def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need):
+def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need, out=(None,) * 5):
+    """One expert's gradients (the reference's ``_expert_backward`` contract): the weights' gradients
+    written into ``out``'s views of the stacked gradients where given (no per-expert copy)."""
     if w_gate is None:
-        return _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need)
+        return _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need, out)
     need_dx, need_dw, need_dgu, need_dd = need
     grad_y = plain_gemm(grad_out, w_down, out_dtype=x.dtype)           # unscaled: the kernel scales it
     ghg, ghu, a, _, _, dscale = gated_act_grad(x, w_gate, w_up, None, None, grad_y, activation,
                                                store_act=need_dd, row_scale=scale.float())
     del grad_y
-    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype) \
-        if need_dd else None
+    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype,
+                         out=out[3]) if need_dd else None
     del a
-    return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu), dw_down, dscale)
+    return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[:3]), dw_down, dscale)
 
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):

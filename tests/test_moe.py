@@ -146,6 +146,39 @@ def test_keeps_only_the_inputs_and_runs_11_gemms_an_expert():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_gradients_written_in_place(backend):
+    """Each expert's weight gradients are written straight into their slices of the stacked
+    gradients (GEMMs with out=): no weight-sized copy per expert."""
+    class Copies(GemmCounter):  # looks inside fusedrc's ops as GemmCounter does
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # floating destinations only: Triton's interpreter copies each kernel argument's
+            # storage to and from the host as bytes (uint8), which a GPU launch does not
+            if func.overloadpacket.__name__ in ("copy_", "index_put_", "slice_scatter", "select_scatter") \
+                    and args[0].is_floating_point():
+                self.sizes.append(args[0].numel())
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    device = backend_device(backend)
+    T, K, I, N, E, k = 12, 16, 24, 16, 3, 2
+    x = torch.randn(T, K, device=device, requires_grad=True)
+    idx, w = _routing(T, k, E, device=device)
+    w = w.float().requires_grad_()
+    for gated in (True, False):
+        gate_up, down = (torch.nn.Parameter(t.float().to(device)) for t in _weights(E, K, I, N, gated))
+        with fusedrc.use_backend(backend):
+            y = F.moe_experts(x, idx, w, gate_up, down, gated=gated)
+            with Copies() as c:
+                y.square().sum().backward()
+        assert gate_up.grad is not None and down.grad is not None
+        assert any("bincount" in op for op in c.ops)  # the mode saw inside the op (its routing)
+        assert not [n for n in c.sizes if n >= min(I * K, N * I)], c.sizes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_parts_and_determinism(backend):
     """Gradients only where asked (frozen experts, fixed routing weights); two runs bitwise equal."""
     T, K, I, N, E, k = 10, 8, 12, 8, 3, 2
