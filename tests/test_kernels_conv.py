@@ -462,9 +462,10 @@ def test_group_strategy():
         assert cfg.BLOCK_M == K._TABLE[("sm90", "16bit", "narrow" if c_out // groups <= 64 else "wide")].BLOCK_M
 
 
-def test_grouped_default_is_reference_or_group_gemm(monkeypatch):
+def test_grouped_default_is_reference_or_group_gemm(monkeypatch, device):
     """By default (DIRECT off) depthwise and narrow groups take the reference path (cuDNN on CUDA),
-    groups with a multiple of 16 output channels the implicit GEMM per group."""
+    groups with a multiple of 16 output channels the implicit GEMM per group, a depthwise conv
+    with a channel multiplier of 16 (one input channel a group: K is the taps alone) included."""
     assert _DEFAULT_DIRECT_MAX == 0
     monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", _DEFAULT_DIRECT_MAX)
     w = lambda c_out, c_in: torch.empty(c_out, c_in, 3, 3, device="meta")  # noqa: E731
@@ -472,6 +473,10 @@ def test_grouped_default_is_reference_or_group_gemm(monkeypatch):
     assert K.group_strategy(w(128, 4), 32) is None  # ResNeXt-50 32x4d's first stage
     assert K.group_strategy(w(512, 16), 32) == K.group_strategy(w(64, 1), 4) == "gemm"  # 16 out per group
     assert K.group_strategy(w(64, 64), 1) == "gemm"
+    t, geom = _inputs((2, 2, 6, 5, 32, 3, 2, 1, 1, 2), torch.float32, bias=True, affine=True, residual=True,
+                      device=device)
+    assert K.group_strategy(t["weight"], 2) == "gemm"
+    _check_all(t, geom, True, torch.float32)
 
 
 def test_wide_groups_take_the_reference_path(monkeypatch, device):
