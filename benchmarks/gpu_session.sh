@@ -7,7 +7,8 @@
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_compile  the same shapes against torch.compile of the layer
-#   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50): the DIRECT kernels
+#   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50/101, RegNetY): the default
+#            (reference path / per-group GEMM) against the opt-in DIRECT kernels
 #   tiles    candidate tile-table entries, dense (issue 3's GEMMs), the gated FFN's dual kernels and
 #            conv (batch 256), vs cuBLAS
 #            and eager (benchmarks/gpu_tile_sweep.py)
@@ -16,22 +17,24 @@
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 #   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
 #   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
-#   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (depthwise convs: the DIRECT kernels)
+#   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (its depthwise convs on the reference path)
 # Usage on the GPU machine, one 10-minute call per line (2026-11-26, H200: 1075 of ~1290 tests in
 # 306 s on 14 workers, so the suite alone takes most of a call; kernels 55 s, models 27 s, mixtral
 # 52 s, opt 41 s, sweep 44 s, conv 120+ s, conv_grouped 110+ s (cut)). Commit first: the device tool
 # ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
 # Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
 # step hung in a CUDA call that never returns is killed 30 s later.
-# A session has 15 device minutes, machine start (~30 s) included; a warm machine is given back
-# 30 s after a call, so have the next call ready. The device tool stops a call at 600 s: the
-# timeouts of one call's steps add up to at most 510 s, plus their -k grace periods. Next, in
-# order (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts found)/opt/sweep/
-# conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
-#   FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=450 ... gpu_session.sh "$OUT" tests
-#   FUSEDRC_TIMEOUT_TILES=100 ... gpu_session.sh "$OUT" mixtral profile tiles
-#   ... gpu_session.sh "$OUT" conv_grouped models_mobile kernels
-# each with FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 in front.
+# A session has 15 device minutes (900 s), machine start (~30-90 s) and transfers included; a warm
+# machine is given back 30 s after a call, so have the next call ready. The device tool stops a
+# call at 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a
+# session under ~800 s. Next (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts
+# found)/opt/sweep/conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
+#   session 1, call 1 (<= 450 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=420 ... "$OUT" tests
+#   session 1, call 2 (<= 330 s): FUSEDRC_TIMEOUT_MIXTRAL=90 FUSEDRC_TIMEOUT_PROFILE=60
+#            FUSEDRC_TIMEOUT_TILES=50 ... "$OUT" mixtral profile tiles
+#   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
+#            conv_grouped models_mobile kernels; then conv_compile
+# each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
 # can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's three parts takes it).
 set -u

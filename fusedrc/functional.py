@@ -378,11 +378,12 @@ def conv_bn_act(
         activation: as in :func:`linear_act`; ``"relu"`` by default; None: no activation
             (``batch_norm(conv2d(x)) [+ residual]``, a projection or downsample Conv-BN).
         groups: as in ``F.conv2d`` (ResNeXt, RegNet, depthwise convolutions). On the Triton
-            backend a grouped conv with up to 32 input channels per group runs the fused kernels
-            with a direct (FMA) convolution, wider groups with a multiple of 16 output channels
-            per group an implicit GEMM per group; any other grouping runs the fused op's reference
-            implementation (aten's conv in forward and in the backward's recompute: the memory of
-            a recompute, not the fused kernels' traffic savings).
+            backend a grouped conv with a multiple of 16 output channels per group runs the fused
+            kernels with an implicit GEMM per group; any other grouping (depthwise convs among
+            them) runs the fused op's reference implementation (aten's conv in forward and in the
+            backward's recompute: the memory of a recompute, not the fused kernels' traffic
+            savings). Opt-in, ``kernels.conv_bn_act.DIRECT_MAX_GROUP_CHANNELS`` sends groups of up
+            to that many input channels to fused kernels with a direct (FMA) convolution.
 
     Example::
 

@@ -355,10 +355,10 @@ class ConvBNReLU(nn.Module):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, bias, device,
             dtype, groups: as in ``nn.Conv2d`` (zero padding; ``padding="same"`` needs an odd
-            kernel extent). Grouped and depthwise convs run fused Triton kernels too (up to
-            32 input channels per group a direct conv, wider groups with a multiple of 16
-            output channels per group a GEMM per group); other groupings the op's reference
-            implementation.
+            kernel extent). Grouped convs with a multiple of 16 output channels per group run
+            fused Triton kernels too (a GEMM per group); other groupings, depthwise convs among
+            them, the op's reference implementation (a direct-conv kernel is opt-in:
+            ``kernels.conv_bn_act.DIRECT_MAX_GROUP_CHANNELS``).
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
             ``"relu6"``, ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``: negative

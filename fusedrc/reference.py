@@ -346,14 +346,18 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
         rows = slice(start, start + n)
         # each expert's gradients go straight into their slices (GEMMs with out=): no copy of a
         # weight-sized gradient per expert; a result that could not be written there is copied
-        dst = (dx_slots[rows] if need_dx else None, *(expert_weights(dgu, None, e, gated)[:2] if need_dgu
-                                                      else (None, None)),
-               dd[e] if need_dd else None, dw_slots[rows] if need_dw else None)
+        def dst():
+            return (dx_slots[rows] if need_dx else None,
+                    *(expert_weights(dgu, None, e, gated)[:2] if need_dgu else (None, None)),
+                    dd[e] if need_dd else None, dw_slots[rows] if need_dw else None)
+        views = dst()
         got = expert_backward(xs[rows], *expert_weights(gate_up, down, e, gated), gs[rows], w[rows], activation,
-                              (need_dx, need_dw, need_dgu, need_dd), dst)
-        for res, where in zip(got, dst):
+                              (need_dx, need_dw, need_dgu, need_dd), views)
+        # fresh views for the copies: under autograd (a direct, differentiated call) the first copy
+        # makes the buffers require grad, and a view taken before that cannot be written then
+        for i, (res, where) in enumerate(zip(got, views)):
             if where is not None and res is not where:
-                where.copy_(res)
+                dst()[i].copy_(res)
         start += n
     dx = unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
     dw = unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
@@ -368,8 +372,10 @@ def expert_forward(x, w_gate, w_up, w_down, activation):
 
 
 def _mm(a, b, out=None):
-    """a @ b, written into ``out`` where it has the product's dtype (a view of a stacked gradient)."""
-    if out is not None and out.dtype == a.dtype == b.dtype:
+    """a @ b, written into ``out`` where it has the product's dtype (a view of a stacked gradient);
+    a product autograd records (a direct call differentiated through) is returned instead."""
+    recorded = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if out is not None and out.dtype == a.dtype == b.dtype and not recorded:
         return torch.mm(a, b, out=out)
     return a.mm(b)
 

@@ -85,7 +85,8 @@ def _checkpoint_bytes(converted, example):
 # --------------------------------------------------------------------------- torchvision ResNet
 @pytest.mark.parametrize("name, ratio", [("resnet18", 0.59), ("resnet50", 0.56), ("resnext50_32x4d", 0.55)])
 def test_resnet_forward_backward_bytes(name, ratio):
-    # ResNeXt's grouped 3x3 convs (groups=32) are fused units too (keeping x only; cuDNN's grouped conv);
+    # ResNeXt's grouped 3x3 convs (groups=32) are fused units too (keeping x only: cuDNN's grouped conv, or
+    # the per-group GEMM on a GPU where a group has a multiple of 16 channels);
     # so are the downsample branches' Conv-BN (no activation: kind "conv_bn")
     torch.manual_seed(0)
     model = _resnet(name).train()
