@@ -43,7 +43,8 @@ CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kern
 def shapes(device_type: str, quick: bool) -> list:
     """The (pattern, shape) cases of a run. On CUDA the FFN runs at both shapes its
     targets name: d=4096, hidden=16384, 8192 tokens and d=1024, hidden=4096, 16384 tokens;
-    the FFN with dropout at the smaller one, where the mask's cost weighs most."""
+    the FFN with dropout at the smaller one, where the mask's cost weighs most; the routed
+    experts at Mixtral's few large experts and at Qwen3-MoE's many small ones."""
     if quick:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
                 ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
@@ -54,6 +55,8 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("fused_mlp", dict(M=16384, d=1024, h=4096)), ("fused_mlp_dropout", dict(M=16384, d=1024, h=4096)),
                 ("gated_mlp", dict(M=8192, d=4096, h=11008)),  # Llama-2 7B's MLP, 8192 tokens
                 ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2)),  # Mixtral 8x7B's experts, 8192 tokens
+                # Qwen3-30B-A3B's: 128 small experts, top-8 (per-expert launches against the GEMMs)
+                ("moe_experts", dict(T=8192, d=2048, h=768, E=128, k=8)),
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
             ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
