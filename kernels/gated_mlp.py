@@ -298,11 +298,10 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     return (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
 
 
-def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(None, None, None)):
+def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(None, None)):
     """(dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x), None where not needed; dX with the
     second GEMM accumulating into the first (fp32 on the Triton GEMM, x's dtype on cuBLAS).
-    ``out``: where to write dWg and dWu (views into stacked gradients, or None); dX's entry is
-    unused here (the caller converts dX's dtype)."""
+    ``out``: where to write dWg and dWu (views into stacked gradients, or None)."""
     if not need_dx:
         dx = None
     elif uses_aten_gemm(ghu, w_up):
@@ -310,8 +309,8 @@ def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(Non
     else:
         dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
         dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
-    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype, out=out[1]) if need_dwg else None  # (H, M) @ (M, K)
-    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype, out=out[2]) if need_dwu else None
+    dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype, out=out[0]) if need_dwg else None  # (H, M) @ (M, K)
+    dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype, out=out[1]) if need_dwu else None
     return dx, dw_gate, dw_up
 
 

@@ -73,7 +73,7 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
     dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype,
                          out=out[3]) if need_dd else None
     del a
-    return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[:3]), dw_down, dscale)
+    return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[1:3]), dw_down, dscale)
 
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):

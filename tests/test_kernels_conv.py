@@ -19,14 +19,10 @@ from fusedrc.kernels import conv_bn_act as K  # noqa: E402
 
 from _utils import record_launches  # noqa: E402
 
-# The DIRECT kernels are opt-in (measured slower than the reference path on an H200); their tests
-# here turn them on at the width they were written for.
+# The DIRECT kernels are opt-in (measured slower than the reference path on an H200); this file's
+# tests run with them on (tests/conftest.py: direct_conv_kernels).
 _DEFAULT_DIRECT_MAX = K.DIRECT_MAX_GROUP_CHANNELS
-
-
-@pytest.fixture(autouse=True)
-def _direct_kernels_on(monkeypatch):
-    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 32)
+pytestmark = pytest.mark.usefixtures("direct_conv_kernels")
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 EPS = 1e-5

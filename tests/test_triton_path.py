@@ -193,12 +193,9 @@ def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, 
     (lambda: nn.Conv2d(9, 6, 3, padding=2, dilation=2, groups=3), nn.Hardswish, True),   # 3 per group
     (lambda: nn.Conv2d(68, 32, 3, padding=1, groups=2), nn.ReLU, False),                 # 34 in, 16 out per group
 ], ids=["depthwise-silu-cl", "mult2-5x5s2-relu6", "grouped-dilated-hardswish-cl", "wide-groups-gemm"])
-def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, device, monkeypatch):
+def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, device, direct_conv_kernels):
     """The same of grouped and depthwise convs (the DIRECT kernels, opt-in, or the per-group implicit
     GEMM for wide groups; dX/dW by aten's conv backward)."""
-    from fusedrc.kernels import conv_bn_act as K
-
-    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 32)
     torch.manual_seed(2)
     block = nn.Sequential(conv(), nn.BatchNorm2d(conv().out_channels), act())
     with torch.no_grad():
@@ -324,13 +321,11 @@ def test_conv_bn_relu_autocast_on_triton(device):
     assert torch.allclose(block[1].running_mean, ref[1].running_mean, rtol=1e-2, atol=1e-3)
 
 
-def test_converted_inverted_residual_runs_the_kernels(device, monkeypatch):
+def test_converted_inverted_residual_runs_the_kernels(device, monkeypatch, direct_conv_kernels):
     """A converted MobileNetV2 block (expand 1x1 Conv-BN-ReLU6, depthwise 3x3 Conv-BN-ReLU6 on the
     DIRECT kernels, turned on, projection Conv-BN, identity add): two training steps match the block's own."""
     from fusedrc.convert import _import_torchvision
     from fusedrc.kernels import conv_bn_act as K
-
-    monkeypatch.setattr(K, "DIRECT_MAX_GROUP_CHANNELS", 32)
 
     try:
         tv = _import_torchvision()
