@@ -10,9 +10,10 @@
 #   conv_compile  the same shapes against torch.compile of the layer
 #   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50/101, RegNetY): the default
 #            (reference path / per-group GEMM) against the opt-in DIRECT kernels
-#   tiles    candidate tile-table entries, dense (issue 3's GEMMs), the gated FFN's dual kernels and
-#            conv (batch 256), vs cuBLAS
-#            and eager (benchmarks/gpu_tile_sweep.py)
+#   tiles    issue 3's FFN steps under each dense launch switch (pointer/TMA loads, per-tile/persistent
+#            programs) vs eager and checkpoint; then candidate tile-table entries, dense (issue 3's
+#            GEMMs), the gated FFN's dual kernels and conv (batch 256), vs cuBLAS and eager
+#            (benchmarks/gpu_tile_sweep.py)
 #   sweep    the default memory-vs-speed sweep without torch.compile (images in channels_last)
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
@@ -30,14 +31,15 @@
 # call at 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a
 # session under ~800 s. Next (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts
 # found)/opt/sweep/conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
-#   session 1, call 1 (<= 450 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=420 ... "$OUT" tests
-#   session 1, call 2 (<= 330 s): FUSEDRC_TIMEOUT_MIXTRAL=90 FUSEDRC_TIMEOUT_PROFILE=60
-#            FUSEDRC_TIMEOUT_TILES=50 ... "$OUT" mixtral profile tiles
+#   session 1, call 1 (<= 430 s): FUSEDRC_TIMEOUT_TILES=75 FUSEDRC_TIMEOUT_PROFILE=60
+#            FUSEDRC_TIMEOUT_MIXTRAL=70 ... "$OUT" tiles profile mixtral   (the tiles step's ffn part
+#            first: the dense launch switches on whole steps, issue 3's ratios)
+#   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=300 ... "$OUT" tests
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
 #            conv_grouped models_mobile kernels; then conv_compile
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
-# can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's three parts takes it).
+# can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's four parts takes it).
 set -u
 out=${1:?results folder}
 shift
@@ -84,7 +86,8 @@ for step in "${steps[@]}"; do
         conv_grouped) timeout -k 30 $(limit conv_grouped 250) python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
                           --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
-        tiles) timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
+        tiles) timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only ffn --out "$w/results" 2>&1 | tail -10
+               timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
                timeout -k 20 $(limit tiles 100) python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
                timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only conv --out "$w/results" 2>&1 | tail -50 ;;
         sweep) timeout -k 30 $(limit sweep 150) python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;

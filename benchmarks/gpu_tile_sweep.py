@@ -5,7 +5,7 @@ autotuned at run time: the forward and the backward recompute must read the same
 script is how entries are chosen offline (issues 3 and 4):
 
 - dense: for each of issue 3's GEMM shapes, every candidate ``GemmConfig`` (some also with TMA
-  loads, ``GEMM_TMA``) runs the forward
+  loads, ``GEMM_TMA``, or launched persistent, ``GEMM_PERSISTENT``) runs the forward
   kernel (``gemm_act``, bias + ReLU epilogue) and the recompute kernel (``gemm_act_grad``,
   bias, ReLU, incoming gradient, bias-gradient partials), checked against torch first, timed
   against cuBLAS (``torch.addmm`` + ReLU, and the same GEMM alone);
@@ -16,6 +16,11 @@ script is how entries are chosen offline (issues 3 and 4):
 - conv: for ResNet-50 conv+BN+ReLU shapes at batch 256, every candidate ``ConvConfig``
   replaces the sm_90 16-bit table entries and a fused training step
   (``fusedrc.recompute`` of the layer, forward + backward) is checked against eager and timed.
+
+- ffn: the dense patterns' training steps (issue 3's two FFNs, a gated MLP, routed experts; shapes
+  as ``fusedrc-bench kernels``, whose cases it runs) under each launch switch of the dense
+  kernels (pointer / TMA loads, one program per tile / persistent), against eager and
+  ``torch.utils.checkpoint``: the ratios issue 3's targets are stated in.
 
 Every raw timing goes into the JSON with the device, versions and commit.
 
@@ -59,6 +64,13 @@ DENSE_CANDIDATES = [
 # the pointer loads cannot hold without spilling
 TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 256, 64, 8, 8, 3, 4),
                   (128, 256, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3, 4), (128, 128, 128, 8, 8, 3, 4)]
+# also timed persistent (kernels/_common.py GEMM_PERSISTENT=1: one program per SM walking the
+# tiles, each tile's epilogue overlapping the next tile's loads), with TMA loads or not. The
+# --static report (sm_90, bf16): no spills at 128x128 (forward ~190 registers, grad 165 with TMA,
+# ~240 without: one CTA per SM either way), 80-460 bytes at 128x256
+PERSISTENT_CANDIDATES = [((128, 128, 64, 8, 8, 4, 4), False), ((128, 128, 64, 8, 8, 3, 4), False),
+                         ((128, 128, 64, 8, 8, 4, 4), True), ((128, 128, 64, 8, 8, 3, 4), True),
+                         ((128, 256, 64, 8, 8, 3, 4), True), ((128, 128, 128, 8, 8, 3, 4), True)]
 # (M, K, H) of the gated FFN's dual GEMMs: Llama-2 7B, 8192 tokens; and a smaller model's
 GATED_SHAPES = [(8192, 4096, 11008), (16384, 2048, 5632)]
 # two fp32 accumulators: a BLOCK_M x BLOCK_N dual tile holds what a BLOCK_M x 2*BLOCK_N one does
@@ -66,6 +78,7 @@ GATED_CANDIDATES = [
     (128, 64, 64, 8, 8, 3), (128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3),
     (64, 128, 64, 8, 4, 4), (128, 64, 32, 8, 8, 5), (256, 64, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4),
 ]
+GATED_PERSISTENT_CANDIDATES = [(128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)]
 # (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
 CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
                (256, 64, 1, 1, 56), (1024, 256, 1, 1, 14)]
@@ -103,13 +116,14 @@ def sweep_dense(dtype, records):
         records.append(dict(base, impl="cublas_mm", times_s=_time(lambda: torch.mm(a, bt))))
         table = _common.gemm_config(M, N, K, dtype, "ieee", torch.cuda.get_device_capability())
         cands = [_common.GemmConfig(*c) for c in DENSE_CANDIDATES]
-        runs = [(c, False) for c in [table] + [c for c in cands if c != table]]
-        runs += [(_common.GemmConfig(*c), True) for c in TMA_CANDIDATES]
-        saved_tma = _common.GEMM_TMA
-        for cfg, tma in runs:
-            _common.GEMM_TMA = tma
-            rec = dict(base, config=list(cfg), loads="tma" if tma else "pointer",
-                       in_table=cfg == table and tma == bool(saved_tma))
+        runs = [(c, False, 0) for c in [table] + [c for c in cands if c != table]]
+        runs += [(_common.GemmConfig(*c), True, 0) for c in TMA_CANDIDATES]
+        runs += [(_common.GemmConfig(*c), tma, 1) for c, tma in PERSISTENT_CANDIDATES]
+        saved = _common.GEMM_TMA, _common.GEMM_PERSISTENT
+        for cfg, tma, per_sm in runs:
+            _common.GEMM_TMA, _common.GEMM_PERSISTENT = tma, per_sm
+            rec = dict(base, config=list(cfg), loads="tma" if tma else "pointer", persistent=per_sm,
+                       in_table=cfg == table and (tma, per_sm) == (bool(saved[0]), saved[1]))
             try:
                 assert _common._use_tma(a, bt) is tma
                 y = _common.gemm_act(a, bt, b, "relu", config=cfg)
@@ -122,8 +136,49 @@ def sweep_dense(dtype, records):
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)
             _print(rec, records)
-        _common.GEMM_TMA = saved_tma
+        _common.GEMM_TMA, _common.GEMM_PERSISTENT = saved
         torch.cuda.empty_cache()
+
+
+# the dense patterns' training steps, as fusedrc-bench kernels runs them (its _Case): issue 3's two
+# FFNs (Linear -> GELU -> Linear), Llama-2 7B's gated MLP, Mixtral-8x7B's routed experts
+FFN_CASES = [("fused_mlp", dict(M=8192, d=4096, h=16384)), ("fused_mlp", dict(M=16384, d=1024, h=4096)),
+             ("gated_mlp", dict(M=8192, d=4096, h=11008)), ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2))]
+# the dense kernels' launch switches, (label, GEMM_TMA, GEMM_PERSISTENT), each over the table's tiles
+FFN_VARIANTS = [("default", False, 0), ("tma", True, 0), ("persistent", False, 1), ("persistent_tma", True, 1)]
+
+
+def sweep_ffn(dtype, records, device="cuda", cases=FFN_CASES):
+    """Each pattern's step under each launch switch against eager and torch.utils.checkpoint: the
+    ratios issue 3's targets are stated in (at checkpoint's bytes: <= 0.95x / 0.85x checkpoint)."""
+    from fusedrc.bench.kernels import _Case
+    from fusedrc.kernels import _common
+
+    for pattern, shape in cases:
+        case = _Case(pattern, shape, torch.device(device), dtype, "triton")
+        base = dict(kind="ffn", pattern=pattern, shape=list(shape.values()))
+        case.step("eager")
+        ref = [case.x.grad.clone()] + [p.grad.clone() for p in case.params]
+        for strategy in ("eager", "torch_checkpoint"):
+            records.append(dict(base, impl=strategy, times_s=_time(lambda: case.step(strategy))))
+        saved = _common.GEMM_TMA, _common.GEMM_PERSISTENT
+        for label, tma, per_sm in FFN_VARIANTS:
+            _common.GEMM_TMA, _common.GEMM_PERSISTENT = tma, per_sm
+            rec = dict(base, impl="fusedrc", variant=label, in_table=(tma, per_sm) == (bool(saved[0]), saved[1]))
+            try:
+                with fusedrc.use_backend("triton"):
+                    case.step("fusedrc")
+                    got = [case.x.grad] + [p.grad for p in case.params]
+                    rec["err_grads"] = max(_rel_err(a, b) for a, b in zip(got, ref))
+                    rec["times_s"] = _time(lambda: case.step("fusedrc"))
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {e}"[:400]
+            records.append(rec)
+            _print(rec, records)
+        _common.GEMM_TMA, _common.GEMM_PERSISTENT = saved
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def sweep_gated(dtype, records):
@@ -142,8 +197,12 @@ def sweep_gated(dtype, records):
                             times_s=_time(lambda: torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t()))))
         table = gated_mlp.gated_config(_common.gemm_config(M, H, K, dtype, "ieee", torch.cuda.get_device_capability()))
         cands = [_common.GemmConfig(*c) for c in GATED_CANDIDATES]
-        for cfg in [table] + [c for c in cands if c != table]:
-            rec = dict(base, config=list(cfg), in_table=cfg == table)
+        runs = [(c, 0) for c in [table] + [c for c in cands if c != table]]
+        runs += [(_common.GemmConfig(*c), 1) for c in GATED_PERSISTENT_CANDIDATES]
+        saved = _common.GEMM_PERSISTENT
+        for cfg, per_sm in runs:
+            _common.GEMM_PERSISTENT = per_sm
+            rec = dict(base, config=list(cfg), persistent=per_sm, in_table=cfg == table and per_sm == saved)
             try:
                 a = gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg)
                 _, _, a_bwd, _, _ = gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg)
@@ -155,6 +214,7 @@ def sweep_gated(dtype, records):
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)
             _print(rec, records)
+        _common.GEMM_PERSISTENT = saved
         torch.cuda.empty_cache()
 
 
@@ -229,7 +289,7 @@ def _compile_one(i):
     except Exception as e:  # out of shared memory, a compile error: that is the answer
         res = {"kernel": spec["kernel"], "error": f"{type(e).__name__}: {e}"[:300]}
     return dict(res, kind=spec["kind"], candidate=spec["candidate"], mode=spec["config"].get("mode", ""),
-                loads=spec["config"].get("loads", "pointer"))
+                loads=spec["config"].get("loads", "pointer"), persistent=bool(spec["config"].get("persistent")))
 
 
 _SPECS = []
@@ -247,7 +307,8 @@ def static_report(dtype, jobs):
         if "error" in r:
             print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['kernel']:24s} {r['mode']:8s} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['loads']:7s} {r['kernel']:24s} {r['mode']:8s} "
+            print(f"{r['kind']:5s} {str(r['candidate']):28s} {r['loads']:7s} {'p' if r['persistent'] else ' '} "
+                  f"{r['kernel']:24s} {r['mode']:8s} "
                   f"regs {r['registers']:3d} "
                   f"smem {r['shared_bytes'] // 1024:4d} KiB  spill {r['spill_bytes']:5d}  {r['mma']}", flush=True)
     return results
@@ -255,14 +316,22 @@ def static_report(dtype, jobs):
 
 def _print(rec, records):
     """One candidate's line, against its shape's reference (cuBLAS for dense, eager for conv)."""
-    head = f"{rec['kind']:5s} {str(rec['shape']):24s} {str(rec['config']):28s} {rec.get('loads', ''):7s}"
+    persistent = f"p{rec['persistent']}" if rec.get("persistent") else ""
+    head = f"{rec['kind']:5s} {str(rec['shape']):24s} {str(rec.get('config', '')):28s} {rec.get('loads', ''):7s} {persistent:2s}"
     if "error" in rec:
         print(f"{head} ERROR {rec['error'][:120]}", flush=True)
         return
     med = lambda ts: measure.quantile(ts, 0.5) * 1e3  # noqa: E731
     ref_impl = {"dense": "cublas_addmm_relu", "gated": "cublas_two_mm"}.get(rec["kind"], "eager")
     ref = med(next(r["times_s"] for r in records if r["kind"] == rec["kind"] and r["shape"] == rec["shape"]
-                   and r.get("impl") == ref_impl))
+                   and r.get("pattern") == rec.get("pattern") and r.get("impl") == ref_impl))
+    if rec["kind"] == "ffn":
+        t = med(rec["times_s"])
+        ckpt = med(next(r["times_s"] for r in records if r["kind"] == "ffn" and r["shape"] == rec["shape"]
+                        and r["pattern"] == rec["pattern"] and r.get("impl") == "torch_checkpoint"))
+        print(f"ffn   {rec['pattern']:11s} {str(rec['shape']):24s} {rec['variant']:15s} step {t:7.3f} ms (x{t / ref:4.2f} eager, x{t / ckpt:4.2f} checkpoint)  "
+              f"err {rec['err_grads']:.1e}{'  [table]' if rec['in_table'] else ''}", flush=True)
+        return
     if rec["kind"] in ("dense", "gated"):
         f, gr = med(rec["forward_times_s"]), med(rec["grad_times_s"])
         check = (f"err {rec['err_forward']:.1e}/{rec['err_grad']:.1e}" if rec["kind"] == "dense"
@@ -279,7 +348,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--batch", type=int, default=256, help="conv batch")
-    ap.add_argument("--only", choices=("dense", "gated", "conv"))
+    ap.add_argument("--only", choices=("ffn", "dense", "gated", "conv"))
     ap.add_argument("--static", action="store_true", help="no GPU: compile the candidates for sm_90 and report")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compiles with --static")
     args = ap.parse_args()
@@ -302,6 +371,8 @@ def main():
     measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
     complete = False
     try:
+        if args.only in (None, "ffn"):
+            sweep_ffn(dtype, records)
         if args.only in (None, "dense"):
             sweep_dense(dtype, records)
         if args.only in (None, "gated"):

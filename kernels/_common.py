@@ -33,6 +33,7 @@ recompute take the same path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 from typing import NamedTuple
@@ -281,9 +282,8 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
 
 # --------------------------------------------------------------------------- main loop
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped ordering of the output tiles (GROUP_M row tiles share B in L2)."""
-    pid = tl.program_id(0)
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile ``pid`` in grouped order (GROUP_M row tiles share B in L2)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -401,8 +401,8 @@ def _column_halves(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 # Outputs (and the incoming gradient of the grad kernel) are contiguous (M, N):
 # one 32-bit in-tile offset tensor serves all of them, from a 64-bit tile base.
 @triton.jit
-def _gemm_act_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr,
+def _gemm_act_tile(
+    tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
@@ -410,16 +410,40 @@ def _gemm_act_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
-    seed = tl.load(seed_ptr) if DROPOUT else 0
     _fwd_epilogue(_act_fwd(acc, ACTIVATION, NEG_SLOPE), c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
                   drop_threshold, drop_scale, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _gemm_act_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    if PERSISTENT:  # a few programs per SM walk the tiles; flattened, the next tile's loads overlap this epilogue
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
+                             flatten=True):
+            _gemm_act_tile(tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, M, N, K,
+                           stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+                           HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
+    else:
+        _gemm_act_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, c_ptr, seed, M, N, K,
+                       stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+                       HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                       EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -465,8 +489,8 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0,
 
 
 @triton.jit
-def _gemm_act_grad_kernel(
-    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr,
+def _gemm_act_grad_tile(
+    tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -475,8 +499,8 @@ def _gemm_act_grad_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    # recompute the pre-activation exactly as _gemm_act_kernel does
+    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # recompute the pre-activation exactly as _gemm_act_tile does
     acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
     row0 = pid_m * BLOCK_M
@@ -484,10 +508,35 @@ def _gemm_act_grad_kernel(
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     base = row0.to(tl.int64) * N + col0
-    seed = tl.load(seed_ptr) if DROPOUT else 0
     _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
                    seed, drop_threshold, drop_scale,
                    HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _gemm_act_grad_kernel(
+    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    if PERSISTENT:  # as _gemm_act_kernel's: each tile's K loop is the forward's, whichever program runs it
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
+                             flatten=True):
+            _gemm_act_grad_tile(tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, M, N, K,
+                                stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+                                HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
+    else:
+        _gemm_act_grad_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed,
+                            M, N, K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+                            HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -534,6 +583,29 @@ def _tile_safe(t: torch.Tensor, block_rows: int, block_cols: int, name: str) -> 
 # the operands allow it: sm_90+ GPUs, and Triton's interpreter, for the tests), "auto" (TMA on
 # sm_90+ GPUs only). Opt-in until timed on a GPU: benchmarks/gpu_tile_sweep.py times both.
 GEMM_TMA = False
+
+
+# Launch shape of the dense kernels: 0, one program per output tile (the default); n > 0, n
+# programs per SM (at most one per tile), each walking the tiles pid, pid + programs, ... with its
+# tile loop flattened into the K loop, so that one tile's epilogue overlaps the next tile's first
+# loads. The arithmetic of a tile does not change (same main loop, same K order): the recomputed
+# pre-activation equals the forward's either way. Opt-in until timed: benchmarks/gpu_tile_sweep.py.
+GEMM_PERSISTENT = 0
+_INTERPRETER_SMS = 2  # the interpreter's pretend SM count: test shapes of a few tiles still loop
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def dense_grid(num_tiles: int, t: torch.Tensor):
+    """(grid, PERSISTENT) of a dense launch of ``num_tiles`` output tiles on ``t``'s device."""
+    if not GEMM_PERSISTENT:
+        return (num_tiles,), False
+    sms = _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
+        if t.is_cuda else _INTERPRETER_SMS
+    return (max(1, min(num_tiles, GEMM_PERSISTENT * sms)),), True
 
 
 def _use_tma(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> bool:
@@ -637,9 +709,10 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     if M == 0 or N == 0:
         return out
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=False)
-    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
+    grid, persistent = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
     with _device_guard(a):
-        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, **act_meta(activation), **meta)
+        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, **act_meta(activation), **meta,
+                                            PERSISTENT=persistent)
     return out
 
 
@@ -698,12 +771,12 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=True)
     num_pid_m = cdiv(M, cfg.BLOCK_M)
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
-    grid = (num_pid_m * cdiv(N, cfg.BLOCK_N),)
+    grid, persistent = dense_grid(num_pid_m * cdiv(N, cfg.BLOCK_N), a)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
             *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed, *scalars,
-            STORE_ACT=store_act, **act_meta(activation), **meta,
+            STORE_ACT=store_act, **act_meta(activation), **meta, PERSISTENT=persistent,
         )
     # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
     dbias = part.sum(0).to(bias.dtype) if bias is not None else None
@@ -758,8 +831,9 @@ def inspect_specs():
     heaviest epilogue), bias on, EVEN_K, and STORE_ACT on for the grad kernel
     (as ``fused_mlp`` launches it). sm_90 entries also with TMA loads (``GEMM_TMA``;
     config ``"loads": "tma"``); bf16 entries also with the FFN's dropout in the epilogue
-    (config ``"dropout": true``: Philox per element, the heaviest epilogue). The grad kernel of
-    one sm_90 bf16 entry also with each other activation (config ``"activation"``)."""
+    (config ``"dropout": true``: Philox per element, the heaviest epilogue); sm_90 bf16 entries
+    also persistent (``GEMM_PERSISTENT``; config ``"persistent": true``), with either load. The grad
+    kernel of one sm_90 bf16 entry also with each other activation (config ``"activation"``)."""
     specs = []
     by_key = {}
     for (family, opclass, bucket), cfg in _TABLE.items():
@@ -772,13 +846,16 @@ def inspect_specs():
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
         tma_ok = arch == "sm_90" and opclass != "fp32" and TensorDescriptor is not None
         loads = (False, True) if tma_ok else (False,)
-        for (kernel, name), dtype_precision, tma, dropout in itertools.product(
+        persistence = (False, True) if arch == "sm_90" and opclass == "16bit" else (False,)
+        for (kernel, name), dtype_precision, tma, dropout, persistent in itertools.product(
                 ((_gemm_act_kernel, "_gemm_act_kernel"), (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")),
-                variants, loads, (False, True)):
+                variants, loads, (False, True), persistence):
             dtype, precision = dtype_precision
             if dropout and (tma or dtype != torch.bfloat16):
                 continue  # the epilogue's cost: one dtype, pointer loads
-            key = (name, arch, dtype, precision, cfg, tma, dropout)
+            if persistent and (dropout or dtype != torch.bfloat16):
+                continue  # the launch shape's cost: bf16, both loads
+            key = (name, arch, dtype, precision, cfg, tma, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"
             if key in by_key:  # identical compile: one spec, both table entries named
                 by_key[key]["source"] += "," + label
@@ -798,7 +875,7 @@ def inspect_specs():
                 "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
                 "GROUP_M": cfg.GROUP_M, "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
-                "TMA": tma,
+                "TMA": tma, "PERSISTENT": persistent,
             })
             for c in constexprs:
                 sig[c] = "constexpr"
@@ -812,6 +889,8 @@ def inspect_specs():
                 config["loads"] = "tma"
             if dropout:
                 config["dropout"] = True
+            if persistent:
+                config["persistent"] = True
             spec = {
                 "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs,
@@ -823,7 +902,7 @@ def inspect_specs():
     # every other activation's epilogue (values and derivative), on one sm_90 bf16 grad kernel
     # (gelu's, the heaviest, stands for them in the table above)
     base = next(s for s in specs if s["kernel"] == "_gemm_act_grad_kernel" and s["arch"] == "sm_90"
-                and s["dtype"] == torch.bfloat16 and "loads" not in s["config"] and "dropout" not in s["config"])
+                and s["dtype"] == torch.bfloat16 and not {"loads", "dropout", "persistent"} & set(s["config"]))
     for act in ACTIVATIONS:
         if act != "gelu":
             meta = act_meta("leaky_relu:0.1" if act == "leaky_relu" else act)

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ._common import (
     _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _dropout_factor, _tile_ids,
-    _tile_safe, _upcast_flag, act_meta, cdiv, check_activation, device_capability, dot_precision, dropout_args,
-    gemm_config, launcher, plain_gemm, uses_aten_gemm, wanted,
+    _tile_safe, _upcast_flag, act_meta, cdiv, check_activation, dense_grid, device_capability, dot_precision,
+    dropout_args, gemm_config, launcher, plain_gemm, uses_aten_gemm, wanted,
 )
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
@@ -93,13 +93,13 @@ def _dual_mainloop(
 
 @triton.jit
 def _gated_preacts(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """(h_g, h_u, pid_m, row0, col0) of this program's tile: one function for the forward and its
+    """(h_g, h_u, pid_m, row0, col0) of output tile ``tile``: one function for the forward and its
     recompute, so both compute the pre-activations alike, bit for bit."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                             pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     row0 = pid_m * BLOCK_M
@@ -111,8 +111,8 @@ def _gated_preacts(
 
 
 @triton.jit
-def _gated_act_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr,
+def _gated_act_tile(
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
@@ -120,11 +120,11 @@ def _gated_act_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     hg, hu, pid_m, row0, col0 = _gated_preacts(
-        a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     y = _act_fwd(hg, ACTIVATION, NEG_SLOPE) * hu
     if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
-        y = y * _dropout_factor(tl.load(seed_ptr), row0 + tl.arange(0, BLOCK_M), col0, drop_threshold, drop_scale,
+        y = y * _dropout_factor(seed, row0 + tl.arange(0, BLOCK_M), col0, drop_threshold, drop_scale,
                                 BLOCK_M, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -134,9 +134,33 @@ def _gated_act_kernel(
 
 
 @triton.jit
-def _gated_act_grad_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
-    scale_ptr, dscale_ptr,
+def _gated_act_kernel(
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    if PERSISTENT:  # the dense kernels' launch shape (_common.GEMM_PERSISTENT)
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
+                             flatten=True):
+            _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
+                            stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+                            HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                            EVEN_K, PRECISION, UPCAST)
+    else:
+        _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
+                        stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+                        HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        EVEN_K, PRECISION, UPCAST)
+
+
+@triton.jit
+def _gated_act_grad_tile(
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
+    seed, scale_ptr, dscale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -144,9 +168,9 @@ def _gated_act_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # the forward's pre-activations, exactly as _gated_act_kernel computes them
+    # the forward's pre-activations, exactly as _gated_act_tile computes them
     hg, hu, pid_m, row0, col0 = _gated_preacts(
-        a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -162,7 +186,7 @@ def _gated_act_grad_kernel(
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
         g = g * tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32)[:, None]
     if DROPOUT:  # the forward's mask, regenerated: a = dropout(act * hu) for dW_down, g through the mask
-        factor = _dropout_factor(tl.load(seed_ptr), row0 + offs_m, col0, drop_threshold, drop_scale, BLOCK_M, BLOCK_N)
+        factor = _dropout_factor(seed, row0 + offs_m, col0, drop_threshold, drop_scale, BLOCK_M, BLOCK_N)
         g = g * factor
         if STORE_ACT:
             tl.store(act_ptr + offs, (act * hu * factor).to(act_ptr.dtype.element_ty), mask=mask)
@@ -176,6 +200,34 @@ def _gated_act_grad_kernel(
         part = (pid_m.to(tl.int64) * N + col0) + offs_n
         tl.store(partg_ptr + part, tl.sum(tl.where(mask, ghg, 0.0), axis=0), mask=mask_n)
         tl.store(partu_ptr + part, tl.sum(tl.where(mask, ghu, 0.0), axis=0), mask=mask_n)
+
+
+@triton.jit
+def _gated_act_grad_kernel(
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
+    scale_ptr, dscale_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
+                             flatten=True):
+            _gated_act_grad_tile(
+                tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
+                partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+    else:
+        _gated_act_grad_tile(
+            tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
+            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -205,7 +257,7 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
-    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
+    grid, meta["PERSISTENT"] = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
     return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid
 
 
@@ -319,7 +371,8 @@ def inspect_specs():
     """One spec per distinct compile of the two dual kernels for the sm90/sm80 dense table entries
     (BLOCK_N halved, ``gated_config``): fp16 and bf16 for "16bit" entries, fp32 for the others;
     activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it); bf16
-    also with dropout on the product (config ``"dropout": true``: T5 v1.1's); the grad kernel of one
+    also with dropout on the product (config ``"dropout": true``: T5 v1.1's), and sm_90 bf16 entries
+    persistent (``_common.GEMM_PERSISTENT``; config ``"persistent": true``); the grad kernel of one
     sm_90 bf16 entry also with the routed experts' row scale (config ``"row_scale": true``)."""
     specs, seen = [], {}
     kernels = ((_gated_act_kernel, "_gated_act_kernel"), (_gated_act_grad_kernel, "_gated_act_grad_kernel"))
@@ -332,10 +385,12 @@ def inspect_specs():
             variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
         else:
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
-        for (kernel, name), (dtype, precision), dropout in itertools.product(kernels, variants, (False, True)):
-            if dropout and dtype != torch.bfloat16:
+        persistence = (False, True) if arch == "sm_90" and opclass == "16bit" else (False,)
+        for (kernel, name), (dtype, precision), dropout, persistent in itertools.product(
+                kernels, variants, (False, True), persistence):
+            if (dropout or persistent) and dtype != torch.bfloat16 or dropout and persistent:
                 continue
-            key = (name, arch, dtype, precision, cfg, dropout)
+            key = (name, arch, dtype, precision, cfg, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"
             if key in seen:
                 seen[key]["source"] += "," + label
@@ -359,7 +414,7 @@ def inspect_specs():
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
-                "EVEN_K": True, "PRECISION": precision, "UPCAST": False,
+                "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "PERSISTENT": persistent,
             }
             if kernel is _gated_act_grad_kernel:
                 constexprs.update(STORE_ACT=True, ROW_SCALE=False)
@@ -371,6 +426,8 @@ def inspect_specs():
                 config["input_precision"] = precision
             if dropout:
                 config["dropout"] = True
+            if persistent:
+                config["persistent"] = True
             spec = {
                 "fn": kernel, "kernel": name, "arch": arch, "dtype": dtype, "config": config,
                 "signature": sig, "constexprs": constexprs, "num_warps": cfg.num_warps,
@@ -380,7 +437,8 @@ def inspect_specs():
             specs.append(spec)
     # the routed experts' variant (row scale and its gradient in the epilogue), one sm_90 bf16 entry
     base = next(sp for sp in specs if sp["kernel"] == "_gated_act_grad_kernel" and sp["arch"] == "sm_90"
-                and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"])
+                and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"]
+                and not sp["constexprs"]["PERSISTENT"])
     # as moe_experts launches it: SwiGLU, no bias, the scales a slice at any offset, any row count
     routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True, "HAS_BIAS": False, "ACTIVATION": "silu"},
               "config": {**base["config"], "row_scale": True},

@@ -515,3 +515,32 @@ def test_conv_tradeoff_summary():
     assert out["settings"][default] == dict(geomean=1.0, min=0.5, max=2.0, shapes=2)  # sqrt(0.5 * 2)
     assert out["settings"][tradeoff.setting(records[2])]["shapes"] == 1
     assert out["best"] == {(1,): (default, 0.5), (2,): (default, 2.0)}
+
+
+def test_tile_sweep_ffn_step_runs_every_launch_switch(monkeypatch):
+    """benchmarks/gpu_tile_sweep.py's ffn part on the CPU (tiny cases, one untimed call for a
+    timing): eager and checkpoint recorded per pattern, then fusedrc under each launch switch with
+    gradients matching eager's, the switches put back afterwards; no record is an error."""
+    import importlib
+    import pathlib
+    import sys
+
+    from fusedrc.kernels import _common
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    try:
+        sweep = importlib.import_module("gpu_tile_sweep")
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(sweep, "_time", lambda fn: [fn() or 1e-3])
+    records = []
+    cases = [("fused_mlp", dict(M=24, d=16, h=40)), ("gated_mlp", dict(M=24, d=16, h=24))]
+    sweep.sweep_ffn(torch.float32, records, device="cpu", cases=cases)
+    assert not any("error" in r for r in records)
+    for pattern, _ in cases:
+        mine = [r for r in records if r["pattern"] == pattern]
+        assert [r["impl"] for r in mine[:2]] == ["eager", "torch_checkpoint"]
+        assert [r["variant"] for r in mine[2:]] == [v[0] for v in sweep.FFN_VARIANTS]
+        assert all(r["err_grads"] < 1e-4 for r in mine[2:])
+        assert [r["in_table"] for r in mine[2:]] == [True, False, False, False]
+    assert (_common.GEMM_TMA, _common.GEMM_PERSISTENT) == (False, 0)

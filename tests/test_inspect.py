@@ -81,6 +81,12 @@ def test_every_spec_compiled(inspection):
         assert {r["dtype"] for r in results if r["kernel"] == name and r["config"].get("loads") == "tma"} == {
             "float16", "bfloat16", "float32"}, name
         assert {r["arch"] for r in results if r["kernel"] == name and r["config"].get("loads") == "tma"} == {"sm_90"}
+    # and launched persistent (GEMM_PERSISTENT): sm_90 bf16, dense with either load, gated
+    for name in DENSE_KERNELS | GATED_KERNELS:
+        persistent = [r for r in results if r["kernel"] == name and r["config"].get("persistent")]
+        assert {(r["arch"], r["dtype"]) for r in persistent} == {("sm_90", "bfloat16")}, name
+        if name in DENSE_KERNELS:
+            assert {r["config"].get("loads", "pointer") for r in persistent} == {"pointer", "tma"}, name
     # and the passes over a z buffer (buffered strategies, CONV_Z="aten"), elementwise
     fwd_modes = {(r["config"].get("mode"), r["gemm"]) for r in results if r["kernel"] == "_conv_bn_fwd_kernel"}
     assert fwd_modes >= {("stats", True), ("apply", True), ("from_z", False), ("z_stats", False)}

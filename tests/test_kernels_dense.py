@@ -512,3 +512,66 @@ def test_dot_precision_follows_either_tf32_api():
     finally:
         matmul.fp32_precision = prev
     assert _common.dot_precision(cuda_fp32) == ("tf32" if matmul.allow_tf32 else "ieee")
+
+
+# --------------------------------------------------------------------------- persistent launches
+class _GridSpy:
+    """Stands for a @triton.jit kernel: records (grid size, PERSISTENT) of each launch."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.seen.append((grid[0], kw["PERSISTENT"]))
+            return self.kernel[grid](*args, **kw)
+        return run
+
+
+def persistent_runs(monkeypatch, module, names, run):
+    """``run()`` launched one program per tile, then persistent on 2 programs (GEMM_PERSISTENT=2 on
+    one pretend SM): (first results, second results, [(grid size, PERSISTENT)] of the second)."""
+    monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")
+    first = run()
+    seen = []
+    for name in names:
+        monkeypatch.setattr(module, name, _GridSpy(getattr(module, name), seen))
+    monkeypatch.setattr(_common, "GEMM_PERSISTENT", 2)
+    monkeypatch.setattr(_common, "_INTERPRETER_SMS", 1)
+    monkeypatch.setattr(_common, "_sm_count", lambda index: 1)
+    return first, run(), seen
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["plain", "dropout"])
+def test_persistent_launch_matches_one_program_per_tile(dropout, device, monkeypatch):
+    """GEMM_PERSISTENT: 2 programs walk every output tile of each dense launch (the tile loop
+    flattened into the K loop); a tile's arithmetic is unchanged, so the FFN's output and its
+    gradients equal the one-program-per-tile launch's bit for bit (the bias gradients, column
+    sums of per-tile partials, to rounding: a GPU may add a tile's rows in another order), the
+    recomputed activation equals the forward's, and dropout's mask is the same."""
+    dtype = torch.float16
+    x, w1, b1, w2, b2, g = _mlp_inputs(70, 40, 100, 36, dtype, device, True)
+    seed = torch.tensor([1234], dtype=torch.int64, device=device)
+
+    def run():
+        out = fused_mlp.fused_mlp_forward(x, w1, b1, w2, b2, "gelu", dropout, seed)
+        grads = fused_mlp.fused_mlp_backward(x, w1, b1, w2, b2, g, "gelu", dropout, seed)
+        a = _common.gemm_act(x, w1.t(), b1, "gelu", dropout=(dropout, seed))
+        _, a_bwd, _ = _common.gemm_act_grad(x, w1.t(), b1, torch.ones_like(a), "gelu", store_act=True,
+                                            dropout=(dropout, seed))
+        return out, grads, a, a_bwd
+
+    (out0, grads0, a0, _), (out1, grads1, a1, a1_bwd), seen = persistent_runs(
+        monkeypatch, _common, ("_gemm_act_kernel", "_gemm_act_grad_kernel"), run)
+    assert seen and all(p and n == 2 for n, p in seen)  # every launch has more than 2 tiles here
+    assert torch.equal(out0, out1) and torch.equal(a0, a1) and torch.equal(a1, a1_bwd)
+    for name, t0, t1 in zip(["dx", "dw1", "db1", "dw2", "db2"], grads0, grads1):
+        if name.startswith("db"):
+            assert _rel(t1, t0.double()) < 1e-6, name
+        else:
+            assert torch.equal(t0, t1), name
+    out_ref = R.fused_mlp_forward(_d(x), _d(w1), _d(b1), _d(w2), _d(b2), "gelu")
+    if dropout == 0:
+        _check([out1], [out_ref], dtype, ["out"])
+    else:  # a fresh mask, same keep rate
+        assert 0.55 < (a1 != 0).float().mean().item() < 0.85

@@ -273,3 +273,31 @@ def test_recompute_and_mark_run_the_fused_op():
     ref = m.down_proj(TF.silu(m.gate_proj(x)) * m.up_proj(x))
     (gx_ref,) = torch.autograd.grad(ref.sum(), x)
     assert rel_err(y, ref) < 1e-5 and rel_err(gx, gx_ref) < 1e-5
+
+
+def test_persistent_launch_matches_one_program_per_tile(device, monkeypatch):
+    """The dual kernels under GEMM_PERSISTENT (2 programs walking the tiles): output and every
+    gradient equal the one-program-per-tile launch's bit for bit (bias gradients to rounding), and
+    the recomputed product equals the forward's."""
+    from test_kernels_dense import _rel, persistent_runs
+
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(70, 40, 72, 36, torch.float16, device)
+
+    def run():
+        out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu")
+        grads = gated_mlp.gated_mlp_backward(x, wg, bg, wu, bu, wd, bd, g, "silu")
+        a = gated_mlp.gated_act(x, wg, wu, bg, bu, "silu")
+        a_bwd = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), "silu")[2]
+        return out, grads, a, a_bwd
+
+    (out0, grads0, a0, _), (out1, grads1, a1, a1_bwd), seen = persistent_runs(
+        monkeypatch, gated_mlp, ("_gated_act_kernel", "_gated_act_grad_kernel"), run)
+    assert len(seen) == 4 and all(p and n == 2 for n, p in seen)
+    assert torch.equal(out0, out1) and torch.equal(a0, a1) and torch.equal(a1, a1_bwd)
+    for name, t0, t1 in zip(NAMES[1:], grads0, grads1):
+        if name.startswith("db"):
+            assert _rel(t1, t0.double()) < 1e-6, name
+        else:
+            assert torch.equal(t0, t1), name
+    _check([out1], [R.gated_mlp_forward(*[_d(t) for t in (x, wg, bg, wu, bu, wd, bd)], "silu")],
+           torch.float16, ["out"])
