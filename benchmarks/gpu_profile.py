@@ -1,9 +1,11 @@
 """Where a fused step's time goes on a GPU: torch.profiler over a few steps of each pattern.
 
-Prints, per pattern and strategy, the GPU kernels (self CUDA time) and the CPU-side
-wall time per step, so launch/dispatch overhead shows next to kernel time.
+Prints, per pattern and strategy (and, for the conv pattern, fusedrc under two of its switches:
+z from cuDNN, one recompute pass plus a z buffer), the GPU kernels (self CUDA time) and the
+CPU-side wall time per step, so launch/dispatch overhead shows next to kernel time. Conv shapes
+run channels_last, as benchmarks/gpu_conv_tradeoff.py and the ResNet runs do (``--nchw``: not).
 
-    python benchmarks/gpu_profile.py [--dtype bfloat16] [--only conv]
+    python benchmarks/gpu_profile.py [--dtype bfloat16] [--only conv] [--nchw]
 """
 from __future__ import annotations
 
@@ -28,41 +30,74 @@ SHAPES = {
 }
 
 
+# fusedrc's conv switches profiled besides the default (kernels/conv_bn_act.py): z from cuDNN
+# with elementwise passes, and one recompute pass plus a transient z
+CONV_VARIANTS = [("CONV_Z=aten", dict(CONV_Z="aten")), ("BWD_RECOMPUTE_TWICE=False", dict(BWD_RECOMPUTE_TWICE=False))]
+
+
+def _runs(pattern):
+    """(label, strategy, conv switches) of each profiled run of a pattern."""
+    runs = [(s, s, {}) for s in bk.STRATEGIES]
+    if pattern == "conv_bn_act":
+        runs += [(f"fusedrc {label}", "fusedrc", sw) for label, sw in CONV_VARIANTS]
+    return runs
+
+
+def _profile(case, strategy):
+    """(enqueue s/step, wall s/step, GPU kernel ms/step, key averages) of a few steps."""
+    for _ in range(3):
+        case.step(strategy)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        case.step(strategy)
+    cpu = (time.perf_counter() - t0) / 5
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            case.step(strategy)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    # kernel rows only: an op row (aten::mm, fusedrc::...) repeats its kernels' time
+    gpu = sum(e.self_device_time_total for e in ka
+              if e.device_type == DeviceType.CUDA and e.self_device_time_total) / 3 / 1e3
+    return cpu, wall, gpu, ka
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--only", default="", help="profile the shapes whose name starts with this (e.g. conv)")
+    ap.add_argument("--nchw", action="store_true", help="conv shapes in NCHW (default: channels_last, as "
+                                                         "gpu_conv_tradeoff.py and the ResNet runs)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
+    from fusedrc.kernels import conv_bn_act as ck
+
     with fusedrc.use_backend("triton"):
         for name, shape in SHAPES.items():
             if not name.startswith(args.only):
                 continue
-            case = bk._Case(name.removesuffix("_small").removesuffix("_b256"), shape, dev, dtype, "triton")
-            for s in bk.STRATEGIES:
-                for _ in range(3):
-                    case.step(s)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    case.step(s)
-                cpu = (time.perf_counter() - t0) / 5
-                torch.cuda.synchronize()
-                wall = (time.perf_counter() - t0) / 5
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        case.step(s)
-                    torch.cuda.synchronize()
-                ka = prof.key_averages()
-                # kernel rows only: an op row (aten::mm, fusedrc::...) repeats its kernels' time
-                gpu = sum(e.self_device_time_total for e in ka
-                          if e.device_type == DeviceType.CUDA and e.self_device_time_total) / 3 / 1e3
-                print(f"=== {name} {shape} {s}: enqueue {cpu * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
+            pattern = name.removesuffix("_small").removesuffix("_b256")
+            case = bk._Case(pattern, shape, dev, dtype, "triton")
+            if pattern == "conv_bn_act" and not args.nchw:
+                case.block.to(memory_format=torch.channels_last)
+                case.x = case.x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+                case.grad = case.grad.contiguous(memory_format=torch.channels_last)
+            for label, strategy, switches in _runs(pattern):
+                saved = {k: getattr(ck, k) for k in switches}
+                try:
+                    for k, v in switches.items():
+                        setattr(ck, k, v)
+                    cpu, wall, gpu, ka = _profile(case, strategy)
+                finally:
+                    for k, v in saved.items():
+                        setattr(ck, k, v)
+                print(f"=== {name} {shape} {label}: enqueue {cpu * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
                       f"GPU kernels {gpu:.3f} ms/step", flush=True)
-                if s != "torch_checkpoint":
-                    print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60),
-                          flush=True)
+                print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60), flush=True)
 
 
 if __name__ == "__main__":

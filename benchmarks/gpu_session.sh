@@ -31,9 +31,10 @@
 # call at 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a
 # session under ~800 s. Next (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts
 # found)/opt/sweep/conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
-#   session 1, call 1 (<= 430 s): FUSEDRC_TIMEOUT_TILES=75 FUSEDRC_TIMEOUT_PROFILE=60
-#            FUSEDRC_TIMEOUT_MIXTRAL=70 ... "$OUT" tiles profile mixtral   (the tiles step's ffn part
-#            first: the dense launch switches on whole steps, issue 3's ratios)
+#   session 1, call 1 (<= 450 s): FUSEDRC_TIMEOUT_TILES=70 FUSEDRC_TIMEOUT_PROFILE=90
+#            FUSEDRC_TIMEOUT_MIXTRAL=60 ... "$OUT" tiles profile mixtral   (the tiles step's ffn part
+#            first: the dense launch switches on whole steps, issue 3's ratios; profile: the conv
+#            pattern's kernels under checkpoint, fusedrc and two of its switches, channels_last)
 #   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=300 ... "$OUT" tests
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
 #            conv_grouped models_mobile kernels; then conv_compile
@@ -95,7 +96,8 @@ for step in "${steps[@]}"; do
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         opt) timeout -k 30 $(limit opt 150) python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
         mixtral) timeout -k 30 $(limit mixtral 200) python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
-        # host vs GPU time of the conv pattern (torch.profiler tables; is a layer host-bound?)
+        # host vs GPU time of the conv pattern, kernel by kernel (torch.profiler tables: is a layer
+        # host-bound? which of fusedrc's passes costs what next to checkpoint's kernels?)
         profile) timeout -k 30 $(limit profile 120) python3 benchmarks/gpu_profile.py --only conv \
                      > "$w/results/profile_conv.log" 2>&1; grep "^===" "$w/results/profile_conv.log" ;;
         models_mobile) timeout -k 30 $(limit models_mobile 250) python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
