@@ -8,7 +8,10 @@ and, with ``--switches``, every setting of kernels/conv_bn_act.py's recompute
 switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE with cuDNN's dX/dW, the Triton dX/dW once, z from
 cuDNN (CONV_Z="aten"), and the "auto" settings). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
-allocated bytes above what was allocated before it.
+allocated bytes above what was allocated before it. ``--cuda-graph`` times each step as the
+replay of a CUDA graph it was captured in: the GPU's time with no host overhead (a layer step at
+these sizes is host-bound in eager mode: H200, 2026-11-26: checkpoint 1.5-2.4 ms a layer where
+eager took 0.3-1.7 ms, fusedrc 1.6-2.6 ms whatever its switches).
 
 ``--shapes grouped``: the grouped convs instead: EfficientNet-B0's depthwise Conv-BN-SiLU
 layers and ResNeXt-50 32x4d's grouped 3x3 Conv-BN-ReLU, ResNeXt-101 32x8d's last stage and
@@ -20,6 +23,7 @@ the opt-in DIRECT kernels up to 32 channels per group).
     python benchmarks/gpu_conv_tradeoff.py                    # batch 256, bf16, channels_last
     python benchmarks/gpu_conv_tradeoff.py --batch 32 --nchw --switches --no-compile
     python benchmarks/gpu_conv_tradeoff.py --shapes grouped --no-compile
+    python benchmarks/gpu_conv_tradeoff.py --cuda-graph --few-switches --no-compile  # GPU time only
     python benchmarks/gpu_conv_tradeoff.py --summarize benchmarks/results/conv_tradeoff_cuda_<time>.json
 """
 from __future__ import annotations
@@ -62,16 +66,45 @@ _ACT = {"relu": nn.ReLU, "silu": nn.SiLU}
 SWITCHES = ("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD", "CONV_Z")
 
 
-def _measure(step, fwd):
+def _measure(step, fwd, cuda_graph=False, ref_dx=None):
     """Timings and the step's peak above what was allocated before it (the gradients the timing
-    runs left are freed first: counted as resident they would lower the peak), or the error."""
+    runs left are freed first: counted as resident they would lower the peak), or the error.
+    ``cuda_graph``: the step captured in a CUDA graph and timed by its replays, so that no host
+    time (Python, dispatch, kernel launches) is in the timings: the GPU time of the step. Its
+    input gradient after a replay is checked against ``ref_dx`` (``err_dx``); no peak."""
     try:
+        if cuda_graph:
+            graph = _graphed(step, fwd)
+            graph.replay()
+            rec = dict(times_s=measure.do_bench_times(graph.replay), cuda_graph=True,
+                       err_dx=((step.x.grad.float() - ref_dx.float()).norm() / ref_dx.float().norm()).item())
+            del graph
+            step.clear()
+            torch.cuda.empty_cache()
+            return rec
         times = measure.do_bench_times(lambda: step(fwd))
         step.clear()
         peak, before = measure.peak_allocated(torch.device("cuda"), lambda: step(fwd))
         return dict(times_s=times, peak_bytes=peak - before)
     except Exception as e:  # record and go on: one failing strategy must not hide the rest
-        return dict(error=f"{type(e).__name__}: {e}"[:500])
+        return dict(error=f"{type(e).__name__}: {e}"[:500], **(dict(cuda_graph=True) if cuda_graph else {}))
+
+
+def _graphed(step, fwd):
+    """One training step captured in a CUDA graph, after warm-up steps on a side stream (torch's
+    whole-network capture recipe: the Triton kernels compile and cuDNN picks its algorithms there);
+    the gradients are allocated in the graph's pool and rewritten by every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(fwd)
+    torch.cuda.current_stream().wait_stream(side)
+    step.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(fwd)
+    return graph
 
 
 def conv_layer(shape, batch, dtype, channels_last):
@@ -99,6 +132,7 @@ def conv_layer(shape, batch, dtype, channels_last):
         fwd().backward(g)
 
     step.clear = clear
+    step.x = x
     return block, x, g, step
 
 
@@ -157,6 +191,10 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--nchw", action="store_true", help="NCHW instead of channels_last")
     ap.add_argument("--switches", action="store_true", help="also every recompute-switch setting")
+    ap.add_argument("--few-switches", action="store_true",
+                    help="also z from cuDNN (CONV_Z=aten) and one recompute pass + z (BWD_RECOMPUTE_TWICE=False)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="time each step as a CUDA graph replay: GPU time, no host overhead")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     ap.add_argument("--shapes", default="resnet50", choices=("resnet50", "grouped"),
                     help="ResNet-50's layers, or grouped/depthwise ones (EfficientNet-B0, ResNeXt-50)")
@@ -178,6 +216,8 @@ def main():
         variants += [{**default, **dict(zip(SWITCHES, v))}
                      for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
                                ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
+    elif args.few_switches:
+        variants += [{**default, "CONV_Z": "aten"}, {**default, "BWD_RECOMPUTE_TWICE": False}]
     if args.shapes == "grouped":  # grouped convs take aten's dX/dW whatever CONV_GRAD says: one run of each
         variants = [v for i, v in enumerate(variants)
                     if {**v, "CONV_GRAD": "aten"} not in [{**u, "CONV_GRAD": "aten"} for u in variants[:i]]]
@@ -190,21 +230,28 @@ def main():
     try:
         for shape in shapes:
             block, x, _, step = conv_layer(shape, args.batch, dtype, not args.nchw)
+            # no RNG in the block: checkpoint's RNG-state save (which a graph capture refuses) changes nothing
             strategies = {"eager": lambda: block(x),
-                          "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False)}
+                          "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False,
+                                                                 preserve_rng_state=not args.cuda_graph)}
             if not args.no_compile:
                 # a fresh dynamo per layer: past recompile_limit (8) dynamo would silently run eager
                 torch._dynamo.reset()
                 compiled = torch.compile(block)
                 strategies["torch_compile"] = lambda: compiled(x)
+            ref_dx = None
+            if args.cuda_graph:
+                step(strategies["eager"])
+                ref_dx = x.grad.clone()
             for name, fwd in strategies.items():
-                records.append(dict(shape=shape, strategy=name, **_measure(step, fwd)))
+                records.append(dict(shape=shape, strategy=name, **_measure(step, fwd, args.cuda_graph, ref_dx)))
             with fusedrc.use_backend("triton"):
                 for variant in variants:
                     for n, v in variant.items():
                         setattr(k, n, v)
                     fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
-                    records.append(dict(shape=shape, strategy="fusedrc", **variant, **_measure(step, fwd)))
+                    records.append(dict(shape=shape, strategy="fusedrc", **variant,
+                                        **_measure(step, fwd, args.cuda_graph, ref_dx)))
                 for n, v in default.items():
                     setattr(k, n, v)
             mine = [r for r in records if r["shape"] == shape]
@@ -213,15 +260,18 @@ def main():
                 med = measure.quantile(r["times_s"], 0.5) if "times_s" in r else float("nan")
                 tag = setting(r)
                 ratio = med / ref["torch_checkpoint"] if "torch_checkpoint" in ref else float("nan")
+                extra = f"err_dx {r['err_dx']:.1e}" if "err_dx" in r else \
+                    f"peak {(r.get('peak_bytes') or 0) / 2**20:8.1f} MiB"
                 print(f"{str(shape):36s} {tag:60s} {med * 1e3:8.3f} ms  x{ratio:5.2f} ckpt  "
-                      f"peak {r.get('peak_bytes', 0) / 2**20:8.1f} MiB {r.get('error', '')}", flush=True)
+                      f"{extra} {r.get('error', '')}", flush=True)
         complete = True
     except KeyboardInterrupt:
         print(f"interrupted: writing the {len(records)} records measured so far", flush=True)
     finally:  # any other error too: the shapes measured before it are kept
         name = measure.write_results(
-            args.out, "conv_tradeoff_cuda" if args.shapes == "resnet50" else "conv_tradeoff_grouped_cuda",
-            "conv_tradeoff", torch.device("cuda"), dtype=args.dtype,
+            args.out, ("conv_tradeoff" if args.shapes == "resnet50" else "conv_tradeoff_grouped")
+            + ("_graph" if args.cuda_graph else "") + "_cuda",
+            "conv_tradeoff", torch.device("cuda"), dtype=args.dtype, cuda_graph=args.cuda_graph,
             batch=args.batch, memory_format="NCHW" if args.nchw else "channels_last",
             shape_fields=["C_in", "C_out", "kernel", "stride", "H=W"] + (["groups", "activation"] if
                                                                        args.shapes == "grouped" else []),

@@ -7,6 +7,8 @@
 #   kernels  per-kernel microbenchmarks (fusedrc-bench kernels)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
+#   conv_graph  the same shapes as CUDA graph replays (GPU time: eager layer steps there are host-bound),
+#            fusedrc's default, CONV_Z=aten and BWD_RECOMPUTE_TWICE=False
 #   conv_compile  the same shapes against torch.compile of the layer
 #   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50/101, RegNetY): the default
 #            (reference path / per-group GEMM) against the opt-in DIRECT kernels
@@ -16,6 +18,8 @@
 #            (benchmarks/gpu_tile_sweep.py)
 #   sweep    the default memory-vs-speed sweep without torch.compile (images in channels_last)
 #   models   issue 6's run: ResNet-50 at batch 256, bf16, channels_last, every convert strategy
+#   models_graph  ResNet-50 at batch 256: each strategy's step eager and as a CUDA graph replay
+#            (benchmarks/gpu_model_graph.py: how much of the step is host time)
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 #   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
 #   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
@@ -31,11 +35,12 @@
 # call at 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a
 # session under ~800 s. Next (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts
 # found)/opt/sweep/conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
-#   session 1, call 1 (<= 450 s): FUSEDRC_TIMEOUT_TILES=70 FUSEDRC_TIMEOUT_PROFILE=90
-#            FUSEDRC_TIMEOUT_MIXTRAL=60 ... "$OUT" tiles profile mixtral   (the tiles step's ffn part
-#            first: the dense launch switches on whole steps, issue 3's ratios; profile: the conv
-#            pattern's kernels under checkpoint, fusedrc and two of its switches, channels_last)
-#   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=300 ... "$OUT" tests
+#   session 1, call 1 (<= 480 s): FUSEDRC_TIMEOUT_CONV_GRAPH=110 FUSEDRC_TIMEOUT_MODELS_GRAPH=110
+#            FUSEDRC_TIMEOUT_TILES=50 FUSEDRC_TIMEOUT_PROFILE=60 ... "$OUT" conv_graph models_graph tiles
+#            profile   (conv_graph, models_graph: is the conv gap host time? tiles' ffn part: the dense
+#            launch switches on whole steps, issue 3's ratios; profile: the conv pattern's kernels)
+#   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=240
+#            FUSEDRC_TIMEOUT_MIXTRAL=60 ... "$OUT" tests mixtral
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
 #            conv_grouped models_mobile kernels; then conv_compile
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
@@ -83,6 +88,9 @@ for step in "${steps[@]}"; do
         kernels) timeout -k 30 $(limit kernels 150) python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
         conv) timeout -k 30 $(limit conv 360) python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
+        # the same layers' GPU time: each step a CUDA graph replay (no host overhead in it)
+        conv_graph) timeout -k 30 $(limit conv_graph 200) python3 benchmarks/gpu_conv_tradeoff.py --cuda-graph --few-switches \
+                        --no-compile --out "$w/results" 2>&1 | tail -40 ;;
         conv_compile) timeout -k 30 $(limit conv_compile 400) python3 benchmarks/gpu_conv_tradeoff.py --out "$w/results" 2>&1 | tail -40 ;;
         conv_grouped) timeout -k 30 $(limit conv_grouped 250) python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
                           --out "$w/results" 2>&1 | tail -40 ;;
@@ -94,6 +102,9 @@ for step in "${steps[@]}"; do
         sweep) timeout -k 30 $(limit sweep 150) python3 -m fusedrc.bench --no-compile --channels-last "${opts[@]}" 2>&1 | tail -30 ;;
         models) timeout -k 30 $(limit models 400) python3 -m fusedrc.bench --workload resnet50 --batch-sizes 256 --channels-last \
                     --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
+        # ResNet-50's strategies again, each step eager and as a CUDA graph replay (host time vs GPU time)
+        models_graph) timeout -k 30 $(limit models_graph 200) python3 benchmarks/gpu_model_graph.py --out "$w/results" 2>&1 \
+                          | tail -12 ;;
         opt) timeout -k 30 $(limit opt 150) python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
         mixtral) timeout -k 30 $(limit mixtral 200) python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
         # host vs GPU time of the conv pattern, kernel by kernel (torch.profiler tables: is a layer

@@ -1,0 +1,98 @@
+"""A real model's training step, eager and as a CUDA graph replay: how much of each strategy's
+step is host time (Python, dispatch, kernel launches) rather than GPU time.
+
+The ``models`` step of benchmarks/gpu_session.sh times ResNet-50 at batch 256 in eager mode. On
+the H200 (2026-11-26) torch.utils.checkpoint on the 53 conv units took 88 ms and convert(all)
+98 ms against the original's 54.5 ms, while a single layer step took checkpoint 1.5-2.4 ms where
+eager took 0.3-1.7 ms: the recomputing strategies looked host-bound. Here each strategy's step
+(``zero_grad`` + forward + loss + backward + ``SGD.step``, as ``fusedrc-bench``'s model runs) is
+timed both ways: eager, and captured once in a CUDA graph (after warm-up steps on a side stream)
+and replayed, which leaves only the GPU's time. Strategies a capture refuses (an RNG-state save
+during capture, a host sync) are recorded with their error.
+
+    python benchmarks/gpu_model_graph.py                       # resnet50, batch 256, bf16, channels_last
+    python benchmarks/gpu_model_graph.py --workload opt --batch 16
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from fusedrc.bench import measure, models
+
+
+def graphed(step):
+    """``step`` captured in a CUDA graph after three warm-up calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", default="resnet50", choices=("resnet50", "efficientnet_b0", "opt", "mixtral"))
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--nchw", action="store_true", help="image models in NCHW (default channels_last)")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_model_graph.py needs a CUDA GPU")
+    dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    measure.match_fp32_precision(dev)
+    missing = models.require(args.workload)
+    if missing:
+        raise SystemExit(missing)
+    wl = models.build(args.workload, dev, dtype, quick=False, channels_last=not args.nchw)
+    skipped = []
+    runners = models.runners_for(wl, args.batch, dev, dtype, budgets=(), skipped=skipped)
+    records = []
+    measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
+    complete = False
+    try:
+        for r in runners:
+            rec = dict(strategy=r.cfg.strategy, units=r.cfg.recomputed_units, blocks=r.cfg.recomputed_blocks)
+            try:
+                rec["eager_times_s"] = measure.do_bench_times(r.step)
+            except Exception as e:  # record and go on
+                rec["eager_error"] = f"{type(e).__name__}: {e}"[:400]
+            try:
+                graph = graphed(r.step)
+                graph.replay()
+                rec["graph_times_s"] = measure.do_bench_times(graph.replay)
+                del graph
+            except Exception as e:
+                rec["graph_error"] = f"{type(e).__name__}: {e}"[:400]
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            records.append(rec)
+            med = {k: measure.quantile(rec[f"{k}_times_s"], 0.5) * 1e3 for k in ("eager", "graph")
+                   if f"{k}_times_s" in rec}
+            base = next((x for x in records if x["strategy"] == "no_recompute"), None)
+            rel = {k: med[k] / (measure.quantile(base[f"{k}_times_s"], 0.5) * 1e3) for k in med
+                   if base is not None and f"{k}_times_s" in base}
+            print(f"{args.workload} batch {args.batch} {r.cfg.strategy:24s} "
+                  + "  ".join(f"{k} {med[k]:8.2f} ms (x{rel.get(k, float('nan')):4.2f} original)" for k in med)
+                  + f"  {rec.get('eager_error', '')}{rec.get('graph_error', '')}", flush=True)
+        complete = True
+    except KeyboardInterrupt:
+        print(f"interrupted: writing the {len(records)} records measured so far", flush=True)
+    finally:
+        name = measure.write_results(
+            args.out, f"model_graph_{args.workload}_cuda", "model_graph", dev, dtype=args.dtype,
+            workload=args.workload, batch=args.batch, memory_format="NCHW" if args.nchw else "channels_last",
+            step="zero_grad + forward + " + wl.loss_desc + " + backward + SGD.step", complete=complete,
+            skipped=skipped, records=records)
+        print("wrote", name)
+
+
+if __name__ == "__main__":
+    main()
