@@ -71,7 +71,7 @@ for step in "${steps[@]}"; do
             # SIGINT: pytest stops and still prints its summary of failures
             # the files only a GPU can check first: xdist hands tests out in collection order, so a
             # run cut by its timeout has covered the kernels (test_inspect compiles AOT: CPU work)
-            first=(kernels_dense kernels_gated kernels_conv moe triton_path amp_cuda amp compile distributed
+            first=(kernels_dense kernels_gated kernels_conv moe triton_path amp_cuda cuda_graphs amp compile distributed
                    output_mask dropout properties nn api recompute bad_input convert)
             files=()
             for f in "${first[@]}"; do files+=("tests/test_$f.py"); done
