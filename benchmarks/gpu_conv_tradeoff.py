@@ -10,8 +10,9 @@ cuDNN (CONV_Z="aten"), and the "auto" settings). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
 allocated bytes above what was allocated before it. ``--cuda-graph`` times each step as the
 replay of a CUDA graph it was captured in: the GPU's time with no host overhead (a layer step at
-these sizes is host-bound in eager mode: H200, 2026-11-26: checkpoint 1.5-2.4 ms a layer where
-eager took 0.3-1.7 ms, fusedrc 1.6-2.6 ms whatever its switches).
+these sizes looks host-bound in eager mode: H200, 2026-11-26, the 15 layers after the stem:
+checkpoint 1.48-2.44 ms where eager took 0.33-1.65 ms, fusedrc with cuDNN's dX/dW 1.59-2.96 ms
+whatever its other switches).
 
 ``--shapes grouped``: the grouped convs instead: EfficientNet-B0's depthwise Conv-BN-SiLU
 layers and ResNeXt-50 32x4d's grouped 3x3 Conv-BN-ReLU, ResNeXt-101 32x8d's last stage and
@@ -87,6 +88,8 @@ def _measure(step, fwd, cuda_graph=False, ref_dx=None):
         peak, before = measure.peak_allocated(torch.device("cuda"), lambda: step(fwd))
         return dict(times_s=times, peak_bytes=peak - before)
     except Exception as e:  # record and go on: one failing strategy must not hide the rest
+        if cuda_graph:  # a failed capture can leave its stream current
+            torch.cuda.set_stream(torch.cuda.default_stream())
         return dict(error=f"{type(e).__name__}: {e}"[:500], **(dict(cuda_graph=True) if cuda_graph else {}))
 
 

@@ -19,7 +19,7 @@ script is how entries are chosen offline (issues 3 and 4):
 
 - ffn: the dense patterns' training steps (issue 3's two FFNs, a gated MLP, routed experts; shapes
   as ``fusedrc-bench kernels``, whose cases it runs) under each launch switch of the dense
-  kernels (pointer / TMA loads, one program per tile / persistent), against eager and
+  kernels (one program per tile / persistent; and pointer / TMA loads for the dense FFN), against eager and
   ``torch.utils.checkpoint``: the ratios issue 3's targets are stated in.
 
 Every raw timing goes into the JSON with the device, versions and commit.
@@ -95,8 +95,8 @@ def _rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def _time(fn):
-    return measure.do_bench_times(fn)
+def _time(fn, rep=100):
+    return measure.do_bench_times(fn, rep=rep)
 
 
 def sweep_dense(dtype, records):
@@ -145,7 +145,9 @@ def sweep_dense(dtype, records):
 FFN_CASES = [("fused_mlp", dict(M=8192, d=4096, h=16384)), ("fused_mlp", dict(M=16384, d=1024, h=4096)),
              ("gated_mlp", dict(M=8192, d=4096, h=11008)), ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2))]
 # the dense kernels' launch switches, (label, GEMM_TMA, GEMM_PERSISTENT), each over the table's tiles
+# (the TMA ones on the dense FFN only: the dual kernels have no TMA path)
 FFN_VARIANTS = [("default", False, 0), ("tma", True, 0), ("persistent", False, 1), ("persistent_tma", True, 1)]
+FFN_REP_MS = 400  # steps of 2-66 ms: enough runs of each for a median
 
 
 def sweep_ffn(dtype, records, device="cuda", cases=FFN_CASES):
@@ -160,9 +162,11 @@ def sweep_ffn(dtype, records, device="cuda", cases=FFN_CASES):
         case.step("eager")
         ref = [case.x.grad.clone()] + [p.grad.clone() for p in case.params]
         for strategy in ("eager", "torch_checkpoint"):
-            records.append(dict(base, impl=strategy, times_s=_time(lambda: case.step(strategy))))
+            records.append(dict(base, impl=strategy, times_s=_time(lambda: case.step(strategy), FFN_REP_MS)))
         saved = _common.GEMM_TMA, _common.GEMM_PERSISTENT
         for label, tma, per_sm in FFN_VARIANTS:
+            if tma and pattern != "fused_mlp":
+                continue  # the dual kernels have no TMA path, and the plain GEMMs are cuBLAS's on CUDA
             _common.GEMM_TMA, _common.GEMM_PERSISTENT = tma, per_sm
             rec = dict(base, impl="fusedrc", variant=label, in_table=(tma, per_sm) == (bool(saved[0]), saved[1]))
             try:
@@ -170,7 +174,7 @@ def sweep_ffn(dtype, records, device="cuda", cases=FFN_CASES):
                     case.step("fusedrc")
                     got = [case.x.grad] + [p.grad for p in case.params]
                     rec["err_grads"] = max(_rel_err(a, b) for a, b in zip(got, ref))
-                    rec["times_s"] = _time(lambda: case.step("fusedrc"))
+                    rec["times_s"] = _time(lambda: case.step("fusedrc"), FFN_REP_MS)
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)

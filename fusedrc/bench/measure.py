@@ -60,15 +60,16 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def do_bench_times(fn):
+def do_bench_times(fn, rep: int = 100):
     """Every timing (seconds) ``triton.testing.do_bench`` takes of ``fn`` on the GPU (its 20/50/80th
-    percentiles on a Triton without ``return_mode="all"``)."""
+    percentiles on a Triton without ``return_mode="all"``). ``rep``: the milliseconds it spends timing
+    (it runs ``fn`` about rep / (one run's time) times: raise it for steps of tens of ms)."""
     from triton.testing import do_bench
 
     try:
-        ms = do_bench(fn, warmup=25, rep=100, return_mode="all")
+        ms = do_bench(fn, warmup=25, rep=rep, return_mode="all")
     except TypeError:  # an older triton without return_mode="all"
-        ms = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
+        ms = do_bench(fn, warmup=25, rep=rep, quantiles=[0.2, 0.5, 0.8])
     return [t / 1e3 for t in ms]
 
 

@@ -1,0 +1,116 @@
+"""Host cost of one Conv2d -> BatchNorm2d -> ReLU training step, on the CPU: Python and dispatch only.
+
+On a GPU a layer step whose kernels are short is bound by the host: the time Python, the dispatcher
+and the kernel launches take to enqueue it. This script measures that share without a GPU. It runs
+a tiny layer (batch 1, 8 channels, 4x4) on the CPU with fusedrc's Triton kernels stubbed out
+(Triton's interpreter would otherwise run them; a stubbed launch costs nothing) and its call of
+cuDNN's conv backward (``aten.convolution_backward``, from Python) stubbed too. Eager and
+``torch.utils.checkpoint`` run for real; at this size their CPU arithmetic is a few microseconds.
+What remains for fusedrc is its own Python: argument checks, the autograd glue, the launchers,
+the running statistics.
+
+Forward and backward are timed apart, every raw timing is written to
+``benchmarks/results/host_cost_cpu_<time>.json``.
+
+    python benchmarks/cpu_host_cost.py [--steps 300] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before fusedrc: the CPU runs the "triton" backend's code
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+import fusedrc  # noqa: E402
+from fusedrc.bench import measure  # noqa: E402
+
+
+def _stub_kernels():
+    """Triton launches do nothing (their outputs stay as allocated); fusedrc's Python call of the conv
+    backward returns zeros. Returns the launch counter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fusedrc.kernels import conv_bn_act
+
+    launches = [0]
+
+    def getitem(self, grid):
+        def run(*args, **kwargs):
+            launches[0] += 1
+        return run
+
+    InterpretedFunction.__getitem__ = getitem
+
+    class _Aten:
+        def __getattr__(self, name):
+            return getattr(torch.ops.aten, name)
+
+        @staticmethod
+        def convolution_backward(dz, x, w, *args):
+            return torch.zeros_like(x), torch.zeros_like(w), None
+
+    class _Torch(types.ModuleType):  # the kernels module's `torch`, its aten conv backward stubbed
+        ops = types.SimpleNamespace(aten=_Aten())
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    # only the kernels module's view of torch: eager's and checkpoint's autograd are untouched
+    conv_bn_act.torch = _Torch("torch")
+    return launches
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300, help="timed steps per strategy")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_flush_denormal(True)  # stubbed outputs are uninitialised memory
+    launches = _stub_kernels()
+    fmt = torch.channels_last
+    block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()).to(memory_format=fmt)
+    fused = fusedrc.nn.ConvBNReLU.from_modules(block[0], block[1])
+    x = torch.randn(1, 8, 4, 4).contiguous(memory_format=fmt).requires_grad_(True)
+    g = torch.randn(1, 8, 4, 4).contiguous(memory_format=fmt)
+    cases = {"eager": lambda: block(x), "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False),
+             "fusedrc.recompute": lambda: fusedrc.recompute(block, x), "fusedrc.nn.ConvBNReLU": lambda: fused(x)}
+    records = []
+    with fusedrc.use_backend("triton"):
+        for name, fwd in cases.items():
+            f_times, b_times = [], []
+            launches[0] = 0
+            for i in range(20 + args.steps):
+                x.grad = None
+                for p in block.parameters():
+                    p.grad = None
+                t0 = time.perf_counter()
+                y = fwd()
+                t1 = time.perf_counter()
+                y.backward(g)
+                t2 = time.perf_counter()
+                if i >= 20:
+                    f_times.append(t1 - t0)
+                    b_times.append(t2 - t1)
+            rec = dict(strategy=name, forward_times_s=f_times, backward_times_s=b_times,
+                       triton_launches_per_step=launches[0] / (20 + args.steps))
+            records.append(rec)
+            fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
+            print(f"{name:24s} forward {fm:7.1f} us  backward {bm:7.1f} us  total {fm + bm:7.1f} us  "
+                  f"(stubbed Triton launches a step: {rec['triton_launches_per_step']:.0f})", flush=True)
+    path = measure.write_results(args.out, "host_cost_cpu", "host_cost", torch.device("cpu"),
+                                 layer="Conv2d(8, 8, 3, padding=1) + BatchNorm2d + ReLU, input 1x8x4x4, "
+                                       "channels_last, fp32", stubbed="fusedrc's Triton launches and its "
+                                       "aten.convolution_backward call", records=records)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
