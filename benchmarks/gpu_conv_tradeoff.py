@@ -145,7 +145,7 @@ def setting(r) -> str:
         return r["strategy"]
     return (f"fusedrc fwd_rc={r['FWD_RECOMPUTE']} twice={r['BWD_RECOMPUTE_TWICE']} grad={r['CONV_GRAD']} "
             f"z={r['CONV_Z']}" + (f" direct<={r['DIRECT_MAX_GROUP_CHANNELS']}" if "DIRECT_MAX_GROUP_CHANNELS" in r
-                                  else ""))
+                                  else "") + (f" flat<={r['FLAT_K_MAX_CHANNELS']}" if "FLAT_K_MAX_CHANNELS" in r else ""))
 
 
 def summarize(records) -> dict:
@@ -195,7 +195,8 @@ def main():
     ap.add_argument("--nchw", action="store_true", help="NCHW instead of channels_last")
     ap.add_argument("--switches", action="store_true", help="also every recompute-switch setting")
     ap.add_argument("--few-switches", action="store_true",
-                    help="also z from cuDNN (CONV_Z=aten) and one recompute pass + z (BWD_RECOMPUTE_TWICE=False)")
+                    help="also z from cuDNN (CONV_Z=aten), one recompute pass + z (BWD_RECOMPUTE_TWICE=False) "
+                         "and, on the stem, the per-tap K loop (FLAT_K_MAX_CHANNELS=0)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time each step as a CUDA graph replay: GPU time, no host overhead")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
@@ -208,7 +209,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     measure.match_fp32_precision(torch.device("cuda"))
     k = importlib.import_module("fusedrc.kernels.conv_bn_act")
-    switches = SWITCHES + (("DIRECT_MAX_GROUP_CHANNELS",) if args.shapes == "grouped" else ())
+    switches = SWITCHES + ("FLAT_K_MAX_CHANNELS",) + (("DIRECT_MAX_GROUP_CHANNELS",) if args.shapes == "grouped" else ())
     default = {n: getattr(k, n) for n in switches}
     variants = [default]
     if args.switches:
@@ -220,7 +221,8 @@ def main():
                      for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
                                ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
     elif args.few_switches:
-        variants += [{**default, "CONV_Z": "aten"}, {**default, "BWD_RECOMPUTE_TWICE": False}]
+        variants += [{**default, "CONV_Z": "aten"}, {**default, "BWD_RECOMPUTE_TWICE": False},
+                     {**default, "FLAT_K_MAX_CHANNELS": 0}]  # the stem's per-tap loop (other layers: skipped)
     if args.shapes == "grouped":  # grouped convs take aten's dX/dW whatever CONV_GRAD says: one run of each
         variants = [v for i, v in enumerate(variants)
                     if {**v, "CONV_GRAD": "aten"} not in [{**u, "CONV_GRAD": "aten"} for u in variants[:i]]]
@@ -250,6 +252,9 @@ def main():
                 records.append(dict(shape=shape, strategy=name, **_measure(step, fwd, args.cuda_graph, ref_dx)))
             with fusedrc.use_backend("triton"):
                 for variant in variants:
+                    if variant["FLAT_K_MAX_CHANNELS"] != default["FLAT_K_MAX_CHANNELS"] and \
+                            shape[0] > max(variant["FLAT_K_MAX_CHANNELS"], default["FLAT_K_MAX_CHANNELS"]):
+                        continue  # the flat K loop's switch changes nothing on this layer
                     for n, v in variant.items():
                         setattr(k, n, v)
                     fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)

@@ -8,7 +8,9 @@ Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
 (C_out, C_in / groups, KH, KW). With groups=1 the convolution is an implicit GEMM:
 M = N*OH*OW output pixels, N = C_out, K = KH*KW*C_in, iterated in one flat loop
 over (tap, C_in block) with tap = (kh, kw) outer and the channel block inner,
-fp32 accumulator, ``tl.dot``. Every tensor is read through its strides.
+fp32 accumulator, ``tl.dot``. Every tensor is read through its strides. A layer with at most
+``FLAT_K_MAX_CHANNELS`` input channels (a stem's 3) walks K = (kh, kw, c) as one flat index
+instead (``FLAT_K``): one tap's 3 channels would fill 3 of tl.dot's 16 K-rows per step.
 Grouped convolutions with a multiple of 16 output channels per group run the implicit
 GEMM per group: BLOCK_N divides the group's output channels, so a tile's columns read one
 group's input channels (``group_strategy``). Opt-in (``DIRECT_MAX_GROUP_CHANNELS``, 0 by
@@ -233,13 +235,29 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) 
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
 
 
+# Layers of groups=1 with at most this many input channels (a stem's 3 colour channels) walk the
+# implicit GEMM's K as one flat (kh, kw, c) index (FLAT_K), BLOCK_K of it per step, rather than tap
+# by tap with each tap's few channels padded to tl.dot's 16: a 7x7 stem on 3 channels takes 3
+# steps of 64 instead of 49 of 16. 8 channels or fewer: at least half of each padded step is zeros.
+# 0 turns it off.
+FLAT_K_MAX_CHANNELS = 8
+
+
+def flat_k(weight, groups: int) -> bool:
+    """Whether the layer's implicit GEMM takes the flat K loop (``FLAT_K_MAX_CHANNELS``)."""
+    return groups == 1 and weight.shape[1] <= FLAT_K_MAX_CHANNELS
+
+
 def layer_config(weight, groups: int, dtype, precision: str, capability) -> ConvConfig:
     """The tile of a conv layer's passes: the DIRECT one for a DIRECT grouped conv, the table's
-    otherwise (for a grouped GEMM narrowed to one group's columns). The forward and the backward
-    recompute both take it here, hence the same tile and K order."""
+    otherwise (for a grouped GEMM narrowed to one group's columns; with the flat K loop, BLOCK_K
+    clamped to the whole K). The forward and the backward recompute both take it here, hence the
+    same tile and K order."""
     C_out, C_in = weight.shape[:2]  # C_in per group
     if group_strategy(weight, groups) == "direct":
         return direct_config(C_in, C_out // groups, capability)
+    if flat_k(weight, groups):
+        return conv_config(C_out, C_in * weight.shape[2] * weight.shape[3], dtype, precision, capability)
     cfg = conv_config(C_out // groups, C_in, dtype, precision, capability)
     return cfg if groups == 1 else _group_tile(cfg, C_out // groups)
 
@@ -352,20 +370,43 @@ def _conv_mainloop(
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLAT_K: tl.constexpr,
 ):
     """fp32 tile z[row0:row0+BM, col0:col0+BN] of the conv as an implicit GEMM.
 
     Rows are output pixels, columns output channels. K runs in one flat loop in a
     fixed order: taps (kh, kw) row-major, inside each tap C_in in BLOCK_K steps.
     Padding, ragged rows/channels: masked loads of zeros.
+    FLAT_K (few input channels: a stem's 3): K = (kh, kw, c) as one index, BLOCK_K of it per
+    step, each element's tap and channel computed, instead of one tap per step padded to
+    tl.dot's 16 channels (7x7x3: 3 steps of 64 instead of 49 of 16).
     """
     mask_m, ih0, iw0, x_rows, offs_n, mask_n = _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn,
                                                             SH, SW, PH, PW, BLOCK_M, BLOCK_N)
     w_cols = w_ptr + offs_n * s_wo
     offs_k = tl.arange(0, BLOCK_K)
-    n_cblk = tl.cdiv(C_IN, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FLAT_K:
+        k_total = KH * KW * C_IN
+        for k0 in range(0, k_total, BLOCK_K):
+            k = k0 + offs_k
+            tap = k // C_IN
+            c = k - tap * C_IN
+            kh = tap // KW
+            kw = tap - kh * KW
+            ok_k = k < k_total
+            ih = ih0[:, None] + (kh * DH)[None, :]
+            iw = iw0[:, None] + (kw * DW)[None, :]
+            ok = (mask_m[:, None] & ok_k[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+            a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw + (c * s_xc)[None, :]), mask=ok, other=0.0)
+            b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww + c * s_wc)[:, None],
+                        mask=ok_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        return acc
+    n_cblk = tl.cdiv(C_IN, BLOCK_K)
     for it in range(0, KH * KW * n_cblk):
         tap = it // n_cblk
         c0 = (it - tap * n_cblk) * BLOCK_K
@@ -429,7 +470,7 @@ def _conv_z(
     M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
-    FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
+    FLAT_K: tl.constexpr, FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -449,7 +490,8 @@ def _conv_z(
             acc = _conv_mainloop(x_ptr + (col0 // C_OUT_G) * C_IN * s_xc, w_ptr, row0, col0, M, C_OUT, C_IN,
                                  H, W, OH, OW,
                                  s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+                                 KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                                 FLAT_K)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         zq = acc.to(x_ptr.dtype.element_ty)
@@ -496,7 +538,7 @@ def _conv_bn_fwd_kernel(
     s_rn, s_rc, s_rh, s_rw,       # residual
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
-    FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
+    FLAT_K: tl.constexpr, FROM_Z: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE_Z: tl.constexpr,
     APPLY: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -513,7 +555,7 @@ def _conv_bn_fwd_kernel(
     o_offs = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)[:, None] + (offs_n * s_oc)[None, :]
     zf = _conv_z(x_ptr, w_ptr, bias_ptr, z_ptr, o_offs, mask, row0, col0, offs_n, mask_n,
                  M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                 KH, KW, SH, SW, PH, PW, DH, DW, DIRECT, FROM_Z, HAS_BIAS, STORE_Z,
+                 KH, KW, SH, SW, PH, PW, DH, DW, DIRECT, FLAT_K, FROM_Z, HAS_BIAS, STORE_Z,
                  BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     if STATS:
         # per-tile mean and sum of squared deviations from it (Chan partials)
@@ -613,7 +655,7 @@ def _conv_bn_bwd_kernel(
     s_rn, s_rc, s_rh, s_rw,       # residual
     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, DIRECT: tl.constexpr,
-    FROM_Z: tl.constexpr, STORE_Z: tl.constexpr, REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr,
+    FLAT_K: tl.constexpr, FROM_Z: tl.constexpr, STORE_Z: tl.constexpr, REDUCE: tl.constexpr, EMIT_DZ: tl.constexpr,
     TRAINING: tl.constexpr, STORE_DRES: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -639,7 +681,7 @@ def _conv_bn_bwd_kernel(
     o_offs = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)[:, None] + (offs_n * s_oc)[None, :]
     zf = _conv_z(x_ptr, w_ptr, bias_ptr, z_ptr, o_offs, mask, row0, col0, offs_n, mask_n,
                  M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
-                 KH, KW, SH, SW, PH, PW, DH, DW, DIRECT, FROM_Z, HAS_BIAS, STORE_Z,
+                 KH, KW, SH, SW, PH, PW, DH, DW, DIRECT, FLAT_K, FROM_Z, HAS_BIAS, STORE_Z,
                  BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     # pixel offsets again rather than held across the main loop (registers)
     o_pix = _pix_offsets(offs_m, OH, OW, s_on, s_oh, s_ow)
@@ -920,6 +962,7 @@ def conv_bn_act_forward(
     precision = dot_precision(x)
     cap = device_capability(x)
     direct = group_strategy(weight, groups) == "direct"
+    flat = flat_k(weight, groups)
     cfg = layer_config(weight, groups, x.dtype, precision, cap)
     aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
@@ -940,7 +983,7 @@ def conv_bn_act_forward(
             M, C_out, C_in, C_out // groups, H, W, OH, OW,
             *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
             *y.stride(), *rr.stride(),  # z, when there is one, is laid out like y
-            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct,
+            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct, FLAT_K=flat,
             FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
             HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
             **act_meta(activation if apply else "relu"),  # unused without APPLY: one compile for all
@@ -1062,6 +1105,7 @@ def conv_bn_act_backward(
     precision = dot_precision(x)
     cap = device_capability(x)
     direct = group_strategy(weight, groups) == "direct"
+    flat = flat_k(weight, groups)  # the forward's loop
     cfg = layer_config(weight, groups, x.dtype, precision, cap)  # the forward's
     aten_z, _, twice = conv_plan(x, weight, M, precision)
     wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
@@ -1089,7 +1133,7 @@ def conv_bn_act_backward(
             M, C_out, C_in, C_out // groups, H, W, OH, OW, 1.0 / M,
             *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
             *dz.stride(), *grad_out.stride(), *rr.stride(),
-            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct,
+            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct, FLAT_K=flat,
             FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce, EMIT_DZ=emit, TRAINING=bool(training),
             STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
             HAS_W=gamma is not None, HAS_B=beta is not None, **act_meta(activation),
@@ -1178,19 +1222,22 @@ def _inspect_config(cfg: ConvConfig, mode: str, dtype, precision: str) -> dict:
 
 
 def _direct_flavor(mode: str):
-    """("depthwise" | "multiplier" | "grouped" | None, the mode without its prefix): a "dw_", "mult_"
-    or "grouped_" mode prefix is the DIRECT (grouped) conv; depthwise has one channel per group in and
-    out, which the JIT specialises to constexpr 1 as it does any int argument equal to 1; a channel
-    multiplier has one in and several out."""
-    for prefix, flavor in (("dw_", "depthwise"), ("mult_", "multiplier"), ("grouped_", "grouped")):
+    """("depthwise" | "multiplier" | "grouped" | "flat" | None, the mode without its prefix): a "dw_",
+    "mult_" or "grouped_" mode prefix is the DIRECT (grouped) conv; depthwise has one channel per group
+    in and out, which the JIT specialises to constexpr 1 as it does any int argument equal to 1; a
+    channel multiplier has one in and several out. "flat_": the implicit GEMM's flat K loop of a
+    layer with few input channels (FLAT_K: a stem's 3, no 16-hint)."""
+    for prefix, flavor in (("dw_", "depthwise"), ("mult_", "multiplier"), ("grouped_", "grouped"),
+                           ("flat_", "flat")):
         if mode.startswith(prefix):
             return flavor, mode.removeprefix(prefix)
     return None, mode
 
 
 def _direct_args(flavor, sig, constexprs, aligned):
-    """C_IN and C_OUT_G (channels per group in and out) and DIRECT as ``flavor``'s launch has them."""
-    constexprs["DIRECT"] = flavor is not None
+    """C_IN and C_OUT_G (channels per group in and out), DIRECT and FLAT_K as ``flavor``'s launch has them."""
+    constexprs["DIRECT"] = flavor in ("depthwise", "multiplier", "grouped")
+    constexprs["FLAT_K"] = flavor == "flat"
     if flavor == "depthwise":
         del sig["C_IN"]
         constexprs["C_IN"] = constexprs["C_OUT_G"] = 1
@@ -1200,7 +1247,7 @@ def _direct_args(flavor, sig, constexprs, aligned):
         sig["C_OUT_G"] = "i32"
     else:  # C_OUT_G: C_OUT (GEMM: the group offset is 0) or a group's width, no alignment either way
         sig["C_OUT_G"] = "i32"
-        if flavor == "grouped":  # 4, 8, ... channels per group: no 16-hint
+        if flavor in ("grouped", "flat"):  # 3, 4, 8, ... channels (per group): no 16-hint
             aligned.remove("C_IN")
     aligned[:] = [n for n in aligned if n not in constexprs]
 
@@ -1369,6 +1416,19 @@ def inspect_specs():
                         "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
                         "gemm": False, "aligned": aligned}
             add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
+    # the flat K loop of a stem (FLAT_K; BLOCK_K as layer_config gives a 7x7 conv on 3 channels:
+    # K = 147, clamped to the entry's 64; the geometry constexprs are the other specs' 3x3): the
+    # GEMM passes at each sm90/sm80 16-bit table entry, fp16 and bf16
+    for (family, opclass, bucket), cfg in _TABLE.items():
+        arch = _INSPECT_ARCH.get(family)
+        if arch is None or opclass != "16bit":
+            continue
+        stem = cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, 7 * 7 * 3))
+        for dtype in (torch.float16, torch.bfloat16):
+            for fn, build, modes in gemm_kernels[:2]:
+                for mode in modes:
+                    add((fn.__name__, "flat_" + mode, arch, dtype, "ieee", stem), f"{family}/{opclass}/{bucket}/flat_k",
+                        functools.partial(make, fn, build, "flat_" + mode, dtype, "ieee", stem, arch, True))
     # wide groups (the implicit GEMM per group): the bf16 table entries narrowed to 16 and 32 columns
     # (_group_tile: 112 or 48 channels per group; 64 is the table's own tile)
     for (family, opclass, bucket), cfg in _TABLE.items():

@@ -222,6 +222,37 @@ def test_switch_changes_kernel_passes(conv_z, monkeypatch, device):
     assert bwd == ([True, True] if conv_z == "aten" else [False, False])
 
 
+# a stem: 7x7, stride 2, on 3 channels (K = 147: 10 flat steps of the interpreter's 16)
+STEM = (2, 3, 11, 10, 12, 7, 2, 3, 1)
+
+
+@pytest.mark.parametrize("flat_max", [K.FLAT_K_MAX_CHANNELS, 0], ids=["flat", "per-tap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_flat_k_loop(flat_max, dtype, training, monkeypatch, device):
+    """Few input channels (a stem's 3): every conv pass walks K = (kh, kw, c) as one flat index
+    (FLAT_K), BLOCK_K clamped to the whole K, and the results are the reference's; with the switch
+    off (0), the per-tap loop, results the same. Layers with more channels never take it."""
+    monkeypatch.setattr(K, "FLAT_K_MAX_CHANNELS", flat_max)
+    seen = record_launches(monkeypatch, K)
+    t, geom = _inputs(STEM, dtype, bias=False, affine=True, residual=True, device=device)
+    _check_all(t, geom, training, dtype)
+    conv = [kw for name, kw in seen if name in ("_conv_bn_fwd_kernel", "_conv_bn_bwd_kernel") and not kw["FROM_Z"]]
+    assert conv and all(kw["FLAT_K"] is bool(flat_max) for kw in conv)
+    if flat_max:
+        assert K.flat_k(t["weight"], 1) and not K.flat_k(t["weight"].repeat(1, 3, 1, 1), 1)  # 9 channels
+        assert not K.flat_k(t["weight"].repeat(3, 1, 1, 1), 3)  # grouped: never
+        # on sm_90 in bf16: the table entry's 64, not clamped to a tap's 3 channels (16) as the
+        # per-tap loop of 24 channels is (32)
+        assert K.layer_config(t["weight"], 1, torch.bfloat16, "ieee", (9, 0)).BLOCK_K == 64
+        assert K.layer_config(t["weight"].repeat(1, 8, 1, 1), 1, torch.bfloat16, "ieee", (9, 0)).BLOCK_K == 32
+
+
+def test_flat_k_mask_consistency(monkeypatch, device):
+    """The flat K loop's recomputed z is the forward's, bit for bit (fp16, training)."""
+    _mask_consistency(STEM, torch.float16, True, "triton", monkeypatch, device)
+
+
 def test_aten_z_layout_follows_the_kernels_buffer():
     """z from aten is handed to the kernels in the layout their stride arguments describe."""
     x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
