@@ -542,15 +542,21 @@ def persistent_runs(monkeypatch, module, names, run):
     return first, run(), seen
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["plain", "dropout"])
-def test_persistent_launch_matches_one_program_per_tile(dropout, device, monkeypatch):
+@pytest.mark.parametrize("dropout,tma", [(0.0, False), (0.3, False), (0.3, True)],
+                         ids=["plain", "dropout", "dropout-tma"])
+def test_persistent_launch_matches_one_program_per_tile(dropout, tma, device, monkeypatch):
     """GEMM_PERSISTENT: 2 programs walk every output tile of each dense launch (the tile loop
     flattened into the K loop); a tile's arithmetic is unchanged, so the FFN's output and its
     gradients equal the one-program-per-tile launch's bit for bit (the bias gradients, column
     sums of per-tile partials, to rounding: a GPU may add a tile's rows in another order), the
-    recomputed activation equals the forward's, and dropout's mask is the same."""
+    recomputed activation equals the forward's, and dropout's mask is the same. Also with TMA loads
+    (GEMM_TMA, where the operands allow them: the forward and the recompute of fc1)."""
+    if tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA needs sm_90 or newer")
+    monkeypatch.setattr(_common, "GEMM_TMA", tma)
     dtype = torch.float16
     x, w1, b1, w2, b2, g = _mlp_inputs(70, 40, 100, 36, dtype, device, True)
+    assert _common._use_tma(x, w1.t()) is tma
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
 
     def run():
