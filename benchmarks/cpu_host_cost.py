@@ -9,10 +9,14 @@ cuDNN's conv backward (``aten.convolution_backward``, from Python) stubbed too. 
 What remains for fusedrc is its own Python: argument checks, the autograd glue, the launchers,
 the running statistics.
 
-Forward and backward are timed apart, every raw timing is written to
-``benchmarks/results/host_cost_cpu_<time>.json``.
+``--pattern ffn``: the same for a small FFN (Linear -> GELU -> Linear). On the CPU every fused GEMM
+is a Triton kernel (the interpreter's), so all of them are stubbed there; on a GPU the plain ones
+are cuBLAS calls.
 
-    python benchmarks/cpu_host_cost.py [--steps 300] [--out benchmarks/results]
+Forward and backward are timed apart, every raw timing is written to
+``benchmarks/results/host_cost_<pattern>_cpu_<time>.json``.
+
+    python benchmarks/cpu_host_cost.py [--pattern conv|ffn] [--steps 300] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -71,17 +75,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="timed steps per strategy")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--pattern", default="conv", choices=("conv", "ffn"),
+                    help="the Conv-BN-ReLU layer, or a small FFN (Linear-GELU-Linear: its GEMMs stubbed too)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_flush_denormal(True)  # stubbed outputs are uninitialised memory
     launches = _stub_kernels()
-    fmt = torch.channels_last
-    block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()).to(memory_format=fmt)
-    fused = fusedrc.nn.ConvBNReLU.from_modules(block[0], block[1])
-    x = torch.randn(1, 8, 4, 4).contiguous(memory_format=fmt).requires_grad_(True)
-    g = torch.randn(1, 8, 4, 4).contiguous(memory_format=fmt)
+    if args.pattern == "conv":
+        fmt = torch.channels_last
+        block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                              nn.ReLU()).to(memory_format=fmt)
+        fused = fusedrc.nn.ConvBNReLU.from_modules(block[0], block[1])
+        x = torch.randn(1, 8, 4, 4).contiguous(memory_format=fmt).requires_grad_(True)
+        g = torch.randn(1, 8, 4, 4).contiguous(memory_format=fmt)
+        layer = "Conv2d(8, 8, 3, padding=1) + BatchNorm2d + ReLU, input 1x8x4x4, channels_last, fp32"
+    else:
+        block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        fused = fusedrc.nn.FusedMLP.from_modules(block[0], "gelu", block[2])
+        x = torch.randn(8, 16, requires_grad=True)
+        g = torch.randn(8, 16)
+        layer = "Linear(16, 64) + GELU + Linear(64, 16), input 8x16, fp32"
+    module_name = "fusedrc.nn." + type(fused).__name__
     cases = {"eager": lambda: block(x), "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False),
-             "fusedrc.recompute": lambda: fusedrc.recompute(block, x), "fusedrc.nn.ConvBNReLU": lambda: fused(x)}
+             "fusedrc.recompute": lambda: fusedrc.recompute(block, x), module_name: lambda: fused(x)}
     records = []
     with fusedrc.use_backend("triton"):
         for name, fwd in cases.items():
@@ -105,10 +121,10 @@ def main():
             fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
             print(f"{name:24s} forward {fm:7.1f} us  backward {bm:7.1f} us  total {fm + bm:7.1f} us  "
                   f"(stubbed Triton launches a step: {rec['triton_launches_per_step']:.0f})", flush=True)
-    path = measure.write_results(args.out, "host_cost_cpu", "host_cost", torch.device("cpu"),
-                                 layer="Conv2d(8, 8, 3, padding=1) + BatchNorm2d + ReLU, input 1x8x4x4, "
-                                       "channels_last, fp32", stubbed="fusedrc's Triton launches and its "
-                                       "aten.convolution_backward call", records=records)
+    path = measure.write_results(args.out, f"host_cost_{args.pattern}_cpu", "host_cost", torch.device("cpu"),
+                                 pattern=args.pattern, layer=layer,
+                                 stubbed="fusedrc's Triton launches (its GEMMs on the CPU: the interpreter's "
+                                         "kernels) and its aten.convolution_backward call", records=records)
     print("wrote", path)
 
 
