@@ -75,7 +75,8 @@ def _measure(step, fwd, cuda_graph=False, ref_dx=None):
     input gradient after a replay is checked against ``ref_dx`` (``err_dx``); no peak."""
     try:
         if cuda_graph:
-            graph = _graphed(step, fwd)
+            # the gradients are allocated in the graph's pool and rewritten by every replay
+            graph = measure.capture_graph(lambda: step(fwd))
             graph.replay()
             rec = dict(times_s=measure.do_bench_times(graph.replay), cuda_graph=True,
                        err_dx=((step.x.grad.float() - ref_dx.float()).norm() / ref_dx.float().norm()).item())
@@ -88,26 +89,7 @@ def _measure(step, fwd, cuda_graph=False, ref_dx=None):
         peak, before = measure.peak_allocated(torch.device("cuda"), lambda: step(fwd))
         return dict(times_s=times, peak_bytes=peak - before)
     except Exception as e:  # record and go on: one failing strategy must not hide the rest
-        if cuda_graph:  # a failed capture can leave its stream current
-            torch.cuda.set_stream(torch.cuda.default_stream())
         return dict(error=f"{type(e).__name__}: {e}"[:500], **(dict(cuda_graph=True) if cuda_graph else {}))
-
-
-def _graphed(step, fwd):
-    """One training step captured in a CUDA graph, after warm-up steps on a side stream (torch's
-    whole-network capture recipe: the Triton kernels compile and cuDNN picks its algorithms there);
-    the gradients are allocated in the graph's pool and rewritten by every replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(fwd)
-    torch.cuda.current_stream().wait_stream(side)
-    step.clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(fwd)
-    return graph
 
 
 def conv_layer(shape, batch, dtype, channels_last):
@@ -255,13 +237,10 @@ def main():
                     if variant["FLAT_K_MAX_CHANNELS"] != default["FLAT_K_MAX_CHANNELS"] and \
                             shape[0] > max(variant["FLAT_K_MAX_CHANNELS"], default["FLAT_K_MAX_CHANNELS"]):
                         continue  # the flat K loop's switch changes nothing on this layer
-                    for n, v in variant.items():
-                        setattr(k, n, v)
                     fwd = lambda: fusedrc.recompute(block, x)  # noqa: E731  (a recognised pattern: the fused op)
-                    records.append(dict(shape=shape, strategy="fusedrc", **variant,
-                                        **_measure(step, fwd, args.cuda_graph, ref_dx)))
-                for n, v in default.items():
-                    setattr(k, n, v)
+                    with measure.switches(k, **variant):
+                        records.append(dict(shape=shape, strategy="fusedrc", **variant,
+                                            **_measure(step, fwd, args.cuda_graph, ref_dx)))
             mine = [r for r in records if r["shape"] == shape]
             ref = {r["strategy"]: measure.quantile(r["times_s"], 0.5) for r in mine if "times_s" in r}
             for r in mine:

@@ -45,26 +45,6 @@ def no_rng_state_save():
         tuc.checkpoint, models.checkpoint, rc._ForwardState.__init__ = saved
 
 
-def graphed(step):
-    """``step`` captured in a CUDA graph after three warm-up calls on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with no_rng_state_save():
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                step()
-        except Exception:
-            # a failed capture can leave its stream current: back to the default one for the next strategy
-            torch.cuda.set_stream(torch.cuda.default_stream())
-            raise
-    return graph
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # RNG-free models only: the capture turns the checkpointed regions' RNG-state save off
@@ -95,7 +75,8 @@ def main():
             except Exception as e:  # record and go on
                 rec["eager_error"] = f"{type(e).__name__}: {e}"[:400]
             try:
-                graph = graphed(r.step)
+                with no_rng_state_save():
+                    graph = measure.capture_graph(r.step)
                 graph.replay()
                 rec["graph_times_s"] = measure.do_bench_times(graph.replay, rep=REP_MS)
                 del graph

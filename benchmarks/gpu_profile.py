@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fusedrc
 from fusedrc.bench import kernels as bk
+from fusedrc.bench import measure
 
 SHAPES = {
     "linear_act": dict(M=8192, K=4096, N=16384),
@@ -87,14 +88,8 @@ def main():
                 case.x = case.x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
                 case.grad = case.grad.contiguous(memory_format=torch.channels_last)
             for label, strategy, switches in _runs(pattern):
-                saved = {k: getattr(ck, k) for k in switches}
-                try:
-                    for k, v in switches.items():
-                        setattr(ck, k, v)
+                with measure.switches(ck, **switches):
                     cpu, wall, gpu, ka = _profile(case, strategy)
-                finally:
-                    for k, v in saved.items():
-                        setattr(ck, k, v)
                 print(f"=== {name} {shape} {label}: enqueue {cpu * 1e3:.3f} ms/step, wall {wall * 1e3:.3f} ms/step, "
                       f"GPU kernels {gpu:.3f} ms/step", flush=True)
                 print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60), flush=True)

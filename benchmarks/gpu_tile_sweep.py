@@ -119,24 +119,23 @@ def sweep_dense(dtype, records):
         runs = [(c, False, 0) for c in [table] + [c for c in cands if c != table]]
         runs += [(_common.GemmConfig(*c), True, 0) for c in TMA_CANDIDATES]
         runs += [(_common.GemmConfig(*c), tma, 1) for c, tma in PERSISTENT_CANDIDATES]
-        saved = _common.GEMM_TMA, _common.GEMM_PERSISTENT
+        default = bool(_common.GEMM_TMA), _common.GEMM_PERSISTENT
         for cfg, tma, per_sm in runs:
-            _common.GEMM_TMA, _common.GEMM_PERSISTENT = tma, per_sm
             rec = dict(base, config=list(cfg), loads="tma" if tma else "pointer", persistent=per_sm,
-                       in_table=cfg == table and (tma, per_sm) == (bool(saved[0]), saved[1]))
+                       in_table=cfg == table and (tma, per_sm) == default)
             try:
-                assert _common._use_tma(a, bt) is tma
-                y = _common.gemm_act(a, bt, b, "relu", config=cfg)
-                gh, _, db = _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg)
-                rec.update(err_forward=_rel_err(y, ref_y), err_grad=_rel_err(gh, ref_gh),
-                           err_dbias=_rel_err(db, ref_gh.float().sum(0)))
-                rec["forward_times_s"] = _time(lambda: _common.gemm_act(a, bt, b, "relu", config=cfg))
-                rec["grad_times_s"] = _time(lambda: _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg))
+                with measure.switches(_common, GEMM_TMA=tma, GEMM_PERSISTENT=per_sm):
+                    assert _common._use_tma(a, bt) is tma
+                    y = _common.gemm_act(a, bt, b, "relu", config=cfg)
+                    gh, _, db = _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg)
+                    rec.update(err_forward=_rel_err(y, ref_y), err_grad=_rel_err(gh, ref_gh),
+                               err_dbias=_rel_err(db, ref_gh.float().sum(0)))
+                    rec["forward_times_s"] = _time(lambda: _common.gemm_act(a, bt, b, "relu", config=cfg))
+                    rec["grad_times_s"] = _time(lambda: _common.gemm_act_grad(a, bt, b, g, "relu", config=cfg))
             except Exception as e:  # out of resources, a compile error: record it and go on
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)
             _print(rec, records)
-        _common.GEMM_TMA, _common.GEMM_PERSISTENT = saved
         torch.cuda.empty_cache()
 
 
@@ -163,14 +162,13 @@ def sweep_ffn(dtype, records, device="cuda", cases=FFN_CASES):
         ref = [case.x.grad.clone()] + [p.grad.clone() for p in case.params]
         for strategy in ("eager", "torch_checkpoint"):
             records.append(dict(base, impl=strategy, times_s=_time(lambda: case.step(strategy), FFN_REP_MS)))
-        saved = _common.GEMM_TMA, _common.GEMM_PERSISTENT
+        default = bool(_common.GEMM_TMA), _common.GEMM_PERSISTENT
         for label, tma, per_sm in FFN_VARIANTS:
             if tma and pattern != "fused_mlp":
                 continue  # the dual kernels have no TMA path, and the plain GEMMs are cuBLAS's on CUDA
-            _common.GEMM_TMA, _common.GEMM_PERSISTENT = tma, per_sm
-            rec = dict(base, impl="fusedrc", variant=label, in_table=(tma, per_sm) == (bool(saved[0]), saved[1]))
+            rec = dict(base, impl="fusedrc", variant=label, in_table=(tma, per_sm) == default)
             try:
-                with fusedrc.use_backend("triton"):
+                with fusedrc.use_backend("triton"), measure.switches(_common, GEMM_TMA=tma, GEMM_PERSISTENT=per_sm):
                     case.step("fusedrc")
                     got = [case.x.grad] + [p.grad for p in case.params]
                     rec["err_grads"] = max(_rel_err(a, b) for a, b in zip(got, ref))
@@ -179,7 +177,6 @@ def sweep_ffn(dtype, records, device="cuda", cases=FFN_CASES):
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)
             _print(rec, records)
-        _common.GEMM_TMA, _common.GEMM_PERSISTENT = saved
         del case
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -203,22 +200,22 @@ def sweep_gated(dtype, records):
         cands = [_common.GemmConfig(*c) for c in GATED_CANDIDATES]
         runs = [(c, 0) for c in [table] + [c for c in cands if c != table]]
         runs += [(_common.GemmConfig(*c), 1) for c in GATED_PERSISTENT_CANDIDATES]
-        saved = _common.GEMM_PERSISTENT
+        default = _common.GEMM_PERSISTENT
         for cfg, per_sm in runs:
-            _common.GEMM_PERSISTENT = per_sm
-            rec = dict(base, config=list(cfg), persistent=per_sm, in_table=cfg == table and per_sm == saved)
+            rec = dict(base, config=list(cfg), persistent=per_sm, in_table=cfg == table and per_sm == default)
             try:
-                a = gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg)
-                _, _, a_bwd, _, _ = gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg)
-                rec.update(err_forward=_rel_err(a, ref_a), recompute_bitwise=bool(torch.equal(a, a_bwd)))
-                rec["forward_times_s"] = _time(lambda: gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg))
-                rec["grad_times_s"] = _time(
-                    lambda: gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg))
+                with measure.switches(_common, GEMM_PERSISTENT=per_sm):
+                    a = gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg)
+                    _, _, a_bwd, _, _ = gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg)
+                    rec.update(err_forward=_rel_err(a, ref_a), recompute_bitwise=bool(torch.equal(a, a_bwd)))
+                    rec["forward_times_s"] = _time(
+                        lambda: gated_mlp.gated_act(x, wg, wu, None, None, "silu", config=cfg))
+                    rec["grad_times_s"] = _time(
+                        lambda: gated_mlp.gated_act_grad(x, wg, wu, None, None, g, "silu", config=cfg))
             except Exception as e:  # out of resources, a compile error: record it and go on
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
             records.append(rec)
             _print(rec, records)
-        _common.GEMM_PERSISTENT = saved
         torch.cuda.empty_cache()
 
 

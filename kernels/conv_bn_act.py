@@ -75,8 +75,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _upcast_flag, act_meta, cdiv,
-    check_activation, device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
+    _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _sm_count, _upcast_flag, act_meta,
+    cdiv, check_activation, device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config"]
@@ -364,6 +364,15 @@ def _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn, SH: tl.constexpr, SW
 
 
 @triton.jit
+def _dot_step(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, the operands through fp32 under the interpreter's bf16 (UPCAST)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _conv_mainloop(
     x_ptr, w_ptr, row0, col0, M, C_OUT, C_IN, H, W, OH, OW,
     s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
@@ -401,10 +410,7 @@ def _conv_mainloop(
             a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw + (c * s_xc)[None, :]), mask=ok, other=0.0)
             b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww + c * s_wc)[:, None],
                         mask=ok_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _dot_step(a, b, acc, PRECISION, UPCAST)
         return acc
     n_cblk = tl.cdiv(C_IN, BLOCK_K)
     for it in range(0, KH * KW * n_cblk):
@@ -421,10 +427,7 @@ def _conv_mainloop(
                     mask=ok_m[:, None] & ok_c[None, :], other=0.0)
         b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww) + c[:, None] * s_wc,
                     mask=ok_c[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _dot_step(a, b, acc, PRECISION, UPCAST)
     return acc
 
 
@@ -1028,7 +1031,7 @@ def _dw_split(tiles, iters, cap, device):
     if cap is None:
         target = 4
     else:
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split = max(1, min(target // max(tiles, 1), iters // 8 if cap is not None else iters, 64))
     return max(split, 1)
 

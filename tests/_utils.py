@@ -105,9 +105,9 @@ def replicate_on_cpu(network, scale=2.0):
     return copies[0]
 
 
-def record_launches(monkeypatch, module):
+def record_launches(monkeypatch, module, grids=False):
     """Every launch through ``module.launcher`` (a kernels module's), in order: [(kernel name, the
-    launch's keyword arguments: its constexpr flags)]."""
+    launch's keyword arguments: its constexpr flags)], with ``grids`` [(name, kwargs, grid)]."""
     seen = []
     real = module.launcher
 
@@ -117,7 +117,8 @@ def record_launches(monkeypatch, module):
         class _Grid:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, kw))
+                    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+                    seen.append((name, kw, grid) if grids else (name, kw))
                     return launch[grid](*args, **kw)
                 return run
         return _Grid()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fusedrc
+from fusedrc.bench.measure import capture_graph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs capture "
                                 "GPU work")
@@ -35,20 +36,6 @@ def _step(net, x, g):
     net(x).backward(g)
 
 
-def _captured(net, x, g, warmup=2):
-    """``warmup`` eager steps on a side stream (the kernels compile there), then one step captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            _step(net, x, g)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # records the step; runs nothing
-        _step(net, x, g)
-    return graph
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_replays_equal_eager_steps(dtype):
     """2 warm-up steps + 3 replays against 5 eager steps of a copy: every gradient of the last step
@@ -60,7 +47,7 @@ def test_replays_equal_eager_steps(dtype):
     x = torch.randn(4, 8, 10, 10, device="cuda", dtype=dtype)
     g = torch.randn(4, 10, device="cuda", dtype=dtype)
     with fusedrc.use_backend("triton"):
-        graph = _captured(net, x, g)
+        graph = capture_graph(lambda: _step(net, x, g), warmup=2)  # records the step; runs nothing
         for _ in range(3):
             graph.replay()
         for _ in range(5):
@@ -84,7 +71,7 @@ def test_dropout_mask_is_redrawn_by_each_replay():
     x = torch.randn(4, 8, 10, 10, device="cuda")
     g = torch.randn(4, 10, device="cuda")
     with fusedrc.use_backend("triton"):
-        graph = _captured(net, x, g)
+        graph = capture_graph(lambda: _step(net, x, g), warmup=2)
         graph.replay()
         first = net.ffn.fc1.weight.grad.clone()
         graph.replay()

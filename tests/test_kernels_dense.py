@@ -12,6 +12,8 @@ triton = pytest.importorskip("triton")
 from fusedrc import reference as R  # noqa: E402
 from fusedrc.kernels import _common, fused_mlp, linear_act  # noqa: E402
 
+from _utils import record_launches  # noqa: E402
+
 ACTS = ["relu", "relu2", "gelu", "gelu_tanh", "silu"]  # the full grid; relu6 and hardswish: test_piecewise_*
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -515,31 +517,18 @@ def test_dot_precision_follows_either_tf32_api():
 
 
 # --------------------------------------------------------------------------- persistent launches
-class _GridSpy:
-    """Stands for a @triton.jit kernel: records (grid size, PERSISTENT) of each launch."""
-
-    def __init__(self, kernel, seen):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        def run(*args, **kw):
-            self.seen.append((grid[0], kw["PERSISTENT"]))
-            return self.kernel[grid](*args, **kw)
-        return run
-
-
 def persistent_runs(monkeypatch, module, names, run):
     """``run()`` launched one program per tile, then persistent on 2 programs (GEMM_PERSISTENT=2 on
-    one pretend SM): (first results, second results, [(grid size, PERSISTENT)] of the second)."""
+    one pretend SM): (first results, second results, [(grid size, PERSISTENT)] of the second's
+    launches of the kernels ``names`` of ``module``)."""
     monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")
     first = run()
-    seen = []
-    for name in names:
-        monkeypatch.setattr(module, name, _GridSpy(getattr(module, name), seen))
+    launches = record_launches(monkeypatch, module, grids=True)
     monkeypatch.setattr(_common, "GEMM_PERSISTENT", 2)
     monkeypatch.setattr(_common, "_INTERPRETER_SMS", 1)
     monkeypatch.setattr(_common, "_sm_count", lambda index: 1)
-    return first, run(), seen
+    second = run()
+    return first, second, [(grid[0], kw["PERSISTENT"]) for name, kw, grid in launches if name in names]
 
 
 @pytest.mark.parametrize("dropout,tma", [(0.0, False), (0.3, False), (0.3, True)],

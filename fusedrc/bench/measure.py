@@ -1,6 +1,7 @@
 """Timers, the saved-activation-bytes counter and the environment metadata (DESIGN.md section 6)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -71,6 +72,41 @@ def do_bench_times(fn, rep: int = 100):
     except TypeError:  # an older triton without return_mode="all"
         ms = do_bench(fn, warmup=25, rep=rep, quantiles=[0.2, 0.5, 0.8])
     return [t / 1e3 for t in ms]
+
+
+def capture_graph(step, warmup: int = 3):
+    """``step`` captured in a CUDA graph, after ``warmup`` calls on a side stream (torch's
+    whole-network capture recipe: Triton kernels compile and cuDNN picks its algorithms there; the
+    capture records the step and runs nothing). A failed capture can leave its stream current: the
+    default stream is made current again before the error propagates."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception:
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        raise
+    return graph
+
+
+@contextlib.contextmanager
+def switches(module, **values):
+    """A kernels module's switches (module-level settings: ``GEMM_TMA``, ``CONV_Z``, ...) set to
+    ``values`` for the block, put back afterwards whatever happens in it."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def peak_allocated(device: torch.device, fn):
