@@ -32,7 +32,8 @@ How patterns are found
    ``fc1``/``activation_fn``/``fc2``; the rule reads the forward's source and checks its lines),
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
    ``AlbertLayer`` (its ``ff_chunk``);
-   and, by shape rather than class name, every module holding ``gate_proj`` /
+   and, by shape rather than class name, every layer whose ``feed_forward_chunk``, ``intermediate``
+   and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them), every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
@@ -277,6 +278,8 @@ def _set_impl(model, impl):
         sites = list(m.__dict__.get("sites", {}).values())
         if isinstance(m.__dict__.get("site"), Site):
             sites.append(m.__dict__["site"])
+        if isinstance(m.__dict__.get("feed_forward_chunk"), _SplitFFN):
+            sites.append(m.__dict__["feed_forward_chunk"].site)
         for s in sites:
             s.impl = impl
     return model
@@ -1155,6 +1158,97 @@ def _albert_layer(ctx, name, m):
         reason = None
     return _wrapped_unit(ctx, _join(name, "ffn"), m, reason, FusedAlbertLayer, act, "ffn", "ffn",
                          (getattr(m, "ffn", None),))
+
+
+# BERT's FFN spans two modules its layer calls in a row: ``intermediate`` (dense -> act) and
+# ``output`` (dense -> dropout -> LayerNorm(h + residual)). About 35 Hugging Face families copy
+# the three methods word for word (RoBERTa, ELECTRA, XLM-R, CamemBERT, ERNIE, LayoutLM, ...).
+_SPLIT_FFN_CHUNK = ["intermediate_output = self.intermediate(attention_output)",
+                    "layer_output = self.output(intermediate_output, attention_output)", "return layer_output"]
+_SPLIT_FFN_INTERMEDIATE = ["hidden_states = self.dense(hidden_states)",
+                           "hidden_states = self.intermediate_act_fn(hidden_states)", "return hidden_states"]
+
+
+def _split_ffn_norm(lines):
+    """The name of the norm module ``output``'s forward applies to ``h + input_tensor`` when its body is
+    BERT's ``dense -> dropout -> norm(h + input_tensor)``, else None."""
+    if not lines or not lines[0].startswith("def forward(self, hidden_states") or len(lines) != 5:
+        return None
+    norm = _re.fullmatch(r"hidden_states = self\.(\w+)\(hidden_states \+ input_tensor\)", lines[3])
+    ok = lines[1:3] == ["hidden_states = self.dense(hidden_states)", "hidden_states = self.dropout(hidden_states)"] \
+        and lines[4] == "return hidden_states"
+    return norm.group(1) if ok and norm else None
+
+
+def _looks_split_ffn_layer(m):
+    """Found by shape: a module whose class has BERT's ``feed_forward_chunk`` (checked word for word),
+    holding ``intermediate`` and ``output``."""
+    if isinstance(m, Wrapper) or not all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output")):
+        return False
+    lines = _source_lines(m, "feed_forward_chunk")
+    return bool(lines) and lines[1:] == _SPLIT_FFN_CHUNK and lines[0].startswith("def feed_forward_chunk(self, attention_output")
+
+
+class _SplitFFN:
+    """A BERT-style layer's ``feed_forward_chunk``, set on the layer instance (its class, so
+    Hugging Face's gradient checkpointing and ``isinstance`` checks, stays as it is): the two
+    Linears and the activation as one fused FFN, then ``output``'s dropout and norm as modules.
+    Where the layer's modules are no longer what convert checked (another class at ``intermediate``
+    or ``output``, hooks on them or on their Linears, a LoRA layer at a Linear's place, another
+    activation), the class's own ``feed_forward_chunk`` runs."""
+
+    def __init__(self, layer, site, act, norm, classes):
+        self.layer, self.site, self.act, self.norm, self.classes = layer, site, act, norm, classes
+
+    def _fusedrc_rebind(self, replica):
+        return _SplitFFN(replica, self.site, self.act, self.norm, self.classes)
+
+    def __call__(self, attention_output):
+        layer = self.layer
+        inter, out = layer._modules.get("intermediate"), layer._modules.get("output")
+        if not (self.site.enabled and (type(inter), type(out)) == self.classes):
+            return type(layer).feed_forward_chunk(layer, attention_output)
+        fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
+        if (not _nohooks(inter, out, fc1, act_mod, fc2) or not _still(self.act, act_mod, fc1, fc2)
+                or not _dense_runtime_ok(attention_output, fc1, fc2)):
+            return type(layer).feed_forward_chunk(layer, attention_output)
+        h = _run_site(self.site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.act),
+                      lambda x: fc2(act_mod(fc1(x))), attention_output)
+        return getattr(out, self.norm)(out.dropout(h) + attention_output)
+
+
+def _split_ffn_layer(ctx, name, m):
+    """A BERT-style layer (``_looks_split_ffn_layer``): its FFN, ``intermediate`` then ``output``'s
+    dense, as one fused FFN unit named ``<layer>.intermediate``."""
+    if isinstance(m.__dict__.get("feed_forward_chunk"), _SplitFFN):
+        del m.__dict__["feed_forward_chunk"]  # an earlier convert's: planned afresh
+    unit = _join(name, "intermediate")
+    inter, out = m.intermediate, m.output
+    norm = _split_ffn_norm(_source_lines(out))
+    act = _act_name(getattr(inter, "intermediate_act_fn", None))
+    if "feed_forward_chunk" in m.__dict__ or _foreign_forward(inter) or _foreign_forward(out):
+        reason = "a feed_forward_chunk or forward set on the instance: its code is not the class's"
+    elif (_source_lines(inter) or [""])[1:] != _SPLIT_FFN_INTERMEDIATE:
+        reason = f"{type(inter).__name__}.forward is not dense -> intermediate_act_fn"
+    elif norm is None or not isinstance(getattr(out, "dropout", None), nn.Module) \
+            or not isinstance(getattr(out, norm, None), nn.Module):
+        reason = f"{type(out).__name__}.forward is not dense -> dropout -> norm(h + input_tensor)"
+    elif act is None:
+        reason = f"activation {type(inter.intermediate_act_fn).__name__} has no fused form"
+    elif not (is_linear(inter.dense) and is_linear(out.dense)) or out.dense.in_features != inter.dense.out_features:
+        reason = "intermediate.dense/output.dense are not plain nn.Linear of matching shapes"
+    elif not _nohooks(inter, out, inter.dense, inter.intermediate_act_fn, out.dense):
+        reason = "hooks registered on the modules"
+    else:
+        reason = None
+    if reason is not None:
+        ctx.skip(unit, reason)
+        return m  # its children are visited as usual: intermediate may still be a fused Linear+act
+    site = Site()
+    m.__dict__["feed_forward_chunk"] = _SplitFFN(m, site, act, norm, (type(inter), type(out)))
+    bind_replicas(m)
+    ctx.unit(unit, "ffn", *_site_switches(site), (inter.dense,))
+    return m
 
 
 @register_rule("T5DenseActDense")
@@ -2168,6 +2262,8 @@ def _rewrite(ctx, module, prefix=""):
         rule = _inline_ffn_layer
     elif rule is None and _looks_experts(module):
         rule = _experts
+    elif rule is None and _looks_split_ffn_layer(module):
+        rule = _split_ffn_layer
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif cls is nn.Sequential:

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusedrc
 from fusedrc import functional as F
+from fusedrc.convert import _import_torchvision
 from _utils import FusedOpLog, rel_err
 
 CUDA = torch.cuda.is_available()
@@ -355,6 +356,36 @@ def test_converted_model_with_a_graph_per_mode(reference, training):
 def test_converted_model_inductor(reference):
     # inductor asserts the custom ops' real output strides against their fake implementations
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), backend="inductor", steps=2, atol=1e-4)
+
+
+class _BertLayer(nn.Module):
+    """One Hugging Face BertLayer on hidden states (its FFN split over intermediate and output)."""
+
+    def __init__(self, transformers):
+        super().__init__()
+        cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg._attn_implementation = "eager"  # standalone: no model picked the attention
+        self.layer = transformers.models.bert.modeling_bert.BertLayer(cfg)
+
+    def forward(self, x):
+        y = self.layer(x)
+        return y[0] if isinstance(y, tuple) else y
+
+
+def test_converted_bert_layer(reference):
+    """convert's BERT rule sets feed_forward_chunk on the layer instance: dynamo follows it into the op."""
+    try:  # transformers imports torchvision when it is installed: fusedrc's way first
+        _import_torchvision()
+    except ImportError:
+        pass
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+
+    def make():
+        conv = fusedrc.convert(_BertLayer(transformers).train())
+        assert conv.fusedrc_plan.fused == ["layer.intermediate"]
+        return conv
+    _compare(make, (2, 5, 32), expect_ops=["fusedrc.fused_mlp"])
 
 
 @pytest.mark.parametrize("block,shape,op", [

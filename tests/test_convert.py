@@ -362,11 +362,11 @@ def _hf_family(family):
                              num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         model, args, kwargs = tr.LlamaForCausalLM(cfg), (ids,), {}
         units = [f"model.layers.{i}.mlp" for i in range(2)]
-    elif family == "bert":  # fx on BertIntermediate (dense + GELU) and the MLM head's transform
+    elif family == "bert":  # the split-FFN rule on BertLayer, fx on the MLM head's transform (dense + GELU)
         cfg = tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model, args, kwargs = tr.BertForMaskedLM(cfg), (ids,), {}
-        units = [f"bert.encoder.layer.{i}.intermediate.dense" for i in range(2)] + ["cls.predictions.transform.dense"]
+        units = [f"bert.encoder.layer.{i}.intermediate" for i in range(2)] + ["cls.predictions.transform.dense"]
     elif family == "gpt2":  # GPT2MLP's Conv1D layers hold (in, out) weights: fused on their transposes
         cfg = tr.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.0, attn_pdrop=0.0,
                             resid_pdrop=0.0, use_cache=False)
@@ -467,6 +467,102 @@ def test_albert_shared_layer_ffn():
     changed.albert.encoder.albert_layer_groups[0].albert_layers[0].__class__ = other
     with pytest.warns(UserWarning, match="ff_chunk is not ffn -> activation -> ffn_output"):
         assert fusedrc.convert(changed).fusedrc_plan.fused == ["predictions.dense"]
+
+
+def _split_ffn_model(tr, family, chunk=0, dropout=0.1):
+    common = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0, chunk_size_feed_forward=chunk)
+    if family == "electra":
+        return tr.ElectraModel(tr.ElectraConfig(embedding_size=32, **common)).train()
+    if family == "roberta":
+        return tr.RobertaModel(tr.RobertaConfig(pad_token_id=1, **common), add_pooling_layer=False).train()
+    return tr.BertModel(tr.BertConfig(**common), add_pooling_layer=False).train()
+
+
+def _same_seed_step(model, conv, ids):
+    """Both models' outputs from the same random stream (the dropout masks), then one backward each;
+    the fused ops the converted model's step ran."""
+    torch.manual_seed(1)
+    ya = model(ids).last_hidden_state
+    torch.manual_seed(1)
+    with FusedOpLog() as log:
+        yb = conv(ids).last_hidden_state
+        yb.square().mean().backward()
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    _assert_close_models(model, conv)
+    return log.ops
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra"])
+def test_split_ffn_layers(family):
+    """BERT-style layers, found by their code (feed_forward_chunk, intermediate's and output's forwards):
+    intermediate's dense and activation and output's dense run as one fused FFN, output's dropout
+    (p=0.1: the same random stream as the original's) and LayerNorm as the modules they are. Outputs and
+    gradients as the original's; the bytes of checkpoint on the same units, well below what the fused
+    Linear+GELU alone (the fx pass's find before this rule) kept."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    model = _split_ffn_model(tr, family)
+    ids = torch.randint(3, 100, (2, 12))
+    conv = fusedrc.convert(model, example_inputs=(ids,))
+    plan = conv.fusedrc_plan
+    assert plan.fused == [f"encoder.layer.{i}.intermediate" for i in range(2)] and not plan.skipped
+    assert type(conv.encoder.layer[0]) is type(model.encoder.layer[0])  # its class (HF's checkpointing) stays
+    assert list(conv.state_dict()) == list(model.state_dict())
+    assert plan.final_bytes <= _checkpoint_bytes(conv, (ids,))
+    # both (tokens, 64) fp32 tensors of each layer's FFN gone, the GELU's input and output (the fused
+    # Linear+GELU the fx pass found before this rule dropped only the first)
+    assert plan.baseline_bytes - plan.final_bytes >= 2 * 2 * ids.numel() * 64 * 4
+    assert sorted(_same_seed_step(model, conv, ids)) == ["fused_mlp"] * 2 + ["fused_mlp_backward"] * 2
+
+
+def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path):
+    """The BERT rule's edges: chunked feed-forward (one fused FFN a chunk); a hook put on intermediate
+    after convert (the class's feed_forward_chunk runs: the hook sees the activation); a layer whose
+    output is not dense -> dropout -> norm(h + input) (reported; the fx pass fuses intermediate's
+    Linear+act instead); converting again, torch.save / load, and a DataParallel replica on its own
+    parameters."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 12))
+    model = _split_ffn_model(tr, "bert", chunk=4)
+    conv = fusedrc.convert(model)
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 2 * 3  # 12 tokens in chunks of 4
+
+    model = _split_ffn_model(tr, "bert", dropout=0.0)
+    conv = fusedrc.convert(model)
+    seen = []
+    handle = conv.encoder.layer[1].intermediate.register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+    model.zero_grad()
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 1 and seen == [64]
+    handle.remove()
+
+    again = fusedrc.convert(conv, inplace=True)
+    assert again.fusedrc_plan.fused == conv.fusedrc_plan.fused and again is conv
+    path = tmp_path / "bert.pt"
+    torch.save(conv, path)
+    back = torch.load(path, weights_only=False)
+    model.zero_grad()
+    assert _same_seed_step(model, back, ids).count("fused_mlp") == 2
+
+    replica = replicate_on_cpu(conv, scale=2.0)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(2)
+    with FusedOpLog() as log:
+        yb = replica(ids).last_hidden_state
+    assert log.ops.count("fused_mlp") == 2 and rel_err(yb, ref(ids).last_hidden_state) <= TOL
+
+    out_cls = type(model.encoder.layer[0].output)
+    other = type(out_cls.__name__, (out_cls,), {"forward": lambda self, h, r: self.LayerNorm(self.dense(h) + r)})
+    changed = copy.deepcopy(model)
+    for layer in changed.encoder.layer:
+        layer.output.__class__ = other
+    with pytest.warns(UserWarning, match="is not dense -> dropout -> norm"):
+        plan = fusedrc.convert(changed).fusedrc_plan
+    assert plan.fused == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
 
 
 @pytest.mark.parametrize("code, reason, dropout", [
