@@ -256,6 +256,22 @@ def test_mixtral_quick_run(tmp_path):
     _assert_png_not_blank(plots / f"bench_mixtral_quick_{doc['device']['type']}.png")
 
 
+def test_bert_quick_run(tmp_path):
+    """The opt-in BERT workload: convert's BERT-style layer rule fuses each layer's FFN (over BertIntermediate and
+    BertOutput) and the MLM head's dense + GELU; the units keep what checkpoint on them keeps."""
+    from fusedrc.bench import models
+
+    doc, plots = _quick_model_run(tmp_path, "bert")
+    info = doc["workloads"]["bert"]
+    assert info["units"] == 3 and info["blocks"] == 2 and info["unit_kinds"] == ["ffn", "linear_act"]
+    cs = {c["strategy"]: c for c in doc["configs"]}
+    assert set(cs) == set(models.MODEL_STRATEGIES)
+    saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
+    assert saved["convert_all"] <= saved["torch_checkpoint"] < saved["no_recompute"]
+    assert saved["convert_blocks"] <= 1.1 * saved["torch_checkpoint_blocks"] < saved["torch_checkpoint"]
+    _assert_png_not_blank(plots / f"bench_bert_quick_{doc['device']['type']}.png")
+
+
 def test_checkpoint_blocks_matches_original():
     """torch_checkpoint_blocks runs each block under torch.utils.checkpoint with the block's kwargs."""
     from torch import nn

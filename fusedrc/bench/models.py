@@ -45,15 +45,15 @@ from torch.utils.checkpoint import checkpoint
 import fusedrc
 from fusedrc.convert import _set_impl, import_torchvision
 
-MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "opt", "mixtral")
+MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "opt", "mixtral", "bert")
 IMAGE_MODELS = ("resnet50", "efficientnet_b0")  # torchvision classifiers: images in, 1000 logits out
 MODEL_STRATEGIES = ("no_recompute", "torch_checkpoint", "torch_checkpoint_blocks", "convert_all",
                     "convert_blocks", "convert_budget")
 # EfficientNet-B0: units keep ~0.42 of the activations, whole blocks ~0.05 (README, CPU at 64 px)
 # Mixtral: its fused experts keep ~0.35 of the activations (examples/train_opt.py --arch mixtral)
 BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "efficientnet_b0": (0.8, 0.5, 0.3), "opt": (0.75, 0.5, 0.35),
-           "mixtral": (0.6, 0.4, 0.25)}
-QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "opt": (0.5,), "mixtral": (0.5,)}
+           "mixtral": (0.6, 0.4, 0.25), "bert": (0.75, 0.5, 0.35)}
+QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "opt": (0.5,), "mixtral": (0.5,), "bert": (0.5,)}
 _LR = 1e-4
 
 
@@ -171,6 +171,30 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
                 f"{cfg['experts']} experts of intermediate {cfg['inter']}, top-2, {cfg['heads']} heads, vocab "
                 f"{cfg['vocab']})), input batch x {cfg['seq']} random token ids")
         loss = "causal-LM cross_entropy(logits[:, :-1], ids[:, 1:])"
+    elif name == "bert":
+        if quick:
+            cfg = dict(hidden=64, layers=2, ffn=256, heads=4, vocab=256, seq=32)
+        elif cuda:  # the shape of bert-base-uncased
+            cfg = dict(hidden=768, layers=12, ffn=3072, heads=12, vocab=30522, seq=512)
+        else:
+            cfg = dict(hidden=256, layers=4, ffn=1024, heads=4, vocab=2048, seq=128)
+        try:
+            import_torchvision()
+        except ImportError:
+            pass
+        from transformers import BertConfig, BertForMaskedLM
+
+        # its FFN spans BertIntermediate and BertOutput: convert's rule for BERT-style layers
+        config = BertConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+                            intermediate_size=cfg["ffn"], num_attention_heads=cfg["heads"],
+                            max_position_embeddings=max(cfg["seq"], 64), hidden_act="gelu",
+                            hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0)
+        model = BertForMaskedLM(config)
+        shapes = dict(cfg, activation="gelu", dropout=0.1, attn_implementation=config._attn_implementation)
+        desc = (f"transformers BertForMaskedLM(BertConfig(hidden {cfg['hidden']}, {cfg['layers']} layers, "
+                f"intermediate {cfg['ffn']}, {cfg['heads']} heads, vocab {cfg['vocab']}, gelu, dropout 0.1)), "
+                f"input batch x {cfg['seq']} random token ids")
+        loss = "cross_entropy(logits[:, :-1], ids[:, 1:]) (a synthetic target)"
     else:
         raise ValueError(f"unknown model workload {name!r}; choose from {', '.join(MODEL_WORKLOADS)}")
     model.to(device=device, dtype=dtype).train()

@@ -140,7 +140,7 @@ def _plot_model(doc, wl, cs, plots_dir):
                 yerr=_yerr([base]),
                 color=STYLE["no_recompute"][1], marker="s", ms=9, ls="none", capsize=3, zorder=4,
                 label="original (no recompute)")
-        unit = "sequences" if wl in ("opt", "mixtral") else "images"
+        unit = "sequences" if wl in ("opt", "mixtral", "bert") else "images"
         _finish_axes(ax, xlabel, f"batch {b} {unit}", max(_memory(doc, c)[0] for c in rows),
                      1.35 * max(c["median_s"] for c in rows) * 1e3)
         all_texts.append(texts)
