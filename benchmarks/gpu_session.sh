@@ -22,6 +22,7 @@
 #            (benchmarks/gpu_model_graph.py: how much of the step is host time)
 #   opt      the OPT model (opt-125m's shape) at its default batch sizes
 #   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
+#   bert     BertForMaskedLM at bert-base's shape: the FFN split over BertIntermediate/BertOutput, fused
 #   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (its depthwise convs on the reference path)
 # Usage on the GPU machine, one 10-minute call per line (2026-11-26, H200: 1075 of ~1290 tests in
@@ -43,7 +44,7 @@
 #            FUSEDRC_TIMEOUT_MIXTRAL=60 ... "$OUT" tests mixtral
 #            (with the machine's start and the gaps between calls, about 800 of the 900 s)
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
-#            conv_grouped models_mobile kernels; then conv_compile
+#            conv_grouped models_mobile kernels; then conv_compile bert (FUSEDRC_TIMEOUT_BERT=150)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
 # can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's four parts takes it).
@@ -108,6 +109,7 @@ for step in "${steps[@]}"; do
                           | tail -12 ;;
         opt) timeout -k 30 $(limit opt 150) python3 -m fusedrc.bench --workload opt "${opts[@]}" 2>&1 | tail -24 ;;
         mixtral) timeout -k 30 $(limit mixtral 200) python3 -m fusedrc.bench --workload mixtral "${opts[@]}" 2>&1 | tail -24 ;;
+        bert) timeout -k 30 $(limit bert 150) python3 -m fusedrc.bench --workload bert "${opts[@]}" 2>&1 | tail -24 ;;
         # host vs GPU time of the conv pattern, kernel by kernel (torch.profiler tables: is a layer
         # host-bound? which of fusedrc's passes costs what next to checkpoint's kernels?)
         profile) timeout -k 30 $(limit profile 120) python3 benchmarks/gpu_profile.py --only conv \
