@@ -33,7 +33,8 @@ How patterns are found
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
    ``AlbertLayer`` (its ``ff_chunk``);
    and, by shape rather than class name, every layer whose ``feed_forward_chunk``, ``intermediate``
-   and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them), every module holding ``gate_proj`` /
+   and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them), every module
+   whose forward is Phi-3's MLP (``_gate_up_mlp``: gate and up projections in one ``gate_up_proj``), every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
@@ -278,8 +279,7 @@ def _set_impl(model, impl):
         sites = list(m.__dict__.get("sites", {}).values())
         if isinstance(m.__dict__.get("site"), Site):
             sites.append(m.__dict__["site"])
-        if isinstance(m.__dict__.get("feed_forward_chunk"), _SplitFFN):
-            sites.append(m.__dict__["feed_forward_chunk"].site)
+        sites += [f.site for f in _split_ffns(m).values()]
         for s in sites:
             s.impl = impl
     return model
@@ -1162,9 +1162,9 @@ def _albert_layer(ctx, name, m):
 
 # BERT's FFN spans two modules its layer calls in a row: ``intermediate`` (dense -> act) and
 # ``output`` (dense -> dropout -> LayerNorm(h + residual)). About 35 Hugging Face families copy
-# the three methods word for word (RoBERTa, ELECTRA, XLM-R, CamemBERT, ERNIE, LayoutLM, ...).
-_SPLIT_FFN_CHUNK = ["intermediate_output = self.intermediate(attention_output)",
-                    "layer_output = self.output(intermediate_output, attention_output)", "return layer_output"]
+# the three methods word for word (RoBERTa, ELECTRA, XLM-R, CamemBERT, ERNIE, LayoutLM, ...);
+# Longformer names the layer's method ff_chunk.
+_SPLIT_FFN_METHODS = ("feed_forward_chunk", "ff_chunk")
 _SPLIT_FFN_INTERMEDIATE = ["hidden_states = self.dense(hidden_states)",
                            "hidden_states = self.intermediate_act_fn(hidden_states)", "return hidden_states"]
 
@@ -1180,13 +1180,24 @@ def _split_ffn_norm(lines):
     return norm.group(1) if ok and norm else None
 
 
+def _split_ffn_method(m):
+    """The name of ``m``'s class method that is BERT's ``feed_forward_chunk`` word for word (its argument
+    named as it likes), or None."""
+    for method in _SPLIT_FFN_METHODS:
+        lines = _source_lines(m, method) if hasattr(_class_of(m), method) else None
+        head = _re.match(rf"def {method}\(self, (\w+)", lines[0]) if lines else None
+        if head is not None and lines[1:] == [f"intermediate_output = self.intermediate({head.group(1)})",
+                                              f"layer_output = self.output(intermediate_output, {head.group(1)})",
+                                              "return layer_output"]:
+            return method
+    return None
+
+
 def _looks_split_ffn_layer(m):
-    """Found by shape: a module whose class has BERT's ``feed_forward_chunk`` (checked word for word),
-    holding ``intermediate`` and ``output``."""
-    if isinstance(m, Wrapper) or not all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output")):
-        return False
-    lines = _source_lines(m, "feed_forward_chunk")
-    return bool(lines) and lines[1:] == _SPLIT_FFN_CHUNK and lines[0].startswith("def feed_forward_chunk(self, attention_output")
+    """Found by shape: a module holding ``intermediate`` and ``output`` whose class has BERT's
+    ``feed_forward_chunk`` (checked word for word)."""
+    return (not isinstance(m, Wrapper) and all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output"))
+            and _split_ffn_method(m) is not None)
 
 
 class _SplitFFN:
@@ -1195,39 +1206,45 @@ class _SplitFFN:
     Linears and the activation as one fused FFN, then ``output``'s dropout and norm as modules.
     Where the layer's modules are no longer what convert checked (another class at ``intermediate``
     or ``output``, hooks on them or on their Linears, a LoRA layer at a Linear's place, another
-    activation), the class's own ``feed_forward_chunk`` runs."""
+    activation), the class's own method runs."""
 
-    def __init__(self, layer, site, act, norm, classes):
-        self.layer, self.site, self.act, self.norm, self.classes = layer, site, act, norm, classes
+    def __init__(self, layer, method, site, act, norm, classes):
+        self.layer, self.method, self.site, self.act, self.norm, self.classes = layer, method, site, act, norm, classes
 
     def _fusedrc_rebind(self, replica):
-        return _SplitFFN(replica, self.site, self.act, self.norm, self.classes)
+        return _SplitFFN(replica, self.method, self.site, self.act, self.norm, self.classes)
 
     def __call__(self, attention_output):
         layer = self.layer
         inter, out = layer._modules.get("intermediate"), layer._modules.get("output")
         if not (self.site.enabled and (type(inter), type(out)) == self.classes):
-            return type(layer).feed_forward_chunk(layer, attention_output)
+            return getattr(type(layer), self.method)(layer, attention_output)
         fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
         if (not _nohooks(inter, out, fc1, act_mod, fc2) or not _still(self.act, act_mod, fc1, fc2)
                 or not _dense_runtime_ok(attention_output, fc1, fc2)):
-            return type(layer).feed_forward_chunk(layer, attention_output)
+            return getattr(type(layer), self.method)(layer, attention_output)
         h = _run_site(self.site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.act),
                       lambda x: fc2(act_mod(fc1(x))), attention_output)
         return getattr(out, self.norm)(out.dropout(h) + attention_output)
 
 
+def _split_ffns(m):
+    """The :class:`_SplitFFN` an earlier convert set on ``m``, by method name."""
+    return {k: v for k, v in m.__dict__.items() if isinstance(v, _SplitFFN)}
+
+
 def _split_ffn_layer(ctx, name, m):
     """A BERT-style layer (``_looks_split_ffn_layer``): its FFN, ``intermediate`` then ``output``'s
     dense, as one fused FFN unit named ``<layer>.intermediate``."""
-    if isinstance(m.__dict__.get("feed_forward_chunk"), _SplitFFN):
-        del m.__dict__["feed_forward_chunk"]  # an earlier convert's: planned afresh
+    for key in _split_ffns(m):
+        del m.__dict__[key]  # an earlier convert's: planned afresh
+    method = _split_ffn_method(m)
     unit = _join(name, "intermediate")
     inter, out = m.intermediate, m.output
     norm = _split_ffn_norm(_source_lines(out))
     act = _act_name(getattr(inter, "intermediate_act_fn", None))
-    if "feed_forward_chunk" in m.__dict__ or _foreign_forward(inter) or _foreign_forward(out):
-        reason = "a feed_forward_chunk or forward set on the instance: its code is not the class's"
+    if method in m.__dict__ or _foreign_forward(inter) or _foreign_forward(out):
+        reason = f"a {method} or forward set on the instance: its code is not the class's"
     elif (_source_lines(inter) or [""])[1:] != _SPLIT_FFN_INTERMEDIATE:
         reason = f"{type(inter).__name__}.forward is not dense -> intermediate_act_fn"
     elif norm is None or not isinstance(getattr(out, "dropout", None), nn.Module) \
@@ -1245,7 +1262,7 @@ def _split_ffn_layer(ctx, name, m):
         ctx.skip(unit, reason)
         return m  # its children are visited as usual: intermediate may still be a fused Linear+act
     site = Site()
-    m.__dict__["feed_forward_chunk"] = _SplitFFN(m, site, act, norm, (type(inter), type(out)))
+    m.__dict__[method] = _SplitFFN(m, method, site, act, norm, (type(inter), type(out)))
     bind_replicas(m)
     ctx.unit(unit, "ffn", *_site_switches(site), (inter.dense,))
     return m
@@ -1423,6 +1440,73 @@ def _gated_mlp(ctx, name, m):
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
         new.__dict__["_fusedrc_arg"] = arg
+    return new
+
+
+class FusedGateUpMLP(Wrapper):
+    """A gated MLP whose gate and up projections are one Linear, Phi-3's
+    ``up = gate_up_proj(x); gate, up = up.chunk(2, dim=-1); down_proj(up * activation_fn(gate))``
+    (Phi-3/3.5/4-mini, Phi-4-multimodal, GLM, ...), as one fused gated FFN on the two halves of
+    ``gate_up_proj``'s weight (row views: no copy)."""
+
+    def forward(self, *args, **kwargs):
+        if len(args) + len(kwargs) != 1 or (kwargs and next(iter(kwargs)) != self.__dict__["_fusedrc_arg"]):
+            return self.plain(*args, **kwargs)
+        x = args[0] if args else next(iter(kwargs.values()))
+        site, gu, d, act_mod = self.sites.get("gated_ffn"), self.gate_up_proj, self.down_proj, self.activation_fn
+        if (site is None or not site.enabled or not _nohooks(self, gu, d, act_mod)
+                or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d)
+                or gu.out_features != 2 * d.in_features or not _dense_runtime_ok(x, gu, d)):
+            return self.plain(*args, **kwargs)
+        act, n = self.__dict__["_fusedrc_act"], d.in_features
+        w, b = gu.weight, gu.bias
+        return _run_site(
+            site, lambda x: F.gated_mlp(x, w[:n], None if b is None else b[:n], w[n:], None if b is None else b[n:],
+                                        d.weight, d.bias, act),
+            self.plain, x)
+
+
+def _gate_up_body(lines):
+    """The name of a forward's one argument ``v`` when its code lines are Phi-3's MLP, word for word; else None."""
+    head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
+    if head is None:
+        return None
+    v = head.group(1)
+    body = [f"up_states = self.gate_up_proj({v})", "gate, up_states = up_states.chunk(2, dim=-1)",
+            "up_states = up_states * self.activation_fn(gate)", "return self.down_proj(up_states)"]
+    return v if lines[1:] == body else None
+
+
+def _looks_gate_up_mlp(m):
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_up_proj", "down_proj", "activation_fn")) \
+        and not _class_of(m).__module__.startswith("torch.") \
+        and (not isinstance(m, Wrapper) or isinstance(m, FusedGateUpMLP))
+
+
+def _gate_up_mlp(ctx, name, m):
+    """Found by shape: a module holding ``gate_up_proj``/``down_proj`` Linears and ``activation_fn``
+    whose forward is Phi-3's MLP, word for word."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    arg = _gate_up_body(lines)
+    act = _act_name(m.activation_fn)
+    gu, d = m.gate_up_proj, m.down_proj
+    if arg is None:
+        reason = (f"{_class_of(m).__name__}.forward is not gate, up = gate_up_proj(x).chunk(2); "
+                  "down_proj(up * activation_fn(gate))")
+    elif act is None:
+        reason = f"activation {type(m.activation_fn).__name__} has no fused form"
+    elif not (is_linear(gu) and is_linear(d)) or gu.out_features != 2 * d.in_features:
+        reason = "gate_up_proj/down_proj are not plain nn.Linear of matching shapes"
+    else:
+        reason = None
+    if reason is not None:
+        ctx.skip(name, reason)
+        return m
+    new = FusedGateUpMLP.wrap(m)
+    new.__dict__["_fusedrc_act"], new.__dict__["_fusedrc_arg"] = act, arg
+    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (gu,))
     return new
 
 
@@ -2264,6 +2348,8 @@ def _rewrite(ctx, module, prefix=""):
         rule = _experts
     elif rule is None and _looks_split_ffn_layer(module):
         rule = _split_ffn_layer
+    elif rule is None and _looks_gate_up_mlp(module):
+        rule = _gate_up_mlp
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif cls is nn.Sequential:

@@ -362,6 +362,12 @@ def _hf_family(family):
                              num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         model, args, kwargs = tr.LlamaForCausalLM(cfg), (ids,), {}
         units = [f"model.layers.{i}.mlp" for i in range(2)]
+    elif family == "phi3":  # gate and up projections in one Linear: Phi3MLP found by its forward
+        cfg = tr.Phi3Config(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, use_cache=False)
+        model, args, kwargs = tr.Phi3ForCausalLM(cfg), (ids,), {}
+        units = [f"model.layers.{i}.mlp" for i in range(2)]
     elif family == "bert":  # the split-FFN rule on BertLayer, fx on the MLM head's transform (dense + GELU)
         cfg = tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -401,7 +407,7 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
-@pytest.mark.parametrize("family", ["llama", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon", "biogpt"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon", "biogpt"])
 def test_other_hugging_face_families(family):
     """Beyond the OPT and T5 rules: fx on the submodules that trace (one graph per training mode
     where the forward reads it), the rules for GPT-2's MLP and BART-style layers (named, or by
@@ -476,6 +482,9 @@ def _split_ffn_model(tr, family, chunk=0, dropout=0.1):
         return tr.ElectraModel(tr.ElectraConfig(embedding_size=32, **common)).train()
     if family == "roberta":
         return tr.RobertaModel(tr.RobertaConfig(pad_token_id=1, **common), add_pooling_layer=False).train()
+    if family == "longformer":  # its layer's method is ff_chunk(self, attn_output)
+        return tr.LongformerModel(tr.LongformerConfig(pad_token_id=1, attention_window=4, **common),
+                                  add_pooling_layer=False).train()
     return tr.BertModel(tr.BertConfig(**common), add_pooling_layer=False).train()
 
 
@@ -494,7 +503,7 @@ def _same_seed_step(model, conv, ids):
     return log.ops
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "electra"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer"])
 def test_split_ffn_layers(family):
     """BERT-style layers, found by their code (feed_forward_chunk, intermediate's and output's forwards):
     intermediate's dense and activation and output's dense run as one fused FFN, output's dropout
@@ -563,6 +572,36 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path):
     with pytest.warns(UserWarning, match="is not dense -> dropout -> norm"):
         plan = fusedrc.convert(changed).fusedrc_plan
     assert plan.fused == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_phi3_gate_up_mlp(backend):
+    """Phi-3's MLP (gate and up projections in one Linear, split by chunk): one fused gated FFN on the two
+    row halves of gate_up_proj's weight (views: the Triton kernels read them in place), its gradient the
+    original's; a forward that differs is reported."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    cfg = tr.Phi3Config(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
+    dev = backend_device(backend)
+    mlp = tr.models.phi3.modeling_phi3.Phi3MLP(cfg).to(dev)
+    conv = fusedrc.convert(mlp)
+    assert conv.fusedrc_plan.fused == [""] and conv.fusedrc_plan.units[0].kind == "gated_ffn"
+    x = torch.randn(2, 5, 32, device=dev)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        xa, xb = _assert_same_step(mlp, conv, x)
+    twin = "_triton" if backend == "triton" else ""
+    assert log.ops == [f"gated_mlp{twin}", f"gated_mlp_backward{twin}"]
+    assert rel_err(xb.grad, xa.grad) <= TOL
+    assert conv.gate_up_proj.weight.grad.shape == (96, 32)
+
+    other = type("Phi3MLP", (type(mlp),), {"forward": lambda self, h: self.down_proj(
+        self.activation_fn(self.gate_up_proj(h)[..., :48]) * self.gate_up_proj(h)[..., 48:])})
+    changed = copy.deepcopy(mlp)
+    changed.__class__ = other
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(changed).fusedrc_plan
+    assert not plan.fused and "is not gate, up = gate_up_proj" in dict(plan.skipped)[""]
 
 
 @pytest.mark.parametrize("code, reason, dropout", [
@@ -1476,7 +1515,7 @@ def _swap(model, path, make):
 
 @pytest.mark.parametrize("case", [
     "opt-lora-fc1", "opt-lora-fc2", "opt-act", "t5-lora-wi", "t5-act", "llama-lora-up", "llama-act",
-    "bert-lora-intermediate", "bert-act",
+    "bert-lora-intermediate", "bert-act", "phi3-lora-gate_up", "phi3-act",
 ])
 def test_modules_replaced_after_convert_are_honoured(case):
     """A LoRA adapter (as PEFT's get_peft_model puts it) or another activation module swapped into a
@@ -1496,6 +1535,11 @@ def test_modules_replaced_after_convert_are_honoured(case):
         model = tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48,
                                                    num_hidden_layers=1, num_attention_heads=4, use_cache=False))
         path = {"lora": "model.layers.0.mlp.up_proj", "act": "model.layers.0.mlp.act_fn"}
+    elif family == "phi3":
+        model = tr.Phi3ForCausalLM(tr.Phi3Config(vocab_size=100, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=1, num_attention_heads=4, pad_token_id=0,
+                                                 bos_token_id=1, eos_token_id=2, use_cache=False))
+        path = {"lora": "model.layers.0.mlp.gate_up_proj", "act": "model.layers.0.mlp.activation_fn"}
     else:
         model = tr.BertForMaskedLM(tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
                                                  num_hidden_layers=1, num_attention_heads=4, hidden_dropout_prob=0.0,
