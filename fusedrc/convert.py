@@ -33,7 +33,8 @@ How patterns are found
    ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
    ``AlbertLayer`` (its ``ff_chunk``);
    and, by shape rather than class name, every layer whose ``feed_forward_chunk``, ``intermediate``
-   and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them), every module
+   and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them; DeBERTa and
+   MPNet call the two inline, ``_inline_split_ffn_layer``), every module
    whose forward is Phi-3's MLP (``_gate_up_mlp``: gate and up projections in one ``gate_up_proj``), every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
@@ -1233,23 +1234,18 @@ def _split_ffns(m):
     return {k: v for k, v in m.__dict__.items() if isinstance(v, _SplitFFN)}
 
 
-def _split_ffn_layer(ctx, name, m):
-    """A BERT-style layer (``_looks_split_ffn_layer``): its FFN, ``intermediate`` then ``output``'s
-    dense, as one fused FFN unit named ``<layer>.intermediate``."""
-    for key in _split_ffns(m):
-        del m.__dict__[key]  # an earlier convert's: planned afresh
-    method = _split_ffn_method(m)
-    unit = _join(name, "intermediate")
-    inter, out = m.intermediate, m.output
+def _split_ffn_reason(inter, out):
+    """Why ``intermediate``/``output`` cannot be one fused FFN (None: they can), the norm module's name
+    and the fused activation."""
     norm = _split_ffn_norm(_source_lines(out))
     act = _act_name(getattr(inter, "intermediate_act_fn", None))
-    if method in m.__dict__ or _foreign_forward(inter) or _foreign_forward(out):
-        reason = f"a {method} or forward set on the instance: its code is not the class's"
+    if _foreign_forward(inter) or _foreign_forward(out):
+        reason = "a forward set on the instance of intermediate or output: its code is not the class's"
     elif (_source_lines(inter) or [""])[1:] != _SPLIT_FFN_INTERMEDIATE:
-        reason = f"{type(inter).__name__}.forward is not dense -> intermediate_act_fn"
+        reason = f"{_class_of(inter).__name__}.forward is not dense -> intermediate_act_fn"
     elif norm is None or not isinstance(getattr(out, "dropout", None), nn.Module) \
             or not isinstance(getattr(out, norm, None), nn.Module):
-        reason = f"{type(out).__name__}.forward is not dense -> dropout -> norm(h + input_tensor)"
+        reason = f"{_class_of(out).__name__}.forward is not dense -> dropout -> norm(h + input_tensor)"
     elif act is None:
         reason = f"activation {type(inter.intermediate_act_fn).__name__} has no fused form"
     elif not (is_linear(inter.dense) and is_linear(out.dense)) or out.dense.in_features != inter.dense.out_features:
@@ -1258,6 +1254,20 @@ def _split_ffn_layer(ctx, name, m):
         reason = "hooks registered on the modules"
     else:
         reason = None
+    return reason, norm, act
+
+
+def _split_ffn_layer(ctx, name, m):
+    """A BERT-style layer (``_looks_split_ffn_layer``): its FFN, ``intermediate`` then ``output``'s
+    dense, as one fused FFN unit named ``<layer>.intermediate``."""
+    for key in _split_ffns(m):
+        del m.__dict__[key]  # an earlier convert's: planned afresh
+    method = _split_ffn_method(m)
+    unit = _join(name, "intermediate")
+    inter, out = m.intermediate, m.output
+    reason, norm, act = _split_ffn_reason(inter, out)
+    if method in m.__dict__:
+        reason = f"a {method} set on the instance: its code is not the class's"
     if reason is not None:
         ctx.skip(unit, reason)
         return m  # its children are visited as usual: intermediate may still be a fused Linear+act
@@ -1265,6 +1275,87 @@ def _split_ffn_layer(ctx, name, m):
     m.__dict__[method] = _SplitFFN(m, method, site, act, norm, (type(inter), type(out)))
     bind_replicas(m)
     ctx.unit(unit, "ffn", *_site_switches(site), (inter.dense,))
+    return m
+
+
+# DeBERTa, MPNet and a few others make the same two calls inline in their layer's forward:
+#     intermediate_output = self.intermediate(attention_output)
+#     layer_output = self.output(intermediate_output, attention_output)
+# There the two modules become stand-ins that find their layer by its forward's frame (as an
+# inlined FFN's do, _calling_layer): intermediate computes the whole FFN and output skips its dense.
+class _SplitHead(Wrapper):
+    """``intermediate`` of an inline BERT-style layer (same submodules, same keys): called from its
+    layer's forward, the whole FFN (dense -> act -> output.dense) fused, and ``output`` told to skip
+    its dense; called from anywhere else, or where a hook or a swapped module is in the way, itself."""
+
+    def forward(self, *args, **kwargs):
+        layer = _calling_layer(self, "intermediate") if len(args) == 1 and not kwargs else None
+        tail = None if layer is None else layer._modules.get("output")
+        if isinstance(tail, _SplitTail):
+            tail.__dict__["_fusedrc_pass"].armed = False  # left armed by a layer call that raised half-way
+        site = self.sites.get("ffn")
+        if layer is None or not isinstance(tail, _SplitTail) or site is None or not site.enabled:
+            return self.plain(*args, **kwargs)
+        fc1, act_mod, fc2, act = self.dense, self.intermediate_act_fn, tail.dense, self.__dict__["_fusedrc_act"]
+        x = args[0]
+        if (not _nohooks(self, tail, fc1, act_mod, fc2) or not _still(act, act_mod, fc1, fc2)
+                or not _dense_runtime_ok(x, fc1, fc2)):
+            return self.plain(*args, **kwargs)
+        h = _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
+                      lambda x: fc2(act_mod(fc1(x))), x)
+        tail.__dict__["_fusedrc_pass"].armed = True
+        return h
+
+
+class _SplitTail(Wrapper):
+    """``output`` of an inline BERT-style layer: after its ``intermediate`` ran the whole FFN, its input
+    is the FFN's output already (dropout and norm remain); else itself."""
+
+    def forward(self, *args, **kwargs):
+        if len(args) == 2 and not kwargs and _passes_through(self, "output"):
+            h, residual = args
+            return getattr(self, self.__dict__["_fusedrc_norm"])(self.dropout(h) + residual)
+        return self.plain(*args, **kwargs)
+
+
+def _inline_split_ffn(lines) -> bool:
+    """Whether a layer's forward calls ``v = self.intermediate(x)`` then ``self.output(v, x)`` on the next
+    line, ``v`` used nowhere else."""
+    lines = lines or []
+    at = [i for i, ln in enumerate(lines) if "self.intermediate(" in ln]
+    if len(at) != 1 or sum("self.output(" in ln for ln in lines) != 1 or at[0] + 1 >= len(lines):
+        return False
+    first = _re.fullmatch(r"(\w+) = self\.intermediate\((\w+)\)", lines[at[0]])
+    if first is None:
+        return False
+    v, x = first.groups()
+    uses = sum(len(_re.findall(rf"\b{v}\b", ln)) for ln in lines)
+    return _re.fullmatch(rf"\w+ = self\.output\({v}, {x}\)", lines[at[0] + 1]) is not None and uses == 2
+
+
+def _looks_inline_split_ffn_layer(m):
+    """Found by shape: a module holding ``intermediate`` and ``output`` whose forward calls them in a row
+    on one tensor (DeBERTa, MPNet, ...), BERT's ``feed_forward_chunk`` absent."""
+    return (not isinstance(m, Wrapper) and all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output"))
+            and _split_ffn_method(m) is None and not _foreign_forward(m) and _inline_split_ffn(_source_lines(m)))
+
+
+def _inline_split_ffn_layer(ctx, name, m):
+    """An inline BERT-style layer (``_looks_inline_split_ffn_layer``): one fused FFN unit named
+    ``<layer>.intermediate``, through the :class:`_SplitHead` / :class:`_SplitTail` stand-ins."""
+    inter, out = m.intermediate, m.output
+    unit = _join(name, "intermediate")
+    reason, norm, act = _split_ffn_reason(inter, out)
+    if reason is not None:
+        for site in inter.__dict__.get("sites", {}).values() if isinstance(inter, _SplitHead) else ():
+            site.enabled = False  # an earlier convert's unit, not in this plan
+        ctx.skip(unit, reason)
+        return m
+    head, tail = _SplitHead.wrap(inter), _SplitTail.wrap(out)
+    head.__dict__["_fusedrc_layer"], head.__dict__["_fusedrc_act"] = m, act
+    tail.__dict__["_fusedrc_norm"] = norm
+    _stand_in(tail, m)
+    _site_unit(ctx, head, unit, "ffn", "ffn", (head.dense,))
     return m
 
 
@@ -2312,12 +2403,14 @@ def _held_inline(module, prefix, unit):
     """Whether fused ``unit`` (a name below ``module``, at ``prefix``) lives in code an fx graph of
     ``module`` would inline: its owner is not a call in that graph. Owners that are calls: a rule's
     Wrapper, a fused Sequential, a module an earlier fx pass rewrote (its instance forward). An
-    OPT-style layer holding its FFN's stand-ins is not: they find their layer by its forward's
-    frame, which a graph would replace."""
+    OPT-style layer holding its FFN's stand-ins is not, nor an inline BERT-style layer holding a
+    :class:`_SplitHead`: they find their layer by its forward's frame, which a graph would replace."""
     rel = unit[len(prefix) + 1:] if prefix else unit
     try:
         at = module.get_submodule(rel)
-        owner = at if isinstance(at, Wrapper) else module.get_submodule(rel.rpartition(".")[0])
+        # a split FFN's head finds its layer by the layer's forward frame, as an inlined FFN's stand-ins do
+        owner = at if isinstance(at, Wrapper) and not isinstance(at, _SplitHead) \
+            else module.get_submodule(rel.rpartition(".")[0])
     except AttributeError:
         return True
     return not (isinstance(owner, (Wrapper, _FusedSequential)) or "forward" in owner.__dict__) or owner is module
@@ -2350,6 +2443,8 @@ def _rewrite(ctx, module, prefix=""):
         rule = _split_ffn_layer
     elif rule is None and _looks_gate_up_mlp(module):
         rule = _gate_up_mlp
+    elif rule is None and _looks_inline_split_ffn_layer(module):
+        rule = _inline_split_ffn_layer
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif cls is nn.Sequential:

@@ -7,6 +7,7 @@ input and parameter gradients, and buffers (BatchNorm running statistics).
 CPU runs use the reference backend with ``aot_eager`` (inductor on CPU costs
 ~20 s a compile here: one test); the CUDA test runs the Triton backend under inductor.
 """
+import importlib
 import json
 import os
 import subprocess
@@ -358,23 +359,28 @@ def test_converted_model_inductor(reference):
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), backend="inductor", steps=2, atol=1e-4)
 
 
-class _BertLayer(nn.Module):
-    """One Hugging Face BertLayer on hidden states (its FFN split over intermediate and output)."""
+class _HFLayer(nn.Module):
+    """One Hugging Face BertLayer or MPNetLayer on hidden states (the FFN split over intermediate and
+    output: BERT's in feed_forward_chunk, MPNet's inline in the layer's forward)."""
 
-    def __init__(self, transformers):
+    def __init__(self, transformers, family):
         super().__init__()
-        cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = transformers.BertConfig if family == "bert" else transformers.MPNetConfig
+        cfg = config(hidden_size=32, intermediate_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
         cfg._attn_implementation = "eager"  # standalone: no model picked the attention
-        self.layer = transformers.models.bert.modeling_bert.BertLayer(cfg)
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        self.layer = getattr(module, "BertLayer" if family == "bert" else "MPNetLayer")(cfg)
 
     def forward(self, x):
         y = self.layer(x)
         return y[0] if isinstance(y, tuple) else y
 
 
-def test_converted_bert_layer(reference):
-    """convert's BERT rule sets feed_forward_chunk on the layer instance: dynamo follows it into the op."""
+@pytest.mark.parametrize("family", ["bert", "mpnet"])
+def test_converted_bert_style_layer(reference, family):
+    """convert's BERT rules: dynamo follows the feed_forward_chunk set on BertLayer's instance, and MPNet's
+    stand-ins (found through their layer, not its frame, while compiling) into the fused op."""
     try:  # transformers imports torchvision when it is installed: fusedrc's way first
         _import_torchvision()
     except ImportError:
@@ -382,7 +388,7 @@ def test_converted_bert_layer(reference):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
 
     def make():
-        conv = fusedrc.convert(_BertLayer(transformers).train())
+        conv = fusedrc.convert(_HFLayer(transformers, family).train())
         assert conv.fusedrc_plan.fused == ["layer.intermediate"]
         return conv
     _compare(make, (2, 5, 32), expect_ops=["fusedrc.fused_mlp"])

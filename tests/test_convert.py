@@ -482,6 +482,10 @@ def _split_ffn_model(tr, family, chunk=0, dropout=0.1):
         return tr.ElectraModel(tr.ElectraConfig(embedding_size=32, **common)).train()
     if family == "roberta":
         return tr.RobertaModel(tr.RobertaConfig(pad_token_id=1, **common), add_pooling_layer=False).train()
+    if family == "deberta_v2":  # the two calls inline in the layer's forward: stand-ins
+        return tr.DebertaV2Model(tr.DebertaV2Config(**common)).train()
+    if family == "mpnet":
+        return tr.MPNetModel(tr.MPNetConfig(**common), add_pooling_layer=False).train()
     if family == "longformer":  # its layer's method is ff_chunk(self, attn_output)
         return tr.LongformerModel(tr.LongformerConfig(pad_token_id=1, attention_window=4, **common),
                                   add_pooling_layer=False).train()
@@ -503,7 +507,7 @@ def _same_seed_step(model, conv, ids):
     return log.ops
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer", "deberta_v2", "mpnet"])
 def test_split_ffn_layers(family):
     """BERT-style layers, found by their code (feed_forward_chunk, intermediate's and output's forwards):
     intermediate's dense and activation and output's dense run as one fused FFN, output's dropout
@@ -526,30 +530,35 @@ def test_split_ffn_layers(family):
     assert sorted(_same_seed_step(model, conv, ids)) == ["fused_mlp"] * 2 + ["fused_mlp_backward"] * 2
 
 
-def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path):
-    """The BERT rule's edges: chunked feed-forward (one fused FFN a chunk); a hook put on intermediate
-    after convert (the class's feed_forward_chunk runs: the hook sees the activation); a layer whose
-    output is not dense -> dropout -> norm(h + input) (reported; the fx pass fuses intermediate's
-    Linear+act instead); converting again, torch.save / load, and a DataParallel replica on its own
-    parameters."""
+@pytest.mark.parametrize("family", ["bert", "deberta_v2"])
+def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
+    """The BERT rules' edges, for the feed_forward_chunk form (BERT) and the inline one (DeBERTa's
+    stand-ins): chunked feed-forward (BERT: one fused FFN a chunk); a hook put on intermediate after
+    convert (the layer runs its modules as they are: the hook sees the activation), and intermediate
+    called by hand (itself); a layer whose output is not dense -> dropout -> norm(h + input) (reported;
+    the fx pass fuses intermediate's Linear+act instead); converting again, torch.save / load, and a
+    DataParallel replica on its own parameters."""
     tr = _transformers()
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (2, 12))
-    model = _split_ffn_model(tr, "bert", chunk=4)
+    model = _split_ffn_model(tr, family, chunk=4)
     conv = fusedrc.convert(model)
-    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 2 * 3  # 12 tokens in chunks of 4
+    chunks = 3 if family == "bert" else 1  # 12 tokens in chunks of 4; DeBERTa does not chunk its FFN
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 2 * chunks
 
-    model = _split_ffn_model(tr, "bert", dropout=0.0)
+    model = _split_ffn_model(tr, family, dropout=0.0)
     conv = fusedrc.convert(model)
     seen = []
     handle = conv.encoder.layer[1].intermediate.register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
     model.zero_grad()
     assert _same_seed_step(model, conv, ids).count("fused_mlp") == 1 and seen == [64]
     handle.remove()
+    h = torch.randn(2, 3, 32)
+    assert torch.equal(conv.encoder.layer[0].intermediate(h), model.encoder.layer[0].intermediate(h))
 
     again = fusedrc.convert(conv, inplace=True)
     assert again.fusedrc_plan.fused == conv.fusedrc_plan.fused and again is conv
-    path = tmp_path / "bert.pt"
+    path = tmp_path / f"{family}.pt"
     torch.save(conv, path)
     back = torch.load(path, weights_only=False)
     model.zero_grad()
