@@ -1182,15 +1182,15 @@ def _split_ffn_norm(lines):
 
 
 def _split_ffn_method(m):
-    """The name of ``m``'s class method that is BERT's ``feed_forward_chunk`` word for word (its argument
-    named as it likes), or None."""
+    """``(name, argument)`` of ``m``'s class method that is BERT's ``feed_forward_chunk`` word for word
+    (its argument named as it likes), or None."""
     for method in _SPLIT_FFN_METHODS:
         lines = _source_lines(m, method) if hasattr(_class_of(m), method) else None
         head = _re.match(rf"def {method}\(self, (\w+)", lines[0]) if lines else None
         if head is not None and lines[1:] == [f"intermediate_output = self.intermediate({head.group(1)})",
                                               f"layer_output = self.output(intermediate_output, {head.group(1)})",
                                               "return layer_output"]:
-            return method
+            return method, head.group(1)
     return None
 
 
@@ -1205,28 +1205,42 @@ class _SplitFFN:
     """A BERT-style layer's ``feed_forward_chunk``, set on the layer instance (its class, so
     Hugging Face's gradient checkpointing and ``isinstance`` checks, stays as it is): the two
     Linears and the activation as one fused FFN, then ``output``'s dropout and norm as modules.
-    Where the layer's modules are no longer what convert checked (another class at ``intermediate``
-    or ``output``, hooks on them or on their Linears, a LoRA layer at a Linear's place, another
-    activation), the class's own method runs."""
+    Where the layer's modules are no longer what convert checked (another class at the layer,
+    ``intermediate`` or ``output``; hooks or a ``fusedrc.mark`` on them or on their Linears, a LoRA
+    layer at a Linear's place, another activation), the class's own method runs."""
 
-    def __init__(self, layer, method, site, act, norm, classes):
-        self.layer, self.method, self.site, self.act, self.norm, self.classes = layer, method, site, act, norm, classes
+    def __init__(self, layer, method, arg, site, act, norm, classes):
+        self.layer, self.method, self.arg, self.site = layer, method, arg, site
+        self.act, self.norm, self.classes = act, norm, classes  # classes: the layer's, intermediate's, output's
 
     def _fusedrc_rebind(self, replica):
-        return _SplitFFN(replica, self.method, self.site, self.act, self.norm, self.classes)
+        return _SplitFFN(replica, self.method, self.arg, self.site, self.act, self.norm, self.classes)
 
-    def __call__(self, attention_output):
+    @property
+    def __signature__(self):
+        # the method's: apply_chunking_to_forward counts its parameters
+        return _inspect.Signature([_inspect.Parameter(self.arg, _inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+
+    def __call__(self, *args, **kwargs):
         layer = self.layer
         inter, out = layer._modules.get("intermediate"), layer._modules.get("output")
-        if not (self.site.enabled and (type(inter), type(out)) == self.classes):
-            return getattr(type(layer), self.method)(layer, attention_output)
+        one = len(args) + len(kwargs) == 1 and (not kwargs or self.arg in kwargs)
+        if not (one and self.site.enabled and (type(layer), type(inter), type(out)) == self.classes):
+            return getattr(type(layer), self.method)(layer, *args, **kwargs)
+        x = args[0] if args else kwargs[self.arg]
         fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
-        if (not _nohooks(inter, out, fc1, act_mod, fc2) or not _still(self.act, act_mod, fc1, fc2)
-                or not _dense_runtime_ok(attention_output, fc1, fc2)):
-            return getattr(type(layer), self.method)(layer, attention_output)
+        if (not _split_ffn_free(inter, out, fc1, act_mod, fc2) or not _still(self.act, act_mod, fc1, fc2)
+                or not _dense_runtime_ok(x, fc1, fc2)):
+            return getattr(type(layer), self.method)(layer, *args, **kwargs)
         h = _run_site(self.site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.act),
-                      lambda x: fc2(act_mod(fc1(x))), attention_output)
-        return getattr(out, self.norm)(out.dropout(h) + attention_output)
+                      lambda x: fc2(act_mod(fc1(x))), x)
+        return getattr(out, self.norm)(out.dropout(h) + x)
+
+
+def _split_ffn_free(*mods) -> bool:
+    """No hooks on the modules, none marked with ``fusedrc.mark`` (a mark is the user's: the fused path
+    would skip it)."""
+    return _nohooks(*mods) and not any(_is_marked(m) for m in mods)
 
 
 def _split_ffns(m):
@@ -1262,7 +1276,7 @@ def _split_ffn_layer(ctx, name, m):
     dense, as one fused FFN unit named ``<layer>.intermediate``."""
     for key in _split_ffns(m):
         del m.__dict__[key]  # an earlier convert's: planned afresh
-    method = _split_ffn_method(m)
+    method, arg = _split_ffn_method(m)
     unit = _join(name, "intermediate")
     inter, out = m.intermediate, m.output
     reason, norm, act = _split_ffn_reason(inter, out)
@@ -1272,7 +1286,7 @@ def _split_ffn_layer(ctx, name, m):
         ctx.skip(unit, reason)
         return m  # its children are visited as usual: intermediate may still be a fused Linear+act
     site = Site()
-    m.__dict__[method] = _SplitFFN(m, method, site, act, norm, (type(inter), type(out)))
+    m.__dict__[method] = _SplitFFN(m, method, arg, site, act, norm, (type(m), type(inter), type(out)))
     bind_replicas(m)
     ctx.unit(unit, "ffn", *_site_switches(site), (inter.dense,))
     return m
@@ -1298,8 +1312,9 @@ class _SplitHead(Wrapper):
             return self.plain(*args, **kwargs)
         fc1, act_mod, fc2, act = self.dense, self.intermediate_act_fn, tail.dense, self.__dict__["_fusedrc_act"]
         x = args[0]
-        if (not _nohooks(self, tail, fc1, act_mod, fc2) or not _still(act, act_mod, fc1, fc2)
-                or not _dense_runtime_ok(x, fc1, fc2)):
+        # the layer's class as convert checked its forward (a subclass swapped in may call them otherwise)
+        if (type(layer) is not self.__dict__["_fusedrc_layer_cls"] or not _split_ffn_free(self, tail, fc1, act_mod, fc2)
+                or not _still(act, act_mod, fc1, fc2) or not _dense_runtime_ok(x, fc1, fc2)):
             return self.plain(*args, **kwargs)
         h = _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
                       lambda x: fc2(act_mod(fc1(x))), x)
@@ -1353,6 +1368,7 @@ def _inline_split_ffn_layer(ctx, name, m):
         return m
     head, tail = _SplitHead.wrap(inter), _SplitTail.wrap(out)
     head.__dict__["_fusedrc_layer"], head.__dict__["_fusedrc_act"] = m, act
+    head.__dict__["_fusedrc_layer_cls"] = type(m)
     tail.__dict__["_fusedrc_norm"] = norm
     _stand_in(tail, m)
     _site_unit(ctx, head, unit, "ffn", "ffn", (head.dense,))

@@ -528,6 +528,10 @@ def test_split_ffn_layers(family):
     # Linear+GELU the fx pass found before this rule dropped only the first)
     assert plan.baseline_bytes - plan.final_bytes >= 2 * 2 * ids.numel() * 64 * 4
     assert sorted(_same_seed_step(model, conv, ids)) == ["fused_mlp"] * 2 + ["fused_mlp_backward"] * 2
+    if family == "longformer":  # its method's own argument name, by keyword
+        h = torch.randn(2, 3, 32)
+        conv.eval(), model.eval()
+        assert rel_err(conv.encoder.layer[0].ff_chunk(attn_output=h), model.encoder.layer[0].ff_chunk(attn_output=h)) <= TOL
 
 
 @pytest.mark.parametrize("family", ["bert", "deberta_v2"])
@@ -555,6 +559,33 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
     handle.remove()
     h = torch.randn(2, 3, 32)
     assert torch.equal(conv.encoder.layer[0].intermediate(h), model.encoder.layer[0].intermediate(h))
+    if family == "bert":  # the method by keyword, as the class's takes it
+        layer, ref = conv.encoder.layer[0], model.encoder.layer[0]
+        assert rel_err(layer.feed_forward_chunk(attention_output=h), ref.feed_forward_chunk(attention_output=h)) <= TOL
+
+    # a mark on output (the user's: the layer runs its modules as they are), and a layer class whose
+    # code differs from what convert checked (a subclass swapped in): neither runs the fused FFN
+    for m in (model, conv):
+        fusedrc.mark(m.encoder.layer[0].output)
+        m.zero_grad()
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 1
+    for m in (model, conv):
+        fusedrc.unmark(m.encoder.layer[0].output)
+    layer_cls = type(model.encoder.layer[0])
+    if family == "bert":
+        body = {"feed_forward_chunk": lambda self, a: self.output(self.intermediate(a) * 0.5, a)}
+    else:
+        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+            a, _ = self.attention(hidden_states, attention_mask, *args, **kwargs)
+            return self.output(self.intermediate(a) * 0.5, a), None
+        body = {"forward": forward}
+    other = type(layer_cls.__name__, (layer_cls,), body)
+    for m in (model, conv):
+        m.encoder.layer[1].__class__ = other
+        m.zero_grad()
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 1
+    for m in (model, conv):
+        m.encoder.layer[1].__class__ = layer_cls
 
     again = fusedrc.convert(conv, inplace=True)
     assert again.fusedrc_plan.fused == conv.fusedrc_plan.fused and again is conv
