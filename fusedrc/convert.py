@@ -105,6 +105,7 @@ import numbers
 import random as _random
 import re as _re
 import sys as _sys
+import threading as _threading
 import types
 import warnings
 from collections import OrderedDict
@@ -550,10 +551,28 @@ def _calling_layer(stand_in, key):
 class _PassThrough:
     """Armed by an inlined FFN's head when it ran the whole FFN: the activation's slot and fc2
     then pass their input (the FFN's output) through on their next call from the layer. One per
-    stand-in; a DataParallel replica gets its own (replicas run in threads of their own)."""
+    stand-in; a DataParallel replica gets its own. Armed per thread: a model shared by threads
+    (each running its own forward) pairs each head with its own thread's stand-ins. While
+    torch.compile traces, one plain flag (dynamo follows it as a side effect)."""
 
     def __init__(self):
-        self.armed = False
+        self.traced = False
+        self.threads = set()  # idents of the threads whose head ran fused (set.add/discard: atomic)
+
+    def arm(self, on=True):
+        if torch.compiler.is_compiling():
+            self.traced = on
+        elif on:
+            self.threads.add(_threading.get_ident())
+        else:
+            self.threads.discard(_threading.get_ident())
+
+    @property
+    def armed(self):
+        return self.traced if torch.compiler.is_compiling() else _threading.get_ident() in self.threads
+
+    def __getstate__(self):
+        return {"traced": False, "threads": set()}  # a copy or a pickle starts disarmed
 
     def _fusedrc_rebind(self, replica):
         return _PassThrough()
@@ -570,7 +589,7 @@ def _passes_through(stand_in, key) -> bool:
     """Whether the head armed ``stand_in`` and its layer's forward is calling it: disarmed then."""
     flag = stand_in.__dict__["_fusedrc_pass"]
     if flag.armed and _calling_layer(stand_in, key) is not None:
-        flag.armed = False
+        flag.arm(False)
         return True
     return False
 
@@ -605,7 +624,7 @@ class _FFNHead(nn.Linear):
                                                              layer._modules.get("fc2"))
         peers = [m for m in (act_slot, tail) if isinstance(m, (_FFNAct, _FFNTail))]
         for m in peers:  # left armed by a layer call that raised half-way
-            m.__dict__["_fusedrc_pass"].armed = False
+            m.__dict__["_fusedrc_pass"].arm(False)
         if (not (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail)) or not _nohooks(self, act_slot, tail)
                 or (self.__dict__["_fusedrc_dropout"] and layer.training
                     and (getattr(layer, "activation_dropout", 0) or 0) > 0)):
@@ -621,7 +640,7 @@ class _FFNHead(nn.Linear):
             out = _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
                             plain, x)
         for m in peers:
-            m.__dict__["_fusedrc_pass"].armed = True
+            m.__dict__["_fusedrc_pass"].arm()
         return out
 
     def _get_name(self):
@@ -1306,7 +1325,7 @@ class _SplitHead(Wrapper):
         layer = _calling_layer(self, "intermediate") if len(args) == 1 and not kwargs else None
         tail = None if layer is None else layer._modules.get("output")
         if isinstance(tail, _SplitTail):
-            tail.__dict__["_fusedrc_pass"].armed = False  # left armed by a layer call that raised half-way
+            tail.__dict__["_fusedrc_pass"].arm(False)  # left armed by a layer call that raised half-way
         site = self.sites.get("ffn")
         if layer is None or not isinstance(tail, _SplitTail) or site is None or not site.enabled:
             return self.plain(*args, **kwargs)
@@ -1318,7 +1337,7 @@ class _SplitHead(Wrapper):
             return self.plain(*args, **kwargs)
         h = _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
                       lambda x: fc2(act_mod(fc1(x))), x)
-        tail.__dict__["_fusedrc_pass"].armed = True
+        tail.__dict__["_fusedrc_pass"].arm()
         return h
 
 

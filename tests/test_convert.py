@@ -614,6 +614,51 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
     assert plan.fused == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
 
 
+def test_stand_ins_pair_per_thread():
+    """The stand-ins' pass-through flag is armed per thread: a converted DeBERTa shared by threads (each
+    running its own forward, thread switches forced often) pairs every head with its own thread's tail."""
+    import threading
+
+    from fusedrc.convert import _PassThrough
+
+    flag, seen = _PassThrough(), []
+    flag.arm()
+    t = threading.Thread(target=lambda: seen.append(flag.armed))
+    t.start()
+    t.join()
+    assert seen == [False] and flag.armed
+    flag.arm(False)
+    assert not flag.armed
+
+    tr = _transformers()
+    torch.manual_seed(0)
+    model = _split_ffn_model(tr, "deberta_v2", dropout=0.0).eval()
+    conv = fusedrc.convert(model)
+    ids = torch.randint(3, 100, (1, 4))
+    with torch.no_grad():
+        ref = model(ids).last_hidden_state
+    errors, outs = [], []
+
+    def work():
+        try:
+            with torch.no_grad():
+                outs.extend(rel_err(conv(ids).last_hidden_state, ref) for _ in range(150))
+        except Exception as e:  # noqa: BLE001 - collected, asserted below
+            errors.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and len(outs) == 600 and max(outs) <= TOL
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_phi3_gate_up_mlp(backend):
     """Phi-3's MLP (gate and up projections in one Linear, split by chunk): one fused gated FFN on the two
