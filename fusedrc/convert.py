@@ -274,16 +274,20 @@ def _class_of(m):
         else type(m)
 
 
+def _sites(model):
+    """Every :class:`Site` held in ``model``'s modules (a Wrapper's, a stand-in's, a split FFN's)."""
+    for m in model.modules():
+        yield from m.__dict__.get("sites", {}).values()
+        if isinstance(m.__dict__.get("site"), Site):
+            yield m.__dict__["site"]
+        yield from (f.site for f in _split_ffns(m).values())
+
+
 def _set_impl(model, impl):
     """Run every fused unit of a converted model as ``impl``: "fused" (default) or "checkpoint"
     (``torch.utils.checkpoint`` on the same unit; for comparisons)."""
-    for m in model.modules():
-        sites = list(m.__dict__.get("sites", {}).values())
-        if isinstance(m.__dict__.get("site"), Site):
-            sites.append(m.__dict__["site"])
-        sites += [f.site for f in _split_ffns(m).values()]
-        for s in sites:
-            s.impl = impl
+    for s in _sites(model):
+        s.impl = impl
     return model
 
 
@@ -1381,8 +1385,6 @@ def _inline_split_ffn_layer(ctx, name, m):
     unit = _join(name, "intermediate")
     reason, norm, act = _split_ffn_reason(inter, out)
     if reason is not None:
-        for site in inter.__dict__.get("sites", {}).values() if isinstance(inter, _SplitHead) else ():
-            site.enabled = False  # an earlier convert's unit, not in this plan
         ctx.skip(unit, reason)
         return m
     head, tail = _SplitHead.wrap(inter), _SplitTail.wrap(out)
@@ -2705,6 +2707,8 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
             raise TypeError(f"{flag} must be a bool, got {type(value).__name__} {value!r}")
     if not inplace:
         model = copy.deepcopy(model)
+    for site in _sites(model):  # an earlier convert's units: off unless this plan selects them again
+        site.enabled = False
     ctx = _Context()
     model = _rewrite(ctx, model)
     ctx.root = model

@@ -680,6 +680,11 @@ def test_phi3_gate_up_mlp(backend):
     assert rel_err(xb.grad, xa.grad) <= TOL
     assert conv.gate_up_proj.weight.grad.shape == (96, 32)
 
+    conv.activation_fn = nn.Tanh()  # no fused form: converting again leaves no unit of the first plan on
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert not fusedrc.convert(conv, inplace=True).fusedrc_plan.fused
+    assert not conv.sites["gated_ffn"].enabled
+
     other = type("Phi3MLP", (type(mlp),), {"forward": lambda self, h: self.down_proj(
         self.activation_fn(self.gate_up_proj(h)[..., :48]) * self.gate_up_proj(h)[..., 48:])})
     changed = copy.deepcopy(mlp)
