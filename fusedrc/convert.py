@@ -2453,6 +2453,12 @@ def _held_inline(module, prefix, unit):
     return not (isinstance(owner, (Wrapper, _FusedSequential)) or "forward" in owner.__dict__) or owner is module
 
 
+# the rules found by a module's shape and code rather than its class name, in the order they are tried
+_SHAPE_RULES = ((_looks_gated_mlp, _gated_mlp), (_looks_inline_ffn_layer, _inline_ffn_layer), (_looks_experts, _experts),
+                (_looks_split_ffn_layer, _split_ffn_layer), (_looks_gate_up_mlp, _gate_up_mlp),
+                (_looks_inline_split_ffn_layer, _inline_split_ffn_layer))
+
+
 def _rewrite(ctx, module, prefix=""):
     """Apply rules and the Sequential pass top-down; returns the (possibly new) module."""
     if _is_marked(module):
@@ -2470,18 +2476,8 @@ def _rewrite(ctx, module, prefix=""):
     rule = _RULES.get(cls.__name__)
     if rule in _LIBRARY_RULES + (_conv_mlp,) and not cls.__module__.startswith(("torchvision.", "timm.")):
         rule = None  # a class of your own named BasicBlock or Block: the checks by shape apply
-    if rule is None and _looks_gated_mlp(module):
-        rule = _gated_mlp
-    elif rule is None and _looks_inline_ffn_layer(module):
-        rule = _inline_ffn_layer
-    elif rule is None and _looks_experts(module):
-        rule = _experts
-    elif rule is None and _looks_split_ffn_layer(module):
-        rule = _split_ffn_layer
-    elif rule is None and _looks_gate_up_mlp(module):
-        rule = _gate_up_mlp
-    elif rule is None and _looks_inline_split_ffn_layer(module):
-        rule = _inline_split_ffn_layer
+    if rule is None:
+        rule = next((r for looks, r in _SHAPE_RULES if looks(module)), None)
     if rule is not None:
         module = rule(ctx, prefix, module)
     elif cls is nn.Sequential:

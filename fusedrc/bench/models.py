@@ -109,6 +109,18 @@ class ModelWorkload:
         return F.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)), target[:, 1:].reshape(-1))
 
 
+def _lm_shape(quick: bool, cuda: bool, gpu: dict) -> dict:
+    """A transformer workload's sizes: tiny (--quick), ``gpu`` on a GPU, a CPU-sized default; and
+    transformers made importable (it imports torchvision when it is installed)."""
+    try:
+        import_torchvision()
+    except ImportError:
+        pass
+    if quick:
+        return dict(hidden=64, layers=2, ffn=256, heads=4, vocab=256, seq=32)
+    return gpu if cuda else dict(hidden=256, layers=4, ffn=1024, heads=4, vocab=2048, seq=128)
+
+
 def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0,
           channels_last: bool = False) -> ModelWorkload:
     """The real model ``name``; ``channels_last``: an image model's weights and input in that memory format."""
@@ -124,17 +136,8 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
         shapes = dict(resolution=res, classes=1000)
         desc = f"torchvision {name}(weights=None), input batch x 3 x {res} x {res}"
         loss = "cross_entropy(logits, random labels)"
-    elif name == "opt":
-        if quick:
-            cfg = dict(hidden=64, layers=2, ffn=256, heads=4, vocab=256, seq=32)
-        elif cuda:  # the shape of facebook/opt-125m
-            cfg = dict(hidden=768, layers=12, ffn=3072, heads=12, vocab=50272, seq=512)
-        else:
-            cfg = dict(hidden=256, layers=4, ffn=1024, heads=4, vocab=2048, seq=128)
-        try:
-            import_torchvision()
-        except ImportError:
-            pass
+    elif name == "opt":  # on a GPU the shape of facebook/opt-125m
+        cfg = _lm_shape(quick, cuda, dict(hidden=768, layers=12, ffn=3072, heads=12, vocab=50272, seq=512))
         from transformers import OPTConfig, OPTForCausalLM
 
         config = OPTConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], word_embed_proj_dim=cfg["hidden"],
@@ -171,17 +174,8 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
                 f"{cfg['experts']} experts of intermediate {cfg['inter']}, top-2, {cfg['heads']} heads, vocab "
                 f"{cfg['vocab']})), input batch x {cfg['seq']} random token ids")
         loss = "causal-LM cross_entropy(logits[:, :-1], ids[:, 1:])"
-    elif name == "bert":
-        if quick:
-            cfg = dict(hidden=64, layers=2, ffn=256, heads=4, vocab=256, seq=32)
-        elif cuda:  # the shape of bert-base-uncased
-            cfg = dict(hidden=768, layers=12, ffn=3072, heads=12, vocab=30522, seq=512)
-        else:
-            cfg = dict(hidden=256, layers=4, ffn=1024, heads=4, vocab=2048, seq=128)
-        try:
-            import_torchvision()
-        except ImportError:
-            pass
+    elif name == "bert":  # on a GPU the shape of bert-base-uncased
+        cfg = _lm_shape(quick, cuda, dict(hidden=768, layers=12, ffn=3072, heads=12, vocab=30522, seq=512))
         from transformers import BertConfig, BertForMaskedLM
 
         # its FFN spans BertIntermediate and BertOutput: convert's rule for BERT-style layers
