@@ -1217,11 +1217,14 @@ def _split_ffn_method(m):
     return None
 
 
+def _holds_split_ffn(m):
+    return not isinstance(m, Wrapper) and all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output"))
+
+
 def _looks_split_ffn_layer(m):
     """Found by shape: a module holding ``intermediate`` and ``output`` whose class has BERT's
     ``feed_forward_chunk`` (checked word for word)."""
-    return (not isinstance(m, Wrapper) and all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output"))
-            and _split_ffn_method(m) is not None)
+    return _holds_split_ffn(m) and _split_ffn_method(m) is not None
 
 
 class _SplitFFN:
@@ -1251,13 +1254,21 @@ class _SplitFFN:
         if not (one and self.site.enabled and (type(layer), type(inter), type(out)) == self.classes):
             return getattr(type(layer), self.method)(layer, *args, **kwargs)
         x = args[0] if args else kwargs[self.arg]
-        fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
-        if (not _split_ffn_free(inter, out, fc1, act_mod, fc2) or not _still(self.act, act_mod, fc1, fc2)
-                or not _dense_runtime_ok(x, fc1, fc2)):
+        h = _split_ffn_run(self.site, self.act, inter, out, x)
+        if h is None:
             return getattr(type(layer), self.method)(layer, *args, **kwargs)
-        h = _run_site(self.site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.act),
-                      lambda x: fc2(act_mod(fc1(x))), x)
         return getattr(out, self.norm)(out.dropout(h) + x)
+
+
+def _split_ffn_run(site, act, inter, out, x):
+    """``output.dense(act(intermediate.dense(x)))`` as one fused FFN (``site``'s impl), or None where the
+    modules are not as convert checked them (hooks, a mark, a LoRA layer or another activation swapped in)."""
+    fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
+    if (not _split_ffn_free(inter, out, fc1, act_mod, fc2) or not _still(act, act_mod, fc1, fc2)
+            or not _dense_runtime_ok(x, fc1, fc2)):
+        return None
+    return _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
+                     lambda x: fc2(act_mod(fc1(x))), x)
 
 
 def _split_ffn_free(*mods) -> bool:
@@ -1333,14 +1344,11 @@ class _SplitHead(Wrapper):
         site = self.sites.get("ffn")
         if layer is None or not isinstance(tail, _SplitTail) or site is None or not site.enabled:
             return self.plain(*args, **kwargs)
-        fc1, act_mod, fc2, act = self.dense, self.intermediate_act_fn, tail.dense, self.__dict__["_fusedrc_act"]
-        x = args[0]
         # the layer's class as convert checked its forward (a subclass swapped in may call them otherwise)
-        if (type(layer) is not self.__dict__["_fusedrc_layer_cls"] or not _split_ffn_free(self, tail, fc1, act_mod, fc2)
-                or not _still(act, act_mod, fc1, fc2) or not _dense_runtime_ok(x, fc1, fc2)):
+        h = None if type(layer) is not self.__dict__["_fusedrc_layer_cls"] else \
+            _split_ffn_run(site, self.__dict__["_fusedrc_act"], self, tail, args[0])
+        if h is None:
             return self.plain(*args, **kwargs)
-        h = _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
-                      lambda x: fc2(act_mod(fc1(x))), x)
         tail.__dict__["_fusedrc_pass"].arm()
         return h
 
@@ -1374,8 +1382,8 @@ def _inline_split_ffn(lines) -> bool:
 def _looks_inline_split_ffn_layer(m):
     """Found by shape: a module holding ``intermediate`` and ``output`` whose forward calls them in a row
     on one tensor (DeBERTa, MPNet, ...), BERT's ``feed_forward_chunk`` absent."""
-    return (not isinstance(m, Wrapper) and all(isinstance(m._modules.get(k), nn.Module) for k in ("intermediate", "output"))
-            and _split_ffn_method(m) is None and not _foreign_forward(m) and _inline_split_ffn(_source_lines(m)))
+    return (_holds_split_ffn(m) and _split_ffn_method(m) is None and not _foreign_forward(m)
+            and _inline_split_ffn(_source_lines(m)))
 
 
 def _inline_split_ffn_layer(ctx, name, m):
@@ -1509,18 +1517,23 @@ def _conv1d_mlp(ctx, name, m):
     return new
 
 
+def _only_input(wrapper, args, kwargs):
+    """A wrapped MLP's one input, by position or by its forward's own argument name (not always ``x``),
+    or None for any other call (which the original forward takes as it is)."""
+    if len(args) + len(kwargs) != 1 or (kwargs and next(iter(kwargs)) != wrapper.__dict__["_fusedrc_arg"]):
+        return None
+    return args[0] if args else next(iter(kwargs.values()))
+
+
 class FusedGatedMLP(Wrapper):
     """A gated MLP in Llama's form, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama,
     Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP and the other Hugging Face classes with
     that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`)."""
 
     def forward(self, *args, **kwargs):
-        # the original forward's one argument, by position or by its own name (not always ``x``)
-        if len(args) + len(kwargs) != 1 or (kwargs and next(iter(kwargs)) != self.__dict__["_fusedrc_arg"]):
-            return self.plain(*args, **kwargs)
-        x = args[0] if args else next(iter(kwargs.values()))
+        x = _only_input(self, args, kwargs)
         site, g, u, d = self.sites.get("gated_ffn"), self.gate_proj, self.up_proj, self.down_proj
-        if (site is None or not site.enabled or not _nohooks(self, g, u, d, self.act_fn)
+        if (x is None or site is None or not site.enabled or not _nohooks(self, g, u, d, self.act_fn)
                 or not _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d)
                 or not _dense_runtime_ok(x, g, u, d)):
             return self.plain(*args, **kwargs)
@@ -1533,14 +1546,20 @@ class FusedGatedMLP(Wrapper):
 _GATED_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
+def _forward_arg(lines):
+    """The one argument's name of a forward whose code lines start with ``def forward(self, v[: T])[ -> T]:``,
+    else None."""
+    head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
+    return None if head is None else head.group(1)
+
+
 def _gated_mlp_body(lines):
     """The name of a forward's one argument ``v`` when its code lines are Llama's MLP,
     ``return self.down_proj(self.act_fn(self.gate_proj(v)) * self.up_proj(v))``, directly or
     through one local variable; else None."""
-    head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
-    if head is None:
+    v = _forward_arg(lines)
+    if v is None:
         return None
-    v = head.group(1)
     expr = f"self.down_proj(self.act_fn(self.gate_proj({v})) * self.up_proj({v}))"
     body = lines[1:]
     if body == [f"return {expr}"]:
@@ -1578,11 +1597,9 @@ class FusedGateUpMLP(Wrapper):
     ``gate_up_proj``'s weight (row views: no copy)."""
 
     def forward(self, *args, **kwargs):
-        if len(args) + len(kwargs) != 1 or (kwargs and next(iter(kwargs)) != self.__dict__["_fusedrc_arg"]):
-            return self.plain(*args, **kwargs)
-        x = args[0] if args else next(iter(kwargs.values()))
+        x = _only_input(self, args, kwargs)
         site, gu, d, act_mod = self.sites.get("gated_ffn"), self.gate_up_proj, self.down_proj, self.activation_fn
-        if (site is None or not site.enabled or not _nohooks(self, gu, d, act_mod)
+        if (x is None or site is None or not site.enabled or not _nohooks(self, gu, d, act_mod)
                 or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d)
                 or gu.out_features != 2 * d.in_features or not _dense_runtime_ok(x, gu, d)):
             return self.plain(*args, **kwargs)
@@ -1596,10 +1613,9 @@ class FusedGateUpMLP(Wrapper):
 
 def _gate_up_body(lines):
     """The name of a forward's one argument ``v`` when its code lines are Phi-3's MLP, word for word; else None."""
-    head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
-    if head is None:
+    v = _forward_arg(lines)
+    if v is None:
         return None
-    v = head.group(1)
     body = [f"up_states = self.gate_up_proj({v})", "gate, up_states = up_states.chunk(2, dim=-1)",
             "up_states = up_states * self.activation_fn(gate)", "return self.down_proj(up_states)"]
     return v if lines[1:] == body else None
