@@ -295,6 +295,13 @@ def _nohooks(*mods):
     return not any(m is not None and _has_hooks(m) for m in mods)
 
 
+def _free(*mods) -> bool:
+    """No hooks on the modules and none marked with ``fusedrc.mark``: what a head that fuses across its
+    peers' calls needs (a marked peer is called through its mark, not from its layer's forward, so it
+    would not see that the head ran for it; the user's mark is honoured instead)."""
+    return _nohooks(*mods) and not any(m is not None and _is_marked(m) for m in mods)
+
+
 def _run_site(site, fused, plain, *args):
     if site is None or not site.enabled:
         return plain(*args)
@@ -629,7 +636,7 @@ class _FFNHead(nn.Linear):
         peers = [m for m in (act_slot, tail) if isinstance(m, (_FFNAct, _FFNTail))]
         for m in peers:  # left armed by a layer call that raised half-way
             m.__dict__["_fusedrc_pass"].arm(False)
-        if (not (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail)) or not _nohooks(self, act_slot, tail)
+        if (not (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail)) or not _free(self, act_slot, tail)
                 or (self.__dict__["_fusedrc_dropout"] and layer.training
                     and (getattr(layer, "activation_dropout", 0) or 0) > 0)):
             return nn.functional.linear(x, self.weight, self.bias)
@@ -1264,17 +1271,11 @@ def _split_ffn_run(site, act, inter, out, x):
     """``output.dense(act(intermediate.dense(x)))`` as one fused FFN (``site``'s impl), or None where the
     modules are not as convert checked them (hooks, a mark, a LoRA layer or another activation swapped in)."""
     fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
-    if (not _split_ffn_free(inter, out, fc1, act_mod, fc2) or not _still(act, act_mod, fc1, fc2)
+    if (not _free(inter, out, fc1, act_mod, fc2) or not _still(act, act_mod, fc1, fc2)
             or not _dense_runtime_ok(x, fc1, fc2)):
         return None
     return _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
                      lambda x: fc2(act_mod(fc1(x))), x)
-
-
-def _split_ffn_free(*mods) -> bool:
-    """No hooks on the modules, none marked with ``fusedrc.mark`` (a mark is the user's: the fused path
-    would skip it)."""
-    return _nohooks(*mods) and not any(_is_marked(m) for m in mods)
 
 
 def _split_ffns(m):

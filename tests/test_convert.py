@@ -1112,6 +1112,24 @@ def test_unmark_keeps_converts_replica_hook_and_a_marked_root_is_not_rewritten()
     assert "forward" not in out.__dict__ and "_replicate_for_data_parallel" not in out.__dict__
 
 
+@pytest.mark.parametrize("key", ["fc2", "activation_fn"])
+def test_opt_marked_stand_in_runs_the_layer_as_it_is(key):
+    """A fusedrc.mark put on an inlined FFN's fc2 or activation slot after convert: the head does not fuse
+    (a marked stand-in is called through its mark, not from the layer's forward, and would not pass
+    through), so the layer computes what the original does."""
+    tr = _transformers()
+    cfg = tr.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+                       max_position_embeddings=32, dropout=0.0)
+    torch.manual_seed(0)
+    model = tr.OPTModel(cfg).eval()
+    conv = fusedrc.convert(model)
+    fusedrc.mark(getattr(conv.decoder.layers[0], key))
+    ids = torch.randint(3, 64, (1, 5))
+    with FusedOpLog() as log:
+        out = conv(ids).last_hidden_state
+    assert "fused_mlp" not in log.ops and rel_err(out, model(ids).last_hidden_state) <= TOL
+
+
 def test_data_parallel_replica_of_an_inlined_ffn_runs_fused():
     """OPT's FFN is inlined in the decoder layer: replicate builds each module's replica before its
     siblings', so the stand-ins find each other through the layer calling them, at run time. A
