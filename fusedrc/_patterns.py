@@ -137,7 +137,7 @@ def match(block, args, kwargs):
     x = args[0]
     if not x.is_floating_point():
         return None
-    if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.GatedMLP, fnn.ConvBNReLU)):
+    if isinstance(block, (fnn.LinearReLU, fnn.FusedMLP, fnn.GatedMLP, fnn.ConvBNReLU, fnn.BNReLUConv)):
         # the class's forward, not block(x): a marked module's call comes back here
         return None if _has_hooks(block) else (lambda: type(block).forward(block, x))
     if type(block) is not nn.Sequential or _has_hooks(block):
@@ -161,6 +161,12 @@ def match(block, args, kwargs):
     ):
         conv, bn, act = mods[0], mods[1], (activation_name(mods[2]) if len(mods) == 3 else None)
         return lambda: conv_bn_act_call(conv, bn, x, activation=act)
+    if (
+        len(mods) == 3 and type(mods[0]) is nn.BatchNorm2d and activation_name(mods[1]) and x.dim() == 4
+        and mods[0].num_features == x.shape[1] and _plain_conv(mods[2], x) and mods[2].in_channels == x.shape[1]
+    ):
+        bn, act, conv = mods[0], activation_name(mods[1]), mods[2]
+        return lambda: bn_act_conv_call(bn, conv, x, activation=act)
     return None
 
 
@@ -169,19 +175,8 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
     bookkeeping (running statistics, ``num_batches_tracked``) done once per forward. ``activation``
     None: no activation."""
     from . import functional as F
-    from ._state import _bn_pre_hook, in_recompute, inside_region
 
-    counted = False
-    plain = inside_region()  # then F.conv_bn_act runs the plain composition, F.batch_norm included
-    if in_recompute() and not plain:
-        # a rerun inside an outer region: normalize as before, touch no buffer
-        training = bn.training or (bn.running_mean is None and bn.running_var is None)
-        factor, rm, rv = 0.0, (None if training else bn.running_mean), (None if training else bn.running_var)
-    else:
-        if plain:  # in a region's rerun: the buffers are restored when it ends, as a BatchNorm module's
-            _bn_pre_hook(bn, ())
-        counted = bn.training and bn.track_running_stats and bn.num_batches_tracked is not None
-        training, factor, rm, rv = bn_call_args(bn)
+    training, factor, rm, rv, counted = _bn_call(bn)
     try:
         return F.conv_bn_act(
             x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
@@ -189,8 +184,44 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
             bias=conv.bias, residual=residual, activation=activation, groups=conv.groups,
         )
     except Exception:
-        # the call did not happen (rejected arguments, or the op raised): it counts no batch
-        if counted:
-            with torch.no_grad():
-                bn.num_batches_tracked.sub_(1)
+        _uncount(bn, counted)
+        raise
+
+
+def _bn_call(bn):
+    """(training, momentum, running_mean, running_var, whether num_batches_tracked was counted) for a
+    fused call of BatchNorm ``bn``, with ``nn.BatchNorm2d``'s bookkeeping done once per forward."""
+    from ._state import _bn_pre_hook, in_recompute, inside_region
+
+    if in_recompute() and not inside_region():
+        # a rerun inside an outer region: normalize as before, touch no buffer
+        training = bn.training or (bn.running_mean is None and bn.running_var is None)
+        return training, 0.0, (None if training else bn.running_mean), (None if training else bn.running_var), False
+    if inside_region():  # in a region's rerun: the buffers are restored when it ends, as a BatchNorm module's
+        _bn_pre_hook(bn, ())
+    counted = bn.training and bn.track_running_stats and bn.num_batches_tracked is not None
+    return (*bn_call_args(bn), counted)
+
+
+def _uncount(bn, counted):
+    # the call did not happen (rejected arguments, or the op raised): it counts no batch
+    if counted:
+        with torch.no_grad():
+            bn.num_batches_tracked.sub_(1)
+
+
+def bn_act_conv_call(bn, conv, x, activation="relu"):
+    """``conv(act(bn(x)))`` through the fused op, with ``nn.BatchNorm2d``'s bookkeeping (running
+    statistics, ``num_batches_tracked``) done once per forward. ``activation`` None: none."""
+    from . import functional as F
+
+    training, factor, rm, rv, counted = _bn_call(bn)
+    try:
+        return F.bn_act_conv(
+            x, bn.weight, bn.bias, rm, rv, conv.weight, training=training, momentum=factor, eps=bn.eps,
+            stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
+            bias=conv.bias, activation=activation, groups=conv.groups,
+        )
+    except Exception:
+        _uncount(bn, counted)
         raise

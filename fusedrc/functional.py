@@ -14,7 +14,7 @@ from ._state import inside_region, snapshot_buffers, traced
 from ._validate import (check_activation, check_device, check_int, check_no_overlap, check_number, check_probability,
                         check_same, check_tensor, check_vector, needs_unfused, pair)
 
-__all__ = ["linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act"]
+__all__ = ["linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "bn_act_conv"]
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -346,6 +346,76 @@ def moe_experts(
     return ops.pick("moe_experts", x, backend)(*args, backend, gated)
 
 
+def _check_training(training):
+    if not isinstance(training, bool):
+        kind = type(training).__name__ if type(training).__module__ == "builtins" else \
+            f"{type(training).__module__}.{type(training).__name__}"  # numpy.bool, not "bool"
+        raise TypeError(f"training must be a bool, got {kind} {training!r}")
+
+
+def _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps) -> bool:
+    """Check a fused BatchNorm's parameters and statistics over ``c`` channels against ``x``
+    (``F.batch_norm``'s rules); returns whether batch statistics normalize."""
+    mixed = x.dtype in (torch.float16, torch.bfloat16)  # fp32 BN parameters with a half input are fine
+    check_vector(bn_weight, "bn_weight", c, x, dtype=not mixed)
+    check_vector(bn_bias, "bn_bias", c, x, dtype=not mixed)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must both be tensors or both be None")
+    if mixed:  # F.batch_norm's rule for a half input: its parameters in its dtype or in fp32, both alike
+        given = [(t, n) for t, n in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias")) if t is not None]
+        for t, n in given:
+            if t.dtype not in (x.dtype, torch.float32):
+                raise TypeError(f"{n} has dtype {t.dtype} but input has dtype {x.dtype}; expected {x.dtype} "
+                                "or torch.float32")
+        if len(given) == 2 and bn_weight.dtype != bn_bias.dtype:
+            raise TypeError(f"bn_weight has dtype {bn_weight.dtype} but bn_bias has dtype {bn_bias.dtype}; "
+                            "expected the same dtype")
+    check_vector(running_mean, "running_mean", c, x, dtype=False)
+    check_vector(running_var, "running_var", c, x, dtype=False)
+    if training:
+        check_no_overlap(running_mean, "running_mean")
+        check_no_overlap(running_var, "running_var")
+    use_batch_stats = training or running_mean is None
+    if use_batch_stats and eps == 0:
+        raise ValueError("eps must be positive when batch statistics normalize (training, or no running "
+                         "statistics), got 0.0")
+    return use_batch_stats
+
+
+def _check_conv_weight(x, weight, bias, stride, padding, dilation, groups):
+    """Check a conv's weight and bias against its input ``x``; returns the output's shape."""
+    if x.shape[1] % groups:
+        raise ValueError(f"input's {x.shape[1]} channels must be divisible by groups={groups}")
+    if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
+        per = x.shape[1] // groups
+        raise ValueError(
+            f"weight must have shape (out_channels, {per}, kh, kw) with out_channels divisible by groups={groups}, "
+            f"to match input's {x.shape[1]} channels, got {tuple(weight.shape)}"
+        )
+    check_same(x, "input", weight, "weight")
+    check_vector(bias, "bias", weight.shape[0], x)
+    expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
+    if expected[2] < 1 or expected[3] < 1:
+        kh, kw = weight.shape[2:]
+        raise ValueError(
+            f"weight's kernel ({kh}, {kw}) (dilation {tuple(dilation)}) is larger than input's padded spatial "
+            f"size ({x.shape[2] + 2 * padding[0]}, {x.shape[3] + 2 * padding[1]}); expected kernel extent "
+            "<= padded input size"
+        )
+    return expected
+
+
+def _check_conv_geometry(stride, padding, dilation, groups):
+    return (pair(stride, "stride", min_value=1), pair(padding, "padding", min_value=0),
+            pair(dilation, "dilation", min_value=1), check_int(groups, "groups", min_value=1))
+
+
+def _check_one_value(use_batch_stats, n, c, h, w):
+    if use_batch_stats and n * h * w == 1:  # F.batch_norm's own check, same message
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{torch.Size((n, c, h, w))}")
+
+
 def conv_bn_act(
     x: Tensor, weight: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
     running_mean: Tensor | None, running_var: Tensor | None, *, training: bool = True,
@@ -397,61 +467,15 @@ def conv_bn_act(
     check_tensor(x, "input", ndim=4)
     _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True), (residual, "residual", 4, True))
     activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
-    stride, padding, dilation = (
-        pair(stride, "stride", min_value=1), pair(padding, "padding", min_value=0),
-        pair(dilation, "dilation", min_value=1),
-    )
+    stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
     eps = check_number(eps, "eps", min_value=0)
     momentum = check_number(momentum, "momentum")
-    if not isinstance(training, bool):
-        kind = type(training).__name__ if type(training).__module__ == "builtins" else \
-            f"{type(training).__module__}.{type(training).__name__}"  # numpy.bool, not "bool"
-        raise TypeError(f"training must be a bool, got {kind} {training!r}")
-    groups = check_int(groups, "groups", min_value=1)
+    _check_training(training)
     # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
     x, weight, bias, residual = _autocast(x, weight, bias, residual)
-    if x.shape[1] % groups:
-        raise ValueError(f"input's {x.shape[1]} channels must be divisible by groups={groups}")
-    if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
-        per = x.shape[1] // groups
-        raise ValueError(
-            f"weight must have shape (out_channels, {per}, kh, kw) with out_channels divisible by groups={groups}, "
-            f"to match input's {x.shape[1]} channels, got {tuple(weight.shape)}"
-        )
-    check_same(x, "input", weight, "weight")
+    expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups)
     c = weight.shape[0]
-    check_vector(bias, "bias", c, x)
-    mixed = x.dtype in (torch.float16, torch.bfloat16)  # fp32 BN parameters with a half input are fine
-    check_vector(bn_weight, "bn_weight", c, x, dtype=not mixed)
-    check_vector(bn_bias, "bn_bias", c, x, dtype=not mixed)
-    if (running_mean is None) != (running_var is None):
-        raise ValueError("running_mean and running_var must both be tensors or both be None")
-    if mixed:  # F.batch_norm's rule for a half input: its parameters in its dtype or in fp32, both alike
-        given = [(t, n) for t, n in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias")) if t is not None]
-        for t, n in given:
-            if t.dtype not in (x.dtype, torch.float32):
-                raise TypeError(f"{n} has dtype {t.dtype} but input has dtype {x.dtype}; expected {x.dtype} "
-                                "or torch.float32")
-        if len(given) == 2 and bn_weight.dtype != bn_bias.dtype:
-            raise TypeError(f"bn_weight has dtype {bn_weight.dtype} but bn_bias has dtype {bn_bias.dtype}; "
-                            "expected the same dtype")
-    check_vector(running_mean, "running_mean", c, x, dtype=False)
-    check_vector(running_var, "running_var", c, x, dtype=False)
-    if training:
-        check_no_overlap(running_mean, "running_mean")
-        check_no_overlap(running_var, "running_var")
-    use_batch_stats = training or running_mean is None
-    if use_batch_stats and eps == 0:
-        raise ValueError("eps must be positive when batch statistics normalize (training, or no running "
-                         "statistics), got 0.0")
-    expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
-    if expected[2] < 1 or expected[3] < 1:
-        kh, kw = weight.shape[2:]
-        raise ValueError(
-            f"weight's kernel ({kh}, {kw}) (dilation {tuple(dilation)}) is larger than input's padded spatial "
-            f"size ({x.shape[2] + 2 * padding[0]}, {x.shape[3] + 2 * padding[1]}); expected kernel extent "
-            "<= padded input size"
-        )
+    use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps)
     if residual is not None:
         check_same(x, "input", residual, "residual")
         if tuple(residual.shape) != expected:
@@ -466,13 +490,7 @@ def conv_bn_act(
             torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups), running_mean, running_var,
             bn_weight, bn_bias, use_batch_stats, momentum, eps)
         return reference.activation_forward(y if residual is None else y + residual, activation)
-    if use_batch_stats:
-        oh, ow = expected[2:]
-        if x.shape[0] * oh * ow == 1:  # F.batch_norm's own check, same message
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size "
-                f"{torch.Size((x.shape[0], c, oh, ow))}"
-            )
+    _check_one_value(use_batch_stats, x.shape[0], c, *expected[2:])
     backend = resolve_backend(x, "conv_bn_act", "conv_bn_act_forward")
     y, mean, rstd = ops.pick("conv_bn_act", x, backend)(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
@@ -480,6 +498,69 @@ def conv_bn_act(
     )
     if training and running_mean is not None:
         _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, y.numel() // c)
+    return y
+
+
+def bn_act_conv(
+    x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, weight: Tensor, *, training: bool = True, momentum: float = 0.1, eps: float = 1e-5,
+    stride=1, padding=0, dilation=1, bias: Tensor | None = None, activation: str | None = "relu", groups: int = 1,
+) -> Tensor:
+    """``conv2d(act(batch_norm(x)), weight)``: the pre-activation order (DenseNet's layers and
+    transitions, pre-activation ResNets), with ``F.batch_norm``'s conventions for the BatchNorm
+    over ``x``'s channels.
+
+    Kept for backward: ``x``, the parameters and the per-channel mean and rstd of ``x``. The
+    normalized and activated tensor (the conv's input, which eager autograd keeps besides ``x``)
+    is rebuilt in backward by one elementwise pass; unlike ``torch.utils.checkpoint`` on the same
+    modules, no convolution reruns, since the conv's backward needs its input, not its output.
+    The running statistics are updated in place once when ``training``, as in
+    :func:`conv_bn_act`. Under autocast ``x`` is cast with the conv's operands (BatchNorm then
+    runs in that dtype, with fp32 statistics and parameters).
+
+    Args:
+        x: ``(N, C_in, H, W)``, floating point.
+        bn_weight, bn_bias, running_mean, running_var: ``(C_in,)`` or None.
+        weight: conv weight ``(C_out, C_in / groups, kh, kw)``; ``bias`` ``(C_out,)`` or None.
+        training, momentum, eps: as in ``F.batch_norm``.
+        stride, padding, dilation, groups: as in ``F.conv2d`` (zero padding).
+        activation: as in :func:`conv_bn_act`; ``"relu"`` by default; None: none.
+
+    Example::
+
+        >>> bn, conv = torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1, bias=False)
+        >>> x = torch.randn(2, 8, 5, 5)
+        >>> y = fusedrc.functional.bn_act_conv(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+        ...                                    conv.weight, training=True)
+        >>> y.shape
+        torch.Size([2, 4, 5, 5])
+    """
+    check_tensor(x, "input", ndim=4)
+    _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True))
+    activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
+    stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
+    eps = check_number(eps, "eps", min_value=0)
+    momentum = check_number(momentum, "momentum")
+    _check_training(training)
+    x, weight, bias = _autocast(x, weight, bias)
+    expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups)
+    c = x.shape[1]
+    use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps)
+    if training and running_mean is not None:
+        snapshot_buffers(running_mean, running_var)
+    if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias) or inside_region():
+        a = torch.nn.functional.batch_norm(x, running_mean, running_var, bn_weight, bn_bias, use_batch_stats,
+                                           momentum, eps)
+        return torch.nn.functional.conv2d(reference.activation_forward(a, activation), weight, bias, stride,
+                                          padding, dilation, groups)
+    _check_one_value(use_batch_stats, *x.shape)
+    backend = resolve_backend(x, "bn_act_conv", "bn_act_conv_forward")
+    y, mean, rstd = ops.pick("bn_act_conv", x, backend)(
+        x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
+        use_batch_stats, float(eps), stride, padding, dilation, activation, backend, groups,
+    )
+    if training and running_mean is not None:
+        _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, x.numel() // c)
     return y
 
 

@@ -16,11 +16,11 @@ from torch.nn import functional as TF
 from torch.nn.utils import parametrize
 
 from . import functional as F
-from ._patterns import _conv_padding, _own_hooks, activation_name, conv_bn_act_call, is_linear
+from ._patterns import _conv_padding, _own_hooks, activation_name, bn_act_conv_call, conv_bn_act_call, is_linear
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 from .reference import ACTIVATIONS, activation_forward
 
-__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MoEExperts", "ConvBNReLU"]
+__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MoEExperts", "ConvBNReLU", "BNReLUConv"]
 
 
 def _act_name(act):
@@ -375,28 +375,11 @@ class ConvBNReLU(nn.Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None, activation="relu", groups=1):
-        check_int(in_channels, "in_channels")
-        check_int(out_channels, "out_channels")
-        pair(kernel_size, "kernel_size", min_value=1)
-        pair(stride, "stride", min_value=1)
-        pair(dilation, "dilation", min_value=1)
-        if not isinstance(padding, str):
-            pair(padding, "padding", min_value=0)
-        check_number(eps, "eps", min_value=0)
-        if momentum is not None:
-            check_number(momentum, "momentum")
-        if activation is not None:
-            check_activation(activation)
-        check_int(groups, "groups", min_value=1)
-        for name, channels in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if channels % groups:
-                raise ValueError(f"{name} ({channels}) must be divisible by groups ({groups})")
         super().__init__()
         self.activation = activation
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups=groups,
-                              bias=bias, device=device, dtype=dtype)
+        self.conv = _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum,
+                                  bias, device, dtype, activation, groups)
         self.bn = nn.BatchNorm2d(out_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
-        _check_conv(self.conv, "padding")
 
     @classmethod
     def from_modules(cls, conv: nn.Conv2d, bn: nn.BatchNorm2d, act: nn.Module | str | None = "relu"):
@@ -438,6 +421,93 @@ class ConvBNReLU(nn.Module):
     def __setstate__(self, state):
         state.setdefault("activation", "relu")  # pickled before activation existed
         super().__setstate__(state)
+
+
+class BNReLUConv(nn.Module):
+    """``conv(act(bn(x)))``, the pre-activation order of DenseNet and pre-activation ResNets, with
+    the normalized activation rebuilt in backward (one elementwise pass; no conv reruns).
+
+    Keeps ``x`` and its per-channel batch statistics for backward, where eager keeps ``x`` and
+    the activation. BatchNorm semantics follow ``nn.BatchNorm2d`` (over ``in_channels``).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, bias, groups, device,
+            dtype: as in ``nn.Conv2d`` (zero padding); ``bias`` defaults to False.
+        eps, momentum: as in ``nn.BatchNorm2d``.
+        activation: as in :class:`ConvBNReLU`; ``"relu"`` by default; None: none.
+
+    Example::
+
+        >>> m = fusedrc.nn.BNReLUConv(8, 4, 3, padding=1)
+        >>> m(torch.randn(2, 8, 6, 6)).shape
+        torch.Size([2, 4, 6, 6])
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None, activation="relu", groups=1):
+        super().__init__()
+        self.activation = activation
+        self.bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
+        self.conv = _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum,
+                                  bias, device, dtype, activation, groups)
+
+    @classmethod
+    def from_modules(cls, bn: nn.BatchNorm2d, conv: nn.Conv2d, act: nn.Module | str | None = "relu"):
+        """Wrap an ``nn.BatchNorm2d``, an activation module or name (None: none) and an
+        ``nn.Conv2d``, sharing their parameters and buffers."""
+        check_module(bn, "bn", nn.BatchNorm2d, exact=True)
+        check_module(conv, "conv", nn.Conv2d, exact=True)
+        _check_conv(conv, "conv.padding")
+        if bn.num_features != conv.in_channels:
+            raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.in_channels ({conv.in_channels})")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.activation = None if act is None else _act_name(act)
+        m.bn, m.conv = bn, conv
+        return m
+
+    def forward(self, x):
+        """``conv(act(bn(x)))`` for ``x`` of shape ``(N, in_channels, H, W)``."""
+        check_tensor(x, "input", ndim=4)
+        if x.shape[1] != self.conv.in_channels:
+            raise ValueError(
+                f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
+                f"for {type(self).__name__}, got shape {tuple(x.shape)}"
+            )
+        bn, conv = self.bn, self.conv
+        if (parametrize.type_before_parametrizations(conv) is not nn.Conv2d or type(bn) is not nn.BatchNorm2d
+                or _own_hooks(conv) or _own_hooks(bn)):
+            a = bn(x)
+            return conv(a if self.activation is None else activation_forward(a, self.activation))
+        return bn_act_conv_call(bn, conv, x, self.activation)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
+def _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum, bias, device,
+                  dtype, activation, groups):
+    """The ``nn.Conv2d`` of a conv-BN module, its arguments checked (the BatchNorm's too)."""
+    check_int(in_channels, "in_channels")
+    check_int(out_channels, "out_channels")
+    pair(kernel_size, "kernel_size", min_value=1)
+    pair(stride, "stride", min_value=1)
+    pair(dilation, "dilation", min_value=1)
+    if not isinstance(padding, str):
+        pair(padding, "padding", min_value=0)
+    check_number(eps, "eps", min_value=0)
+    if momentum is not None:
+        check_number(momentum, "momentum")
+    if activation is not None:
+        check_activation(activation)
+    check_int(groups, "groups", min_value=1)
+    for name, channels in (("in_channels", in_channels), ("out_channels", out_channels)):
+        if channels % groups:
+            raise ValueError(f"{name} ({channels}) must be divisible by groups ({groups})")
+    conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups=groups,
+                     bias=bias, device=device, dtype=dtype)
+    _check_conv(conv, "padding")
+    return conv
 
 
 def _check_conv(conv, name):

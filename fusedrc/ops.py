@@ -474,6 +474,84 @@ def _conv_bn_act_backward(ctx, grad_out, _grad_mean, _grad_rstd):
 _AUTOGRAD["conv_bn_act"] = (_conv_bn_act_backward, _conv_bn_act_setup)
 
 
+# --------------------------------------------------------------------------- BN + act + Conv
+def _bn_act_conv_impl(
+    x: Tensor, bn_weight: Optional[Tensor], bn_bias: Optional[Tensor], running_mean: Optional[Tensor],
+    running_var: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
+    training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
+    activation: str, backend: str, groups: int = 1,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    y, mean, rstd = get_impl(backend, "bn_act_conv", "bn_act_conv_forward")(
+        x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
+        training, eps, stride, padding, dilation, activation, groups,
+    )
+    if not training:
+        mean, rstd = mean.clone(), rstd.clone()  # never views of the running buffers
+    acc = _stats_dtype(x)
+    return _laid_out(y, _channels_last(x)), _laid_out(mean, dtype=acc), _laid_out(rstd, dtype=acc)
+
+
+bn_act_conv_op = _custom_op("bn_act_conv", _bn_act_conv_impl)
+
+
+@bn_act_conv_op.register_fake
+def _(x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
+      training, eps, stride, padding, dilation, activation, backend, groups=1):
+    shape = _conv_out_shape(x, weight, stride, padding, dilation)
+    stats = _empty((x.shape[1],), x, dtype=_stats_dtype(x))
+    return _empty(shape, x, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
+
+
+def _bn_act_conv_backward_impl(
+    x: Tensor, bn_weight: Optional[Tensor], bn_bias: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
+    mean: Tensor, rstd: Tensor, grad_out: Tensor,
+    training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
+    activation: str, backend: str, output_mask: Optional[List[bool]] = None, groups: int = 1,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = get_impl(backend, "bn_act_conv", "bn_act_conv_backward")(
+        x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
+        training, eps, stride, padding, dilation, activation, output_mask, groups,
+    )
+    cl = _channels_last(x)
+    return tuple(_laid_out(_or_empty(g, x), cl and i == 0) for i, g in enumerate(grads))
+
+
+bn_act_conv_backward_op = _custom_op("bn_act_conv_backward", _bn_act_conv_backward_impl)
+
+
+@bn_act_conv_backward_op.register_fake
+def _(x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
+      training, eps, stride, padding, dilation, activation, backend, output_mask=None, groups=1):
+    return _fake_grads((x, bn_weight, bn_bias, weight, bias), output_mask, x,
+                       channels_last=_channels_last(x), images=(0,))
+
+
+def _bn_act_conv_setup(ctx, inputs, output):
+    (x, bn_weight, bn_bias, _rm, _rv, weight, bias,
+     training, eps, stride, padding, dilation, activation, backend, groups) = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, bn_weight, bn_bias, weight, bias, mean, rstd)
+    ctx.args = (training, eps, stride, padding, dilation, activation, backend)
+    ctx.groups = groups
+
+
+def _bn_act_conv_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    _no_double_backward("bn_act_conv")
+    x, bn_weight, bn_bias, weight, bias, mean, rstd = ctx.saved_tensors
+    fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
+    mask = _output_mask(ctx, (0, 1, 2, 5, 6))
+    grads = pick("bn_act_conv_backward", x, ctx.args[-1])(
+        x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out.contiguous(memory_format=fmt),
+        *ctx.args, mask, ctx.groups,
+    )
+    dx, dgamma, dbeta, dw, db = _wanted_grads(grads, (x, bn_weight, bn_bias, weight, bias), mask)
+    return dx, dgamma, dbeta, None, None, dw, db, None, None, None, None, None, None, None, None
+
+
+_AUTOGRAD["bn_act_conv"] = (_bn_act_conv_backward, _bn_act_conv_setup)
+
+
 def _pinning_precision(backward, setup):
     """``backward`` runs at the fp32 precision (tf32 or not) that torch allowed when the forward
     ran, for matmuls and for cuDNN's convs (the conv op's opt-in ``CONV_Z="aten"`` path): its

@@ -511,6 +511,77 @@ def conv_bn_act_backward(
     return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
 
 
+# --------------------------------------------------------------------------- BN + act + Conv (pre-activation)
+def _bn_pre_act(x, bn_weight, bn_bias, mean, rstd, training, eps):
+    """BatchNorm of ``x`` before the activation, one formula for the forward and the backward's
+    recompute (so the activation's mask is the forward's, bit for bit). With ``training`` it also
+    returns the batch (mean, rstd); otherwise the given ones (the running statistics)."""
+    if training:
+        return aten.native_batch_norm(x, bn_weight, bn_bias, None, None, True, 0.0, eps)
+    return _bn_eval(x, mean, rstd, bn_weight, bn_bias), mean, rstd
+
+
+def bn_act_conv_forward(
+    x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
+    training, eps, stride, padding, dilation, activation, groups=1,
+):
+    """y = conv2d(act(bn(x))): the pre-activation order of DenseNet and pre-activation ResNets.
+    Returns (y, mean, rstd) of ``x``'s channels (fp32; fp64 for float64 x). The activation is
+    transient: backward rebuilds it from ``x`` with one elementwise pass, and no conv reruns (the
+    conv's backward needs its input, not its output)."""
+    if training:
+        mean = rstd = None
+    else:
+        acc = _acc_dtype(x)
+        mean, rstd = running_mean.to(acc), torch.rsqrt(running_var.to(acc) + eps)
+    pre, mean, rstd = _bn_pre_act(x, bn_weight, bn_bias, mean, rstd, training, eps)
+    a = activation_forward(pre, activation)
+    del pre
+    return F.conv2d(a, weight, bias, stride, padding, dilation, groups), mean, rstd
+
+
+def bn_act_conv_backward(
+    x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
+    training, eps, stride, padding, dilation, activation, output_mask=None, groups=1,
+):
+    """Rebuild ``act(bn(x))``, then the conv backward and the act/BN backward.
+
+    Returns (dx, dbn_weight, dbn_bias, dweight, dbias); None where the input is None or
+    ``output_mask`` masks it off."""
+    need = wanted(output_mask, 5)
+    pre = _bn_pre_act(x, bn_weight, bn_bias, mean, rstd, training, eps)[0]
+    a = activation_forward(pre, activation)
+    bn_mask = [need[0], need[1] and bn_weight is not None, need[2] and bn_bias is not None]
+    conv_mask = [any(bn_mask), need[3], need[4] and bias is not None]
+    da, dweight, dbias = aten.convolution_backward(
+        grad_out, a, weight, [weight.shape[0]] if bias is not None else None,
+        _pair(stride), _pair(padding), _pair(dilation), False, [0, 0], groups, conv_mask,
+    ) if any(conv_mask) else (None, None, None)
+    del a
+    dweight, dbias = (g if m else None for g, m in zip((dweight, dbias), conv_mask[1:]))
+    dx = dgamma = dbeta = None
+    if any(bn_mask):
+        g = activation_backward(da, pre, activation)
+        del da, pre
+        acc = _acc_dtype(x)
+        gamma = bn_weight.to(acc) if bn_weight is not None else None
+        if training:
+            dx, dgamma, dbeta = aten.native_batch_norm_backward(
+                g.to(x.dtype), x, gamma, None, None, mean.to(acc), rstd.to(acc), True, eps, bn_mask)
+        else:
+            shape, dims = (1, -1, 1, 1), (0, 2, 3)
+            g = g.to(acc)
+            dbeta = g.sum(dims) if bn_mask[2] else None
+            if bn_mask[1]:
+                dgamma = (g * ((x.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape))).sum(dims)
+            scale = rstd.to(acc) if gamma is None else gamma * rstd.to(acc)
+            dx = (g * scale.view(shape)).to(x.dtype) if bn_mask[0] else None
+    dx, dgamma, dbeta = (t if m else None for t, m in zip((dx, dgamma, dbeta), bn_mask))
+    dbn_weight = dgamma.to(bn_weight.dtype) if dgamma is not None else None
+    dbn_bias = dbeta.to(bn_bias.dtype) if dbeta is not None else None
+    return dx, dbn_weight, dbn_bias, dweight, dbias
+
+
 def _bn_eval(z, mean, rstd, bn_weight, bn_bias):
     """Eval-mode BatchNorm from the saved (mean, rstd), one formula for the forward and the backward's
     recompute: the pre-activation, hence the ReLU mask, is bit-identical (rebuilding the variance
