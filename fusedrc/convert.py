@@ -115,7 +115,8 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, conv_bn_act_call,
+from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, bn_act_conv_call,
+                        conv_bn_act_call,
                         fused_dropout_p, is_linear)
 from ._saved import SavedBytes
 from ._state import inside_region, top_saved_tensors_pack
@@ -403,6 +404,40 @@ def _cbr_bn_act(site, conv, bn, x):
     return _run_site(site, lambda x: conv_bn_act_call(conv, bn, x, activation=name), plain, x)
 
 
+_BAC_KINDS = ("bn_relu_conv", "bn_act_conv")
+
+
+def _bac_kind(act):
+    """The plan's kind of a pre-activation unit: "bn_relu_conv" for ReLU, else "bn_act_conv"."""
+    return "bn_relu_conv" if _act_name(act) == "relu" else "bn_act_conv"
+
+
+def _static_bac(bn, act, conv):
+    """Why ``conv(act(bn(x)))`` has no fused form, or None."""
+    if isinstance(bn, nn.SyncBatchNorm):
+        return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
+    if type(bn) is not nn.BatchNorm2d or not _static_conv_ok(conv) or bn.num_features != conv.in_channels:
+        return "not an nn.BatchNorm2d over a plain zero-padded Conv2d's input channels"
+    if _act_name(act) is None:
+        return f"activation {type(act).__name__} has no fused form"
+    return None
+
+
+def _bac(site, bn, act, conv, x):
+    """``conv(act(bn(x)))``: fused when ``site`` is on and the call is modelled, with the activation
+    ``act`` is now."""
+    def plain(x):
+        return conv(act(bn(x)))
+
+    if site is None or not site.enabled or _static_bac(bn, act, conv) is not None or not _nohooks(bn, act, conv) \
+            or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
+                    and x.device == conv.weight.device
+                    and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))):
+        return plain(x)
+    name = _act_name(act)
+    return _run_site(site, lambda x: bn_act_conv_call(bn, conv, x, activation=name), plain, x)
+
+
 class FusedBasicBlock(Wrapper):
     """torchvision ``BasicBlock``: conv1-bn1-relu fused, conv2-bn2-(+identity)-relu fused."""
 
@@ -478,6 +513,8 @@ _CBR_KINDS = ("conv_bn_relu", "conv_bn_act", "conv_bn")
 
 def _run_chain(site, kind, act, chain, x):
     """A fused group's modules on ``x``: Conv-BN[-act] (2 or 3 modules) or a dense chain."""
+    if kind in _BAC_KINDS:
+        return _bac(site, *chain, x)
     if kind in _CBR_KINDS:
         conv, bn = chain[0], chain[1]
         act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
@@ -1945,6 +1982,15 @@ def _seq_groups(seq, prefix, ctx):
                 i = end
                 continue
             ctx.skip(_join(prefix, keys[i]), reason)
+        if type(m) is nn.BatchNorm2d and i + 2 < len(mods) and _is_act_module(mods[i + 1]) \
+                and type(mods[i + 2]) is nn.Conv2d:
+            # BN -> act -> Conv (pre-activation; a Conv-BN before it was grouped above)
+            reason = _static_bac(m, mods[i + 1], mods[i + 2])
+            if reason is None:
+                groups.append((i, i + 3, _bac_kind(mods[i + 1]), None, (m,)))
+                i += 3
+                continue
+            ctx.skip(_join(prefix, keys[i]), reason)
         if is_linear(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
             act = _act_name(mods[i + 1])
             j = i + 2
@@ -2286,11 +2332,24 @@ def _fx_chains(gm, prefix, skip):
         max_args = 2 if c.target is nn.functional.leaky_relu else 1  # its slope may be positional
         return 1 <= len(c.args) <= max_args and not kw
 
-    found = []
+    found, taken = [], set()
     for node in list(gm.graph.nodes):
+        if node in taken:  # in an earlier chain (Linear-act-Linear-act: the second Linear)
+            continue
         m = mod(node)
         chain = None
-        if type(m) is nn.Conv2d and _static_conv_ok(m):
+        if type(m) is nn.BatchNorm2d:
+            # BN -> act -> Conv, the pre-activation order (a Conv before the BN took it first)
+            n1 = single(node)
+            act, a = act_of(n1)
+            n2 = act is not None and single(n1)
+            if n2 and type(mod(n2)) is nn.Conv2d:
+                reason = _static_bac(m, a, mod(n2))
+                if reason is not None:
+                    skip(_join(prefix, node.target), reason)
+                else:
+                    chain, kind, modules = [node, n1, n2], _bac_kind(a), [m, a, mod(n2)]
+        elif type(m) is nn.Conv2d and _static_conv_ok(m):
             n1 = single(node)
             if n1 and _is_bn_act(mod(n1)) and mod(n1).num_features == m.out_channels:
                 bn = mod(n1)
@@ -2333,8 +2392,10 @@ def _fx_chains(gm, prefix, skip):
                 elif not drops:
                     chain, kind, modules = [node, n1], "linear_act", [m, a]
         if chain is None or not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
-                or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])):
+                or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])) \
+                or any(c in taken for c in chain):
             continue
+        taken.update(chain)
         key = (kind, act, tuple((c.op, str(c.target)) for c in chain))
         key += (sum(1 for f in found if f[0][:3] == key),)  # the same chain called again
         found.append((key, node, chain, kind, modules, act))

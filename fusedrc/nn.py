@@ -445,11 +445,12 @@ class BNReLUConv(nn.Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  eps=1e-5, momentum=0.1, bias=False, device=None, dtype=None, activation="relu", groups=1):
+        conv = _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum,
+                             bias, device, dtype, activation, groups)
         super().__init__()
         self.activation = activation
         self.bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
-        self.conv = _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum,
-                                  bias, device, dtype, activation, groups)
+        self.conv = conv
 
     @classmethod
     def from_modules(cls, bn: nn.BatchNorm2d, conv: nn.Conv2d, act: nn.Module | str | None = "relu"):

@@ -70,6 +70,11 @@ def cba(x=x4, w=w4, gamma=None, beta=None, rm=None, rv=None, **kw):
     return lambda: F.conv_bn_act(c(x), c(w), c(gamma), c(beta), c(rm), c(rv), **kw)
 
 
+def bac(x=x4, gamma=None, beta=None, rm=None, rv=None, w=w4, **kw):
+    c = lambda v: v() if callable(v) else v  # noqa: E731
+    return lambda: F.bn_act_conv(c(x), c(gamma), c(beta), c(rm), c(rv), c(w), **kw)
+
+
 def _ffn():
     return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 3))
 
@@ -417,6 +422,41 @@ CASES = [
     ("ConvBNReLU/from_modules-num_features", lambda: fnn.ConvBNReLU.from_modules(nn.Conv2d(3, 4, 1),
                                                                                  nn.BatchNorm2d(5)),
      ValueError, r"bn\.num_features \(5\) must equal conv\.out_channels \(4\)"),
+    # ------------------------------------------------------------ functional.bn_act_conv (BN over the input's 3)
+    ("bn_act_conv/input-3d", bac(x=lambda: r(3, 5, 5)), ValueError, r"input must be 4-D, got 3-D"),
+    ("bn_act_conv/weight-channels", bac(w=lambda: r(4, 2, 3, 3)), ValueError,
+     r"weight must have shape \(out_channels, 3, kh, kw\) .* to match input's 3 channels, got \(4, 2, 3, 3\)"),
+    ("bn_act_conv/weight-dtype", bac(w=lambda: r(4, 3, 3, 3, dtype=f64)), TypeError,
+     r"weight has dtype torch\.float64 but input has dtype torch\.float32"),
+    ("bn_act_conv/bn_weight-size", bac(gamma=lambda: torch.ones(4)), ValueError,
+     r"bn_weight must have shape \(3,\), got \(4,\)"),
+    ("bn_act_conv/bn_bias-device", bac(beta=lambda: torch.ones(3, device=META)), ValueError,
+     r"bn_bias is on meta but input is on cpu"),
+    ("bn_act_conv/running_var-alone", bac(rv=lambda: torch.ones(3)), ValueError,
+     r"running_mean and running_var must both be tensors or both be None"),
+    ("bn_act_conv/bias-size", bac(bias=r(3)), ValueError, r"bias must have shape \(4,\), got \(3,\)"),
+    ("bn_act_conv/kernel-too-big", bac(x=lambda: r(2, 3, 2, 2)), ValueError,
+     r"weight's kernel \(3, 3\) .* larger than input's padded spatial size \(2, 2\)"),
+    ("bn_act_conv/one-value", bac(x=lambda: r(1, 3, 1, 1), w=lambda: r(4, 3, 1, 1)), ValueError,
+     r"Expected more than 1 value per channel when training"),
+    ("bn_act_conv/activation", bac(activation="tanh"), ValueError, ACT + ", got 'tanh'"),
+    ("bn_act_conv/training-str", bac(training="yes"), TypeError, r"training must be a bool, got str 'yes'"),
+    ("bn_act_conv/stride-0", bac(stride=0), ValueError, r"stride must be positive, got 0"),
+    ("bn_act_conv/eps-zero-training", bac(eps=0.0), ValueError, r"eps must be positive when batch statistics"),
+    # ------------------------------------------------------------ nn.BNReLUConv
+    ("BNReLUConv/in_channels-negative", lambda: fnn.BNReLUConv(-3, 4, 3), ValueError,
+     r"in_channels must be a non-negative int, got -3"),
+    ("BNReLUConv/activation", lambda: fnn.BNReLUConv(3, 4, 3, activation="hardtanh"), ValueError,
+     r"activation must be one of"),
+    ("BNReLUConv/forward-channels", lambda: fnn.BNReLUConv(3, 4, 3)(r(2, 5, 5, 5)), ValueError,
+     r"input must have in_channels=3 channels \(N, 3, H, W\) for BNReLUConv, got shape \(2, 5, 5, 5\)"),
+    ("BNReLUConv/forward-dtype", lambda: fnn.BNReLUConv(3, 4, 3)(r(2, 3, 5, 5, dtype=f64)), TypeError,
+     r"weight has dtype torch\.float32 but input has dtype torch\.float64"),
+    ("BNReLUConv/from_modules-bn", lambda: fnn.BNReLUConv.from_modules(nn.BatchNorm1d(3), nn.Conv2d(3, 4, 1)),
+     TypeError, r"bn must be an nn\.BatchNorm2d, got BatchNorm1d"),
+    ("BNReLUConv/from_modules-num_features", lambda: fnn.BNReLUConv.from_modules(nn.BatchNorm2d(4),
+                                                                                 nn.Conv2d(3, 4, 1)),
+     ValueError, r"bn\.num_features \(4\) must equal conv\.in_channels \(3\)"),
     # ------------------------------------------------------------ recompute
     ("recompute/block-not-callable", lambda: fusedrc.recompute(42, r(2, 3, grad=True)), TypeError,
      r"block must be a callable or nn\.Module, got int"),
@@ -544,9 +584,8 @@ def test_valid_unusual_inputs_are_accepted():
 def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
-    public = {"linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "LinearReLU", "FusedMLP", "GatedMLP",
-              "MoEExperts",
-              "ConvBNReLU", "recompute",
+    public = {"linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "bn_act_conv", "LinearReLU",
+              "FusedMLP", "GatedMLP", "MoEExperts", "ConvBNReLU", "BNReLUConv", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public
     assert {n for n in fusedrc.__all__ if callable(getattr(fusedrc, n))} - {"current_backend", "RecomputeError"} \

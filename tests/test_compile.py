@@ -185,6 +185,11 @@ def _layout_cases(device, backend, ops_by_name):
                 op("conv_bn_act"), xc, wc, None, gamma, beta, rm, rv, res, training, *geometry)
             yield op("conv_bn_act_backward"), (xc, wc, None, gamma, beta, mean, rstd, res, torch.randn_like(y),
                                                training, *geometry)
+            bg, bb, brm, brv = t(4, dtype=bn), t(4, dtype=bn), t(4, dtype=bn), t(4, dtype=bn).abs() + 0.5
+            y, mean, rstd = _fake_matches_real(
+                op("bn_act_conv"), xc, bg, bb, brm, brv, wc, None, training, *geometry)
+            yield op("bn_act_conv_backward"), (xc, bg, bb, wc, None, mean, rstd, torch.randn_like(y),
+                                               training, *geometry)
 
 
 def test_fake_implementations_match_real_layouts():
@@ -313,7 +318,8 @@ def test_functional_ops(reference, kind, activation, shape):
     (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, padding=1), (2, 3, 6, 6), "fusedrc.conv_bn_act"),
     (lambda: fusedrc.nn.ConvBNReLU(3, 8, 3, stride=2, padding=1, bias=True).eval(), (2, 3, 7, 7),
      "fusedrc.conv_bn_act"),
-], ids=["LinearReLU", "FusedMLP", "ConvBNReLU", "ConvBNReLU-eval"])
+    (lambda: fusedrc.nn.BNReLUConv(3, 8, 3, stride=2, padding=1), (2, 3, 7, 7), "fusedrc.bn_act_conv"),
+], ids=["LinearReLU", "FusedMLP", "ConvBNReLU", "ConvBNReLU-eval", "BNReLUConv"])
 def test_modules(reference, make, shape, op):
     _compare(make, shape, expect_ops=(op,), steps=3)
 

@@ -1,0 +1,199 @@
+"""The pre-activation op ``conv(act(bn(x)))``: functional.bn_act_conv, nn.BNReLUConv, recompute of
+``Sequential(BN, act, Conv)`` and convert's pre-activation units (DenseNet), on the reference path.
+The Triton kernels' tests are in test_kernels_conv.py."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fusedrc
+from fusedrc import functional as F
+from fusedrc.convert import _import_torchvision, _set_impl
+from _utils import FusedOpLog, GemmCounter, SavedBytes, rel_err
+
+
+@pytest.fixture(autouse=True)
+def reference():
+    with fusedrc.use_backend("reference"):
+        yield
+
+
+def _pair(bn_c, out_c, k, *, act=nn.ReLU, affine=True, bias=False, momentum=0.1, dtype=torch.float64, **conv_kw):
+    """(fused BNReLUConv, the same modules' eager Sequential), sharing nothing, equal parameters."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.BatchNorm2d(bn_c, affine=affine, momentum=momentum), act(),
+                          nn.Conv2d(bn_c, out_c, k, bias=bias, **conv_kw)).to(dtype)
+    with torch.no_grad():
+        if affine:
+            eager[0].weight.uniform_(0.5, 1.5)
+            eager[0].bias.uniform_(-0.5, 0.5)
+        eager[0].running_mean.uniform_(-0.2, 0.2)
+        eager[0].running_var.uniform_(0.5, 2.0)
+    fused = copy.deepcopy(eager)
+    return fusedrc.nn.BNReLUConv.from_modules(fused[0], fused[2], fused[1]), eager
+
+
+def _step_matches(fused, eager, x, tol, steps=2):
+    for _ in range(steps):
+        xf, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yf, ye = fused(xf), eager(xe)
+        assert rel_err(yf, ye) <= tol
+        g = torch.randn_like(ye)
+        yf.backward(g)
+        ye.backward(g)
+        assert rel_err(xf.grad, xe.grad) <= tol
+        for (name, p), q in zip(fused.named_parameters(), eager.parameters()):
+            assert rel_err(p.grad, q.grad) <= tol, name
+        for (name, b), c in zip(fused.named_buffers(), eager.buffers()):
+            assert rel_err(b, c) <= tol if b.is_floating_point() else torch.equal(b, c), name
+
+
+@pytest.mark.parametrize("case", [
+    dict(k=3, padding=1),
+    dict(k=3, stride=2, padding=1, dilation=2, bias=True),
+    dict(k=1, act=nn.SiLU, affine=False),
+    dict(k=3, padding=1, groups=3, out_c=6),
+    dict(k=1, momentum=None, channels_last=True),
+], ids=["3x3", "strided-dilated-bias", "1x1-silu-no-affine", "grouped", "cumulative-channels_last"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_matches_eager(case, training, dtype, tol):
+    """Output, every gradient, the running statistics and num_batches_tracked equal eager's."""
+    case = dict(case)
+    cl = case.pop("channels_last", False)
+    fused, eager = _pair(3, case.pop("out_c", 5), case.pop("k"), dtype=dtype, **case)
+    fused.train(training)
+    eager.train(training)
+    x = torch.randn(2, 3, 9, 7, dtype=dtype)
+    x = x.to(memory_format=torch.channels_last) if cl else x
+    _step_matches(fused, eager, x, tol)
+
+
+def test_keeps_only_its_input_and_runs_the_fused_op():
+    """Eager keeps x and the activation (the conv's input); the fused op keeps x and two
+    per-channel vectors, and its backward runs no forward convolution."""
+    fused, eager = _pair(16, 8, 3, padding=1, dtype=torch.float32)
+    x = torch.randn(4, 16, 12, 12, requires_grad=True)
+    with SavedBytes() as kept_eager:
+        eager(x)
+    with SavedBytes() as kept, FusedOpLog() as log:
+        y = fused(x)
+    assert kept.bytes == x.numel() * 4 + 2 * 16 * 4
+    assert kept_eager.bytes >= 2 * x.numel() * 4
+    assert "bn_act_conv" in " ".join(log.ops)
+    with GemmCounter() as seen:
+        y.sum().backward()
+    ops = [op.split(".")[1] for op in seen.ops if op.startswith("aten.")]
+    assert "convolution_backward" in ops and "convolution" not in ops and "conv2d" not in ops, ops
+
+
+def test_recompute_of_bn_act_conv_is_the_fused_op():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.BatchNorm2d(4), nn.GELU(), nn.Dropout(0.0), nn.Conv2d(4, 6, 3, padding=1)).double()
+    twin = copy.deepcopy(block)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with FusedOpLog() as log:
+        y = fusedrc.recompute(block, x)
+    assert any("bn_act_conv" in op for op in log.ops), log.ops
+    y2 = twin(x2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    assert rel_err(y, y2) < 1e-12 and rel_err(x.grad, x2.grad) < 1e-12
+    assert torch.allclose(block[0].running_mean, twin[0].running_mean, rtol=0, atol=1e-15)
+    assert int(block[0].num_batches_tracked) == int(twin[0].num_batches_tracked) == 1
+
+
+def test_autocast_bf16():
+    fused, eager = _pair(4, 6, 3, padding=1, dtype=torch.float32)
+    x = torch.randn(2, 4, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yf, ye = fused(x), eager(x)
+    assert yf.dtype == ye.dtype == torch.bfloat16
+    assert rel_err(yf, ye) < 2e-2
+
+
+class _PreActNet(nn.Module):
+    """A traced forward with pre-activation chains after a Conv-BN-ReLU and a Linear-ReLU chain whose
+    units touch (the fx pass must not give a node to two units)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.bn0 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn1, self.conv2 = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
+        self.l1, self.l2, self.l3 = nn.Linear(4, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.conv1(torch.relu(self.bn0(self.conv0(x)))) + x.mean(1, keepdim=True)
+        h = self.conv2(torch.relu(self.bn1(h))).mean((2, 3))
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(h)))))
+
+
+def test_convert_fx_pre_activation_and_touching_chains():
+    torch.manual_seed(0)
+    model = _PreActNet()
+    conv = fusedrc.convert(model)
+    # l2 ends the FFN l1-relu-l2 and would start another (l2-relu-l3): it is the first one's only
+    kinds = {u.name: u.kind for u in conv.fusedrc_plan.units}
+    assert kinds == {"conv0": "conv_bn_relu", "bn1": "bn_relu_conv", "l1": "ffn"}, kinds
+    x = torch.randn(2, 3, 6, 6)
+    torch.manual_seed(1)
+    y = model(x)
+    y.sum().backward()
+    y2 = conv(x)  # the deep copy's parameters; model's gradients are set
+    y2.sum().backward()
+    assert rel_err(y2, y) < 1e-6
+    for (name, p), q in zip(model.named_parameters(), conv.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-5, name
+
+
+def test_convert_sequential_pre_activation():
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2), nn.Tanh(), nn.Conv2d(2, 2, 1))
+    conv = fusedrc.convert(seq)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [("0", "conv_bn_relu"), ("3", "bn_relu_conv")]
+    assert any(name == "6" and "Tanh" in why for name, why in plan.skipped), plan.skipped
+    x = torch.randn(2, 3, 7, 7)
+    assert rel_err(conv(x), seq(x)) < 1e-6
+
+
+def test_densenet():
+    """torchvision DenseNet: every layer's two BN-ReLU-Conv chains and the transitions are pre-activation
+    units (before, only conv1-norm2-relu2 was a Conv-BN-ReLU unit: 0.85 of the original's bytes); at most
+    checkpoint's bytes on the same units and 0.62 of the original's here; outputs, gradients and
+    running statistics as the original's."""
+    _import_torchvision()
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2,
+                                        num_classes=5)
+    conv = fusedrc.convert(model)
+    kinds = [u.kind for u in conv.fusedrc_plan.units]
+    assert kinds.count("bn_relu_conv") == 2 * 4 + 1 and kinds.count("conv_bn_relu") == 1, kinds
+    x = torch.randn(2, 3, 32, 32)
+    with SavedBytes() as orig:
+        model(x)
+    with SavedBytes() as fused:
+        conv(x)
+    with SavedBytes() as ckpt:
+        _set_impl(conv, "checkpoint")(x)
+    _set_impl(conv, "fused")
+    # (a fused BatchNorm keeps its mean and rstd: 2 floats a channel more)
+    assert fused.bytes <= ckpt.bytes + 8 * sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    assert fused.bytes < 0.65 * orig.bytes, fused.bytes / orig.bytes  # 0.62 (densenet121 at 64 px: 0.52)
+    conv.load_state_dict(model.state_dict())  # the measuring steps moved the running statistics unequally
+    for _ in range(2):
+        y, y2 = model(x), conv(x)
+        assert rel_err(y2, y) < 1e-5
+        g = torch.randn_like(y)
+        y.backward(g)
+        y2.backward(g)
+    for (name, p), q in zip(model.named_parameters(), conv.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-4, name
+    for (name, b), c in zip(model.named_buffers(), conv.buffers()):
+        assert (rel_err(c, b) < 1e-5) if b.is_floating_point() else torch.equal(b, c), name
