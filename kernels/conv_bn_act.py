@@ -380,6 +380,8 @@ def _conv_mainloop(
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLAT_K: tl.constexpr,
+    pre_mean_ptr, pre_scale_ptr, pre_shift_ptr,
+    PRE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
 ):
     """fp32 tile z[row0:row0+BM, col0:col0+BN] of the conv as an implicit GEMM.
 
@@ -389,6 +391,8 @@ def _conv_mainloop(
     FLAT_K (few input channels: a stem's 3): K = (kh, kw, c) as one index, BLOCK_K of it per
     step, each element's tap and channel computed, instead of one tap per step padded to
     tl.dot's 16 channels (7x7x3: 3 steps of 64 instead of 49 of 16).
+    PRE_ACT: the conv's input is act(bn(x)), made from each loaded x tile (``_pre_act``) with the
+    per-input-channel (mean, scale, shift); the padding stays 0 (it pads the activation).
     """
     mask_m, ih0, iw0, x_rows, offs_n, mask_n = _tile_coords(x_ptr, row0, col0, M, C_OUT, OH, OW, s_xn,
                                                             SH, SW, PH, PW, BLOCK_M, BLOCK_N)
@@ -408,6 +412,8 @@ def _conv_mainloop(
             iw = iw0[:, None] + (kw * DW)[None, :]
             ok = (mask_m[:, None] & ok_k[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
             a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw + (c * s_xc)[None, :]), mask=ok, other=0.0)
+            if PRE_ACT:
+                a = _pre_act(a, c, ok_k, ok, pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, ACTIVATION, NEG_SLOPE)
             b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww + c * s_wc)[:, None],
                         mask=ok_k[:, None] & mask_n[None, :], other=0.0)
             acc = _dot_step(a, b, acc, PRECISION, UPCAST)
@@ -423,12 +429,33 @@ def _conv_mainloop(
         ok_m = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         c = c0 + offs_k
         ok_c = c < C_IN
-        a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw)[:, None] + c[None, :] * s_xc,
-                    mask=ok_m[:, None] & ok_c[None, :], other=0.0)
+        ok = ok_m[:, None] & ok_c[None, :]
+        a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw)[:, None] + c[None, :] * s_xc, mask=ok, other=0.0)
+        if PRE_ACT:
+            a = _pre_act(a, c, ok_c, ok, pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, ACTIVATION, NEG_SLOPE)
         b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww) + c[:, None] * s_wc,
                     mask=ok_c[:, None] & mask_n[None, :], other=0.0)
         acc = _dot_step(a, b, acc, PRECISION, UPCAST)
     return acc
+
+
+@triton.jit
+def _bn_act(xf, mean, scale, shift, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
+    """act(bn(x)) in fp32 from per-channel (mean, scale = rstd * gamma, shift = beta) broadcast to
+    xf's shape: one explicit fma, the same in every kernel (the backward's activation mask is the
+    forward's, bit for bit)."""
+    return _act_fwd(tl.fma(xf - mean, scale, shift), ACTIVATION, NEG_SLOPE)
+
+
+@triton.jit
+def _pre_act(a, c, ok_c, ok, mean_ptr, scale_ptr, shift_ptr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
+    """A loaded x tile (rows: pixels, columns: channels ``c``) as the conv's input act(bn(x)), rounded to
+    x's dtype as eager hands it to the conv; 0 where ``ok`` is off (padding, ragged edges)."""
+    mean = tl.load(mean_ptr + c, mask=ok_c, other=0.0)[None, :]
+    scale = tl.load(scale_ptr + c, mask=ok_c, other=0.0)[None, :]
+    shift = tl.load(shift_ptr + c, mask=ok_c, other=0.0)[None, :]
+    y = _bn_act(a.to(tl.float32), mean, scale, shift, ACTIVATION, NEG_SLOPE)
+    return tl.where(ok, y, 0.0).to(a.dtype)
 
 
 @triton.jit
@@ -494,7 +521,7 @@ def _conv_z(
                                  H, W, OH, OW,
                                  s_xn, s_xc, s_xh, s_xw, s_wh, s_ww, s_wc, s_wo,
                                  KH, KW, SH, SW, PH, PW, DH, DW, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-                                 FLAT_K)
+                                 FLAT_K, x_ptr, x_ptr, x_ptr, False, "relu", 0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         zq = acc.to(x_ptr.dtype.element_ty)
@@ -819,8 +846,11 @@ def _conv_dw_kernel(
     PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    pre_mean_ptr, pre_scale_ptr, pre_shift_ptr,
+    PRE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
 ):
     """dW[co, (ci, kh, kw)] = sum over output pixels p of dz[p, co] * x[p shifted by the tap, ci].
+    PRE_ACT: the conv's input is act(bn(x)), made from each x tile as the forward made it.
 
     Rows = C_out, columns = C_in*KH*KW in weight order, K = P = N*OH*OW pixels,
     split into program_id(1) chunks of iters_per_split*BLOCK_K pixels; each chunk
@@ -852,6 +882,8 @@ def _conv_dw_kernel(
         ok = ok_p[:, None] & mask_n[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         b = tl.load(x_ptr + (n64 * s_xn)[:, None] + (x_cols[None, :] + ih * s_xh + iw * s_xw),
                     mask=ok, other=0.0)
+        if PRE_ACT:
+            b = _pre_act(b, ci, mask_n, ok, pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, ACTIVATION, NEG_SLOPE)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -920,6 +952,16 @@ def _geom_constexprs(KH, KW, stride, padding, dilation):
 
 def _vec(t):
     return None if t is None else t.contiguous()
+
+
+def _pre_act_args(x, pre_act):
+    """The PRE_ACT launch arguments of a conv kernel: off (x stands for the unused pointers), or
+    on with ``pre_act`` = (mean, scale, shift, activation)."""
+    if pre_act is None:
+        return dict(pre_mean_ptr=x, pre_scale_ptr=x, pre_shift_ptr=x, PRE_ACT=False, ACTIVATION="relu",
+                    NEG_SLOPE=0.0)
+    mean, scale, shift, activation = pre_act
+    return dict(pre_mean_ptr=mean, pre_scale_ptr=scale, pre_shift_ptr=shift, PRE_ACT=True, **act_meta(activation))
 
 
 def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
@@ -1056,8 +1098,9 @@ def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, ca
     return dx
 
 
-def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
-    """dW by the Triton implicit GEMM over the output pixels, split-K with fp32 partials."""
+def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap, pre_act=None):
+    """dW by the Triton implicit GEMM over the output pixels, split-K with fp32 partials.
+    ``pre_act``: (mean, scale, shift, activation): the conv's input is act(bn(x)) (``_pre_act``)."""
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = weight_shape
     OH, OW = dz.shape[2], dz.shape[3]
@@ -1075,7 +1118,8 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap):
         *dz.stride(), *x.stride(),
         **_geom_constexprs(KH, KW, stride, padding, dilation),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        PRECISION=precision, UPCAST=_upcast_flag(dz), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=precision, UPCAST=_upcast_flag(dz),
+        **_pre_act_args(x, pre_act), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     dw = part[0] if split == 1 else part.sum(0)
     return dw.view(C_out, C_in, KH, KW)
@@ -1324,10 +1368,13 @@ def _inspect_dw(dtype, mode: str):
     p = _INSPECT_PTR[dtype]
     ints = ("P", "C_OUT", "C_IN", "H", "W", "OH", "OW", "iters_per_split", "s_dn", "s_dh", "s_dw",
             "s_xn", "s_xh", "s_xw")
-    sig, constexprs, aligned = _inspect_args({"dz_ptr": p, "x_ptr": p, "part_ptr": "*fp32"}, ints,
+    pre = "*fp32" if mode == "pre_act" else p  # off: x stands for the prologue's pointers
+    sig, constexprs, aligned = _inspect_args({"dz_ptr": p, "x_ptr": p, "part_ptr": "*fp32", "pre_mean_ptr": pre,
+                                              "pre_scale_ptr": pre, "pre_shift_ptr": pre}, ints,
                                              ("s_dc", "s_xc"), ("P", "C_OUT", "C_IN", "s_dn", "s_dh", "s_dw",
                                                                 "s_xn", "s_xh", "s_xw"))
     constexprs.update(_INSPECT_GEOM)
+    constexprs.update(PRE_ACT=mode == "pre_act", ACTIVATION="relu", NEG_SLOPE=0.0)
     return sig, constexprs, aligned
 
 
@@ -1347,7 +1394,7 @@ def inspect_specs():
     # passes over a z buffer (the buffered forward and backward, CONV_Z="aten") at _ELEM_CONFIG
     gemm_kernels = ((_conv_bn_fwd_kernel, _inspect_fwd, ("stats", "apply")),
                     (_conv_bn_bwd_kernel, _inspect_bwd, ("reduce", "emit_dz", "eval")),
-                    (_conv_dx_kernel, _inspect_dx, ("",)), (_conv_dw_kernel, _inspect_dw, ("",)))
+                    (_conv_dx_kernel, _inspect_dx, ("",)), (_conv_dw_kernel, _inspect_dw, ("", "pre_act")))
     elem_kernels = ((_conv_bn_fwd_kernel, _inspect_fwd, ("from_z", "z_stats")),
                     (_conv_bn_bwd_kernel, _inspect_bwd, ("z_reduce", "z_emit_dz", "z_eval")))
     specs, by_key = [], {}
