@@ -300,3 +300,82 @@ def bn_act_conv_backward(
     dbias = grad_out.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype) if bias is not None and need_db else None
     return (dx, dgamma.to(bn_weight.dtype) if need_dgamma else None, dbeta.to(bn_bias.dtype) if need_dbeta else None,
             dweight.to(weight.dtype) if dweight is not None else None, dbias)
+
+
+# --------------------------------------------------------------------------- ahead-of-time inspection
+def _inspect_fwd(dtype):
+    """_bn_act_conv_fwd_kernel as bn_act_conv_forward launches it: channels_last x and y, the weight as
+    (KH, KW, C_in, C_out), conv bias on, the BN vectors in fp32; conv_bn_act's 3x3 geometry."""
+    p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    ptrs = {"x_ptr": p, "w_ptr": p, "bias_ptr": p, "y_ptr": p, "mean_ptr": f32, "scale_ptr": f32, "shift_ptr": f32}
+    ints = ("M", "C_OUT", "C_IN", "H", "W", "OH", "OW", "s_xn", "s_xh", "s_xw", "s_wh", "s_ww", "s_wc",
+            "s_yn", "s_yh", "s_yw")
+    sig, constexprs, aligned = _inspect_args(ptrs, ints, ("s_xc", "s_wo", "s_yc"), ints[:3] + ints[7:])
+    constexprs.update(_INSPECT_GEOM, FLAT_K=False, HAS_BIAS=True, **act_meta("relu"))
+    return sig, constexprs, aligned
+
+
+def _inspect_elem(fn, dtype):
+    """The passes over x (channels_last; the gradient buffers too) as the launchers run them."""
+    p, f32 = _INSPECT_PTR[dtype], "*fp32"
+    pix = ("s_n", "s_h", "s_w")
+    extra = {  # kernel -> (pointers after x, more pixel strides, more unit strides)
+        "_channel_stats_kernel": ({"pmean_ptr": f32, "pm2_ptr": f32}, (), ()),
+        "_bn_act_apply_kernel": ({"a_ptr": p, "mean_ptr": f32, "scale_ptr": f32, "shift_ptr": f32},
+                                 ("s_an", "s_ah", "s_aw"), ("s_ac",)),
+        "_bn_act_grad_reduce_kernel": ({"da_ptr": p, "mean_ptr": f32, "scale_ptr": f32, "shift_ptr": f32,
+                                        "rstd_ptr": f32, "pg_ptr": f32, "pgx_ptr": f32},
+                                       ("s_dn", "s_dh", "s_dw"), ("s_dc",)),
+        "_bn_act_grad_dx_kernel": ({"da_ptr": p, "dx_ptr": p, "mean_ptr": f32, "scale_ptr": f32, "shift_ptr": f32,
+                                    "rstd_ptr": f32, "sg_ptr": f32, "sgx_ptr": f32},
+                                   ("s_dn", "s_dh", "s_dw", "s_xn", "s_xh", "s_xw"), ("s_dc", "s_xc")),
+    }[fn.__name__]
+    ptrs, more, unit = extra
+    ints = ("M", "C", "H", "W", *pix, *more)
+    sig, constexprs, aligned = _inspect_args({"x_ptr": p, **ptrs}, ints, ("s_c", *unit),
+                                             ("M", "C", *pix, *more),
+                                             floats=("inv_count",) if fn is _bn_act_grad_dx_kernel else ())
+    if fn is _bn_act_grad_dx_kernel:
+        constexprs["TRAINING"] = True
+    if fn is not _channel_stats_kernel:
+        constexprs.update(act_meta("relu"))
+    constexprs.update(BLOCK_M=_ELEM_BLOCK_M, BLOCK_C=_ELEM_BLOCK_C)
+    return sig, constexprs, aligned
+
+
+def inspect_specs():
+    """The forward conv at every sm90/sm80 entry of conv_bn_act's tile table (fp16 and bf16 for
+    "16bit", fp32 with tf32/ieee otherwise), and the passes over x once per (arch, dtype).
+    (The dW kernel's PRE_ACT variant is among conv_bn_act's specs.)"""
+    specs, seen = [], {}
+    for (family, opclass, bucket), cfg in _TABLE.items():
+        arch = _INSPECT_ARCH.get(family)
+        if arch is None:
+            continue
+        label = f"{family}/{opclass}/{bucket}"
+        variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")] if opclass == "16bit" else \
+            [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
+        for dtype, precision in variants:
+            key = (arch, dtype, precision, cfg)
+            if key in seen:
+                seen[key]["source"] += "," + label
+                continue
+            sig, constexprs, aligned = _inspect_fwd(dtype)
+            constexprs.update(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                              PRECISION=precision, UPCAST=False)
+            config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
+                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "precision": precision}
+            seen[key] = spec = {"fn": _bn_act_conv_fwd_kernel, "kernel": "_bn_act_conv_fwd_kernel", "arch": arch,
+                                "dtype": dtype, "config": config, "signature": sig, "constexprs": constexprs,
+                                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "gemm": True,
+                                "aligned": aligned, "source": label}
+            specs.append(spec)
+    for arch in _INSPECT_ARCH.values():
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for fn in (_channel_stats_kernel, _bn_act_apply_kernel, _bn_act_grad_reduce_kernel, _bn_act_grad_dx_kernel):
+                sig, constexprs, aligned = _inspect_elem(fn, dtype)
+                config = {"BLOCK_M": _ELEM_BLOCK_M, "BLOCK_C": _ELEM_BLOCK_C, "num_warps": _ELEM_WARPS, "num_stages": 3}
+                specs.append({"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype, "config": config,
+                              "signature": sig, "constexprs": constexprs, "num_warps": _ELEM_WARPS, "num_stages": 3,
+                              "gemm": False, "aligned": aligned, "source": f"{arch}/elem"})
+    return specs
