@@ -399,17 +399,8 @@ class ConvBNReLU(nn.Module):
 
     def forward(self, x, residual=None):
         """``act(bn(conv(x)) [+ residual])`` for ``x`` of shape ``(N, in_channels, H, W)``."""
-        check_tensor(x, "input", ndim=4)
-        if x.shape[1] != self.conv.in_channels:
-            raise ValueError(
-                f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
-                f"for {type(self).__name__}, got shape {tuple(x.shape)}"
-            )
         conv, bn = self.conv, self.bn
-        if (parametrize.type_before_parametrizations(conv) is not nn.Conv2d or type(bn) is not nn.BatchNorm2d
-                or _own_hooks(conv) or _own_hooks(bn)):
-            # hooks of their own (pruning, a pre-hook computing the weight) or other modules put in their
-            # place: the submodules run as they are, unfused
+        if _unfused_conv_bn(self, x):
             y = bn(conv(x))
             y = y if residual is None else y + residual
             return y if self.activation is None else activation_forward(y, self.activation)
@@ -469,21 +460,29 @@ class BNReLUConv(nn.Module):
 
     def forward(self, x):
         """``conv(act(bn(x)))`` for ``x`` of shape ``(N, in_channels, H, W)``."""
-        check_tensor(x, "input", ndim=4)
-        if x.shape[1] != self.conv.in_channels:
-            raise ValueError(
-                f"input must have in_channels={self.conv.in_channels} channels (N, {self.conv.in_channels}, H, W) "
-                f"for {type(self).__name__}, got shape {tuple(x.shape)}"
-            )
         bn, conv = self.bn, self.conv
-        if (parametrize.type_before_parametrizations(conv) is not nn.Conv2d or type(bn) is not nn.BatchNorm2d
-                or _own_hooks(conv) or _own_hooks(bn)):
+        if _unfused_conv_bn(self, x):
             a = bn(x)
             return conv(a if self.activation is None else activation_forward(a, self.activation))
         return bn_act_conv_call(bn, conv, x, self.activation)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"
+
+
+def _unfused_conv_bn(module, x) -> bool:
+    """Check ``x`` against a conv-BN module's conv; whether its submodules must run as they are,
+    unfused: hooks of their own (pruning, a pre-hook computing the weight) or other modules put in
+    their place."""
+    check_tensor(x, "input", ndim=4)
+    conv, bn = module.conv, module.bn
+    if x.shape[1] != conv.in_channels:
+        raise ValueError(
+            f"input must have in_channels={conv.in_channels} channels (N, {conv.in_channels}, H, W) "
+            f"for {type(module).__name__}, got shape {tuple(x.shape)}"
+        )
+    return (parametrize.type_before_parametrizations(conv) is not nn.Conv2d or type(bn) is not nn.BatchNorm2d
+            or _own_hooks(conv) or _own_hooks(bn))
 
 
 def _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum, bias, device,
