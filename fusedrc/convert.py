@@ -263,6 +263,19 @@ class Wrapper(nn.Module):
         """The original class's forward, on this module's (shared) submodules."""
         return self._fusedrc_original_class.forward(self, *args, **kwargs)
 
+    def __getattr__(self, name):
+        # submodules, parameters and buffers first; then the original class's methods and class
+        # attributes, which its own code (and its users) call on this module: torchvision ResNet's
+        # _forward_impl, DenseNet's bn_function under its checkpoint
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_fusedrc_original_class")
+            attr = _inspect.getattr_static(original, name, _MISSING) if original is not None else _MISSING
+            if attr is _MISSING:
+                raise
+            return attr.__get__(self, original) if hasattr(attr, "__get__") else attr
+
     def _get_name(self):
         return "Fused" + self._fusedrc_original_class.__name__
 
@@ -1063,6 +1076,47 @@ def _resnet(ctx, name, m):
     return new
 
 
+
+def _declare_bac(ctx, wrapper, block_name, key, bn, act, conv):
+    name = _join(block_name, key)
+    reason = _static_bac(bn, act, conv)
+    if reason is not None or not _nohooks(bn, act, conv):
+        ctx.skip(name, reason or "hooks registered on the modules")
+        return
+    _site_unit(ctx, wrapper, name, key, _bac_kind(act), (bn,))
+
+
+class FusedDenseLayer(Wrapper):
+    """torchvision DenseNet's ``_DenseLayer``: concat -> norm1-relu1-conv1 and norm2-relu2-conv2, each a fused
+    pre-activation unit. With ``memory_efficient`` (torchvision checkpoints the concat and the first unit,
+    keeping only the inputs) the first part runs as torchvision runs it."""
+
+    def forward(self, input):
+        if not _nohooks(self):
+            return self.plain(input)
+        prev = [input] if isinstance(input, torch.Tensor) else input
+        s = self.sites
+        if self.memory_efficient and self.any_requires_grad(prev):
+            h = self.call_checkpoint_bottleneck(prev)
+        else:
+            h = _bac(s.get("norm1"), self.norm1, self.relu1, self.conv1, torch.cat(prev, 1))
+        new = _bac(s.get("norm2"), self.norm2, self.relu2, self.conv2, h)
+        if self.drop_rate > 0:
+            new = nn.functional.dropout(new, p=self.drop_rate, training=self.training)
+        return new
+
+
+@register_rule("_DenseLayer")
+def _dense_layer(ctx, name, m):
+    if _class_of(m).__module__ != "torchvision.models.densenet":
+        return m
+    new = FusedDenseLayer.wrap(m)
+    _declare_bac(ctx, new, name, "norm1", m.norm1, m.relu1, m.conv1)
+    _declare_bac(ctx, new, name, "norm2", m.norm2, m.relu2, m.conv2)
+    ctx.block(name, new)
+    return new
+
+
 # torchvision's residual blocks other than ResNet's, by class name -> the modules defining it
 _TORCHVISION_BLOCKS = {
     "InvertedResidual": ("torchvision.models.mobilenetv2", "torchvision.models.mobilenetv3",
@@ -1095,7 +1149,7 @@ def _torchvision_block(ctx, name, m):
 
 # rules for torchvision's and timm's classes, by their names: another library's class of the same
 # name is not theirs
-_LIBRARY_RULES = (_basic_block, _bottleneck, _resnet, _torchvision_block)
+_LIBRARY_RULES = (_basic_block, _bottleneck, _resnet, _torchvision_block, _dense_layer)
 
 
 class FusedConvMlp(Wrapper):

@@ -161,20 +161,42 @@ def test_convert_sequential_pre_activation():
     assert rel_err(conv(x), seq(x)) < 1e-6
 
 
-def test_densenet():
-    """torchvision DenseNet: every layer's two BN-ReLU-Conv chains and the transitions are pre-activation
-    units (before, only conv1-norm2-relu2 was a Conv-BN-ReLU unit: 0.85 of the original's bytes); at most
-    checkpoint's bytes on the same units and 0.62 of the original's here; outputs, gradients and
-    running statistics as the original's."""
+def _dense_net(**kw):
     _import_torchvision()
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2,
-                                        num_classes=5)
+    return torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2,
+                                       num_classes=5, **kw)
+
+
+def _same_steps(model, conv, x, steps=2):
+    for _ in range(steps):
+        y, y2 = model(x), conv(x)
+        assert rel_err(y2, y) < 1e-5
+        g = torch.randn_like(y)
+        y.backward(g)
+        y2.backward(g)
+    for (name, p), q in zip(model.named_parameters(), conv.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-4, name
+    for (name, b), c in zip(model.named_buffers(), conv.buffers()):
+        assert (rel_err(c, b) < 1e-5) if b.is_floating_point() else torch.equal(b, c), name
+
+
+def test_densenet():
+    """torchvision DenseNet: each ``_DenseLayer`` (a rule: ``FusedDenseLayer``, a block) holds two
+    pre-activation units, the transitions one each (fx), the stem a Conv-BN-ReLU (before, only
+    conv1-norm2-relu2 was a unit: 0.85 of the original's bytes); at most checkpoint's bytes on the same
+    units and 0.62 of the original's here; outputs, gradients and running statistics as the original's."""
+    model = _dense_net()
     conv = fusedrc.convert(model)
-    kinds = [u.kind for u in conv.fusedrc_plan.units]
-    assert kinds.count("bn_relu_conv") == 2 * 4 + 1 and kinds.count("conv_bn_relu") == 1, kinds
+    layer = conv.features.denseblock1.denselayer1
+    assert type(layer).__name__ == "FusedDenseLayer" and list(conv.state_dict()) == list(model.state_dict())
+    units = {u.name: u.kind for u in conv.fusedrc_plan.units}
+    assert units["features.denseblock1.denselayer1.norm1"] == "bn_relu_conv"
+    assert units["features.transition1.norm"] == "bn_relu_conv" and units["features.conv0"] == "conv_bn_relu"
+    assert list(units.values()).count("bn_relu_conv") == 2 * 4 + 1 and len(units) == 10, units
+    assert len(conv.fusedrc_plan.blocks) == 4
     x = torch.randn(2, 3, 32, 32)
     with SavedBytes() as orig:
         model(x)
@@ -187,13 +209,31 @@ def test_densenet():
     assert fused.bytes <= ckpt.bytes + 8 * sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
     assert fused.bytes < 0.65 * orig.bytes, fused.bytes / orig.bytes  # 0.62 (densenet121 at 64 px: 0.52)
     conv.load_state_dict(model.state_dict())  # the measuring steps moved the running statistics unequally
-    for _ in range(2):
-        y, y2 = model(x), conv(x)
-        assert rel_err(y2, y) < 1e-5
-        g = torch.randn_like(y)
-        y.backward(g)
-        y2.backward(g)
-    for (name, p), q in zip(model.named_parameters(), conv.parameters()):
-        assert rel_err(q.grad, p.grad) < 1e-4, name
-    for (name, b), c in zip(model.named_buffers(), conv.buffers()):
-        assert (rel_err(c, b) < 1e-5) if b.is_floating_point() else torch.equal(b, c), name
+    _same_steps(model, conv, x)
+    # a layer called by hand with one tensor, as torchvision's forward allows; its own methods
+    h = torch.randn(2, 16, 8, 8)
+    assert torch.equal(layer(h), model.features.denseblock1.denselayer1(h))
+    assert torch.equal(layer.bn_function([h]), model.features.denseblock1.denselayer1.bn_function([h]))
+
+
+def test_densenet_memory_efficient_blocks_and_budget():
+    """memory_efficient=True: torchvision's own checkpoint of concat + norm1-relu1-conv1 runs as it is, the
+    second unit fused; policy="blocks" recomputes whole layers; a budget of 0.5 (fused units alone: 0.62) is met
+    with blocks."""
+    x = torch.randn(2, 3, 32, 32)
+    model = _dense_net(memory_efficient=True)
+    conv = fusedrc.convert(model)
+    with SavedBytes() as orig:
+        model(x)
+    with SavedBytes() as fused:
+        conv(x)
+    assert fused.bytes < 0.8 * orig.bytes, fused.bytes / orig.bytes
+    conv.load_state_dict(model.state_dict())
+    _same_steps(model, conv, x)
+    model = _dense_net()
+    blocks = fusedrc.convert(model, policy="blocks")
+    assert len(blocks.fusedrc_plan.recomputed_blocks) == 4
+    _same_steps(model, blocks, x)
+    budget = fusedrc.convert(model, memory_budget=0.5, example_inputs=(x,))
+    plan = budget.fusedrc_plan
+    assert plan.recomputed_blocks and plan.final_bytes <= 0.5 * plan.baseline_bytes
