@@ -25,6 +25,7 @@
 #   bert     BertForMaskedLM at bert-base's shape: the FFN split over BertIntermediate/BertOutput, fused
 #   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (its depthwise convs on the reference path)
+#   densenet DenseNet-121 at batch 64, bf16, channels_last: the pre-activation BN-ReLU-Conv units (bn_act_conv)
 # Usage on the GPU machine, one 10-minute call per line (2026-11-26, H200: 1075 of ~1290 tests in
 # 306 s on 14 workers, so the suite alone takes most of a call; kernels 55 s, models 27 s, mixtral
 # 52 s, opt 41 s, sweep 44 s, conv 120+ s, conv_grouped 110+ s (cut)). Commit first: the device tool
@@ -44,7 +45,8 @@
 #            FUSEDRC_TIMEOUT_MIXTRAL=60 ... "$OUT" tests mixtral
 #            (with the machine's start and the gaps between calls, about 800 of the 900 s)
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
-#            conv_grouped models_mobile kernels; then conv_compile bert (FUSEDRC_TIMEOUT_BERT=150)
+#            conv_grouped models_mobile kernels; then conv_compile bert densenet (FUSEDRC_TIMEOUT_BERT=150,
+#            FUSEDRC_TIMEOUT_DENSENET=200; the tests step covers bn_act_conv's kernels first)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
 # can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's four parts takes it).
@@ -116,6 +118,9 @@ for step in "${steps[@]}"; do
                      > "$w/results/profile_conv.log" 2>&1; grep "^===" "$w/results/profile_conv.log" ;;
         models_mobile) timeout -k 30 $(limit models_mobile 250) python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
                            --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
+        # DenseNet-121: the pre-activation units (bn_act_conv; never run on a GPU before this step)
+        densenet) timeout -k 30 $(limit densenet 250) python3 -m fusedrc.bench --workload densenet121 --batch-sizes 64 \
+                      --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         *) echo "unknown step $step" ;;
     esac
     pack

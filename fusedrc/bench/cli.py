@@ -65,16 +65,18 @@ def sweep_parser():
         description="Memory-vs-speed curves of activation recomputation: no recompute, torch.utils.checkpoint, "
                     "fusedrc and torch.compile(activation_memory_budget) on the same model and batch. "
                     "Knob: the fraction of blocks recomputed (0, 1/4, 1/2, 3/4, 1) and the batch size; "
-                    "for the real models (--workload resnet50/efficientnet_b0/opt/mixtral/bert/models) the policy and memory_budget "
+                    "for the real models (--workload resnet50/efficientnet_b0/densenet121/opt/mixtral/bert/models) the policy and "
+                    "memory_budget "
                     "of fusedrc.convert.",
         epilog="subcommands: 'fusedrc-bench kernels [options]' (per-kernel microbenchmarks), "
                "'fusedrc-bench plot RESULTS.json [--plots-dir DIR]' (redraw plots from a result file)")
-    p.add_argument("--workload", choices=("ffn", "resnet", "resnet50", "efficientnet_b0", "opt", "mixtral", "bert", "all",
-                                          "models"),
+    p.add_argument("--workload", choices=("ffn", "resnet", "resnet50", "efficientnet_b0", "densenet121", "opt", "mixtral",
+                                          "bert", "all", "models"),
                    default="all",
                    help="all (default): the synthetic ffn and resnet; models: the real models resnet50 "
                         "(torchvision ResNet-50, weights=None) and opt (Hugging Face OPTForCausalLM, small "
-                        "config); efficientnet_b0 (torchvision, weights=None: depthwise convs, SiLU) and mixtral "
+                        "config); efficientnet_b0 (torchvision, weights=None: depthwise convs, SiLU), densenet121 (torchvision, "
+                        "weights=None: pre-activation BN-ReLU-Conv units) and mixtral "
                         "(Hugging Face MixtralForCausalLM, small config: routed experts) and bert (Hugging Face "
                         "BertForMaskedLM, small config: an FFN split over two modules) by name; "
                         "all built from code, no downloads. The real models are opt-in (about 1-2 "
@@ -85,11 +87,12 @@ def sweep_parser():
                    help="comma-separated batch sizes for every workload (default: per workload and device)")
     p.add_argument("--budgets", type=_budgets, default=None,
                    help="real models: comma-separated memory_budget fractions for fusedrc.convert "
-                        "(default: resnet50 0.8,0.6,0.45; efficientnet_b0 0.8,0.5,0.3; opt 0.75,0.5,0.35; "
+                        "(default: resnet50 0.8,0.6,0.45; efficientnet_b0 0.8,0.5,0.3; densenet121 0.7,0.4,0.25; "
+                        "opt 0.75,0.5,0.35; "
                         "mixtral 0.6,0.4,0.25; bert 0.75,0.5,0.35)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--channels-last", action="store_true",
-                   help="image workloads (resnet, resnet50, efficientnet_b0): model and input in channels_last, "
+                   help="image workloads (resnet, resnet50, efficientnet_b0, densenet121): model and input in channels_last, "
                         "the layout "
                         "cuDNN and the Triton conv kernels are fastest in on a GPU")
     _common(p, "tiny shapes, 3 repeats, no torch.compile: under a minute on 2 CPU cores (the CI smoke run)")

@@ -1,7 +1,8 @@
-"""Real models: torchvision ResNet-50 and EfficientNet-B0 and small Hugging Face OPT and Mixtral, built
-from code (no downloads).
+"""Real models: torchvision ResNet-50, EfficientNet-B0 and DenseNet-121 and small Hugging Face OPT, Mixtral
+and BERT, built from code (no downloads).
 
-Opt-in workloads (``--workload resnet50``, ``efficientnet_b0``, ``opt``, ``mixtral`` or ``models``:
+Opt-in workloads (``--workload resnet50``, ``efficientnet_b0``, ``densenet121``, ``opt``, ``mixtral``, ``bert`` or
+``models``:
 ResNet-50 and OPT). Each is trained
 for a step (``zero_grad`` + forward + loss + backward + ``SGD.step``) under these
 strategies, each on its own copy of the same initial weights:
@@ -45,15 +46,17 @@ from torch.utils.checkpoint import checkpoint
 import fusedrc
 from fusedrc.convert import _set_impl, import_torchvision
 
-MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "opt", "mixtral", "bert")
-IMAGE_MODELS = ("resnet50", "efficientnet_b0")  # torchvision classifiers: images in, 1000 logits out
+MODEL_WORKLOADS = ("resnet50", "efficientnet_b0", "densenet121", "opt", "mixtral", "bert")
+IMAGE_MODELS = ("resnet50", "efficientnet_b0", "densenet121")  # torchvision classifiers: images in, 1000 logits out
 MODEL_STRATEGIES = ("no_recompute", "torch_checkpoint", "torch_checkpoint_blocks", "convert_all",
                     "convert_blocks", "convert_budget")
 # EfficientNet-B0: units keep ~0.42 of the activations, whole blocks ~0.05 (README, CPU at 64 px)
 # Mixtral: its fused experts keep ~0.35 of the activations (examples/train_opt.py --arch mixtral)
-BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "efficientnet_b0": (0.8, 0.5, 0.3), "opt": (0.75, 0.5, 0.35),
+# DenseNet-121: pre-activation units keep ~0.52, whole layers ~0.15 (README, CPU at 64 px)
+BUDGETS = {"resnet50": (0.8, 0.6, 0.45), "efficientnet_b0": (0.8, 0.5, 0.3), "densenet121": (0.7, 0.4, 0.25),
+           "opt": (0.75, 0.5, 0.35),
            "mixtral": (0.6, 0.4, 0.25), "bert": (0.75, 0.5, 0.35)}
-QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "opt": (0.5,), "mixtral": (0.5,), "bert": (0.5,)}
+QUICK_BUDGETS = {"resnet50": (0.85,), "efficientnet_b0": (0.6,), "densenet121": (0.4,), "opt": (0.5,), "mixtral": (0.5,), "bert": (0.5,)}
 _LR = 1e-4
 
 
@@ -209,6 +212,9 @@ def checkpoint_blocks(model: nn.Module, names) -> nn.Module:
         def forward(*args, _fwd=fwd, **kwargs):
             if not torch.is_grad_enabled():
                 return _fwd(*args, **kwargs)
+            # a list argument as it is now: the caller may append to it before backward reruns the block
+            # (DenseNet's block hands each layer its growing list of features)
+            args = tuple(list(a) if isinstance(a, list) else a for a in args)
             return checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
 
         block.__dict__["forward"] = forward

@@ -153,6 +153,7 @@ def _plot_model(doc, wl, cs, plots_dir):
     fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=2, fontsize=8.5, frameon=False,
                bbox_to_anchor=(0.5, 0.0))
     kinds = {"resnet50": "Conv-BN-ReLU chains", "efficientnet_b0": "Conv-BN(-SiLU) chains",
+             "densenet121": "BN-ReLU-Conv / Conv-BN-ReLU chains",
              "mixtral": "routed-experts modules"}.get(wl, "FFNs")
     fig.text(0.5, 0.105, f"units: the {info.get('units', '?')} {kinds} fusedrc.convert fuses; blocks: the "
              f"{info.get('blocks', '?')} blocks policy='blocks' recomputes whole;\nb: convert's memory_budget "
