@@ -382,8 +382,9 @@ def _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, train
     return use_batch_stats
 
 
-def _check_conv_weight(x, weight, bias, stride, padding, dilation, groups):
-    """Check a conv's weight and bias against its input ``x``; returns the output's shape."""
+def _check_conv_weight(x, weight, bias, stride, padding, dilation, groups, same_dtype=True):
+    """Check a conv's weight and bias against its input ``x`` (and its dtype, with ``same_dtype``);
+    returns the output's shape."""
     if x.shape[1] % groups:
         raise ValueError(f"input's {x.shape[1]} channels must be divisible by groups={groups}")
     if weight.shape[1] * groups != x.shape[1] or weight.shape[0] % groups:
@@ -392,8 +393,8 @@ def _check_conv_weight(x, weight, bias, stride, padding, dilation, groups):
             f"weight must have shape (out_channels, {per}, kh, kw) with out_channels divisible by groups={groups}, "
             f"to match input's {x.shape[1]} channels, got {tuple(weight.shape)}"
         )
-    check_same(x, "input", weight, "weight")
-    check_vector(bias, "bias", weight.shape[0], x)
+    check_same(x, "input", weight, "weight", dtype=same_dtype)
+    check_vector(bias, "bias", weight.shape[0], x, dtype=same_dtype)
     expected = ops._conv_out_shape(x, weight, stride, padding, dilation)
     if expected[2] < 1 or expected[3] < 1:
         kh, kw = weight.shape[2:]
@@ -515,8 +516,9 @@ def bn_act_conv(
     is rebuilt in backward by one elementwise pass; unlike ``torch.utils.checkpoint`` on the same
     modules, no convolution reruns, since the conv's backward needs its input, not its output.
     The running statistics are updated in place once when ``training``, as in
-    :func:`conv_bn_act`. Under autocast ``x`` is cast with the conv's operands (BatchNorm then
-    runs in that dtype, with fp32 statistics and parameters).
+    :func:`conv_bn_act`. Under autocast, as in eager, BatchNorm and the activation run in ``x``'s
+    dtype and the activation is cast to the conv's (an fp32 ``x`` with a bf16 conv takes the
+    reference implementation on the Triton backend).
 
     Args:
         x: ``(N, C_in, H, W)``, floating point.
@@ -542,8 +544,9 @@ def bn_act_conv(
     eps = check_number(eps, "eps", min_value=0)
     momentum = check_number(momentum, "momentum")
     _check_training(training)
-    x, weight, bias = _autocast(x, weight, bias)
-    expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups)
+    _, weight, bias = _autocast(x, weight, bias)  # the conv's operands; BatchNorm keeps x's dtype
+    expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups,
+                                  same_dtype=not _autocast_on(x.device.type))
     c = x.shape[1]
     use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps)
     if training and running_mean is not None:
@@ -551,8 +554,8 @@ def bn_act_conv(
     if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias) or inside_region():
         a = torch.nn.functional.batch_norm(x, running_mean, running_var, bn_weight, bn_bias, use_batch_stats,
                                            momentum, eps)
-        return torch.nn.functional.conv2d(reference.activation_forward(a, activation), weight, bias, stride,
-                                          padding, dilation, groups)
+        return torch.nn.functional.conv2d(reference.activation_forward(a, activation).to(weight.dtype), weight, bias,
+                                          stride, padding, dilation, groups)
     _check_one_value(use_batch_stats, *x.shape)
     backend = resolve_backend(x, "bn_act_conv", "bn_act_conv_forward")
     y, mean, rstd = ops.pick("bn_act_conv", x, backend)(

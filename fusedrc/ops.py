@@ -499,7 +499,8 @@ def _(x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
       training, eps, stride, padding, dilation, activation, backend, groups=1):
     shape = _conv_out_shape(x, weight, stride, padding, dilation)
     stats = _empty((x.shape[1],), x, dtype=_stats_dtype(x))
-    return _empty(shape, x, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
+    # the conv's dtype (under autocast x may be fp32 with a half conv)
+    return _empty(shape, x, dtype=weight.dtype, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
 
 
 def _bn_act_conv_backward_impl(

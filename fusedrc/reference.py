@@ -535,7 +535,7 @@ def bn_act_conv_forward(
         acc = _acc_dtype(x)
         mean, rstd = running_mean.to(acc), torch.rsqrt(running_var.to(acc) + eps)
     pre, mean, rstd = _bn_pre_act(x, bn_weight, bn_bias, mean, rstd, training, eps)
-    a = activation_forward(pre, activation)
+    a = activation_forward(pre, activation).to(weight.dtype)  # autocast: the conv's dtype, BN in x's
     del pre
     return F.conv2d(a, weight, bias, stride, padding, dilation, groups), mean, rstd
 
@@ -550,7 +550,7 @@ def bn_act_conv_backward(
     ``output_mask`` masks it off."""
     need = wanted(output_mask, 5)
     pre = _bn_pre_act(x, bn_weight, bn_bias, mean, rstd, training, eps)[0]
-    a = activation_forward(pre, activation)
+    a = activation_forward(pre, activation).to(weight.dtype)
     bn_mask = [need[0], need[1] and bn_weight is not None, need[2] and bn_bias is not None]
     conv_mask = [any(bn_mask), need[3], need[4] and bias is not None]
     da, dweight, dbias = aten.convolution_backward(
@@ -561,7 +561,7 @@ def bn_act_conv_backward(
     dweight, dbias = (g if m else None for g, m in zip((dweight, dbias), conv_mask[1:]))
     dx = dgamma = dbeta = None
     if any(bn_mask):
-        g = activation_backward(da, pre, activation)
+        g = activation_backward(da.to(x.dtype), pre, activation)  # through the cast to the conv's dtype
         del da, pre
         acc = _acc_dtype(x)
         gamma = bn_weight.to(acc) if bn_weight is not None else None

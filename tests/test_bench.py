@@ -240,6 +240,38 @@ def test_efficientnet_quick_run(tmp_path):
     _assert_png_not_blank(plots / f"bench_efficientnet_b0_quick_{doc['device']['type']}.png")
 
 
+def test_densenet_quick_run(tmp_path):
+    """The opt-in DenseNet-121 workload: its pre-activation units (bn_relu_conv) and dense layers as blocks;
+    torch.utils.checkpoint on whole layers runs (each layer gets its list of features as it was at the
+    call); the fused units keep what checkpoint on them keeps plus 2 floats a BatchNorm channel; the budget
+    is met with blocks."""
+    from fusedrc.bench import models
+
+    doc, plots = _quick_model_run(tmp_path, "densenet121")
+    info = doc["workloads"]["densenet121"]
+    assert info["units"] == 120 and info["blocks"] == 58 and "bn_relu_conv" in info["unit_kinds"]
+    cs = {c["strategy"]: c for c in doc["configs"]}
+    assert set(cs) == set(models.MODEL_STRATEGIES)
+    saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
+    stats = 8 * sum(m.num_features for m in _densenet121_bns())
+    assert saved["convert_all"] <= saved["torch_checkpoint"] + stats < saved["no_recompute"]
+    assert saved["convert_blocks"] < saved["torch_checkpoint"]
+    b = cs["convert_budget"]
+    assert b["knob"] == models.QUICK_BUDGETS["densenet121"][0]
+    assert b["plan_final_bytes"] <= b["knob"] * b["plan_baseline_bytes"]
+    _assert_png_not_blank(plots / f"bench_densenet121_quick_{doc['device']['type']}.png")
+
+
+def _densenet121_bns():
+    import torch.nn as nn
+    from fusedrc.convert import import_torchvision
+
+    import_torchvision()
+    import torchvision
+
+    return [m for m in torchvision.models.densenet121().modules() if isinstance(m, nn.BatchNorm2d)]
+
+
 def test_mixtral_quick_run(tmp_path):
     """The opt-in Mixtral workload: its routed-experts units keep what checkpoint on them keeps and take
     the place of the experts inside whole blocks (the original implementation runs in a region)."""
