@@ -1,7 +1,8 @@
 """Train a torchvision ResNet on synthetic images, original vs ``fusedrc.convert``.
 
 Builds ``torchvision.models.resnet18`` (or ``--model resnet50``, or ``--model
-efficientnet_b0``: Conv-BN-SiLU chains) from code (no download), converts a copy with
+efficientnet_b0``: Conv-BN-SiLU chains, or ``--model densenet121``: pre-activation BN-ReLU-Conv
+chains) from code (no download), converts a copy with
 ``fusedrc.convert`` (every Conv-BN-act chain and residual tail becomes a fused recompute op; ``--budget 0.35`` instead lets convert
 choose units and whole blocks to fit 35% of the original's activation bytes), and
 trains both from the same initial weights on the same synthetic batches. Prints
@@ -19,6 +20,7 @@ Run::
     python examples/train_resnet.py                       # resnet18, 64 px, batch 8, 5 steps: CPU, < 1 min
     python examples/train_resnet.py --model resnet50 --budget 0.35
     python examples/train_resnet.py --model efficientnet_b0    # dropout and stochastic depth off (see below)
+    python examples/train_resnet.py --model densenet121 --budget 0.3
     python examples/train_resnet.py --device cuda --size 224 --batch 64 --steps 20
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ from fusedrc.convert import import_torchvision  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="resnet18",
-                   choices=["resnet18", "resnet34", "resnet50", "resnet101", "efficientnet_b0"])
+                   choices=["resnet18", "resnet34", "resnet50", "resnet101", "efficientnet_b0", "densenet121"])
     p.add_argument("--size", type=int, default=64, help="image side in pixels")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)

@@ -49,6 +49,11 @@ def test_train_resnet(capsys):
     out = capsys.readouterr().out
     ratio = float(out.rsplit("saved-bytes ratio converted/original:", 1)[1].split()[0])
     assert out.count("conv_bn_act") == 33 and ratio < 1.0
+    assert _main("train_resnet")(["--model", "densenet121", "--size", "32", "--batch", "2", "--steps", "2",
+                                  "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    ratio = float(out.rsplit("saved-bytes ratio converted/original:", 1)[1].split()[0])
+    assert out.count("bn_relu_conv") == 2 * 58 + 3 and ratio < 0.7
 
 
 @pytest.mark.parametrize("arch, unit", [("opt", "fc1"), ("llama", "mlp"), ("gpt2", "mlp"), ("mixtral", "experts")])
