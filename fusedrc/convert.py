@@ -426,28 +426,36 @@ def _bac_kind(act):
 
 
 def _static_bac(bn, act, conv):
-    """Why ``conv(act(bn(x)))`` has no fused form, or None."""
+    """Why ``conv(act(bn(x)))`` has no fused form, or None. ``act`` None: ``bn`` is timm's
+    BatchNormAct2d, its own activation."""
     if isinstance(bn, nn.SyncBatchNorm):
         return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
-    if type(bn) is not nn.BatchNorm2d or not _static_conv_ok(conv) or bn.num_features != conv.in_channels:
+    if act is None and _is_bn_act(bn):
+        if type(bn.drop) is not nn.Identity or not _bn_act_name(bn):
+            return f"timm's BatchNormAct2d with {type(bn.drop).__name__} / {type(bn.act).__name__}: no fused form"
+    elif type(bn) is not nn.BatchNorm2d or act is None:
         return "not an nn.BatchNorm2d over a plain zero-padded Conv2d's input channels"
-    if _act_name(act) is None:
+    if not _static_conv_ok(conv) or bn.num_features != conv.in_channels:
+        return "not an nn.BatchNorm2d over a plain zero-padded Conv2d's input channels"
+    if act is not None and _act_name(act) is None:
         return f"activation {type(act).__name__} has no fused form"
     return None
 
 
 def _bac(site, bn, act, conv, x):
-    """``conv(act(bn(x)))``: fused when ``site`` is on and the call is modelled, with the activation
-    ``act`` is now."""
+    """``conv(act(bn(x)))`` (``act`` None: timm's BatchNormAct2d ``bn`` with its own activation): fused
+    when ``site`` is on and the call is modelled, with the activation ``act`` is now."""
     def plain(x):
-        return conv(act(bn(x)))
+        h = bn(x)
+        return conv(h if act is None else act(h))
 
-    if site is None or not site.enabled or _static_bac(bn, act, conv) is not None or not _nohooks(bn, act, conv) \
+    if site is None or not site.enabled or _static_bac(bn, act, conv) is not None \
+            or not _nohooks(bn, act, conv, *((bn.drop, bn.act) if act is None else ())) \
             or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
                     and x.device == conv.weight.device
                     and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))):
         return plain(x)
-    name = _act_name(act)
+    name = _act_name(act) if act is not None else _bn_act_name(bn)
     return _run_site(site, lambda x: bn_act_conv_call(bn, conv, x, activation=name), plain, x)
 
 
@@ -526,8 +534,8 @@ _CBR_KINDS = ("conv_bn_relu", "conv_bn_act", "conv_bn")
 
 def _run_chain(site, kind, act, chain, x):
     """A fused group's modules on ``x``: Conv-BN[-act] (2 or 3 modules) or a dense chain."""
-    if kind in _BAC_KINDS:
-        return _bac(site, *chain, x)
+    if kind in _BAC_KINDS:  # BN, act, Conv; or timm's BatchNormAct2d, Conv
+        return _bac(site, chain[0], chain[1] if len(chain) == 3 else None, chain[-1], x)
     if kind in _CBR_KINDS:
         conv, bn = chain[0], chain[1]
         act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
@@ -1032,6 +1040,9 @@ _TIMM_BLOCKS = {
     "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins"),
     "MixerBlock": ("timm.models.mlp_mixer",), "SwinTransformerBlock": ("timm.models.swin_transformer",),
     "ConvNeXtBlock": ("timm.models.convnext",),
+    # pre-activation: BatchNormAct2d -> Conv units inside (timm's DenseNet layers, ResNetV2's blocks)
+    "DenseLayer": ("timm.models.densenet",),
+    "PreActBottleneck": ("timm.models.resnetv2",), "PreActBasic": ("timm.models.resnetv2",),
 }
 
 
@@ -2403,6 +2414,15 @@ def _fx_chains(gm, prefix, skip):
                     skip(_join(prefix, node.target), reason)
                 else:
                     chain, kind, modules = [node, n1, n2], _bac_kind(a), [m, a, mod(n2)]
+        elif _is_bn_act(m) and _bn_act_name(m):
+            # timm's BatchNormAct2d -> Conv (timm's DenseNet, pre-activation ResNetV2)
+            n1 = single(node)
+            if n1 and type(mod(n1)) is nn.Conv2d:
+                reason = _static_bac(m, None, mod(n1))
+                if reason is not None:
+                    skip(_join(prefix, node.target), reason)
+                else:
+                    chain, kind, modules, act = [node, n1], _bac_kind(m.act), [m, mod(n1)], _bn_act_name(m)
         elif type(m) is nn.Conv2d and _static_conv_ok(m):
             n1 = single(node)
             if n1 and _is_bn_act(mod(n1)) and mod(n1).num_features == m.out_channels:

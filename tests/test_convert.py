@@ -2093,6 +2093,10 @@ def _timm():
     ("darknet17", {}, {"conv_bn_act": 16}, 5),
     # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels
     ("convnext_atto", {}, {"conv_ffn": 12}, 12),
+    # pre-activation BatchNormAct2d -> Conv units (the stem a Conv-BN-ReLU); dense layers as blocks
+    ("densenet121", {}, {"bn_relu_conv": 119, "conv_bn_relu": 1}, 58),
+    # PreActBottleneck: norm1 -> conv1 unless a downsample shares norm1's output (then conv1 -> norm2)
+    ("resnetv2_50", {}, {"bn_relu_conv": 36, "conv_bn_relu": 8}, 16),
 ])
 def test_timm_models(name, kwargs, kinds, blocks):
     """timm models (built from code, no weights): convert fuses their Conv-BN-act chains and
