@@ -285,6 +285,45 @@ def run_conv_bn_act(c, backend):
     compare(_with_backend(backend, ours), plain, inputs, buffers, dtype, gen, c["frozen"])
 
 
+def run_bn_act_conv(c, backend):
+    """``conv2d(act(batch_norm(x)))``: the BatchNorm over the input's channels (conv_cases' residual unused)."""
+    _use_device(backend)
+    gen = torch.Generator().manual_seed(c["seed"])
+    dtype, cin, act, training = c["dtype"], c["cin"], c["activation"], c["training"]
+    n = 2 if (training or not c["stats"]) and c["n"] * c["h"] * c["w"] == 1 else c["n"]
+
+    def vec(size, scale=1.0, shift=0.0):
+        t = torch.randn(size, generator=gen, dtype=torch.float64) * scale + shift
+        return t.to(device=_DEVICE[0], dtype=dtype).requires_grad_()
+
+    inputs = dict(
+        x=_conv_operand([n, cin, c["h"], c["w"]], c["x_layout"], dtype, gen),
+        bn_weight=vec(cin, 0.5, 1.0) if c["affine"] else None,
+        bn_bias=vec(cin) if c["affine"] else None,
+        weight=_conv_operand([c["cout"], cin, c["kh"], c["kw"]], c["w_layout"], dtype, gen,
+                             scale=(cin * c["kh"] * c["kw"]) ** -0.5),
+        bias=vec(c["cout"]) if c["bias"] else None,
+    )
+    buffers = dict(
+        running_mean=(torch.randn(cin, generator=gen, dtype=torch.float64) * 0.1).to(_DEVICE[0], dtype)
+        if c["stats"] else None,
+        running_var=(torch.rand(cin, generator=gen, dtype=torch.float64) + 0.5).to(_DEVICE[0], dtype)
+        if c["stats"] else None,
+    )
+    conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"])
+
+    def ours(x, bn_weight, bn_bias, weight, bias, running_mean, running_var):
+        return F.bn_act_conv(x, bn_weight, bn_bias, running_mean, running_var, weight, training=training,
+                             momentum=0.1, eps=1e-5, bias=bias, activation=act, **conv)
+
+    def plain(x, bn_weight, bn_bias, weight, bias, running_mean, running_var):
+        batch_stats = training or running_mean is None
+        pre = TF.batch_norm(x, running_mean, running_var, bn_weight, bn_bias, batch_stats, 0.1, 1e-5)
+        return TF.conv2d(activation_forward(pre, act), weight, bias, **conv)
+
+    compare(_with_backend(backend, ours), plain, inputs, buffers, dtype, gen, c["frozen"])
+
+
 # --------------------------------------------------------------------------- reference backend
 @reference_settings
 @given(linear_cases())
@@ -308,6 +347,12 @@ def test_gated_mlp_reference(case):
 @given(conv_cases())
 def test_conv_bn_act_reference(case):
     run_conv_bn_act(case, "reference")
+
+
+@conv_reference_settings
+@given(conv_cases())
+def test_bn_act_conv_reference(case):
+    run_bn_act_conv(case, "reference")
 
 
 def test_conv_bn_act_bf16_eval_backward():
@@ -358,3 +403,10 @@ def test_gated_mlp_triton(case):
 @given(conv_cases(dtypes=triton_dtypes, small=True))
 def test_conv_bn_act_triton(case):
     run_conv_bn_act(case, "triton")
+
+
+@needs_triton
+@settings(max_examples=10, **SETTINGS)
+@given(conv_cases(dtypes=triton_dtypes, small=True))
+def test_bn_act_conv_triton(case):
+    run_bn_act_conv(case, "triton")
