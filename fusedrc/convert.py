@@ -2047,7 +2047,7 @@ def _seq_groups(seq, prefix, ctx):
                 i = end
                 continue
             ctx.skip(_join(prefix, keys[i]), reason)
-        if type(m) is nn.BatchNorm2d and i + 2 < len(mods) and _is_act_module(mods[i + 1]) \
+        if type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm) and i + 2 < len(mods) and _is_act_module(mods[i + 1]) \
                 and type(mods[i + 2]) is nn.Conv2d:
             # BN -> act -> Conv (pre-activation; a Conv-BN before it was grouped above)
             reason = _static_bac(m, mods[i + 1], mods[i + 2])
@@ -2055,7 +2055,9 @@ def _seq_groups(seq, prefix, ctx):
                 groups.append((i, i + 3, _bac_kind(mods[i + 1]), None, (m,)))
                 i += 3
                 continue
-            ctx.skip(_join(prefix, keys[i]), reason)
+            # a Conv just before it, in no group, tried this BN and reported why not
+            if i == 0 or type(mods[i - 1]) is not nn.Conv2d or (groups and groups[-1][1] == i):
+                ctx.skip(_join(prefix, keys[i]), reason)
         if is_linear(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
             act = _act_name(mods[i + 1])
             j = i + 2
@@ -2403,7 +2405,7 @@ def _fx_chains(gm, prefix, skip):
             continue
         m = mod(node)
         chain = None
-        if type(m) is nn.BatchNorm2d:
+        if type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm):
             # BN -> act -> Conv, the pre-activation order (a Conv before the BN took it first)
             n1 = single(node)
             act, a = act_of(n1)
@@ -2411,7 +2413,10 @@ def _fx_chains(gm, prefix, skip):
             if n2 and type(mod(n2)) is nn.Conv2d:
                 reason = _static_bac(m, a, mod(n2))
                 if reason is not None:
-                    skip(_join(prefix, node.target), reason)
+                    src = node.args[0] if node.args else None
+                    # a Conv before it in no chain tried this BN and reported why not
+                    if not (isinstance(src, torch.fx.Node) and type(mod(src)) is nn.Conv2d and src not in taken):
+                        skip(_join(prefix, node.target), reason)
                 else:
                     chain, kind, modules = [node, n1, n2], _bac_kind(a), [m, a, mod(n2)]
         elif _is_bn_act(m) and _bn_act_name(m):

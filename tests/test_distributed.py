@@ -55,8 +55,9 @@ pytestmark = pytest.mark.skipif(
 
 # --------------------------------------------------------------------------- models
 class ConvNet(nn.Module):
-    """Conv-BN-ReLU chains (convert), a generic region with a BatchNorm inside (recompute),
-    a ``fusedrc.nn.ConvBNReLU``, a Linear-ReLU (convert). ``norm`` may be SyncBatchNorm."""
+    """Conv-BN-ReLU chains (convert), a pre-activation BN-ReLU-Conv (convert), a generic region with a
+    BatchNorm inside (recompute), a ``fusedrc.nn.ConvBNReLU``, a Linear-ReLU (convert). ``norm`` may be
+    SyncBatchNorm."""
 
     def __init__(self, norm=nn.BatchNorm2d):
         super().__init__()
@@ -65,6 +66,7 @@ class ConvNet(nn.Module):
             nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.ReLU(),
             nn.Conv2d(8, 8, 3, padding=1, bias=False), norm(8), nn.ReLU(),
         )
+        self.pre = nn.Sequential(norm(8), nn.ReLU(), nn.Conv2d(8, 8, 1))
         # not a pattern (the BatchNorm follows the Tanh): a generic region with a plain BatchNorm inside
         self.mid = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Tanh(), norm(8))
         self.down = nn.Sequential(collections.OrderedDict(
@@ -72,7 +74,7 @@ class ConvNet(nn.Module):
         self.head = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 10))
 
     def forward(self, x):
-        x = self.features(x)
+        x = self.pre(self.features(x))
         x = fusedrc.recompute(self.mid, x) if self.fused else self.mid(x)
         x = fusedrc.recompute(self.down, x) if self.fused else self.down(x)
         return self.head(x.mean((2, 3)))
@@ -115,7 +117,8 @@ CUDA_CASES = {
     "ddp_syncbn": ("syncbn", "ddp", {}),
 }
 EXPECTED_UNITS = {
-    "conv": {"features.0": "conv_bn_relu", "features.3": "conv_bn_relu", "head.0": "linear_act"},
+    "conv": {"features.0": "conv_bn_relu", "features.3": "conv_bn_relu", "pre.0": "bn_relu_conv",
+             "head.0": "linear_act"},
     "syncbn": {"head.0": "linear_act"},
     "mlp": {"ffn.0": "ffn", "block.1": "ffn"},
 }
@@ -142,7 +145,7 @@ def build(kind, fused, device, dtype):
     plan = model.fusedrc_plan
     assert {u.name: u.kind for u in plan.units if u.selected} == EXPECTED_UNITS[kind], plan
     if kind == "syncbn":
-        assert {n for n, _ in plan.skipped} >= {"features.0", "features.3"}, plan
+        assert {n for n, _ in plan.skipped} >= {"features.0", "features.3", "pre.0"}, plan
     if kind == "mlp":
         fusedrc.mark(model.block)  # a generic region whose rerun calls the fused FFN
     return model
@@ -390,7 +393,7 @@ def test_convert_leaves_syncbatchnorm_unfused():
         conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
     assert {u.name for u in plan.units if u.selected} == {"head.0"}
-    assert {n for n, _ in plan.skipped} == {"features.0", "features.3", "down.conv"}
+    assert {n for n, _ in plan.skipped} == {"features.0", "features.3", "pre.0", "down.conv"}
     assert isinstance(conv.features[1], nn.SyncBatchNorm)
 
 
