@@ -340,6 +340,20 @@ def test_converted_model(reference):
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), expect_ops=_FUSED_NET_OPS, steps=3)
 
 
+def test_converted_densenet(reference):
+    """torchvision DenseNet converted: its dense layers (a rule's Wrapper, list inputs) and transitions
+    (fx) run pre-activation units; zero graph breaks, eager's outputs, gradients and statistics."""
+    _import_torchvision()
+    import torchvision
+
+    def make():
+        torch.manual_seed(0)
+        return fusedrc.convert(torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16,
+                                                           bn_size=2, num_classes=5))
+
+    _compare(make, (2, 3, 32, 32), expect_ops=("fusedrc.bn_act_conv", "fusedrc.conv_bn_act"), steps=2)
+
+
 class _DropoutFFN(nn.Module):
     """A forward reading self.training (F.dropout): convert gives it one fx graph per mode."""
 
