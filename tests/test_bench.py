@@ -221,17 +221,25 @@ def _quick_model_run(tmp_path, name):
     return doc, plots
 
 
+def _quick_image_run(tmp_path, name, *, units, blocks, kind):
+    """A quick run of an image workload: its units, blocks and a unit kind as expected, every strategy ran;
+    (doc, plots dir, configs by strategy, saved activation bytes by strategy)."""
+    from fusedrc.bench import models
+
+    doc, plots = _quick_model_run(tmp_path, name)
+    info = doc["workloads"][name]
+    assert info["units"] == units and info["blocks"] == blocks and kind in info["unit_kinds"]
+    cs = {c["strategy"]: c for c in doc["configs"]}
+    assert set(cs) == set(models.MODEL_STRATEGIES)
+    return doc, plots, cs, {k: c["saved_activation_bytes"] for k, c in cs.items()}
+
+
 def test_efficientnet_quick_run(tmp_path):
     """The opt-in EfficientNet-B0 workload (depthwise Conv-BN-SiLU units, MBConv blocks): every strategy
     ran; the fused units keep what checkpoint on them keeps, whole blocks far less; the budget is met."""
     from fusedrc.bench import models
 
-    doc, plots = _quick_model_run(tmp_path, "efficientnet_b0")
-    info = doc["workloads"]["efficientnet_b0"]
-    assert info["units"] == 49 and info["blocks"] == 16 and "conv_bn_act" in info["unit_kinds"]
-    cs = {c["strategy"]: c for c in doc["configs"]}
-    assert set(cs) == set(models.MODEL_STRATEGIES)
-    saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
+    doc, plots, cs, saved = _quick_image_run(tmp_path, "efficientnet_b0", units=49, blocks=16, kind="conv_bn_act")
     assert saved["convert_all"] <= 1.05 * saved["torch_checkpoint"] < saved["no_recompute"]
     assert saved["convert_blocks"] <= 1.05 * saved["torch_checkpoint_blocks"] < saved["torch_checkpoint"]
     b = cs["convert_budget"]
@@ -247,12 +255,7 @@ def test_densenet_quick_run(tmp_path):
     is met with blocks."""
     from fusedrc.bench import models
 
-    doc, plots = _quick_model_run(tmp_path, "densenet121")
-    info = doc["workloads"]["densenet121"]
-    assert info["units"] == 120 and info["blocks"] == 58 and "bn_relu_conv" in info["unit_kinds"]
-    cs = {c["strategy"]: c for c in doc["configs"]}
-    assert set(cs) == set(models.MODEL_STRATEGIES)
-    saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
+    doc, plots, cs, saved = _quick_image_run(tmp_path, "densenet121", units=120, blocks=58, kind="bn_relu_conv")
     stats = 8 * sum(m.num_features for m in _densenet121_bns())
     assert saved["convert_all"] <= saved["torch_checkpoint"] + stats < saved["no_recompute"]
     assert saved["convert_blocks"] < saved["torch_checkpoint"]

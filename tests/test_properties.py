@@ -246,6 +246,15 @@ def _conv_operand(shape, layout, dtype, gen, scale=1.0):
     return make(shape, layout, dtype, gen, scale)[1]
 
 
+def _running_stats(c, channels, dtype, gen):
+    """BatchNorm's running statistics over ``channels`` (None without ``c["stats"]``)."""
+    if not c["stats"]:
+        return dict(running_mean=None, running_var=None)
+    return dict(
+        running_mean=(torch.randn(channels, generator=gen, dtype=torch.float64) * 0.1).to(_DEVICE[0], dtype),
+        running_var=(torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(_DEVICE[0], dtype))
+
+
 def run_conv_bn_act(c, backend):
     _use_device(backend)
     gen = torch.Generator().manual_seed(c["seed"])
@@ -264,12 +273,7 @@ def run_conv_bn_act(c, backend):
         bn_bias=vec() if c["affine"] else None,
         residual=make(list(c["out"]), "contiguous", dtype, gen)[1] if c["residual"] else None,
     )
-    buffers = dict(
-        running_mean=(torch.randn(cout, generator=gen, dtype=torch.float64) * 0.1).to(_DEVICE[0], dtype)
-        if c["stats"] else None,
-        running_var=(torch.rand(cout, generator=gen, dtype=torch.float64) + 0.5).to(_DEVICE[0], dtype)
-        if c["stats"] else None,
-    )
+    buffers = _running_stats(c, cout, dtype, gen)
     conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"])
 
     def ours(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var):
@@ -304,12 +308,7 @@ def run_bn_act_conv(c, backend):
                              scale=(cin * c["kh"] * c["kw"]) ** -0.5),
         bias=vec(c["cout"]) if c["bias"] else None,
     )
-    buffers = dict(
-        running_mean=(torch.randn(cin, generator=gen, dtype=torch.float64) * 0.1).to(_DEVICE[0], dtype)
-        if c["stats"] else None,
-        running_var=(torch.rand(cin, generator=gen, dtype=torch.float64) + 0.5).to(_DEVICE[0], dtype)
-        if c["stats"] else None,
-    )
+    buffers = _running_stats(c, cin, dtype, gen)
     conv = dict(stride=c["stride"], padding=c["padding"], dilation=c["dilation"])
 
     def ours(x, bn_weight, bn_bias, weight, bias, running_mean, running_var):
