@@ -270,11 +270,24 @@ class Wrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            original = self.__dict__.get("_fusedrc_original_class")
-            attr = _inspect.getattr_static(original, name, _MISSING) if original is not None else _MISSING
+            attr = self._fusedrc_static(name)
             if attr is _MISSING:
                 raise
-            return attr.__get__(self, original) if hasattr(attr, "__get__") else attr
+            get = getattr(type(attr), "__get__", None)  # as Python binds: through the attribute's type
+            return attr if get is None else get(attr, self, self._fusedrc_original_class)
+
+    def __setattr__(self, name, value):
+        # a property (data descriptor) of the original class runs its setter, as on the original
+        attr = self._fusedrc_static(name) if not hasattr(type(self), name) else _MISSING
+        setter = getattr(type(attr), "__set__", None) if attr is not _MISSING else None
+        if setter is not None:
+            setter(attr, self, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _fusedrc_static(self, name):
+        original = self.__dict__.get("_fusedrc_original_class")
+        return _inspect.getattr_static(original, name, _MISSING) if original is not None else _MISSING
 
     def _get_name(self):
         return "Fused" + self._fusedrc_original_class.__name__
@@ -2399,7 +2412,18 @@ def _fx_chains(gm, prefix, skip):
         max_args = 2 if c.target is nn.functional.leaky_relu else 1  # its slope may be positional
         return 1 <= len(c.args) <= max_args and not kw
 
-    found, taken = [], set()
+    found, taken, said = [], set(), {}  # said: node -> the reason reported for it
+
+    def report(node, reason):
+        said[node] = reason
+        skip(_join(prefix, node.target), reason)
+
+    def report_bn(node, reason):
+        # not again when the Conv before it reported the same (Conv -> BatchNormAct2d(drop) -> Conv)
+        src = node.args[0] if node.args else None
+        if said.get(src) != reason:
+            report(node, reason)
+
     for node in list(gm.graph.nodes):
         if node in taken:  # in an earlier chain (Linear-act-Linear-act: the second Linear)
             continue
@@ -2413,10 +2437,7 @@ def _fx_chains(gm, prefix, skip):
             if n2 and type(mod(n2)) is nn.Conv2d:
                 reason = _static_bac(m, a, mod(n2))
                 if reason is not None:
-                    src = node.args[0] if node.args else None
-                    # a Conv before it in no chain tried this BN and reported why not
-                    if not (isinstance(src, torch.fx.Node) and type(mod(src)) is nn.Conv2d and src not in taken):
-                        skip(_join(prefix, node.target), reason)
+                    report_bn(node, reason)
                 else:
                     chain, kind, modules = [node, n1, n2], _bac_kind(a), [m, a, mod(n2)]
         elif _is_bn_act(m) and _bn_act_name(m):
@@ -2425,7 +2446,7 @@ def _fx_chains(gm, prefix, skip):
             if n1 and type(mod(n1)) is nn.Conv2d:
                 reason = _static_bac(m, None, mod(n1))
                 if reason is not None:
-                    skip(_join(prefix, node.target), reason)
+                    report_bn(node, reason)
                 else:
                     chain, kind, modules, act = [node, n1], _bac_kind(m.act), [m, mod(n1)], _bn_act_name(m)
         elif type(m) is nn.Conv2d and _static_conv_ok(m):
@@ -2434,7 +2455,7 @@ def _fx_chains(gm, prefix, skip):
                 bn = mod(n1)
                 reason = _static_cbr(m, bn, None)
                 if reason is not None:
-                    skip(_join(prefix, node.target), reason)
+                    report(node, reason)
                 else:  # timm's BatchNorm + act in one module
                     act = _bn_act_name(bn)
                     kind = "conv_bn" if act is None else _cbr_kind(bn.act)
@@ -2890,8 +2911,10 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
             "blocks with fusedrc.mark(module) or add a rule with fusedrc.register_rule", stacklevel=2)
     plan = ConvertPlan(ctx.units, ctx.blocks, ctx.skipped)
     if not ctx.units and not ctx.blocks:
+        left = "; ".join(f"{n or '<model>'}: {r}" for n, r in ctx.skipped)
         warnings.warn(
-            f"fusedrc.convert: no pattern found in {type(model).__name__}; the model is unchanged",
+            f"fusedrc.convert: no pattern found in {type(model).__name__}; the model is unchanged"
+            + (f" (left as they are: {left})" if left else ""),
             stacklevel=2,
         )
     elif ctx.skipped:

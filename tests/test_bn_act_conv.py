@@ -249,3 +249,56 @@ def test_densenet_memory_efficient_blocks_and_budget():
     budget = fusedrc.convert(model, memory_budget=0.5, example_inputs=(x,))
     plan = budget.fusedrc_plan
     assert plan.recomputed_blocks and plan.final_bytes <= 0.5 * plan.baseline_bytes
+
+
+def test_converted_layer_attributes_are_the_original_classes(monkeypatch):
+    """A rule's Wrapper reads the original class's attributes as Python would: methods bound, a class
+    attribute that is a descriptor class returned as it is, a property's getter and setter."""
+    _import_torchvision()
+    from torchvision.models import densenet as D
+
+    class Desc:
+        def __get__(self, obj, owner):
+            return 1
+
+    def get_p(self):
+        return self.__dict__.get("_p", 0)
+
+    def set_p(self, v):
+        self.__dict__["_p"] = v * 10
+
+    monkeypatch.setattr(D._DenseLayer, "desc_cls", Desc, raising=False)
+    monkeypatch.setattr(D._DenseLayer, "p", property(get_p, set_p), raising=False)
+    layer = D._DenseLayer(16, 8, 2, 0.0, False)
+    conv = fusedrc.convert(nn.Sequential(copy.deepcopy(layer)))[0]
+    assert type(conv).__name__ == "FusedDenseLayer"
+    assert conv.desc_cls is Desc is layer.desc_cls
+    layer.p = conv.p = 3
+    assert conv.p == layer.p == 30
+    assert conv.any_requires_grad([torch.ones(1, requires_grad=True)]) is True
+    with pytest.raises(AttributeError):
+        conv.no_such_attribute
+
+
+class _ConvBNConv(nn.Module):
+    def __init__(self, norm=nn.BatchNorm2d, padding_mode="zeros"):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 8, 3, padding=1, padding_mode=padding_mode)
+        self.bn = norm(8)
+        self.c1 = nn.Conv2d(8, 8, 3, padding=1, padding_mode=padding_mode)
+
+    def forward(self, x):
+        return self.c1(torch.relu(self.bn(self.c0(x))))
+
+
+@pytest.mark.parametrize("case", ["syncbn", "reflect"])
+def test_fx_reports_what_it_leaves_once(case):
+    """Conv -> BN -> ReLU -> Conv traced by fx with a SyncBatchNorm, or with reflect-padded convs: no unit,
+    and the plan says why, once."""
+    model = _ConvBNConv(nn.SyncBatchNorm) if case == "syncbn" else _ConvBNConv(padding_mode="reflect")
+    with pytest.warns(UserWarning, match=r"no pattern found in _ConvBNConv; the model is unchanged \(left as they "
+                                         r"are: bn: "):
+        plan = fusedrc.convert(model).fusedrc_plan
+    assert not plan.units
+    assert [name for name, _ in plan.skipped] == ["bn"], plan.skipped
+    assert ("SyncBatchNorm" if case == "syncbn" else "zero-padded") in plan.skipped[0][1]
