@@ -964,7 +964,8 @@ class _Context:
         self.blocks.append(_Block(name, module, when))
 
     def skip(self, name, reason):
-        self.skipped.append((name, reason))
+        if (name, reason) not in self.skipped:  # the Sequential pass and an fx graph may both see it
+            self.skipped.append((name, reason))
 
 
 def _join(prefix, name):
@@ -2460,6 +2461,8 @@ def _fx_chains(gm, prefix, skip):
                     act = _bn_act_name(bn)
                     kind = "conv_bn" if act is None else _cbr_kind(bn.act)
                     chain, modules = [node, n1], [m, bn]
+            elif n1 and isinstance(mod(n1), nn.SyncBatchNorm):
+                report(node, _static_cbr(m, mod(n1), None))
             elif n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
                 ids, n2 = [], single(n1)
                 while n2 and type(mod(n2)) is nn.Identity:  # timm's drop_block placeholders
