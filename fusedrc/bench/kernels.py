@@ -16,6 +16,9 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
   whose output the routing weights' gradient reads), fusedrc 11
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
+* ``bn_act_conv`` (``BatchNorm2d → ReLU → Conv2d``, the pre-activation order; a DenseNet layer's 1×1
+  bottleneck conv): eager 3, checkpoint 4, fusedrc 3 (its backward rebuilds the conv's input from ``x``
+  elementwise and reruns no conv)
 
 On a GPU the fused ops run the Triton kernels and are timed with
 ``triton.testing.do_bench``; on a CPU they run the reference backend and are timed
@@ -33,7 +36,8 @@ import fusedrc
 from . import measure
 from .progress import bar
 
-PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "moe_experts", "conv_bn_act")
+PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "moe_experts", "conv_bn_act",
+            "bn_act_conv")
 DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
@@ -49,7 +53,8 @@ def shapes(device_type: str, quick: bool) -> list:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
                 ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
                 ("moe_experts", dict(T=128, d=128, h=172, E=8, k=2)),
-                ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3))]
+                ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3)),
+                ("bn_act_conv", dict(N=4, C=32, K=16, H=8, W=8, k=1))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
                 ("fused_mlp", dict(M=16384, d=1024, h=4096)), ("fused_mlp_dropout", dict(M=16384, d=1024, h=4096)),
@@ -57,11 +62,14 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2)),  # Mixtral 8x7B's experts, 8192 tokens
                 # Qwen3-30B-A3B's: 128 small experts, top-8 (per-expert launches against the GEMMs)
                 ("moe_experts", dict(T=8192, d=2048, h=768, E=128, k=8)),
-                ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3))]
+                ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3)),
+                # DenseNet-121's dense layer at 28x28 with 256 input channels: the 1x1 bottleneck to 128
+                ("bn_act_conv", dict(N=64, C=256, K=128, H=28, W=28, k=1))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
             ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
             ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
-            ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3))]
+            ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
+            ("bn_act_conv", dict(N=16, C=128, K=64, H=16, W=16, k=1))]
 
 
 def _conv_units(backend: str, strategy: str, x, weight) -> float:
@@ -151,9 +159,13 @@ class _Case:
             self.units = {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
         else:
             N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
-            self.block = nn.Sequential(nn.Conv2d(C, K, k, 1, k // 2, bias=False), nn.BatchNorm2d(K), nn.ReLU())
+            conv = nn.Conv2d(C, K, k, 1, k // 2, bias=False)
+            self.block = nn.Sequential(conv, nn.BatchNorm2d(K), nn.ReLU()) if pattern == "conv_bn_act" else \
+                nn.Sequential(nn.BatchNorm2d(C), nn.ReLU(), conv)
             xs, ys = (N, C, H, W), (N, K, H, W)
             self.gemm_flops = 2 * N * K * H * W * C * k * k
+            if pattern == "bn_act_conv":
+                self.units = {"eager": 3, "torch_checkpoint": 4, "fusedrc": 3}
         self.block.to(device=device, dtype=dtype).train()
         self.x = torch.randn(xs, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
         if pattern == "conv_bn_act":
