@@ -513,8 +513,9 @@ def bn_act_conv(
 
     Kept for backward: ``x``, the parameters and the per-channel mean and rstd of ``x``. The
     normalized and activated tensor (the conv's input, which eager autograd keeps besides ``x``)
-    is rebuilt in backward by one elementwise pass; unlike ``torch.utils.checkpoint`` on the same
-    modules, no convolution reruns, since the conv's backward needs its input, not its output.
+    is rebuilt in backward by one elementwise pass; no convolution reruns, since the conv's
+    backward needs its input, not its output (``torch.utils.checkpoint``'s early stop ends its rerun
+    there too, after BatchNorm and the activation as separate ops).
     The running statistics are updated in place once when ``training``, as in
     :func:`conv_bn_act`. Under autocast, as in eager, BatchNorm and the activation run in ``x``'s
     dtype and the activation is cast to the conv's (an fp32 ``x`` with a bf16 conv takes the

@@ -83,7 +83,7 @@ def test_quick_kernels(quick_run):
     for c in doc["configs"]:
         assert c["tflops"] > 0 and c["flops"] > 0
         eager = next(e for e in doc["configs"] if e["pattern"] == c["pattern"] and e["strategy"] == "eager")
-        if c["pattern"] == "bn_act_conv" and c["strategy"] == "fusedrc":  # it reruns no conv
+        if c["pattern"] == "bn_act_conv":  # no conv reruns (checkpoint's early stop ends before it)
             assert c["flops"] == eager["flops"]
         elif c["strategy"] != "eager":  # the recompute is counted
             assert c["flops"] > eager["flops"]
