@@ -386,11 +386,14 @@ def _cbr_kind(act, residual=False):
 def _runtime_cbr_ok(conv, bn, act, x):
     # the static checks again: a module put in the unit's place after convert (a wrapper around
     # the conv, another norm, an activation with no fused form) runs the modules as they now are
+    return _conv_input_ok(x, conv) and _static_cbr(conv, bn, act) is None and _nohooks(conv, bn, act)
+
+
+def _conv_input_ok(x, conv):
+    """Whether the fused conv ops model ``x`` as ``conv``'s input (the dtype: or autocast casts it)."""
     return (
-        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
-        and _static_cbr(conv, bn, act) is None and x.device == conv.weight.device
+        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and x.device == conv.weight.device
         and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))
-        and _nohooks(conv, bn, act)
     )
 
 
@@ -463,10 +466,7 @@ def _bac(site, bn, act, conv, x):
         return conv(h if act is None else act(h))
 
     if site is None or not site.enabled or _static_bac(bn, act, conv) is not None \
-            or not _nohooks(bn, act, conv, *((bn.drop, bn.act) if act is None else ())) \
-            or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()
-                    and x.device == conv.weight.device
-                    and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))):
+            or not _nohooks(bn, act, conv, *((bn.drop, bn.act) if act is None else ())) or not _conv_input_ok(x, conv):
         return plain(x)
     name = _act_name(act) if act is not None else _bn_act_name(bn)
     return _run_site(site, lambda x: bn_act_conv_call(bn, conv, x, activation=name), plain, x)
@@ -995,13 +995,18 @@ def _site_unit(ctx, wrapper, name, key, kind, recompute_modules):
     return site
 
 
-def _declare_cbr(ctx, wrapper, block_name, key, conv, bn, act, residual=False):
+def _declare(ctx, wrapper, block_name, key, reason, mods, kind, recompute_modules):
+    """A rule's unit ``<block_name>.<key>`` on ``wrapper``, or the reason it is left (hooks on ``mods``)."""
     name = _join(block_name, key)
-    reason = _static_cbr(conv, bn, act)
-    if reason is not None or not _nohooks(conv, bn, act):
+    if reason is not None or not _nohooks(*mods):
         ctx.skip(name, reason or "hooks registered on the modules")
         return
-    _site_unit(ctx, wrapper, name, key, _cbr_kind(act, residual), (conv,))
+    _site_unit(ctx, wrapper, name, key, kind, recompute_modules)
+
+
+def _declare_cbr(ctx, wrapper, block_name, key, conv, bn, act, residual=False):
+    _declare(ctx, wrapper, block_name, key, _static_cbr(conv, bn, act), (conv, bn, act), _cbr_kind(act, residual),
+             (conv,))
 
 
 # --------------------------------------------------------------------------- rule registry
@@ -1101,14 +1106,8 @@ def _resnet(ctx, name, m):
     return new
 
 
-
 def _declare_bac(ctx, wrapper, block_name, key, bn, act, conv):
-    name = _join(block_name, key)
-    reason = _static_bac(bn, act, conv)
-    if reason is not None or not _nohooks(bn, act, conv):
-        ctx.skip(name, reason or "hooks registered on the modules")
-        return
-    _site_unit(ctx, wrapper, name, key, _bac_kind(act), (bn,))
+    _declare(ctx, wrapper, block_name, key, _static_bac(bn, act, conv), (bn, act, conv), _bac_kind(act), (bn,))
 
 
 class FusedDenseLayer(Wrapper):

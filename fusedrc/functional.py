@@ -546,8 +546,7 @@ def bn_act_conv(
     momentum = check_number(momentum, "momentum")
     _check_training(training)
     _, weight, bias = _autocast(x, weight, bias)  # the conv's operands; BatchNorm keeps x's dtype
-    expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups,
-                                  same_dtype=not _autocast_on(x.device.type))
+    _check_conv_weight(x, weight, bias, stride, padding, dilation, groups, same_dtype=not _autocast_on(x.device.type))
     c = x.shape[1]
     use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps)
     if training and running_mean is not None:

@@ -395,11 +395,22 @@ def _conv_bn_act_impl(
         x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
         training, eps, stride, padding, dilation, activation, groups,
     )
+    return _conv_stats_outputs(x, y, mean, rstd, training)
+
+
+def _conv_stats_outputs(x, y, mean, rstd, training):
+    """A conv-BN op's (y, mean, rstd) in their documented layouts (y in x's memory format)."""
     if not training:
         # the op must not return views of its inputs (the running buffers)
         mean, rstd = mean.clone(), rstd.clone()
     acc = _stats_dtype(x)
     return _laid_out(y, _channels_last(x)), _laid_out(mean, dtype=acc), _laid_out(rstd, dtype=acc)
+
+
+def _fake_conv_stats_outputs(x, shape, channels, dtype):
+    """The fake (y, mean, rstd) of a conv-BN op: y of ``shape`` and ``dtype``, statistics over ``channels``."""
+    stats = _empty((channels,), x, dtype=_stats_dtype(x))
+    return _empty(shape, x, dtype=dtype, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
 
 
 conv_bn_act_op = _custom_op("conv_bn_act", _conv_bn_act_impl)
@@ -417,8 +428,7 @@ def _conv_out_shape(x, weight, stride, padding, dilation):
 def _(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
       training, eps, stride, padding, dilation, activation, backend, groups=1):
     shape = _conv_out_shape(x, weight, stride, padding, dilation)
-    stats = _empty((shape[1],), x, dtype=_stats_dtype(x))
-    return _empty(shape, x, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
+    return _fake_conv_stats_outputs(x, shape, shape[1], x.dtype)
 
 
 def _conv_bn_act_backward_impl(
@@ -485,10 +495,7 @@ def _bn_act_conv_impl(
         x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
         training, eps, stride, padding, dilation, activation, groups,
     )
-    if not training:
-        mean, rstd = mean.clone(), rstd.clone()  # never views of the running buffers
-    acc = _stats_dtype(x)
-    return _laid_out(y, _channels_last(x)), _laid_out(mean, dtype=acc), _laid_out(rstd, dtype=acc)
+    return _conv_stats_outputs(x, y, mean, rstd, training)
 
 
 bn_act_conv_op = _custom_op("bn_act_conv", _bn_act_conv_impl)
@@ -497,10 +504,9 @@ bn_act_conv_op = _custom_op("bn_act_conv", _bn_act_conv_impl)
 @bn_act_conv_op.register_fake
 def _(x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
       training, eps, stride, padding, dilation, activation, backend, groups=1):
-    shape = _conv_out_shape(x, weight, stride, padding, dilation)
-    stats = _empty((x.shape[1],), x, dtype=_stats_dtype(x))
-    # the conv's dtype (under autocast x may be fp32 with a half conv)
-    return _empty(shape, x, dtype=weight.dtype, channels_last=_channels_last(x)), stats, torch.empty_like(stats)
+    # statistics over x's channels; the conv's dtype (under autocast x may be fp32 with a half conv)
+    return _fake_conv_stats_outputs(x, _conv_out_shape(x, weight, stride, padding, dilation), x.shape[1],
+                                    weight.dtype)
 
 
 def _bn_act_conv_backward_impl(

@@ -468,7 +468,6 @@ def conv_bn_act_backward(
     need = wanted(output_mask, 6)
     z = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     C = z.shape[1]
-    shape = (1, C, 1, 1)
     if training:
         # same kernel as the forward: the pre-activation, hence the mask, is bit-identical
         pre = aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0.0, eps)[0]
@@ -476,7 +475,6 @@ def conv_bn_act_backward(
         pre = _bn_eval(z, mean, rstd, bn_weight, bn_bias)
     if residual is not None:
         pre = pre + residual
-    acc = _acc_dtype(x)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
     g = activation_backward(grad_out, pre, activation)
     del pre
     dresidual = g.to(grad_out.dtype) if residual is not None and need[5] else None
@@ -484,21 +482,9 @@ def conv_bn_act_backward(
         dresidual = dresidual.clone()
     conv_mask = [need[0], need[1], need[2] and bias is not None]
     bn_mask = [any(conv_mask), need[3] and bn_weight is not None, need[4] and bn_bias is not None]
-    gamma = bn_weight.to(acc) if bn_weight is not None else None
     dz = dgamma = dbeta = None
-    if training and any(bn_mask):
-        # aten's fused BN backward (what autograd runs for the unfused module): one read of g and z
-        # instead of about eight elementwise passes. Its mixed-dtype rule: parameters and statistics in acc.
-        dz, dgamma, dbeta = aten.native_batch_norm_backward(
-            g.to(x.dtype), z, gamma, None, None, mean.to(acc), rstd.to(acc), True, eps, bn_mask)
-    elif any(bn_mask):
-        g = g.to(acc)
-        dims = (0, 2, 3)
-        dbeta = g.sum(dims) if bn_mask[2] else None
-        if bn_mask[1]:
-            dgamma = (g * ((z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape))).sum(dims)
-        scale = rstd.to(acc) if gamma is None else gamma * rstd.to(acc)
-        dz = (g * scale.view(shape)).to(x.dtype) if bn_mask[0] else None
+    if any(bn_mask):
+        dz, dgamma, dbeta = _bn_backward(g, z, bn_weight, mean, rstd, training, eps, bn_mask)
     del z, g
     dx, dweight, dbias = aten.convolution_backward(
         dz, x, weight, [C] if bias is not None else None,
@@ -563,23 +549,30 @@ def bn_act_conv_backward(
     if any(bn_mask):
         g = activation_backward(da.to(x.dtype), pre, activation)  # through the cast to the conv's dtype
         del da, pre
-        acc = _acc_dtype(x)
-        gamma = bn_weight.to(acc) if bn_weight is not None else None
-        if training:
-            dx, dgamma, dbeta = aten.native_batch_norm_backward(
-                g.to(x.dtype), x, gamma, None, None, mean.to(acc), rstd.to(acc), True, eps, bn_mask)
-        else:
-            shape, dims = (1, -1, 1, 1), (0, 2, 3)
-            g = g.to(acc)
-            dbeta = g.sum(dims) if bn_mask[2] else None
-            if bn_mask[1]:
-                dgamma = (g * ((x.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape))).sum(dims)
-            scale = rstd.to(acc) if gamma is None else gamma * rstd.to(acc)
-            dx = (g * scale.view(shape)).to(x.dtype) if bn_mask[0] else None
+        dx, dgamma, dbeta = _bn_backward(g, x, bn_weight, mean, rstd, training, eps, bn_mask)
     dx, dgamma, dbeta = (t if m else None for t, m in zip((dx, dgamma, dbeta), bn_mask))
     dbn_weight = dgamma.to(bn_weight.dtype) if dgamma is not None else None
     dbn_bias = dbeta.to(bn_bias.dtype) if dbeta is not None else None
     return dx, dbn_weight, dbn_bias, dweight, dbias
+
+
+def _bn_backward(g, z, bn_weight, mean, rstd, training, eps, bn_mask):
+    """(dz, dgamma, dbeta) of a BatchNorm over ``z`` (4-D) from the gradient ``g`` of its output; dz in
+    z's dtype, the others in the accumulation type; None where ``bn_mask`` turns them off."""
+    acc = _acc_dtype(z)  # fp32, or fp64 for float64 inputs (BN's own accumulation type)
+    gamma = bn_weight.to(acc) if bn_weight is not None else None
+    if training:
+        # aten's fused BN backward (what autograd runs for the unfused module): one read of g and z
+        # instead of about eight elementwise passes. Its mixed-dtype rule: parameters and statistics in acc.
+        return aten.native_batch_norm_backward(
+            g.to(z.dtype), z, gamma, None, None, mean.to(acc), rstd.to(acc), True, eps, bn_mask)
+    shape, dims = (1, -1, 1, 1), (0, 2, 3)
+    g = g.to(acc)
+    dbeta = g.sum(dims) if bn_mask[2] else None
+    dgamma = (g * ((z.to(acc) - mean.to(acc).view(shape)) * rstd.to(acc).view(shape))).sum(dims) \
+        if bn_mask[1] else None
+    scale = rstd.to(acc) if gamma is None else gamma * rstd.to(acc)
+    return (g * scale.view(shape)).to(z.dtype) if bn_mask[0] else None, dgamma, dbeta
 
 
 def _bn_eval(z, mean, rstd, bn_weight, bn_bias):

@@ -28,10 +28,11 @@ import triton.language as tl
 
 from . import conv_bn_act as _cba
 from ._common import _act_grad, _device_guard, _upcast_flag, act_meta, cdiv, device_capability, dot_precision, \
-    interpreting, launcher, wanted
-from .conv_bn_act import (_INSPECT_ARCH, _INSPECT_GEOM, _INSPECT_PTR, _TABLE, _bn_act, _conv_mainloop,
-                          _finalize_stats, _geom_constexprs, _inspect_args, _memory_format, _out_hw, _pair,
-                          _pix_offsets, _pre_act_args, _supported, _tile_ids, conv_dw, conv_dx, flat_k, layer_config)
+    launcher, wanted
+from .conv_bn_act import (_INSPECT_ARCH, _INSPECT_GEOM, _INSPECT_PTR, _TABLE, _bn_act, _channel_vectors,
+                          _conv_mainloop, _finalize_stats, _geom_constexprs, _inspect_args, _memory_format, _out_hw,
+                          _pair, _pix_offsets, _supported, _tile_ids, conv_dw, conv_dx, flat_k,
+                          layer_config)
 
 __all__ = ["bn_act_conv_forward", "bn_act_conv_backward"]
 
@@ -48,14 +49,6 @@ def _tile(pid_m, pid_c, M, C, H, W, s_n, s_c, s_h, s_w, BLOCK_M: tl.constexpr, B
     mask_m, mask_c = offs_m < M, offs_c < C
     offs = _pix_offsets(offs_m, H, W, s_n, s_h, s_w)[:, None] + (offs_c * s_c)[None, :]
     return offs, mask_m[:, None] & mask_c[None, :], offs_c, mask_c
-
-
-@triton.jit
-def _channel_vectors(mean_ptr, scale_ptr, shift_ptr, offs_c, mask_c):
-    mean = tl.load(mean_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
-    scale = tl.load(scale_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
-    shift = tl.load(shift_ptr + offs_c, mask=mask_c, other=0.0)[None, :]
-    return mean, scale, shift
 
 
 @triton.jit
@@ -184,12 +177,12 @@ def _pre_supported(x, weight, activation, stride, padding, dilation, groups) -> 
 
 
 def _bn_vectors(bn_weight, bn_bias, mean, rstd):
-    """(mean, scale = rstd * gamma, shift = beta), fp32 and contiguous: forward and backward build
+    """(mean, rstd, scale = rstd * gamma, shift = beta), fp32 and contiguous: forward and backward build
     them from the same (mean, rstd) by the same ops, so every kernel sees the same bits."""
     mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
     scale = rstd if bn_weight is None else (rstd * bn_weight.float()).contiguous()
     shift = torch.zeros_like(mean) if bn_bias is None else bn_bias.float().contiguous()
-    return mean, scale, shift
+    return mean, rstd, scale, shift
 
 
 def _elem_grid(M, C):
@@ -230,7 +223,7 @@ def bn_act_conv_forward(
         else:
             mean = running_mean.float().contiguous()
             rstd = torch.rsqrt(running_var.float() + eps).contiguous()
-        vmean, scale, shift = _bn_vectors(bn_weight, bn_bias, mean, rstd)
+        vmean, _, scale, shift = _bn_vectors(bn_weight, bn_bias, mean, rstd)
         wt = weight.permute(2, 3, 1, 0).contiguous()  # (KH, KW, C_in, C_out), as conv_bn_act's forward
         M = N * OH * OW
         launcher(_bn_act_conv_fwd_kernel, x)[(cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)](
@@ -262,8 +255,7 @@ def bn_act_conv_backward(
     N, C, H, W = x.shape
     P = N * H * W
     fmt = _memory_format(x)
-    vmean, scale, shift = _bn_vectors(bn_weight, bn_bias, mean, rstd)
-    rstd = rstd.float().contiguous()
+    vmean, rstd, scale, shift = _bn_vectors(bn_weight, bn_bias, mean, rstd)
     precision, cap = dot_precision(x), device_capability(x)
     dx = dgamma = dbeta = dweight = None
     with _device_guard(x):

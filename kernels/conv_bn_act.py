@@ -413,7 +413,8 @@ def _conv_mainloop(
             ok = (mask_m[:, None] & ok_k[None, :]) & ((ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
             a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw + (c * s_xc)[None, :]), mask=ok, other=0.0)
             if PRE_ACT:
-                a = _pre_act(a, c, ok_k, ok, pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, ACTIVATION, NEG_SLOPE)
+                pm, ps, pt = _channel_vectors(pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, c, ok_k)
+                a = _pre_act(a, ok, pm, ps, pt, ACTIVATION, NEG_SLOPE)
             b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww + c * s_wc)[:, None],
                         mask=ok_k[:, None] & mask_n[None, :], other=0.0)
             acc = _dot_step(a, b, acc, PRECISION, UPCAST)
@@ -432,7 +433,8 @@ def _conv_mainloop(
         ok = ok_m[:, None] & ok_c[None, :]
         a = tl.load(x_rows[:, None] + (ih * s_xh + iw * s_xw)[:, None] + c[None, :] * s_xc, mask=ok, other=0.0)
         if PRE_ACT:
-            a = _pre_act(a, c, ok_c, ok, pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, ACTIVATION, NEG_SLOPE)
+            pm, ps, pt = _channel_vectors(pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, c, ok_c)
+            a = _pre_act(a, ok, pm, ps, pt, ACTIVATION, NEG_SLOPE)
         b = tl.load(w_cols[None, :] + (kh * s_wh + kw * s_ww) + c[:, None] * s_wc,
                     mask=ok_c[:, None] & mask_n[None, :], other=0.0)
         acc = _dot_step(a, b, acc, PRECISION, UPCAST)
@@ -448,14 +450,19 @@ def _bn_act(xf, mean, scale, shift, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.cons
 
 
 @triton.jit
-def _pre_act(a, c, ok_c, ok, mean_ptr, scale_ptr, shift_ptr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
-    """A loaded x tile (rows: pixels, columns: channels ``c``) as the conv's input act(bn(x)), rounded to
-    x's dtype as eager hands it to the conv; 0 where ``ok`` is off (padding, ragged edges)."""
+def _channel_vectors(mean_ptr, scale_ptr, shift_ptr, c, ok_c):
+    """Channels ``c``'s (mean, scale, shift) as (1, len(c)) rows, broadcast over a tile's pixels."""
     mean = tl.load(mean_ptr + c, mask=ok_c, other=0.0)[None, :]
     scale = tl.load(scale_ptr + c, mask=ok_c, other=0.0)[None, :]
     shift = tl.load(shift_ptr + c, mask=ok_c, other=0.0)[None, :]
-    y = _bn_act(a.to(tl.float32), mean, scale, shift, ACTIVATION, NEG_SLOPE)
-    return tl.where(ok, y, 0.0).to(a.dtype)
+    return mean, scale, shift
+
+
+@triton.jit
+def _pre_act(a, ok, mean, scale, shift, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
+    """A loaded x tile (rows: pixels, columns: channels) as the conv's input act(bn(x)), rounded to
+    x's dtype as eager hands it to the conv; 0 where ``ok`` is off (padding, ragged edges)."""
+    return tl.where(ok, _bn_act(a.to(tl.float32), mean, scale, shift, ACTIVATION, NEG_SLOPE), 0.0).to(a.dtype)
 
 
 @triton.jit
@@ -869,9 +876,7 @@ def _conv_dw_kernel(
     kw = tap - kh * KW
     x_cols = ci * s_xc
     if PRE_ACT:  # a column's input channel is fixed: its BN vectors loaded once
-        pm = tl.load(pre_mean_ptr + ci, mask=mask_n, other=0.0)[None, :]
-        ps = tl.load(pre_scale_ptr + ci, mask=mask_n, other=0.0)[None, :]
-        pt = tl.load(pre_shift_ptr + ci, mask=mask_n, other=0.0)[None, :]
+        pm, ps, pt = _channel_vectors(pre_mean_ptr, pre_scale_ptr, pre_shift_ptr, ci, mask_n)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p_start = pid_k * iters_per_split * BLOCK_K
     for it in range(0, iters_per_split):
@@ -887,7 +892,7 @@ def _conv_dw_kernel(
         b = tl.load(x_ptr + (n64 * s_xn)[:, None] + (x_cols[None, :] + ih * s_xh + iw * s_xw),
                     mask=ok, other=0.0)
         if PRE_ACT:
-            b = tl.where(ok, _bn_act(b.to(tl.float32), pm, ps, pt, ACTIVATION, NEG_SLOPE), 0.0).to(b.dtype)
+            b = _pre_act(b, ok, pm, ps, pt, ACTIVATION, NEG_SLOPE)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -124,6 +124,15 @@ def _lm_shape(quick: bool, cuda: bool, gpu: dict) -> dict:
     return gpu if cuda else dict(hidden=256, layers=4, ffn=1024, heads=4, vocab=2048, seq=128)
 
 
+def _lm_info(config, cfg: dict, model_cls: str, ffn_word: str, activation: str):
+    """(shapes, description) of a transformer workload built from ``cfg`` (dropout 0.1)."""
+    shapes = dict(cfg, activation=activation, dropout=0.1, attn_implementation=config._attn_implementation)
+    desc = (f"transformers {model_cls}({type(config).__name__}(hidden {cfg['hidden']}, {cfg['layers']} layers, "
+            f"{ffn_word} {cfg['ffn']}, {cfg['heads']} heads, vocab {cfg['vocab']}, {activation}, dropout 0.1)), "
+            f"input batch x {cfg['seq']} random token ids")
+    return shapes, desc
+
+
 def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0,
           channels_last: bool = False) -> ModelWorkload:
     """The real model ``name``; ``channels_last``: an image model's weights and input in that memory format."""
@@ -148,10 +157,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
                            max_position_embeddings=max(cfg["seq"], 64), activation_function="relu",
                            dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
         model = OPTForCausalLM(config)
-        shapes = dict(cfg, activation="relu", dropout=0.1, attn_implementation=config._attn_implementation)
-        desc = (f"transformers OPTForCausalLM(OPTConfig(hidden {cfg['hidden']}, {cfg['layers']} layers, ffn "
-                f"{cfg['ffn']}, {cfg['heads']} heads, vocab {cfg['vocab']}, relu, dropout 0.1)), "
-                f"input batch x {cfg['seq']} random token ids")
+        shapes, desc = _lm_info(config, cfg, "OPTForCausalLM", "ffn", "relu")
         loss = "causal-LM cross_entropy(logits[:, :-1], ids[:, 1:])"
     elif name == "mixtral":
         if quick:
@@ -187,10 +193,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, seed
                             max_position_embeddings=max(cfg["seq"], 64), hidden_act="gelu",
                             hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0)
         model = BertForMaskedLM(config)
-        shapes = dict(cfg, activation="gelu", dropout=0.1, attn_implementation=config._attn_implementation)
-        desc = (f"transformers BertForMaskedLM(BertConfig(hidden {cfg['hidden']}, {cfg['layers']} layers, "
-                f"intermediate {cfg['ffn']}, {cfg['heads']} heads, vocab {cfg['vocab']}, gelu, dropout 0.1)), "
-                f"input batch x {cfg['seq']} random token ids")
+        shapes, desc = _lm_info(config, cfg, "BertForMaskedLM", "intermediate", "gelu")
         loss = "cross_entropy(logits[:, :-1], ids[:, 1:]) (a synthetic target)"
     else:
         raise ValueError(f"unknown model workload {name!r}; choose from {', '.join(MODEL_WORKLOADS)}")
