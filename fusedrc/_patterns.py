@@ -128,6 +128,71 @@ def _plain_bn(m, c):
     return type(m) is nn.BatchNorm2d and m.num_features == c
 
 
+def _llama_rms_probe(m, size):
+    """Whether ``m(x)`` is Hugging Face's Llama RMSNorm of x (``"llama_rms"``), bit for bit, on a
+    probe in its weight's dtype: class names say nothing of the casts (T5's and Llama's differ
+    only where the weight's dtype is not x's; Gemma's multiplies by 1 + weight)."""
+    from . import reference
+
+    w = getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", None)
+    if (not isinstance(w, torch.Tensor) or w.shape != (size,) or w.device.type == "meta" or isinstance(eps, bool)
+            or not isinstance(eps, float) or not w.is_floating_point()):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    probe = (torch.randn(3, size, generator=gen) * 3).to(w.dtype).to(w.device)
+    try:
+        with torch.no_grad():
+            out = m(probe)
+            want = reference.norm_forward(probe, "llama_rms", w, None, eps)
+    except Exception:
+        return False
+    return isinstance(out, torch.Tensor) and out.dtype == want.dtype and torch.equal(out, want)
+
+
+def norm_kind(m):
+    """``(kind, eps)`` of a norm module that a fused FFN can run before its first layer
+    (``reference.NORMS``), or None: ``nn.LayerNorm`` and ``nn.RMSNorm`` over one dimension, and
+    modules that compute Hugging Face's Llama RMSNorm (checked once on a probe, then cached).
+    ``nn.RMSNorm``'s eps may be None (then ``torch.finfo(x.dtype).eps``, as it does)."""
+    t = type(m)
+    if t is nn.LayerNorm and len(m.normalized_shape) == 1:
+        return "layer", m.eps
+    if t is getattr(nn, "RMSNorm", None) and len(m.normalized_shape) == 1:
+        return "rms", m.eps
+    if not isinstance(m, nn.Module) or isinstance(m, (nn.LayerNorm, nn.Linear)) or \
+            not t.__name__.endswith(("RMSNorm", "LayerNorm")):
+        return None
+    cached = m.__dict__.get("_fusedrc_norm_probe")
+    w = getattr(m, "weight", None)
+    key = None if not isinstance(w, torch.Tensor) else (w.dtype, w.device, tuple(w.shape), m.variance_epsilon
+                                                        if hasattr(m, "variance_epsilon") else None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    kind = ("llama_rms", m.variance_epsilon) if key is not None and _llama_rms_probe(m, w.shape[0]) else None
+    m.__dict__["_fusedrc_norm_probe"] = (key, kind)
+    return kind
+
+
+def norm_call_args(m, x, kind=None):
+    """``dict(norm=..., norm_weight=..., norm_bias=..., norm_eps=...)`` for a fused FFN running norm
+    module ``m`` on ``x`` first, or None where the fused op would not compute what ``m(x)`` does
+    (another kind, hooks, x's dtype not the norm's, another size or device). ``kind``: ``norm_kind``
+    of ``m``, found before (by convert, on the module it then wrapped)."""
+    kind = norm_kind(m) if kind is None else kind
+    if kind is None or _has_hooks(m):
+        return None
+    kind, eps = kind
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    size = w.shape[0] if isinstance(w, torch.Tensor) else m.normalized_shape[0]
+    if x.shape[-1] != size or any(isinstance(t, torch.Tensor) and (t.dtype != x.dtype or t.device != x.device)
+                                  for t in (w, b)):
+        return None
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return dict(norm=kind, norm_weight=w, norm_bias=b if kind == "layer" else None, norm_eps=eps)
+
+
 def match(block, args, kwargs):
     from . import functional as F
     from . import nn as fnn
@@ -144,6 +209,16 @@ def match(block, args, kwargs):
         return None
     mods = [m for m in block if not _is_noop_dropout(m)]
     if any(_has_hooks(m) for m in block):
+        return None
+    # a norm first, then an FFN or a gated FFN (the norm runs inside the fused op)
+    norm = norm_call_args(mods[0], x) if len(mods) in (4, 5) else None
+    if norm is not None:
+        fc1 = mods[1]
+        p = fused_dropout_p(mods[3]) if len(mods) == 5 else 0.0
+        if (p is not None and _plain_linear(fc1, x) and activation_name(mods[2]) and _plain_linear(mods[-1], x)
+                and mods[-1].in_features == fc1.out_features):
+            act, fc2 = activation_name(mods[2]), mods[-1]
+            return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act, dropout_p=p, **norm)
         return None
     if len(mods) == 2 and _plain_linear(mods[0], x) and activation_name(mods[1]):
         lin, act = mods[0], activation_name(mods[1])

@@ -116,8 +116,7 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, bn_act_conv_call,
-                        conv_bn_act_call,
-                        fused_dropout_p, is_linear)
+                        conv_bn_act_call, fused_dropout_p, is_linear, norm_call_args, norm_kind)
 from ._saved import SavedBytes
 from ._state import inside_region, top_saved_tensors_pack
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
@@ -583,20 +582,23 @@ def _run_dense(site, kind, act, mods, x):
 class FusedT5DenseActDense(Wrapper):
     """Hugging Face ``T5DenseActDense`` (wi -> act -> dropout -> wo) as one fused FFN."""
 
+    def _fusedrc_site(self):
+        return self.sites.get("ffn")
+
+    def _fusedrc_fusable(self, x):
+        site = self._fusedrc_site()
+        return (site is not None and site.enabled and fused_dropout_p(self.dropout) is not None
+                and _nohooks(self, self.wi, self.act, self.dropout, self.wo)
+                and _still(self.__dict__["_fusedrc_act"], self.act, self.wi, self.wo)
+                and _dense_runtime_ok(x, self.wi, self.wo))
+
     def forward(self, hidden_states):
-        site = self.sites.get("ffn")
-        p = fused_dropout_p(self.dropout)
-        if (site is None or not site.enabled or p is None
-                or not _nohooks(self, self.wi, self.act, self.dropout, self.wo)
-                or not _still(self.__dict__["_fusedrc_act"], self.act, self.wi, self.wo)
-                or not _dense_runtime_ok(hidden_states, self.wi, self.wo)):
-            return self.plain(hidden_states)
         act = self.__dict__["_fusedrc_act"]
-        return _run_site(
-            site, lambda x: F.fused_mlp(x, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, act,
-                                        dropout_p=p),
-            self.plain, hidden_states,
-        )
+        return _with_norm(
+            self, hidden_states, lambda x, **norm: F.fused_mlp(
+                x, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, act,
+                dropout_p=fused_dropout_p(self.dropout), **norm),
+            self.plain)
 
 
 _STAND_IN_FILES = (__file__, nn.modules.module.__file__)
@@ -607,14 +609,15 @@ def _forward_code(cls):
     return getattr(_inspect.unwrap(cls.forward), "__code__", None)
 
 
-def _calling_layer(stand_in, key):
+def _calling_layer(stand_in, key, line=None):
     """The layer whose own forward is calling ``stand_in`` now (through ``nn.Module.__call__``)
     and holds it at ``key``: the layer convert rewrote, where it checked that fc1, the activation
     and fc2 run one after the other on one tensor, or a copy of it, or an ``nn.DataParallel``
     replica. The stand-ins find each other through it at run time: a replica's cannot be linked
     when it is built (``replicate`` builds each module's replica before its siblings'). None when
     called from anywhere else (``layer.fc1(x)`` by hand, a wrapper, a probe, an fx tracer): there
-    a stand-in is the plain module it replaced."""
+    a stand-in is the plain module it replaced. ``line``: the call must come from that line of the
+    layer's source file (a norm the layer's forward calls at more than one place)."""
     layer = stand_in.__dict__.get("_fusedrc_layer")
     if torch.compiler.is_compiling():
         # dynamo inlines the layer's forward and reads no frames: the layer convert rewrote (a
@@ -625,7 +628,7 @@ def _calling_layer(stand_in, key):
         frame = frame.f_back
     caller = None if frame is None else frame.f_locals.get("self")
     if (caller is None or type(caller) is not type(layer) or caller._modules.get(key) is not stand_in
-            or frame.f_code is not _forward_code(type(caller))):
+            or frame.f_code is not _forward_code(type(caller)) or line is not None and frame.f_lineno != line):
         return None
     return caller
 
@@ -700,26 +703,51 @@ class _FFNHead(nn.Linear):
         self.site.enabled = True
         self.__dict__["_fusedrc_layer"] = layer  # the head never passes through: no flag
 
-    def forward(self, x):
+    def _peers(self):
+        """(the layer calling, the activation's slot, fc2's) when called from the layer's forward."""
         layer = _calling_layer(self, "fc1")
-        act_slot, tail = (None, None) if layer is None else (layer._modules.get("activation_fn"),
-                                                             layer._modules.get("fc2"))
+        if layer is None:
+            return None, None, None
+        return layer, layer._modules.get("activation_fn"), layer._modules.get("fc2")
+
+    def _whole(self, layer, act_slot, tail):
+        """Whether this call may compute the whole FFN (its peers in place, no hooks, no dropout)."""
+        return (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail) and _free(self, act_slot, tail)
+                and not (self.__dict__["_fusedrc_dropout"] and layer.training
+                         and (getattr(layer, "activation_dropout", 0) or 0) > 0))
+
+    def _fusedrc_site(self):
+        return self.site
+
+    def _fusedrc_fusable(self, x):
+        """Whether a call from the layer now would run the whole FFN fused (asked by a norm before it)."""
+        layer, act_slot, tail = self._peers()
+        return self._whole(layer, act_slot, tail) and _dense_runtime_ok(x, self, tail)
+
+    def forward(self, x):
+        norm, norm_args = _armed_norm(self, x)
+        if norm is not None:
+            unfused_norm = norm.plain
+        layer, act_slot, tail = self._peers()
         peers = [m for m in (act_slot, tail) if isinstance(m, (_FFNAct, _FFNTail))]
         for m in peers:  # left armed by a layer call that raised half-way
             m.__dict__["_fusedrc_pass"].arm(False)
-        if (not (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail)) or not _free(self, act_slot, tail)
-                or (self.__dict__["_fusedrc_dropout"] and layer.training
-                    and (getattr(layer, "activation_dropout", 0) or 0) > 0)):
+        if not self._whole(layer, act_slot, tail):
+            if norm is not None:
+                x = unfused_norm(x)
             return nn.functional.linear(x, self.weight, self.bias)
         act_mod, act = act_slot.__dict__["_fusedrc_act_mod"], self.__dict__["_fusedrc_act"]
 
         def plain(x):  # fc2's parameters from the tail, the module registered in the layer
+            if norm is not None:
+                x = unfused_norm(x)
             return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
 
-        if not _dense_runtime_ok(x, self, tail):
+        if not _dense_runtime_ok(x, self, tail) or norm is not None and norm_args is None:
             out = plain(x)
         else:
-            out = _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act),
+            out = _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act,
+                                                             **(norm_args or {})),
                             plain, x)
         for m in peers:
             m.__dict__["_fusedrc_pass"].arm()
@@ -760,6 +788,154 @@ class _FFNTail(nn.Linear):
 
     def _get_name(self):
         return "FusedFFN(fc2, computed in fc1)"
+
+
+# --------------------------------------------------------------------------- a norm run inside the FFN
+# Pre-norm transformers compute ``y = self.norm(x)`` and then ``z = self.mlp(y)``; y is read by nothing
+# else. With the FFN's unit on, the norm (a _NormFirst) passes x through on that call and arms the FFN
+# (its ``_fusedrc_norm_pass`` flag), which runs the norm inside its fused op: the op keeps x, the norm's
+# input, in place of y (one hidden-sized tensor less a layer; for Hugging Face's RMSNorm also the
+# float32 copies its eager autograd keeps). A consumer is a fused FFN wrapper or an inlined FFN's head.
+
+
+class _NormFirst(Wrapper):
+    """A pre-norm layer's norm whose output only the fused FFN after it reads (checked on the
+    layer's code). Called from that line of the layer's forward while the FFN can run it fused,
+    it returns its input and the FFN normalizes inside its fused op; anywhere else (called by hand,
+    hooks on it, the FFN's unit off, a dtype the fused op does not model) it is the norm."""
+
+    def forward(self, *args, **kwargs):
+        d = self.__dict__
+        x = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
+        layer = None
+        if x is not None and (d["_fusedrc_once"] or not torch.compiler.is_compiling()):
+            layer = _calling_layer(self, d["_fusedrc_key"], d["_fusedrc_line"])
+        consumer = None if layer is None else layer._modules.get(d["_fusedrc_consumer"])
+        flag = None if consumer is None else consumer.__dict__.get("_fusedrc_norm_pass")
+        if flag is not None:
+            flag.arm(False)  # left armed by a layer call that raised half-way
+        if (flag is None or not _free(self) or _norm_args(self, x) is None
+                or not consumer._fusedrc_fusable(x)):
+            return self.plain(*args, **kwargs)
+        flag.arm()
+        return x
+
+    def _get_name(self):
+        return f"NormFirst({_class_of(self).__name__}, computed in {self.__dict__['_fusedrc_consumer']})"
+
+
+def _norm_args(norm, x):
+    """The fused FFN's norm arguments for ``norm`` (a _NormFirst) on ``x``, or None where its op
+    would not compute what the norm's forward does."""
+    return norm_call_args(norm, x, norm.__dict__["_fusedrc_norm_kind"])
+
+
+def _armed_norm(consumer, x):
+    """``(norm module, its fused-op arguments)`` when the norm before ``consumer`` passed its input
+    through for this call (``x`` is then the norm's input), else ``(None, None)``."""
+    d = consumer.__dict__
+    flag = d.get("_fusedrc_norm_pass")
+    if flag is None or not flag.armed:
+        return None, None
+    flag.arm(False)
+    layer = _calling_layer(consumer, d["_fusedrc_normed_key"])
+    norm = None if layer is None else layer._modules.get(d["_fusedrc_norm_key"])
+    if not isinstance(norm, _NormFirst):
+        return None, None
+    return norm, _norm_args(norm, x)
+
+
+def _with_norm(consumer, x, fused, plain):
+    """Run a consumer's call: ``fused(x, **norm_args)`` and ``plain(x)`` are its fused op and its
+    module-by-module forward; where the norm passed its input through, the fused op runs it (or,
+    where the op cannot, the norm's own forward runs first)."""
+    norm, args = _armed_norm(consumer, x)
+    if norm is None:
+        return fused(x) if consumer._fusedrc_fusable(x) else plain(x)
+    if args is None or not consumer._fusedrc_fusable(x):
+        return plain(norm.plain(x))
+    return _run_site(consumer._fusedrc_site(), lambda x: fused(x, **args), lambda x: plain(norm.plain(x)), x)
+
+
+def _norm_call_line(lines, key, consumer_key):
+    """Index in ``lines`` (a forward's source, indented, the def line first) of ``y = self.<key>(x)``
+    when the next code line is ``z = ...self.<consumer_key>(y)...`` and nothing after reads ``y``
+    before assigning it anew; else None. The norm may be called elsewhere too (OPT's post-norm
+    branch): the fused call is then told by its line."""
+    code = [(i, ln.strip()) for i, ln in enumerate(lines) if ln.strip() and not ln.strip().startswith("#")]
+    if any(ln.startswith(("for ", "while ", "async for ")) for _, ln in code):
+        return None
+    for k, (i, ln) in enumerate(code[:-1]):
+        head = _re.fullmatch(rf"(\w+) = self\.{key}\((\w+)\)", ln)
+        if head is None:
+            continue
+        y, nxt = head.group(1), code[k + 1][1]
+        call, assign = f"self.{consumer_key}({y})", _re.fullmatch(r"(\w+) = (.*)", nxt)
+        if assign is None or assign.group(2).count(call) != 1 \
+                or _re.search(rf"\b{y}\b", assign.group(2).replace(call, "")):
+            continue
+        reassigned = assign.group(1) == y
+        for _, later in code[k + 2:]:
+            if reassigned:
+                break
+            if _re.search(rf"\b{y}\b", later):
+                rhs = _re.fullmatch(rf"{y} = (.*)", later)
+                if rhs is None or _re.search(rf"\b{y}\b", rhs.group(1)):
+                    break
+                reassigned = True
+        else:
+            reassigned = True
+        if reassigned:
+            return i
+    return None
+
+
+def _norm_consumer(model, unit):
+    """``(layer, key, consumer)`` of a fused FFN unit that a norm could run first in: a fused FFN
+    wrapper at ``layer.<key>``, or an inlined FFN's head (its ``fc1``); else None."""
+    head = unit.enable.attrs.get("fc1") if isinstance(unit.enable, _Switch) else None
+    if isinstance(head, _FFNHead):
+        return unit.enable.target, "fc1", head
+    module = _lookup(model, unit.name)
+    if not isinstance(module, _NORM_CONSUMERS) or not unit.name:
+        return None
+    parent, _, key = unit.name.rpartition(".")
+    layer = _lookup(model, parent)
+    return None if layer is None else (layer, key, module)
+
+
+def _norm_first(ctx, model):
+    """After the rules: in each layer whose forward runs ``y = self.<norm>(x); z = self.<ffn>(y)``,
+    with a fused FFN unit at ``<ffn>`` and a norm the FFN ops model at ``<norm>``, the norm joins the
+    FFN's unit (its kind gets a ``norm_`` prefix)."""
+    for unit in ctx.units:
+        found = _norm_consumer(model, unit)
+        if found is None:
+            continue
+        layer, ckey, consumer = found
+        if isinstance(layer, Wrapper) or _foreign_forward(layer):
+            continue  # its forward is not its class's code
+        try:
+            raw, start = _inspect.getsourcelines(_inspect.unwrap(_class_of(layer).forward))
+        except (AttributeError, OSError, TypeError):
+            continue
+        for nkey, norm in layer._modules.items():
+            i = None if norm is None or nkey == ckey else _norm_call_line(raw, nkey, ckey)
+            if i is None:
+                continue
+            kind = norm.__dict__["_fusedrc_norm_kind"] if isinstance(norm, _NormFirst) else norm_kind(norm)
+            if kind is None or not _nohooks(norm):
+                break  # the norm runs as it is, the FFN fused after it
+            calls = sum(ln.count(f"self.{nkey}(") for ln in raw)
+            new = _NormFirst.wrap(norm)
+            new.__dict__.update(_fusedrc_layer=layer, _fusedrc_key=nkey, _fusedrc_line=start + i,
+                                _fusedrc_once=calls == 1, _fusedrc_consumer=ckey, _fusedrc_norm_kind=kind)
+            consumer.__dict__.update(_fusedrc_layer=layer, _fusedrc_normed_key=ckey, _fusedrc_norm_key=nkey,
+                                     _fusedrc_norm_pass=_PassThrough())
+            bind_replicas(consumer)
+            unit.kind = "norm_" + unit.kind
+            unit.recompute_modules += (new,)
+            break
 
 
 class _Groups(dict):
@@ -1573,18 +1749,22 @@ class FusedT5DenseGatedActDense(Wrapper):
     stream: equal in distribution to ``nn.Dropout``'s). T5's ``wo`` kept in fp32 beside half
     ``wi_*`` weights (``_keep_in_fp32_modules``) runs the module."""
 
+    def _fusedrc_site(self):
+        return self.sites.get("gated_ffn")
+
+    def _fusedrc_fusable(self, x):
+        site, g, u, d = self._fusedrc_site(), self.wi_0, self.wi_1, self.wo
+        return (site is not None and site.enabled and fused_dropout_p(self.dropout) is not None
+                and _nohooks(self, g, u, d, self.act, self.dropout)
+                and _still(self.__dict__["_fusedrc_act"], self.act, g, u, d) and _dense_runtime_ok(x, g, u, d))
+
     def forward(self, hidden_states):
-        site, g, u, d = self.sites.get("gated_ffn"), self.wi_0, self.wi_1, self.wo
-        if (site is None or not site.enabled or not _nohooks(self, g, u, d, self.act, self.dropout)
-                or not _still(self.__dict__["_fusedrc_act"], self.act, g, u, d)
-                or not _dense_runtime_ok(hidden_states, g, u, d)):
-            return self.plain(hidden_states)
-        act, p = self.__dict__["_fusedrc_act"], fused_dropout_p(self.dropout)
-        if p is None:  # a dropout module swapped in after convert
-            return self.plain(hidden_states)
-        return _run_site(
-            site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p),
-            self.plain, hidden_states)
+        g, u, d, act = self.wi_0, self.wi_1, self.wo, self.__dict__["_fusedrc_act"]
+        return _with_norm(
+            self, hidden_states, lambda x, **norm: F.gated_mlp(
+                x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act,
+                dropout_p=fused_dropout_p(self.dropout), **norm),
+            self.plain)
 
 
 class FusedConv1DMLP(Wrapper):
@@ -1592,16 +1772,21 @@ class FusedConv1DMLP(Wrapper):
     ``Conv1D`` (``x @ weight + bias``: the weight held as (in, out)); c_fc -> act -> c_proj run as
     one fused FFN on the weights' transposed views (read through their strides, no copy)."""
 
+    def _fusedrc_site(self):
+        return self.sites.get("ffn")
+
+    def _fusedrc_fusable(self, x):
+        site, fc, proj = self._fusedrc_site(), self.c_fc, self.c_proj
+        return (site is not None and site.enabled and _nohooks(self, fc, self.act, proj)
+                and _is_conv1d(fc) and _is_conv1d(proj) and _act_name(self.act) == self.__dict__["_fusedrc_act"]
+                and _dense_runtime_ok(x, fc, proj))
+
     def forward(self, hidden_states):
-        site, fc, proj = self.sites.get("ffn"), self.c_fc, self.c_proj
-        if (site is None or not site.enabled or not _nohooks(self, fc, self.act, proj)
-                or not (_is_conv1d(fc) and _is_conv1d(proj) and _act_name(self.act) == self.__dict__["_fusedrc_act"])
-                or not _dense_runtime_ok(hidden_states, fc, proj)):
-            return self.plain(hidden_states)
-        act = self.__dict__["_fusedrc_act"]
-        hidden_states = _run_site(
-            site, lambda x: F.fused_mlp(x, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, act),
-            lambda x: proj(self.act(fc(x))), hidden_states)
+        fc, proj, act = self.c_fc, self.c_proj, self.__dict__["_fusedrc_act"]
+        hidden_states = _with_norm(
+            self, hidden_states,
+            lambda x, **norm: F.fused_mlp(x, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, act, **norm),
+            lambda x: proj(self.act(fc(x))))
         return self.dropout(hidden_states)
 
 
@@ -1646,17 +1831,26 @@ class FusedGatedMLP(Wrapper):
     Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP and the other Hugging Face classes with
     that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`)."""
 
+    def _fusedrc_site(self):
+        return self.sites.get("gated_ffn")
+
+    def _fusedrc_fusable(self, x):
+        site, g, u, d = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj
+        return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn)
+                and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
+
     def forward(self, *args, **kwargs):
         x = _only_input(self, args, kwargs)
-        site, g, u, d = self.sites.get("gated_ffn"), self.gate_proj, self.up_proj, self.down_proj
-        if (x is None or site is None or not site.enabled or not _nohooks(self, g, u, d, self.act_fn)
-                or not _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d)
-                or not _dense_runtime_ok(x, g, u, d)):
+        if x is None:
             return self.plain(*args, **kwargs)
-        act = self.__dict__["_fusedrc_act"]
-        return _run_site(
-            site, lambda x: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act),
-            self.plain, x)
+        g, u, d, act = self.gate_proj, self.up_proj, self.down_proj, self.__dict__["_fusedrc_act"]
+        return _with_norm(
+            self, x, lambda x, **norm: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act,
+                                                   **norm),
+            self.plain)
+
+
+_NORM_CONSUMERS = (FusedGatedMLP, FusedT5DenseActDense, FusedT5DenseGatedActDense, FusedConv1DMLP)
 
 
 _GATED_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -2890,6 +3084,7 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     ctx.root = model
     if not _is_marked(model):  # a marked root is left as it is
         reason = _fx_tree(ctx, model)
+        _norm_first(ctx, model)
         _layer_blocks(ctx, model)
         _drop_nesting_blocks(ctx, model)
         if reason is not None and not ctx.units and not ctx.blocks:

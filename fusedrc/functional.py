@@ -72,6 +72,46 @@ def _check_linear(x, weight, bias, name_w="weight", name_b="bias", name_x="input
     check_vector(bias, name_b, weight.shape[0], x, name_x)
 
 
+def _check_norm(x, norm, norm_weight, norm_bias, norm_eps):
+    """The FFN ops' norm arguments (before autocast): ``norm_eps`` as a float."""
+    reference.check_norm(norm)
+    if norm is None:
+        for t, name in ((norm_weight, "norm_weight"), (norm_bias, "norm_bias")):
+            if t is not None:
+                raise ValueError(f"{name} was given without a norm: pass norm='layer', 'rms' or 'llama_rms'")
+        return norm_eps
+    check_vector(norm_weight, "norm_weight", x.shape[-1], x)
+    check_vector(norm_bias, "norm_bias", x.shape[-1], x)
+    if norm_bias is not None and norm != "layer":
+        raise ValueError(f"norm_bias: a {norm!r} norm has no bias, expected None")
+    return float(check_number(norm_eps, "norm_eps", min_value=0.0))
+
+
+def _ffn_autocast(x, norm, *params):
+    """``(x, *params)`` cast as under autocast, and the FFN's input dtype. With a norm, x stays in
+    its dtype (the norm runs there, as LayerNorm runs in float32 under autocast) and the norm's
+    output is cast to the weights' dtype, as ``nn.Linear`` casts its input."""
+    if norm is None:
+        cast = _autocast(x, *params)
+        return cast, cast[0]
+    cast = (x, *_autocast(x, *params)[1:])
+    w = cast[1]
+    # the FFN's input as the checks see it: the norm's output, in the weights' dtype under autocast
+    probe = x if w.dtype == x.dtype or not _autocast_on(x.device.type) else x.new_empty(x.shape[-1:], dtype=w.dtype)
+    return cast, probe
+
+
+_NORM_DOC = """norm: None, or a norm of ``x`` over its last dimension run first (a pre-norm
+            transformer's ``mlp(norm(x))``): ``"layer"`` (``F.layer_norm``), ``"rms"``
+            (``F.rms_norm``, ``nn.RMSNorm``) or ``"llama_rms"`` (Hugging Face's Llama, Mistral,
+            Qwen2 and T5 RMSNorm: normalized in float32, cast to x's dtype, then times the
+            weight). The op then keeps ``x``, the norm's input, in place of its output, and
+            backward computes the norm again from it (one pass over ``x``, aten's kernels).
+        norm_weight, norm_bias: the norm's ``(in_features,)`` weight and (``"layer"`` only)
+            bias, in x's dtype, or None.
+        norm_eps: the norm's epsilon."""
+
+
 def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "relu") -> Tensor:
     """``act(x @ weight.T + bias)``, recomputing the pre-activation in backward.
 
@@ -124,7 +164,8 @@ def _rows(x: Tensor) -> Tensor:
 
 def fused_mlp(
     x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, activation: str = "relu",
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, *, norm: str | None = None, norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
 ) -> Tensor:
     """The transformer FFN ``act(x W1ᵀ + b1) W2ᵀ + b2``, keeping only ``x`` for backward.
 
@@ -144,9 +185,10 @@ def fused_mlp(
         w2, b2: second layer, ``(out_features, hidden)`` and ``(out_features,)`` or None.
         activation: as in :func:`linear_act`.
         dropout_p: probability of zeroing a hidden element, in ``[0, 1]``.
+        {norm}
 
     Returns:
-        ``(*, out_features)``, in ``x``'s dtype.
+        ``(*, out_features)``, in the weights' dtype (x's, outside autocast).
 
     Example::
 
@@ -158,32 +200,38 @@ def fused_mlp(
         >>> y.sum().backward()
     """
     check_tensor(x, "input", min_ndim=1)
-    _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w2, "w2", 2, False), (b2, "b2", 1, True))
+    _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w2, "w2", 2, False), (b2, "b2", 1, True),
+                  (norm_weight, "norm_weight", 1, True), (norm_bias, "norm_bias", 1, True))
     check_activation(activation)
     dropout_p = check_probability(dropout_p, "dropout_p")
-    x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
-    _check_linear(x, w1, b1, "w1", "b1")
-    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
+    norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
+    (x, w1, b1, w2, b2), x_ffn = _ffn_autocast(x, norm, w1, b1, w2, b2)
+    _check_linear(x_ffn, w1, b1, "w1", "b1")
+    _check_linear(x_ffn, w2, b2, "w2", "b2", in_features=w1.shape[0],
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     def plain(x):
+        if norm is not None:
+            x = reference.norm_forward(x, norm, norm_weight, norm_bias, norm_eps).to(w1.dtype)
         a = torch.nn.functional.dropout(reference.linear_act_forward(x, w1, b1, activation), dropout_p)
         return torch.nn.functional.linear(a, w2, b2)
 
-    if needs_unfused(x, w1, b1, w2, b2):
+    if needs_unfused(x, w1, b1, w2, b2, norm_weight, norm_bias):
         return plain(x)
     if inside_region():  # the plain composition (_state.inside_region)
         return _plain_rows(plain, x, w2.shape[0])
-    backend = resolve_backend(x, "fused_mlp", "fused_mlp_forward")
+    backend = resolve_backend(w1, "fused_mlp", "fused_mlp_forward")  # w1: the FFN's dtype
     lead = x.shape[:-1]
     # the mask's seed, from x's device's default generator: a device-side draw, no host sync
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None
-    y = ops.pick("fused_mlp", x, backend)(_rows(x), w1, b1, w2, b2, activation, backend, float(dropout_p), seed)
+    y = ops.pick("fused_mlp", x, backend)(_rows(x), w1, b1, w2, b2, activation, backend, float(dropout_p), seed,
+                                          norm, norm_weight, norm_bias, norm_eps)
     return _unview(y, lead, w2.shape[0])
 
 
 def gated_mlp(
     x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
-    b_down: Tensor | None, activation: str = "silu", dropout_p: float = 0.0,
+    b_down: Tensor | None, activation: str = "silu", dropout_p: float = 0.0, *, norm: str | None = None,
+    norm_weight: Tensor | None = None, norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -201,9 +249,10 @@ def gated_mlp(
         activation: as in :func:`linear_act`; ``"silu"`` by default.
         dropout_p: dropout on the gated product before the down projection (T5 v1.1's), in
             ``[0, 1]``; its mask is never stored, as :func:`fused_mlp`'s.
+        {norm}
 
     Returns:
-        ``(*, out_features)``, in ``x``'s dtype.
+        ``(*, out_features)``, in the weights' dtype (x's, outside autocast).
 
     Example::
 
@@ -216,32 +265,41 @@ def gated_mlp(
     """
     check_tensor(x, "input", min_ndim=1)
     _check_params(x, (w_gate, "w_gate", 2, False), (b_gate, "b_gate", 1, True), (w_up, "w_up", 2, False),
-                  (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True))
+                  (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True),
+                  (norm_weight, "norm_weight", 1, True), (norm_bias, "norm_bias", 1, True))
     check_activation(activation)
     dropout_p = check_probability(dropout_p, "dropout_p")
-    x, w_gate, b_gate, w_up, b_up, w_down, b_down = _autocast(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
-    _check_linear(x, w_gate, b_gate, "w_gate", "b_gate")
+    norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
+    (x, w_gate, b_gate, w_up, b_up, w_down, b_down), x_ffn = _ffn_autocast(
+        x, norm, w_gate, b_gate, w_up, b_up, w_down, b_down)
+    _check_linear(x_ffn, w_gate, b_gate, "w_gate", "b_gate")
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
-    _check_linear(x, w_up, b_up, "w_up", "b_up")
-    _check_linear(x, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
+    _check_linear(x_ffn, w_up, b_up, "w_up", "b_up")
+    _check_linear(x_ffn, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
     def plain(x):
+        if norm is not None:
+            x = reference.norm_forward(x, norm, norm_weight, norm_bias, norm_eps).to(w_gate.dtype)
         a = reference.activation_forward(torch.nn.functional.linear(x, w_gate, b_gate), activation) \
             * torch.nn.functional.linear(x, w_up, b_up)
         return torch.nn.functional.linear(torch.nn.functional.dropout(a, dropout_p), w_down, b_down)
 
-    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down):
+    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias):
         return plain(x)
     if inside_region():  # the plain composition (_state.inside_region)
         return _plain_rows(plain, x, w_down.shape[0])
-    backend = resolve_backend(x, "gated_mlp", "gated_mlp_forward")
+    backend = resolve_backend(w_gate, "gated_mlp", "gated_mlp_forward")  # w_gate: the FFN's dtype
     lead = x.shape[:-1]
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None  # as fused_mlp's
     y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend,
-                                          float(dropout_p), seed)
+                                          float(dropout_p), seed, norm, norm_weight, norm_bias, norm_eps)
     return _unview(y, lead, w_down.shape[0])
 
+
+
+for _fn in (fused_mlp, gated_mlp):
+    _fn.__doc__ = _fn.__doc__.replace("{norm}", _NORM_DOC)
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

@@ -16,7 +16,8 @@ from torch.nn import functional as TF
 from torch.nn.utils import parametrize
 
 from . import functional as F
-from ._patterns import _conv_padding, _own_hooks, activation_name, bn_act_conv_call, conv_bn_act_call, is_linear
+from ._patterns import (_conv_padding, _own_hooks, activation_name, bn_act_conv_call, conv_bn_act_call, is_linear,
+                        norm_call_args, norm_kind)
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 from .reference import ACTIVATIONS, activation_forward
 
@@ -58,6 +59,45 @@ def _check_features(x, name, expected, owner):
         raise ValueError(
             f"input must have last dimension {name}={expected} for {owner}, got shape {tuple(x.shape)}"
         )
+
+
+def _make_norm(norm, size, eps, device, dtype):
+    """The FFN modules' ``norm`` argument as a module: None, ``nn.LayerNorm`` or ``nn.RMSNorm``."""
+    if norm is None:
+        return None
+    eps = check_number(eps, "norm_eps", min_value=0.0)
+    if norm == "layer":
+        return nn.LayerNorm(size, eps=eps, device=device, dtype=dtype)
+    if norm == "rms":
+        return nn.RMSNorm(size, eps=eps, device=device, dtype=dtype)
+    raise ValueError(f"norm must be None, 'layer' (nn.LayerNorm) or 'rms' (nn.RMSNorm), got {norm!r}")
+
+
+def _check_norm_module(norm, size):
+    if norm is None:
+        return
+    if not isinstance(norm, nn.Module) or norm_kind(norm) is None:
+        raise TypeError(f"norm must be None, an nn.LayerNorm or nn.RMSNorm over the last dimension, or a module "
+                        f"computing Hugging Face's Llama RMSNorm, got {type(norm).__name__}")
+    w = getattr(norm, "weight", None)
+    got = w.shape[0] if isinstance(w, torch.Tensor) else norm.normalized_shape[0]
+    if got != size:
+        raise ValueError(f"norm must normalize {size} features (the first layer's in_features), got {got}")
+
+
+def _ffn_input(module, x):
+    """``(x, the fused op's norm arguments)`` of an FFN module holding a ``norm``: the norm runs inside
+    the op where it can, else here, as the module it is (hooks, another dtype)."""
+    norm = module._modules.get("norm")
+    if norm is None:
+        return x, {}
+    args = norm_call_args(norm, x)
+    return (norm(x), {}) if args is None else (x, args)
+
+
+_NORM_ARGS = """norm: None, ``"layer"`` or ``"rms"``: an ``nn.LayerNorm`` or ``nn.RMSNorm`` over
+            ``in_features`` (held as ``norm``, epsilon ``norm_eps``) run first, inside the fused op:
+            it keeps the norm's input in place of its output (a pre-norm transformer's FFN sublayer)."""
 
 
 class LinearReLU(nn.Linear):
@@ -129,6 +169,7 @@ class FusedMLP(nn.Module):
             negative slope 0.1).
         dropout: dropout probability on the hidden activation in training mode (``nn.Dropout``
             between the layers), fused: its mask is regenerated in backward, never stored.
+        {norm}
 
     Example::
 
@@ -138,14 +179,16 @@ class FusedMLP(nn.Module):
     """
 
     def __init__(self, in_features, hidden_features, out_features=None, bias=True, activation="relu",
-                 device=None, dtype=None, *, dropout=0.0):
+                 device=None, dtype=None, *, dropout=0.0, norm=None, norm_eps=1e-5):
         check_int(in_features, "in_features")
         check_int(hidden_features, "hidden_features")
         if out_features is not None:
             check_int(out_features, "out_features")
         check_activation(activation)
         dropout = check_probability(dropout, "dropout")
+        norm = _make_norm(norm, in_features, norm_eps, device, dtype)
         super().__init__()
+        self.norm = norm
         self.dropout = dropout
         out_features = in_features if out_features is None else out_features
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
@@ -153,11 +196,14 @@ class FusedMLP(nn.Module):
         self.activation = check_activation(activation)
 
     @classmethod
-    def from_modules(cls, fc1: nn.Linear, act: nn.Module | str, fc2: nn.Linear, dropout: float = 0.0):
-        """Wrap two ``nn.Linear`` layers (sharing their parameters), an activation module or name and
-        a dropout probability (or the ``nn.Dropout`` between them)."""
+    def from_modules(cls, fc1: nn.Linear, act: nn.Module | str, fc2: nn.Linear, dropout: float = 0.0, *,
+                     norm: nn.Module | None = None):
+        """Wrap two ``nn.Linear`` layers (sharing their parameters), an activation module or name,
+        a dropout probability (or the ``nn.Dropout`` between them) and the norm before them, if any
+        (``nn.LayerNorm``, ``nn.RMSNorm`` or a Hugging Face Llama RMSNorm)."""
         _check_linear_module(fc1, "fc1")
         _check_linear_module(fc2, "fc2")
+        _check_norm_module(norm, fc1.in_features)
         name = _act_name(act)
         if fc2.in_features != fc1.out_features:
             raise ValueError(f"fc2.in_features ({fc2.in_features}) must equal fc1.out_features ({fc1.out_features})")
@@ -168,17 +214,19 @@ class FusedMLP(nn.Module):
         p = check_probability(dropout, "dropout")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.fc1, m.fc2, m.activation, m.dropout = fc1, fc2, name, p
+        m.norm, m.fc1, m.fc2, m.activation, m.dropout = norm, fc1, fc2, name, p
         return m
 
     def forward(self, x):
-        """``fc2(dropout(act(fc1(x))))`` for ``x`` of shape ``(*, in_features)``."""
+        """``fc2(dropout(act(fc1(norm(x)))))`` for ``x`` of shape ``(*, in_features)``."""
         _check_features(x, "in_features", self.fc1.in_features, type(self).__name__)
         p = self.dropout if self.training else 0.0
         if not _as_built(self.fc1, self.fc2):
+            x = x if self._modules.get("norm") is None else self.norm(x)
             return self.fc2(TF.dropout(activation_forward(self.fc1(x), self.activation), p))
+        x, norm = _ffn_input(self, x)
         return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation,
-                           dropout_p=p)
+                           dropout_p=p, **norm)
 
     def extra_repr(self):
         return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
@@ -205,6 +253,7 @@ class GatedMLP(nn.Module):
             ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``: negative slope 0.1).
         dropout: dropout probability on the gated product in training mode (T5 v1.1's
             ``T5DenseGatedActDense``); its mask is regenerated in backward, never stored.
+        {norm}
 
     Example::
 
@@ -214,13 +263,15 @@ class GatedMLP(nn.Module):
     """
 
     def __init__(self, in_features, hidden_features, out_features=None, bias=False, activation="silu",
-                 device=None, dtype=None, *, dropout=0.0):
+                 device=None, dtype=None, *, dropout=0.0, norm=None, norm_eps=1e-5):
         check_int(in_features, "in_features")
         check_int(hidden_features, "hidden_features")
         dropout = check_probability(dropout, "dropout")
         if out_features is not None:
             check_int(out_features, "out_features")
+        norm = _make_norm(norm, in_features, norm_eps, device, dtype)
         super().__init__()
+        self.norm = norm
         out_features = in_features if out_features is None else out_features
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(in_features, hidden_features, **kw)
@@ -230,8 +281,12 @@ class GatedMLP(nn.Module):
         self.dropout = dropout
 
     @classmethod
-    def from_modules(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act: nn.Module | str):
-        """Wrap three ``nn.Linear`` layers (sharing their parameters) and an activation module or name."""
+    def from_modules(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act: nn.Module | str, *,
+                     norm: nn.Module | None = None):
+        """Wrap three ``nn.Linear`` layers (sharing their parameters), an activation module or name and
+        the norm before them, if any (``nn.LayerNorm``, ``nn.RMSNorm`` or a Hugging Face Llama RMSNorm:
+        Llama's ``post_attention_layernorm``)."""
+        _check_norm_module(norm, gate_proj.in_features)
         _check_linear_module(gate_proj, "gate_proj")
         _check_linear_module(up_proj, "up_proj")
         _check_linear_module(down_proj, "down_proj")
@@ -245,17 +300,21 @@ class GatedMLP(nn.Module):
                              f"gate_proj.out_features ({gate_proj.out_features})")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
+        m.norm = norm
         m.gate_proj, m.up_proj, m.down_proj, m.activation, m.dropout = gate_proj, up_proj, down_proj, name, 0.0
         return m
 
     def forward(self, x):
-        """``down_proj(act(gate_proj(x)) * up_proj(x))`` for ``x`` of shape ``(*, in_features)``."""
+        """``down_proj(act(gate_proj(h)) * up_proj(h))``, ``h = norm(x)``, for ``x`` of shape ``(*, in_features)``."""
         _check_features(x, "in_features", self.gate_proj.in_features, type(self).__name__)
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         p = self.dropout if self.training else 0.0
         if not _as_built(g, u, d):
+            x = x if self._modules.get("norm") is None else self.norm(x)
             return d(TF.dropout(activation_forward(g(x), self.activation) * u(x), p))
-        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation, dropout_p=p)
+        x, norm = _ffn_input(self, x)
+        return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation, dropout_p=p,
+                           **norm)
 
     def extra_repr(self):
         return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
@@ -263,6 +322,10 @@ class GatedMLP(nn.Module):
     def __setstate__(self, state):
         state.setdefault("dropout", 0.0)  # pickled before dropout existed
         super().__setstate__(state)
+
+
+for _cls in (FusedMLP, GatedMLP):
+    _cls.__doc__ = _cls.__doc__.replace("{norm}", _NORM_ARGS)
 
 
 class MoEExperts(nn.Module):

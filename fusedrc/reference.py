@@ -194,6 +194,62 @@ def philox_keep(seed: int, rows: int, cols: int, p: float) -> torch.Tensor:
     return (words >> 8) >= round(p * 2**24)
 
 
+# --------------------------------------------------------------------------- a norm before the FFN
+# The FFN ops take an optional norm of their input (pre-norm transformers: ``mlp(norm(x))``) and then
+# keep x, the norm's input, in place of its output. Every kind normalizes over the last dimension:
+#   "layer": F.layer_norm (weight and bias optional);
+#   "rms": F.rms_norm / nn.RMSNorm: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once;
+#   "llama_rms": Hugging Face's Llama/Mistral/Qwen2/T5 RMSNorm: the same normalized in fp32 and
+#       rounded to x's dtype, then times the weight (rounded twice in 16-bit dtypes).
+NORMS = ("layer", "rms", "llama_rms")
+
+
+def check_norm(norm, name="norm"):
+    """``norm`` if it is None or names a norm kind; a ``ValueError`` naming ``name`` otherwise."""
+    if norm is not None and (not isinstance(norm, str) or norm not in NORMS):
+        raise ValueError(f"{name} must be None or one of {NORMS}, got {norm!r}")
+    return norm
+
+
+def _rms_parts(x, norm, eps):
+    # F.rms_norm computes float64 in float64; Hugging Face's RMSNorm casts every input to float32
+    xf = x if norm == "rms" and x.dtype == torch.float64 else x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd, rstd
+
+
+def norm_forward(x, norm, weight, bias, eps):
+    """The norm of ``x`` over its last dimension, as the unfused module computes it."""
+    if norm == "layer":
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    u, _ = _rms_parts(x, norm, eps)
+    if norm == "rms":
+        return (u if weight is None else u * weight.to(u.dtype)).to(x.dtype)
+    u = u.to(x.dtype)
+    return u if weight is None else weight * u
+
+
+def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None):
+    """(dx, dweight, dbias) of :func:`norm_forward` for its output's gradient ``grad``; x is (M, K)."""
+    need_dx, need_dw, need_db = wanted(output_mask, 3)
+    need_dw, need_db = need_dw and weight is not None, need_db and bias is not None
+    if norm == "layer":
+        # aten's kernels, as LayerNorm's autograd runs them: equal gradients
+        _, mean, rstd = aten.native_layer_norm(x, x.shape[-1:], weight, bias, eps)
+        return aten.native_layer_norm_backward(grad, x, x.shape[-1:], mean, rstd, weight, bias,
+                                               [need_dx, need_dw, need_db])
+    u, rstd = _rms_parts(x, norm, eps)
+    if norm == "rms":
+        g = grad.to(u.dtype)
+        dw = (g * u).sum(0).to(weight.dtype) if need_dw else None
+        du = g if weight is None else g * weight.to(u.dtype)
+    else:  # the product with the weight in x's dtype, then the cast's gradient
+        dw = (grad * u.to(x.dtype)).sum(0) if need_dw else None
+        du = (grad if weight is None else grad * weight).to(u.dtype)
+    dx = (rstd * (du - u * (du * u).mean(-1, keepdim=True))).to(x.dtype) if need_dx else None
+    return dx, dw, None
+
+
 # --------------------------------------------------------------------------- FFN
 def fused_mlp_forward(x, w1, b1, w2, b2, activation, dropout_p=0.0, seed=None):
     """out = dropout(act(x W1^T + b1)) W2^T + b2; x is (M, K)."""
