@@ -556,12 +556,15 @@ def _run_chain(site, kind, act, chain, x):
                 x = m(x)
             return x
         return _cbr(site, conv, bn, act_mod, x)
+    if kind == "norm_ffn":
+        return _run_dense(site, "ffn", act, chain[1:], x, norm=chain[0])
     return _run_dense(site, kind, act, chain, x)
 
 
-def _run_dense(site, kind, act, mods, x):
+def _run_dense(site, kind, act, mods, x, norm=None):
     """A ``Linear -> act -> [Dropout...] -> Linear`` (``kind`` "ffn") or ``Linear -> act`` group:
-    fused where ``site`` is on and the call is modelled, else module by module."""
+    fused where ``site`` is on and the call is modelled, else module by module. ``norm``: a norm
+    module before an FFN, run inside its fused op where the op models it."""
     def plain(x):
         for m in mods:
             x = m(x)
@@ -570,12 +573,18 @@ def _run_dense(site, kind, act, mods, x):
     first, last = mods[0], mods[-1]
     p = _chain_dropout_p(mods[2:-1]) if kind == "ffn" else 0.0
     linears = (first, last) if kind == "ffn" else (first,)
+    args = {}
+    if norm is not None:
+        args = norm_call_args(norm, x) if site is not None and site.enabled else None
+        if args is None:  # the norm runs as itself: the unit off, hooks on it, a dtype the op does not model
+            x, args = norm(x), {}
     if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _still(act, mods[1], *linears) \
             or not _dense_runtime_ok(x, *linears):
-        return plain(x)
+        return plain(norm(x) if args else x)
     if kind == "ffn":
         return _run_site(site, lambda x: F.fused_mlp(x, first.weight, first.bias, last.weight, last.bias, act,
-                                                     dropout_p=p), plain, x)
+                                                     dropout_p=p, **args),
+                         (lambda x: plain(norm(x))) if args else plain, x)
     return _run_site(site, lambda x: F.linear_act(x, first.weight, first.bias, act), plain, x)
 
 
@@ -2279,7 +2288,9 @@ def _seq_groups(seq, prefix, ctx):
                     ctx.skip(_join(prefix, keys[i]), "dropouts between the FFN's Linears other than one "
                                                      "nn.Dropout: no fused form")
                 else:
-                    groups.append((i, j + 1, "ffn", act, (m,)))
+                    # a norm just before, in no group, runs inside the FFN's op (a pre-norm FFN sublayer)
+                    normed = i > 0 and norm_kind(mods[i - 1]) is not None and not (groups and groups[-1][1] > i - 1)
+                    groups.append((i - 1, j + 1, "norm_ffn", act, (m,)) if normed else (i, j + 1, "ffn", act, (m,)))
                     i = j + 1
                     continue
             elif act is not None:
@@ -2303,7 +2314,8 @@ def _sequential(ctx, name, seq):
     new = _FusedSequential.wrap(seq)
     keys = list(seq._modules.keys())
     for start, end, kind, act, rec in groups:
-        site = _site_unit(ctx, new, _join(name, keys[start]), keys[start], kind, rec)
+        key = keys[start + 1] if kind == "norm_ffn" else keys[start]  # an FFN's unit is named by its fc1
+        site = _site_unit(ctx, new, _join(name, key), key, kind, rec)
         new.groups[start] = (kind, site, act, tuple(seq._modules.values())[start:end])
     return new
 
@@ -2685,9 +2697,18 @@ def _fx_chains(gm, prefix, skip):
                     else:
                         chain = [node, n1, *drops, nxt]
                         kind, modules = "ffn", [m, a, *[mod(d) for d in drops], mod(nxt)]
+                        # a norm module whose one user is fc1 runs inside the FFN's op
+                        src = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+                        if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
+                                and single(src) is node and norm_kind(mod(src)) is not None
+                                and len(src.args) == 1 and not src.kwargs):
+                            chain, kind, modules = [src, *chain], "norm_ffn", [mod(src), *modules]
                 elif not drops:
                     chain, kind, modules = [node, n1], "linear_act", [m, a]
-        if chain is None or not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
+        if chain is None:
+            continue
+        node = chain[0]  # a norm before an FFN: the chain starts there
+        if not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
                 or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])) \
                 or any(c in taken for c in chain):
             continue
@@ -2727,7 +2748,9 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
         fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules))
                  if n.op != "call_module" or c is not mods.get(n.target)}
         fused_by_key[key] = (_FxFused(kind, fixed, act), f"_fusedrc_fx_{found}")
-        ctx.unit(_join(prefix, node.target), kind, *_site_switches(fused_by_key[key][0].site), (modules[0],))
+        first = 1 if kind == "norm_ffn" else 0  # an FFN's unit is named by its fc1, which its FLOPs are
+        ctx.unit(_join(prefix, chain[first].target), kind, *_site_switches(fused_by_key[key][0].site),
+                 (modules[first],))
         found += 1
     if not found:
         return 0

@@ -470,3 +470,42 @@ def test_from_modules_with_a_norm():
         fusedrc.nn.GatedMLP.from_modules(g, u, d, nn.SiLU(), norm=nn.LayerNorm(8))
     with pytest.raises(ValueError, match="norm must be None, 'layer'"):
         fusedrc.nn.FusedMLP(16, 32, norm="batch")
+
+
+class TracedPreNorm(nn.Module):
+    """A pre-norm FFN sublayer that torch.fx traces whole: norm -> fc1 -> act -> fc2, plus the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.act, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 48), nn.GELU(), nn.Dropout(0.0),
+                          nn.Linear(48, 16)),
+    TracedPreNorm,
+], ids=["sequential", "fx"])
+def test_convert_sequential_and_fx_norm_chains(make):
+    """A norm right before an FFN in an nn.Sequential or an fx graph (its output read by fc1 alone) is part
+    of the FFN's unit (kind norm_ffn, named by fc1): the bytes of the norm's output are not kept; outputs
+    and gradients as the original's; a hook on the norm after convert runs it as itself and sees its output."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(4, 6, 16)
+    conv = fusedrc.convert(model)
+    units = conv.fusedrc_plan.units
+    assert [u.kind for u in units] == ["norm_ffn"] and units[0].name.endswith("fc1" if make is TracedPreNorm else "2")
+    y_ref, g_ref = _step(model, x)
+    y, g = _step(conv, x)
+    assert torch.equal(y, y_ref) and all(rel_err(a, b) <= 1e-6 for a, b in zip(g, g_ref))
+    kept = saved_bytes(conv, (x.requires_grad_(),))
+    norm = conv[1] if isinstance(conv, nn.Sequential) else conv.norm
+    seen = []
+    norm.register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+    assert saved_bytes(conv, (x,)) >= kept + x.numel() * 4  # the norm's output, kept for fc1 (and its stats)
+    y, g = _step(conv, x)
+    assert torch.equal(y, y_ref) and all(rel_err(a, b) <= 1e-6 for a, b in zip(g, g_ref))
+    assert seen and not torch.equal(*seen[-1])
