@@ -8,6 +8,7 @@ means the generic recompute path, which is always correct.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -128,68 +129,83 @@ def _plain_bn(m, c):
     return type(m) is nn.BatchNorm2d and m.num_features == c
 
 
-def _llama_rms_probe(m, size):
-    """Whether ``m(x)`` is Hugging Face's Llama RMSNorm of x (``"llama_rms"``), bit for bit, on a
-    probe in its weight's dtype: class names say nothing of the casts (T5's and Llama's differ
-    only where the weight's dtype is not x's; Gemma's multiplies by 1 + weight)."""
+def _rms_probe(m, cls, w):
+    """The RMS kind (``"llama_rms"`` or ``"rms"``) that ``cls.forward`` computes on ``m``, bit for bit,
+    or None. Class names say nothing of the casts (T5's and Llama's norms round twice in 16-bit dtypes,
+    Helium's once, Gemma's multiplies by 1 + weight), so it is run once on a probe: random input and a
+    random weight in the weight's dtype (a fresh all-ones weight would hide the rounding), on a shallow
+    copy of ``m``, through the class's forward (no hooks run, autocast off)."""
     from . import reference
 
-    w = getattr(m, "weight", None)
-    eps = getattr(m, "variance_epsilon", None)
-    if (not isinstance(w, torch.Tensor) or w.shape != (size,) or w.device.type == "meta" or isinstance(eps, bool)
-            or not isinstance(eps, float) or not w.is_floating_point()):
-        return False
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if isinstance(eps, bool) or not isinstance(eps, float):
+        return None
     gen = torch.Generator().manual_seed(0)
-    probe = (torch.randn(3, size, generator=gen) * 3).to(w.dtype).to(w.device)
+    size = w.shape[0]
+    probe = (torch.randn(4, size, generator=gen) * 3).to(w.dtype).to(w.device)
+    weight = (torch.randn(size, generator=gen) + 1).to(w.dtype).to(w.device)
+    stand_in = copy.copy(m)
+    stand_in._parameters = dict(m._parameters, weight=nn.Parameter(weight, requires_grad=False))
     try:
-        with torch.no_grad():
-            out = m(probe)
-            want = reference.norm_forward(probe, "llama_rms", w, None, eps)
+        with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
+            out = cls.forward(stand_in, probe)
     except Exception:
-        return False
-    return isinstance(out, torch.Tensor) and out.dtype == want.dtype and torch.equal(out, want)
+        return None
+    for kind in ("llama_rms", "rms"):
+        want = reference.norm_forward(probe, kind, weight, None, eps)
+        if isinstance(out, torch.Tensor) and out.dtype == want.dtype and torch.equal(out, want):
+            return kind
+    return None
 
 
-def norm_kind(m):
+def norm_kind(m, cls=None):
     """``(kind, eps)`` of a norm module that a fused FFN can run before its first layer
     (``reference.NORMS``), or None: ``nn.LayerNorm`` and ``nn.RMSNorm`` over one dimension, and
-    modules that compute Hugging Face's Llama RMSNorm (checked once on a probe, then cached).
-    ``nn.RMSNorm``'s eps may be None (then ``torch.finfo(x.dtype).eps``, as it does)."""
-    t = type(m)
+    modules named ``*RMSNorm``/``*LayerNorm`` holding a 1-D ``weight`` and a float epsilon whose forward
+    computes an RMS kind (checked on a probe, once per weight dtype, device and epsilon; not while
+    torch.compile traces). ``cls``: the class whose forward ``m`` runs (a wrapper's original class).
+    ``nn.RMSNorm``'s eps may be None (see ``norm_call_args``). Read at each call: a changed eps counts."""
+    t = type(m) if cls is None else cls
     if t is nn.LayerNorm and len(m.normalized_shape) == 1:
         return "layer", m.eps
     if t is getattr(nn, "RMSNorm", None) and len(m.normalized_shape) == 1:
         return "rms", m.eps
-    if not isinstance(m, nn.Module) or isinstance(m, (nn.LayerNorm, nn.Linear)) or \
+    if not isinstance(m, nn.Module) or issubclass(t, (nn.LayerNorm, nn.Linear)) or \
             not t.__name__.endswith(("RMSNorm", "LayerNorm")):
         return None
+    w = m._parameters.get("weight")
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point() or w.device.type == "meta":
+        return None
+    key = (t, w.dtype, w.device, tuple(w.shape), eps)
     cached = m.__dict__.get("_fusedrc_norm_probe")
-    w = getattr(m, "weight", None)
-    key = None if not isinstance(w, torch.Tensor) else (w.dtype, w.device, tuple(w.shape), m.variance_epsilon
-                                                        if hasattr(m, "variance_epsilon") else None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    kind = ("llama_rms", m.variance_epsilon) if key is not None and _llama_rms_probe(m, w.shape[0]) else None
+    if torch.compiler.is_compiling():
+        return None
+    kind = _rms_probe(m, t, w)
+    kind = None if kind is None else (kind, eps)
     m.__dict__["_fusedrc_norm_probe"] = (key, kind)
     return kind
 
 
-def norm_call_args(m, x, kind=None):
+def norm_call_args(m, x, cls=None):
     """``dict(norm=..., norm_weight=..., norm_bias=..., norm_eps=...)`` for a fused FFN running norm
     module ``m`` on ``x`` first, or None where the fused op would not compute what ``m(x)`` does
-    (another kind, hooks, x's dtype not the norm's, another size or device). ``kind``: ``norm_kind``
-    of ``m``, found before (by convert, on the module it then wrapped)."""
-    kind = norm_kind(m) if kind is None else kind
-    if kind is None or _has_hooks(m):
+    (hooks, no fused form, x's dtype not the norm's, another size or device). ``cls``: as in ``norm_kind``."""
+    if _has_hooks(m):
+        return None
+    kind = norm_kind(m, cls)
+    if kind is None:
         return None
     kind, eps = kind
-    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    w, b = m._parameters.get("weight"), m._parameters.get("bias")
     size = w.shape[0] if isinstance(w, torch.Tensor) else m.normalized_shape[0]
     if x.shape[-1] != size or any(isinstance(t, torch.Tensor) and (t.dtype != x.dtype or t.device != x.device)
                                   for t in (w, b)):
         return None
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+    if eps is None:  # nn.RMSNorm's default: the epsilon of the dtype it computes in (float32 for 16-bit x)
+        eps = torch.finfo(torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype).eps
     return dict(norm=kind, norm_weight=w, norm_bias=b if kind == "layer" else None, norm_eps=eps)
 
 

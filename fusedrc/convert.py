@@ -96,6 +96,7 @@ are still visited (a Sequential inside it is matched as usual).
 """
 from __future__ import annotations
 
+import ast as _ast
 import contextlib
 import copy
 import fnmatch
@@ -104,6 +105,7 @@ import math
 import numbers
 import random as _random
 import re as _re
+import textwrap as _textwrap
 import sys as _sys
 import threading as _threading
 import types
@@ -811,20 +813,23 @@ class _NormFirst(Wrapper):
     """A pre-norm layer's norm whose output only the fused FFN after it reads (checked on the
     layer's code). Called from that line of the layer's forward while the FFN can run it fused,
     it returns its input and the FFN normalizes inside its fused op; anywhere else (called by hand,
-    hooks on it, the FFN's unit off, a dtype the fused op does not model) it is the norm."""
+    hooks or a mark on it or on the FFN, the FFN's unit off, a dtype the fused op does not model,
+    torch.compile on either) it is the norm."""
 
     def forward(self, *args, **kwargs):
         d = self.__dict__
         x = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
-        layer = None
-        if x is not None and (d["_fusedrc_once"] or not torch.compiler.is_compiling()):
-            layer = _calling_layer(self, d["_fusedrc_key"], d["_fusedrc_line"])
+        # eager only: under torch.compile no frame tells who called the norm (it could be called by
+        # hand in a compiled function), and its partitioner chooses what to keep anyway
+        if x is None or torch.compiler.is_compiling():
+            return self.plain(*args, **kwargs)
+        layer = _calling_layer(self, d["_fusedrc_key"], d["_fusedrc_line"])
         consumer = None if layer is None else layer._modules.get(d["_fusedrc_consumer"])
         flag = None if consumer is None else consumer.__dict__.get("_fusedrc_norm_pass")
         if flag is not None:
             flag.arm(False)  # left armed by a layer call that raised half-way
-        if (flag is None or not _free(self) or _norm_args(self, x) is None
-                or not consumer._fusedrc_fusable(x)):
+        if (flag is None or getattr(consumer, "_compiled_call_impl", None) is not None or not _free(self, consumer)
+                or _norm_args(self, x) is None or not consumer._fusedrc_fusable(x)):
             return self.plain(*args, **kwargs)
         flag.arm()
         return x
@@ -835,8 +840,8 @@ class _NormFirst(Wrapper):
 
 def _norm_args(norm, x):
     """The fused FFN's norm arguments for ``norm`` (a _NormFirst) on ``x``, or None where its op
-    would not compute what the norm's forward does."""
-    return norm_call_args(norm, x, norm.__dict__["_fusedrc_norm_kind"])
+    would not compute what the norm's forward does (its epsilon and dtype read now)."""
+    return norm_call_args(norm, x, _class_of(norm))
 
 
 def _armed_norm(consumer, x):
@@ -844,7 +849,7 @@ def _armed_norm(consumer, x):
     through for this call (``x`` is then the norm's input), else ``(None, None)``."""
     d = consumer.__dict__
     flag = d.get("_fusedrc_norm_pass")
-    if flag is None or not flag.armed:
+    if flag is None or torch.compiler.is_compiling() or not flag.armed:
         return None, None
     flag.arm(False)
     layer = _calling_layer(consumer, d["_fusedrc_normed_key"])
@@ -859,43 +864,92 @@ def _with_norm(consumer, x, fused, plain):
     module-by-module forward; where the norm passed its input through, the fused op runs it (or,
     where the op cannot, the norm's own forward runs first)."""
     norm, args = _armed_norm(consumer, x)
+    site = consumer._fusedrc_site()
     if norm is None:
-        return fused(x) if consumer._fusedrc_fusable(x) else plain(x)
+        return _run_site(site, fused, plain, x) if consumer._fusedrc_fusable(x) else plain(x)
     if args is None or not consumer._fusedrc_fusable(x):
         return plain(norm.plain(x))
-    return _run_site(consumer._fusedrc_site(), lambda x: fused(x, **args), lambda x: plain(norm.plain(x)), x)
+    return _run_site(site, lambda x: fused(x, **args), lambda x: plain(norm.plain(x)), x)
+
+
+def _self_call(node, attr, arg=None):
+    """Whether ``node`` is ``self.<attr>(<name>)``, the name ``arg`` if given: one positional name."""
+    return (isinstance(node, _ast.Call) and isinstance(node.func, _ast.Attribute) and node.func.attr == attr
+            and isinstance(node.func.value, _ast.Name) and node.func.value.id == "self" and len(node.args) == 1
+            and not node.keywords and isinstance(node.args[0], _ast.Name) and arg in (None, node.args[0].id))
 
 
 def _norm_call_line(lines, key, consumer_key):
-    """Index in ``lines`` (a forward's source, indented, the def line first) of ``y = self.<key>(x)``
-    when the next code line is ``z = ...self.<consumer_key>(y)...`` and nothing after reads ``y``
-    before assigning it anew; else None. The norm may be called elsewhere too (OPT's post-norm
-    branch): the fused call is then told by its line."""
-    code = [(i, ln.strip()) for i, ln in enumerate(lines) if ln.strip() and not ln.strip().startswith("#")]
-    if any(ln.startswith(("for ", "while ", "async for ")) for _, ln in code):
+    """The 0-based line (in ``lines``, a forward's source) of ``y = self.<key>(x)`` where the next
+    statement that runs is ``z = ...self.<consumer_key>(y)...`` (the call ``z`` or an argument of calls
+    only: no lambda, comprehension or branch around it) and ``y`` is read nowhere else: no later read
+    before a plain ``y = ...`` in the same block, no loop around either. None when there is none. The
+    norm may be called elsewhere too (OPT's post-norm branch): the fused call is told by its line."""
+    try:
+        tree = _ast.parse(_textwrap.dedent("".join(lines)))
+    except (SyntaxError, ValueError):
         return None
-    for k, (i, ln) in enumerate(code[:-1]):
-        head = _re.fullmatch(rf"(\w+) = self\.{key}\((\w+)\)", ln)
-        if head is None:
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, (_ast.FunctionDef, _ast.AsyncFunctionDef)):
+        return None
+    parents = {}  # node -> (parent, the list holding it or None, its index there)
+    for node in _ast.walk(fn):
+        for value in _ast.iter_fields(node):
+            value = value[1]
+            if isinstance(value, list):
+                for i, c in enumerate(value):
+                    if isinstance(c, _ast.AST):
+                        parents[c] = (node, value, i)
+            elif isinstance(value, _ast.AST):
+                parents[value] = (node, None, None)
+
+    def looped(node):  # a loop, comprehension, lambda or inner function around it
+        while node in parents and parents[node][0] is not fn:
+            node = parents[node][0]
+            if isinstance(node, (_ast.For, _ast.AsyncFor, _ast.While, _ast.comprehension, _ast.Lambda,
+                                 _ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
+                return True
+        return False
+
+    def next_stmt(stmt):  # the statement that runs when ``stmt`` completes
+        parent, block, i = parents[stmt]
+        if block is None:
+            return None
+        if i + 1 < len(block):
+            return block[i + 1]
+        if parent is not fn and isinstance(parent, (_ast.If, _ast.With, _ast.AsyncWith)):
+            return next_stmt(parent)
+        return None
+
+    def reads(node, y):
+        return any(isinstance(n, _ast.Name) and n.id == y for n in _ast.walk(node))
+
+    def dead_after(stmt, y):  # no read of y after stmt before a plain ``y = ...`` in stmt's block
+        parent, block, i = parents[stmt]
+        for later in block[i + 1:]:
+            if isinstance(later, _ast.Assign) and len(later.targets) == 1 and isinstance(later.targets[0], _ast.Name) \
+                    and later.targets[0].id == y and not reads(later.value, y):
+                return True
+            if reads(later, y):
+                return False
+        return parent is fn or dead_after(parent, y)
+
+    for stmt in _ast.walk(fn):
+        if not (isinstance(stmt, _ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], _ast.Name)
+                and _self_call(stmt.value, key)) or looped(stmt):
             continue
-        y, nxt = head.group(1), code[k + 1][1]
-        call, assign = f"self.{consumer_key}({y})", _re.fullmatch(r"(\w+) = (.*)", nxt)
-        if assign is None or assign.group(2).count(call) != 1 \
-                or _re.search(rf"\b{y}\b", assign.group(2).replace(call, "")):
+        y, nxt = stmt.targets[0].id, next_stmt(stmt)
+        if not (isinstance(nxt, _ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], _ast.Name)):
             continue
-        reassigned = assign.group(1) == y
-        for _, later in code[k + 2:]:
-            if reassigned:
-                break
-            if _re.search(rf"\b{y}\b", later):
-                rhs = _re.fullmatch(rf"{y} = (.*)", later)
-                if rhs is None or _re.search(rf"\b{y}\b", rhs.group(1)):
-                    break
-                reassigned = True
-        else:
-            reassigned = True
-        if reassigned:
-            return i
+        calls = [n for n in _ast.walk(nxt.value) if _self_call(n, consumer_key, y)]
+        if len(calls) != 1 or sum(isinstance(n, _ast.Name) and n.id == y for n in _ast.walk(nxt.value)) != 1:
+            continue
+        node = calls[0]
+        while node is not nxt.value and isinstance(parents[node][0], _ast.Call) and parents[node][1] is not None \
+                and parents[node][1] is parents[node][0].args:
+            node = parents[node][0]
+        if node is nxt.value and (nxt.targets[0].id == y or dead_after(nxt, y)):
+            return stmt.value.lineno - 1
     return None
 
 
@@ -932,13 +986,11 @@ def _norm_first(ctx, model):
             i = None if norm is None or nkey == ckey else _norm_call_line(raw, nkey, ckey)
             if i is None:
                 continue
-            kind = norm.__dict__["_fusedrc_norm_kind"] if isinstance(norm, _NormFirst) else norm_kind(norm)
-            if kind is None or not _nohooks(norm):
+            if not _nohooks(norm) or norm_kind(norm, _class_of(norm)) is None:
                 break  # the norm runs as it is, the FFN fused after it
-            calls = sum(ln.count(f"self.{nkey}(") for ln in raw)
             new = _NormFirst.wrap(norm)
             new.__dict__.update(_fusedrc_layer=layer, _fusedrc_key=nkey, _fusedrc_line=start + i,
-                                _fusedrc_once=calls == 1, _fusedrc_consumer=ckey, _fusedrc_norm_kind=kind)
+                                _fusedrc_consumer=ckey)
             consumer.__dict__.update(_fusedrc_layer=layer, _fusedrc_normed_key=ckey, _fusedrc_norm_key=nkey,
                                      _fusedrc_norm_pass=_PassThrough())
             bind_replicas(consumer)

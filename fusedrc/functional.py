@@ -97,7 +97,9 @@ def _ffn_autocast(x, norm, *params):
     cast = (x, *_autocast(x, *params)[1:])
     w = cast[1]
     # the FFN's input as the checks see it: the norm's output, in the weights' dtype under autocast
-    probe = x if w.dtype == x.dtype or not _autocast_on(x.device.type) else x.new_empty(x.shape[-1:], dtype=w.dtype)
+    # (autocast never casts float64: a float64 norm output meets the weights as is, as nn.Linear's input would)
+    cast_input = w.dtype != x.dtype and x.dtype != torch.float64 and _autocast_on(x.device.type)
+    probe = x.new_empty(x.shape[-1:], dtype=w.dtype) if cast_input else x
     return cast, probe
 
 
@@ -299,7 +301,8 @@ def gated_mlp(
 
 
 for _fn in (fused_mlp, gated_mlp):
-    _fn.__doc__ = _fn.__doc__.replace("{norm}", _NORM_DOC)
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("{norm}", _NORM_DOC)
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

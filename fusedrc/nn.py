@@ -325,7 +325,8 @@ class GatedMLP(nn.Module):
 
 
 for _cls in (FusedMLP, GatedMLP):
-    _cls.__doc__ = _cls.__doc__.replace("{norm}", _NORM_ARGS)
+    if _cls.__doc__:  # None under python -OO
+        _cls.__doc__ = _cls.__doc__.replace("{norm}", _NORM_ARGS)
 
 
 class MoEExperts(nn.Module):

@@ -236,16 +236,18 @@ def _ffn_backward(body, x: Tensor, w: Tensor, norm, norm_weight, norm_bias, norm
     if norm is None:
         grads = body(x, mask[:n_ffn])
         return tuple(_laid_out(_or_empty(g, x)) for g in (*grads, None, None))
-    n = _ffn_input(x, w, norm, norm_weight, norm_bias, norm_eps)
+    # the norm once: its output for the FFN, its row statistics for its own backward
+    n, stats = reference.norm_with_stats(x, norm, norm_weight, norm_bias, norm_eps)
     ffn_mask = [mask[0] or (mask[n_ffn] and norm_weight is not None) or (mask[n_ffn + 1] and norm_bias is not None),
                 *mask[1:n_ffn]]
+    n = n.to(w.dtype)
     dn, *grads = body(n, ffn_mask)
     del n
     dx = dnw = dnb = None
     if dn is not None:
         # the cast to the FFN's dtype has the cast back as its gradient
         dx, dnw, dnb = reference.norm_backward(dn.to(x.dtype), x, norm, norm_weight, norm_bias, norm_eps,
-                                               [mask[0], mask[n_ffn], mask[n_ffn + 1]])
+                                               [mask[0], mask[n_ffn], mask[n_ffn + 1]], stats=stats)
     return tuple(_laid_out(_or_empty(g, x)) for g in (dx, *grads, dnw, dnb))
 
 

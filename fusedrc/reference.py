@@ -211,34 +211,51 @@ def check_norm(norm, name="norm"):
     return norm
 
 
-def _rms_parts(x, norm, eps):
+def _rms_input(x, norm):
     # F.rms_norm computes float64 in float64; Hugging Face's RMSNorm casts every input to float32
-    xf = x if norm == "rms" and x.dtype == torch.float64 else x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf * rstd, rstd
+    return x if norm == "rms" and x.dtype == torch.float64 else x.float()
 
 
-def norm_forward(x, norm, weight, bias, eps):
-    """The norm of ``x`` over its last dimension, as the unfused module computes it."""
-    if norm == "layer":
-        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    u, _ = _rms_parts(x, norm, eps)
+def _rms_output(x, norm, u, weight):
     if norm == "rms":
         return (u if weight is None else u * weight.to(u.dtype)).to(x.dtype)
     u = u.to(x.dtype)
     return u if weight is None else weight * u
 
 
-def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None):
-    """(dx, dweight, dbias) of :func:`norm_forward` for its output's gradient ``grad``; x is (M, K)."""
+def norm_forward(x, norm, weight, bias, eps):
+    """The norm of ``x`` over its last dimension, as the unfused module computes it (differentiable)."""
+    if norm == "layer":
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    xf = _rms_input(x, norm)
+    return _rms_output(x, norm, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), weight)
+
+
+def norm_with_stats(x, norm, weight, bias, eps):
+    """``(norm_forward(...), stats)``, the statistics :func:`norm_backward` takes: ``(mean, rstd)``
+    for "layer" (aten's own forward, F.layer_norm's kernel), ``rstd`` for the RMS kinds; one float a row."""
+    if norm == "layer":
+        out, mean, rstd = aten.native_layer_norm(x, x.shape[-1:], weight, bias, eps)
+        return out, (mean, rstd)
+    xf = _rms_input(x, norm)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return _rms_output(x, norm, xf * rstd, weight), rstd
+
+
+def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None):
+    """(dx, dweight, dbias) of :func:`norm_forward` for its output's gradient ``grad``; x is (M, K).
+    ``stats``: :func:`norm_with_stats`'s, when the caller has them (else computed from x)."""
     need_dx, need_dw, need_db = wanted(output_mask, 3)
     need_dw, need_db = need_dw and weight is not None, need_db and bias is not None
+    if stats is None:
+        stats = norm_with_stats(x, norm, weight, bias, eps)[1]
     if norm == "layer":
         # aten's kernels, as LayerNorm's autograd runs them: equal gradients
-        _, mean, rstd = aten.native_layer_norm(x, x.shape[-1:], weight, bias, eps)
+        mean, rstd = stats
         return aten.native_layer_norm_backward(grad, x, x.shape[-1:], mean, rstd, weight, bias,
                                                [need_dx, need_dw, need_db])
-    u, rstd = _rms_parts(x, norm, eps)
+    rstd = stats
+    u = _rms_input(x, norm) * rstd
     if norm == "rms":
         g = grad.to(u.dtype)
         dw = (g * u).sum(0).to(weight.dtype) if need_dw else None

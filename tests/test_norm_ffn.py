@@ -297,8 +297,8 @@ def _stack(layer_cls, norm_cls, n=2):
 def _step(model, x):
     x = x.clone().requires_grad_(True)
     y = model(x)
-    grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
-    return y, grads
+    grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()], allow_unused=True)
+    return y, [torch.zeros(()) if g is None else g for g in grads]  # an unused norm: no gradient
 
 
 @pytest.mark.parametrize("layer_cls,norm_cls,fused", [
@@ -509,3 +509,157 @@ def test_convert_sequential_and_fx_norm_chains(make):
     y, g = _step(conv, x)
     assert torch.equal(y, y_ref) and all(rel_err(a, b) <= 1e-6 for a, b in zip(g, g_ref))
     assert seen and not torch.equal(*seen[-1])
+
+
+# --------------------------------------------------------------------------- guards (review of 2026-11-26)
+class CondReassignLayer(PreNormLayer):
+    """y reassigned on one branch only: still read after the FFN on the other."""
+
+    def __init__(self, norm):
+        super().__init__(norm)
+        self.keep = False
+
+    def forward(self, x):
+        h = self.norm(x)
+        out = self.mlp(h)
+        if self.keep:
+            h = x
+        return out + h
+
+
+class LambdaLayer(PreNormLayer):
+    def forward(self, x):
+        h = self.norm(x)
+        out = (lambda: self.mlp(h))()
+        return x + out
+
+
+class GeneratorLayer(PreNormLayer):
+    def forward(self, x):
+        h = self.norm(x)
+        out = sum(self.mlp(h) for _ in range(2))
+        return x + out
+
+
+class BranchNormLayer(PreNormLayer):
+    """OPT's shape: the norm in a branch, the FFN right after the branch."""
+
+    def __init__(self, norm):
+        super().__init__(norm)
+        self.pre = True
+
+    def forward(self, x):
+        if self.pre:
+            h = self.norm(x)
+        else:
+            h = x
+        h = self.mlp(h)
+        return x + h
+
+
+@pytest.mark.parametrize("layer_cls,fused", [
+    (CondReassignLayer, False), (LambdaLayer, False), (GeneratorLayer, False), (BranchNormLayer, True),
+])
+def test_convert_source_check(layer_cls, fused):
+    """The layer's code is read as a syntax tree: the norm's output read on some path after the FFN,
+    or the FFN called in a lambda or a generator: the norm stays the norm. The norm in a branch whose
+    next statement is the FFN (OPT's) is joined: when the branch runs, its output goes to the FFN only.
+    Either way the model computes what it did, in both of the branch's ways."""
+    model = _stack(layer_cls, LlamaRMSNorm)
+    x = torch.randn(3, 5, 16)
+    conv = fusedrc.convert(model)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["norm_gated_ffn" if fused else "gated_ffn"] * 2
+    assert any(isinstance(m, C._NormFirst) for m in conv.modules()) == fused
+    for pre in (True, False):
+        for m in (*model, *conv):
+            m.pre = pre
+        y_ref, g_ref = _step(model, x)
+        y, g = _step(conv, x)
+        assert rel_err(y, y_ref) <= 1e-6 and all(rel_err(a, b) <= 1e-5 for a, b in zip(g, g_ref))
+
+
+def test_source_check_finds_the_norm_in_a_branch_before_the_ffn():
+    """``if pre: y = self.norm(x)`` with ``z = self.mlp(y)`` right after the branch (OPT's pre-norm
+    branch) is found; with an ``else`` assigning y otherwise the norm is not the only way to y."""
+    src = ["def forward(self, x):\n", "    if self.pre:\n", "        x = self.norm(x)\n", "    x = self.mlp(x)\n",
+           "    if not self.pre:\n", "        x = self.norm(x)\n", "    return x\n"]
+    assert C._norm_call_line(src, "norm", "mlp") == 2
+    assert C._norm_call_line(src, "norm", "other") is None
+    nested = ["def forward(self, x):\n", "    y = self.norm(x)\n", "    z = self.act(self.fc1(y))\n",
+              "    return x + z\n"]
+    assert C._norm_call_line(nested, "norm", "fc1") == 1
+    assert C._norm_call_line(nested[:3] + ["    return z + y\n"], "norm", "fc1") is None
+
+
+def test_convert_norm_guards_after_convert(monkeypatch):
+    """After convert: a mark on the FFN, a changed epsilon, the checkpoint implementation of the units
+    (the benchmarks' comparison) and torch.compile of the norm called by hand all compute what the
+    unconverted model does; convert's probe of a norm runs no hook."""
+    model = _stack(PreNormLayer, LlamaRMSNorm)
+    seen = []
+    model[0].norm.register_forward_hook(lambda m, i, o: seen.append(o))
+    conv = fusedrc.convert(model)
+    assert not seen and [u.kind for u in conv.fusedrc_plan.units] == ["gated_ffn", "norm_gated_ffn"]
+    x = torch.randn(3, 5, 16)
+    for m in conv.modules():
+        m._forward_hooks.clear()
+    model[0].norm._forward_hooks.clear()
+    conv = fusedrc.convert(model)
+    fusedrc.mark(conv[0].mlp)
+    y_ref, _ = _step(model, x)
+    assert rel_err(_step(conv, x)[0], y_ref) <= 1e-6
+    for layer in (model[1], conv[1]):
+        layer.norm.variance_epsilon = 0.5
+    assert rel_err(_step(conv, x)[0], _step(model, x)[0]) <= 1e-6
+    C._set_impl(conv, "checkpoint")
+    with FusedOpLog() as log:
+        assert rel_err(_step(conv, x)[0], _step(model, x)[0]) <= 1e-6
+    assert log.ops == []
+    by_hand = torch.compile(lambda t: conv[1].norm(t), backend="eager")(x)
+    assert torch.equal(by_hand, model[1].norm(x))
+
+
+class HeliumRMSNorm(LlamaRMSNorm):
+    """Helium's: the weight times the float32 normalized input, rounded once (F.rms_norm's "rms")."""
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * out).to(x.dtype)
+
+
+def test_norm_kind_probe_tells_the_roundings_apart():
+    """The probe runs the class's forward on a random weight in the weight's dtype: in bfloat16 a norm
+    rounding once is "rms" and Llama's (rounding twice) "llama_rms", whatever the module's own weight
+    (a fresh all-ones weight rounds the same either way); Gemma's (1 + weight) has no fused form."""
+    from fusedrc._patterns import norm_kind
+
+    for cls, kinds in ((LlamaRMSNorm, ("llama_rms", "llama_rms")), (HeliumRMSNorm, ("llama_rms", "rms")),
+                       (GemmaRMSNorm, (None, None))):
+        m = cls(16)
+        got = [None if k is None else k[0] for k in (norm_kind(m), norm_kind(m.bfloat16()))]
+        assert got == list(kinds), cls.__name__
+    model = _stack(PreNormLayer, HeliumRMSNorm).bfloat16()
+    conv = fusedrc.convert(model)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["norm_gated_ffn"] * 2
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    with fusedrc.use_backend("reference"):
+        assert torch.equal(conv(x), model(x))
+
+
+def test_rmsnorm_default_eps_in_bfloat16():
+    """nn.RMSNorm(eps=None) uses the epsilon of the dtype it computes in, float32's for 16-bit x."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.RMSNorm(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).bfloat16()
+    x = torch.randn(4, 16, dtype=torch.bfloat16) * 1e-2  # small rows: eps matters
+    with FusedOpLog() as log:
+        y = fusedrc.recompute(block, x.requires_grad_())
+    assert log.ops == ["fused_mlp"] and torch.equal(y, block(x))
+
+
+def test_float64_input_under_autocast_is_refused_as_eager_refuses_it():
+    """Autocast never casts float64: a float64 norm output meets bfloat16 weights, an error in eager too."""
+    fc1, fc2 = _ffn(False, 8, 16, 8, torch.float32, "cpu")
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="w1 has dtype torch.bfloat16"):
+        fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm="rms",
+                                     norm_weight=torch.ones(8, dtype=torch.float64))
