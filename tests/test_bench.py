@@ -93,6 +93,9 @@ def test_quick_kernels(quick_run):
     assert saved["fused_mlp_dropout", "eager"] > saved["fused_mlp", "eager"]
     # the gated FFN keeps x alone, as checkpoint does; eager keeps its hidden-sized intermediates
     assert saved["gated_mlp", "fusedrc"] == saved["gated_mlp", "torch_checkpoint"] < saved["gated_mlp", "eager"]
+    # with the RMSNorm before it: x alone again (the norm's input), the norm's output and stats not kept
+    assert saved["norm_gated_mlp", "fusedrc"] == saved["norm_gated_mlp", "torch_checkpoint"] \
+        == saved["gated_mlp", "fusedrc"] < saved["norm_gated_mlp", "eager"] - saved["gated_mlp", "fusedrc"]
     # the pre-activation op keeps x (and 2 floats a channel), as checkpoint does; eager keeps the activation too
     assert saved["bn_act_conv", "fusedrc"] <= saved["bn_act_conv", "torch_checkpoint"] + 8 * 32
     assert saved["bn_act_conv", "torch_checkpoint"] < saved["bn_act_conv", "eager"]

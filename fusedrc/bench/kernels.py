@@ -36,8 +36,8 @@ import fusedrc
 from . import measure
 from .progress import bar
 
-PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "moe_experts", "conv_bn_act",
-            "bn_act_conv")
+PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "norm_gated_mlp", "moe_experts",
+            "conv_bn_act", "bn_act_conv")
 DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
@@ -52,13 +52,14 @@ def shapes(device_type: str, quick: bool) -> list:
     if quick:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
                 ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
-                ("moe_experts", dict(T=128, d=128, h=172, E=8, k=2)),
+                ("norm_gated_mlp", dict(M=256, d=128, h=344)), ("moe_experts", dict(T=128, d=128, h=172, E=8, k=2)),
                 ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3)),
                 ("bn_act_conv", dict(N=4, C=32, K=16, H=8, W=8, k=1))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
                 ("fused_mlp", dict(M=16384, d=1024, h=4096)), ("fused_mlp_dropout", dict(M=16384, d=1024, h=4096)),
                 ("gated_mlp", dict(M=8192, d=4096, h=11008)),  # Llama-2 7B's MLP, 8192 tokens
+                ("norm_gated_mlp", dict(M=8192, d=4096, h=11008)),  # and its post-attention RMSNorm before it
                 ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2)),  # Mixtral 8x7B's experts, 8192 tokens
                 # Qwen3-30B-A3B's: 128 small experts, top-8 (per-expert launches against the GEMMs)
                 ("moe_experts", dict(T=8192, d=2048, h=768, E=128, k=8)),
@@ -67,7 +68,7 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("bn_act_conv", dict(N=64, C=256, K=128, H=28, W=28, k=1))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
             ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
-            ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
+            ("norm_gated_mlp", dict(M=1024, d=512, h=1376)), ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
             ("bn_act_conv", dict(N=16, C=128, K=64, H=16, W=16, k=1))]
 
@@ -98,6 +99,17 @@ class _SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _NormSwiGLU(_SwiGLU):
+    """Llama's post-attention RMSNorm, then its MLP: a decoder layer's FFN sublayer without the residual."""
+
+    def __init__(self, d, h):
+        super().__init__(d, h)
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, x):
+        return super().forward(self.norm(x))
+
+
 class _MoEExperts(nn.Module):
     """A MoE layer's experts for a fixed routing (top-k of E per token, differentiable routing weights),
     as Hugging Face's eager experts forward computes them; ``fused`` is fusedrc's op on the same tensors."""
@@ -112,7 +124,6 @@ class _MoEExperts(nn.Module):
 
     def forward(self, x):
         out = torch.zeros_like(x)
-        h = self.gate_up_proj.shape[1] // 2
         for e in range(self.gate_up_proj.shape[0]):
             token, slot = torch.where(self.top_k_index == e)
             gate, up = nn.functional.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -145,9 +156,9 @@ class _Case:
             xs, ys = (M, d), (M, d)
             self.gemm_flops = 2 * M * d * h  # one of the FFN's two GEMMs
             self.units = {"eager": 6, "torch_checkpoint": 7, "fusedrc": 7}
-        elif pattern == "gated_mlp":
+        elif pattern in ("gated_mlp", "norm_gated_mlp"):
             M, d, h = shape["M"], shape["d"], shape["h"]
-            self.block = _SwiGLU(d, h)
+            self.block = _SwiGLU(d, h) if pattern == "gated_mlp" else _NormSwiGLU(d, h)
             xs, ys = (M, d), (M, d)
             self.gemm_flops = 2 * M * d * h  # one of its three GEMMs
             self.units = {"eager": 9, "torch_checkpoint": 11, "fusedrc": 11}  # FlopCounterMode agrees
@@ -175,9 +186,10 @@ class _Case:
         self.fused = self.block
         if pattern == "moe_experts":
             self.fused = self.block.fused
-        if pattern == "gated_mlp":  # the same parameters in fusedrc's module
+        if pattern in ("gated_mlp", "norm_gated_mlp"):  # the same parameters in fusedrc's module
             b = self.block
-            self.fused = fusedrc.nn.GatedMLP.from_modules(b.gate_proj, b.up_proj, b.down_proj, "silu")
+            self.fused = fusedrc.nn.GatedMLP.from_modules(b.gate_proj, b.up_proj, b.down_proj, "silu",
+                                                          norm=getattr(b, "norm", None))
 
     def forward(self, strategy):
         if strategy == "eager":

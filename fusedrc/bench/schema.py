@@ -106,8 +106,8 @@ KERNELS = {
     "gemm_rate": {"shape": [int], "median_s": NUM, "tflops": NUM},
     "complete?": bool,
     "configs": [{
-        "pattern": Enum("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "moe_experts", "conv_bn_act",
-                        "bn_act_conv"),
+        "pattern": Enum("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "norm_gated_mlp", "moe_experts",
+                        "conv_bn_act", "bn_act_conv"),
         "strategy": Enum("eager", "torch_checkpoint", "fusedrc"), "shape": dict, "gemm_units": NUM,
         "flops": int, **TIMING, "tflops": NUM, "fraction_of_gemm_rate": NUM, "saved_activation_bytes": int,
     }],
