@@ -50,10 +50,14 @@ def _has_hooks(module):
     hooks (module trackers, flop counters), or a forward replaced on the instance (adapters,
     accelerate; ``mark``'s forward, marked ``_fusedrc_forward``, runs the class's computation).
     The fused paths then leave the call to the module."""
+    return _own_hooks(module) or global_hooks()
+
+
+def global_hooks():
+    """Whether global module hooks (module trackers, flop counters) are registered, fusedrc's own aside."""
     _m = _module_mod
     return bool(
-        _own_hooks(module)
-        or _m._global_forward_hooks or _m._global_backward_hooks or getattr(_m, "_global_backward_pre_hooks", None)
+        _m._global_forward_hooks or _m._global_backward_hooks or getattr(_m, "_global_backward_pre_hooks", None)
         or any(not getattr(h, "_fusedrc_hook", False) for h in _m._global_forward_pre_hooks.values())
     )
 
@@ -170,6 +174,9 @@ def norm_kind(m, cls=None):
         return "layer", m.eps
     if t is getattr(nn, "RMSNorm", None) and len(m.normalized_shape) == 1:
         return "rms", m.eps
+    if (t.__module__ == "timm.layers.norm" and t.__name__ == "LayerNorm" and issubclass(t, nn.LayerNorm)
+            and len(m.normalized_shape) == 1 and m.__dict__.get("_fast_norm") is False):
+        return "layer", m.eps  # timm's LayerNorm: F.layer_norm unless its fast (apex / low-precision) path is on
     if not isinstance(m, nn.Module) or issubclass(t, (nn.LayerNorm, nn.Linear)) or \
             not t.__name__.endswith(("RMSNorm", "LayerNorm")):
         return None

@@ -118,7 +118,7 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, bn_act_conv_call,
-                        conv_bn_act_call, fused_dropout_p, is_linear, norm_call_args, norm_kind)
+                        conv_bn_act_call, fused_dropout_p, global_hooks, is_linear, norm_call_args, norm_kind)
 from ._saved import SavedBytes
 from ._state import inside_region, top_saved_tensors_pack
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
@@ -577,16 +577,20 @@ def _run_dense(site, kind, act, mods, x, norm=None):
     linears = (first, last) if kind == "ffn" else (first,)
     args = {}
     if norm is not None:
-        args = norm_call_args(norm, x) if site is not None and site.enabled else None
+        # a norm that passed its input through (a _NormFirst) runs as its class, never passing through
+        run_norm = norm.plain if isinstance(norm, _NormFirst) else norm
+        args = None
+        if site is not None and site.enabled:
+            args = _norm_args(norm, x) if isinstance(norm, _NormFirst) else norm_call_args(norm, x)
         if args is None:  # the norm runs as itself: the unit off, hooks on it, a dtype the op does not model
-            x, args = norm(x), {}
+            x, args = run_norm(x), {}
     if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _still(act, mods[1], *linears) \
             or not _dense_runtime_ok(x, *linears):
-        return plain(norm(x) if args else x)
+        return plain(run_norm(x) if args else x)
     if kind == "ffn":
         return _run_site(site, lambda x: F.fused_mlp(x, first.weight, first.bias, last.weight, last.bias, act,
                                                      dropout_p=p, **args),
-                         (lambda x: plain(norm(x))) if args else plain, x)
+                         (lambda x: plain(run_norm(x))) if args else plain, x)
     return _run_site(site, lambda x: F.linear_act(x, first.weight, first.bias, act), plain, x)
 
 
@@ -828,14 +832,23 @@ class _NormFirst(Wrapper):
         flag = None if consumer is None else consumer.__dict__.get("_fusedrc_norm_pass")
         if flag is not None:
             flag.arm(False)  # left armed by a layer call that raised half-way
-        if (flag is None or getattr(consumer, "_compiled_call_impl", None) is not None or not _free(self, consumer)
-                or _norm_args(self, x) is None or not consumer._fusedrc_fusable(x)):
+        if (flag is None or getattr(consumer, "_compiled_call_impl", None) is not None or not _free(self)
+                or not _consumer_free(consumer) or _norm_args(self, x) is None or not consumer._fusedrc_fusable(x)):
             return self.plain(*args, **kwargs)
         flag.arm()
         return x
 
     def _get_name(self):
         return f"NormFirst({_class_of(self).__name__}, computed in {self.__dict__['_fusedrc_consumer']})"
+
+
+def _consumer_free(m):
+    """``_free`` for the FFN after a norm: no hooks, no mark; an fx pass's instance forward is convert's own."""
+    fwd = m.__dict__.get("forward")
+    if not isinstance(fwd, _FxForward):
+        return _free(m)
+    return not (_is_marked(m) or global_hooks() or m._forward_hooks or m._forward_pre_hooks
+                or getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None))
 
 
 def _norm_args(norm, x):
@@ -934,6 +947,18 @@ def _norm_call_line(lines, key, consumer_key):
                 return False
         return parent is fn or dead_after(parent, y)
 
+    def calls_on(line):
+        return sum(1 for n in _ast.walk(fn) if isinstance(n, _ast.Call) and getattr(n, "lineno", None) == line
+                   and isinstance(n.func, _ast.Attribute) and n.func.attr == key)
+
+    for call in _ast.walk(fn):
+        # ``self.<consumer_key>(self.<key>(x))``: the norm's output goes to the FFN and nowhere else (timm's
+        # ``self.mlp(self.norm2(x))``); told by its line, so the only norm call there
+        if (isinstance(call, _ast.Call) and isinstance(call.func, _ast.Attribute) and call.func.attr == consumer_key
+                and isinstance(call.func.value, _ast.Name) and call.func.value.id == "self" and len(call.args) == 1
+                and not call.keywords and _self_call(call.args[0], key) and not looped(call)
+                and calls_on(call.args[0].lineno) == 1):
+            return call.args[0].lineno - 1
     for stmt in _ast.walk(fn):
         if not (isinstance(stmt, _ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], _ast.Name)
                 and _self_call(stmt.value, key)) or looped(stmt):
@@ -953,12 +978,22 @@ def _norm_call_line(lines, key, consumer_key):
     return None
 
 
-def _norm_consumer(model, unit):
+def _norm_consumer(ctx, model, unit):
     """``(layer, key, consumer)`` of a fused FFN unit that a norm could run first in: a fused FFN
-    wrapper at ``layer.<key>``, or an inlined FFN's head (its ``fc1``); else None."""
+    wrapper at ``layer.<key>``, an inlined FFN's head (its ``fc1``), or an MLP module the fx pass
+    rewrote whose input feeds the FFN alone; else None."""
     head = unit.enable.attrs.get("fc1") if isinstance(unit.enable, _Switch) else None
     if isinstance(head, _FFNHead):
         return unit.enable.target, "fc1", head
+    if unit.name in ctx.fx_consumers:
+        name, module, fused = ctx.fx_consumers[unit.name]
+        parent, _, key = name.rpartition(".")
+        layer = _lookup(model, parent)
+        if layer is None or layer._modules.get(key) is not module:
+            return None
+        module.__dict__.update(_fusedrc_fx_entry=fused, _fusedrc_fusable=_FxConsumer(module, fused, "fusable"),
+                               _fusedrc_site=_FxConsumer(module, fused, "site"))
+        return layer, key, module
     module = _lookup(model, unit.name)
     if not isinstance(module, _NORM_CONSUMERS) or not unit.name:
         return None
@@ -972,7 +1007,7 @@ def _norm_first(ctx, model):
     with a fused FFN unit at ``<ffn>`` and a norm the FFN ops model at ``<norm>``, the norm joins the
     FFN's unit (its kind gets a ``norm_`` prefix)."""
     for unit in ctx.units:
-        found = _norm_consumer(model, unit)
+        found = _norm_consumer(ctx, model, unit)
         if found is None:
             continue
         layer, ckey, consumer = found
@@ -1081,6 +1116,12 @@ class _FxFused(nn.Module):
     def forward(self, x, *registered):
         fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
         mods = [fixed[i] if i in fixed else next(live) for i in range(len(fixed) + len(registered))]
+        # the norm before the module whose graph starts with this chain passed x through (_FxForward)
+        pending = self.__dict__.get("_fusedrc_pending")
+        norm = None if pending is None or torch.compiler.is_compiling() else \
+            pending.pop(_threading.get_ident(), None)
+        if norm is not None:
+            return _run_dense(self.site, self.kind, self.act, mods, x, norm=norm)
         return _run_chain(self.site, self.kind, self.act, mods, x)
 
     def extra_repr(self):
@@ -1193,6 +1234,7 @@ class ConvertPlan:
 class _Context:
     def __init__(self):
         self.units, self.blocks, self.skipped = [], [], []
+        self.fx_consumers = {}  # FFN unit name -> (module name, module, its _FxFused): an fx-rewritten MLP module
 
     def unit(self, name, kind, enable, disable, recompute_modules=()):
         self.units.append(_Unit(name, kind, enable, disable, tuple(recompute_modules)))
@@ -2450,9 +2492,41 @@ class _FxForward:
 
     def __call__(self, *args, **kwargs):
         gm = self._graph()
+        fused = self.module.__dict__.get("_fusedrc_fx_entry")
+        if fused is not None and len(args) == 1 and not kwargs:
+            # the norm before this module passed x through: the graph's first chain (x's one user) runs it
+            norm, norm_args = _armed_norm(self.module, args[0])
+            if norm is not None:
+                if gm is None or norm_args is None:
+                    args = (norm.plain(args[0]),)
+                else:
+                    fused.__dict__.setdefault("_fusedrc_pending", {})[_threading.get_ident()] = norm
+                    try:
+                        return type(gm).forward(self.module, *args)
+                    finally:
+                        fused.__dict__["_fusedrc_pending"].pop(_threading.get_ident(), None)
         if gm is None:
             return type(self.module).forward(self.module, *args, **kwargs)
         return type(gm).forward(self.module, *args, **kwargs)
+
+
+class _FxConsumer:
+    """An fx-rewritten MLP module's consumer interface (``_fusedrc_fusable``, ``_fusedrc_site``: set on the
+    instance) for the norm before it: its graph's input feeds only its first FFN chain (checked by the fx
+    pass), which runs the norm when the norm passed its input through."""
+
+    def __init__(self, module, fused, what):
+        self.module, self.fused, self.what = module, fused, what
+
+    def _fusedrc_rebind(self, replica):
+        return _FxConsumer(replica, self.fused, self.what)
+
+    def __call__(self, x=None):
+        site = self.fused.site
+        if self.what == "site":
+            return site
+        fx = self.module.__dict__.get("forward")
+        return site.enabled and isinstance(fx, _FxForward) and fx._graph() is not None
 
 
 def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()):
@@ -2771,6 +2845,12 @@ def _fx_chains(gm, prefix, skip):
     return found
 
 
+def _only_input_user(gm, node):
+    """Whether ``node`` reads the graph's one input and is its only reader."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return len(inputs) == 1 and node.args[:1] == (inputs[0],) and len(inputs[0].users) == 1
+
+
 def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
     """Rewrite ``model``'s fused chains through its fx graph(s): the number found, or the reason it
     could not be traced (a str). With one graph per training mode, a chain is fused when every
@@ -2803,6 +2883,10 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
         first = 1 if kind == "norm_ffn" else 0  # an FFN's unit is named by its fc1, which its FLOPs are
         ctx.unit(_join(prefix, chain[first].target), kind, *_site_switches(fused_by_key[key][0].site),
                  (modules[first],))
+        if kind == "ffn" and prefix and all(any(c[0] == key and _only_input_user(gm, c[2][0]) for c in chains[mode])
+                                            for mode, gm in graphs.items()):
+            # the module's input feeds this FFN alone: a norm before the module can run inside it
+            ctx.fx_consumers[_join(prefix, chain[first].target)] = (prefix, model, fused_by_key[key][0])
         found += 1
     if not found:
         return 0

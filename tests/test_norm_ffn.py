@@ -663,3 +663,47 @@ def test_float64_input_under_autocast_is_refused_as_eager_refuses_it():
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="w1 has dtype torch.bfloat16"):
         fusedrc.functional.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm="rms",
                                      norm_weight=torch.ones(8, dtype=torch.float64))
+
+
+def _vit(family):
+    try:
+        C.import_torchvision()
+    except ImportError:
+        pass
+    torch.manual_seed(0)
+    if family == "hf_vit":
+        tr = pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+        cfg = tr.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           image_size=32, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return tr.ViTForImageClassification(cfg), torch.randn(2, 3, 32, 32), "vit.layers.0.layernorm_after"
+    timm = pytest.importorskip("timm", reason="timm is not installed (test extra)")
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, depth=2), \
+        torch.randn(2, 3, 32, 32), "blocks.0.norm2"
+
+
+@pytest.mark.parametrize("family", ["hf_vit", "timm_vit"])
+def test_convert_vision_transformers(family):
+    """Hugging Face's ViT (``layernorm_after`` then an MLP module the fx pass rewrote) and timm's
+    (``self.mlp(self.norm2(x))`` in one expression; timm's LayerNorm): the norm joins the FFN's unit
+    through the MLP's graph, whose input feeds its FFN alone. Outputs and gradients as the original's,
+    fewer bytes than without the norms (a hook on each makes it run as itself)."""
+    model, x, norm_name = _vit(family)
+    model.train()
+    conv = fusedrc.convert(model)
+    assert {u.kind for u in conv.fusedrc_plan.units} == {"norm_ffn"}
+    assert isinstance(conv.get_submodule(norm_name), C._NormFirst)
+
+    def step(m):
+        y = m(x)
+        y = getattr(y, "logits", y)
+        return y, torch.autograd.grad(y.square().sum(), list(m.parameters()))
+
+    y_ref, g_ref = step(model)
+    y, g = step(conv)
+    assert torch.equal(y, y_ref) and all(rel_err(a, b) <= 1e-5 for a, b in zip(g, g_ref))
+    fused = saved_bytes(conv, (x,))
+    hooks = [m.register_forward_hook(lambda *a: None) for m in conv.modules() if isinstance(m, C._NormFirst)]
+    assert saved_bytes(conv, (x,)) > fused
+    assert torch.equal(step(conv)[0], y_ref)
+    for h in hooks:
+        h.remove()
