@@ -979,27 +979,27 @@ def _norm_call_line(lines, key, consumer_key):
 
 
 def _norm_consumer(ctx, model, unit):
-    """``(layer, key, consumer)`` of a fused FFN unit that a norm could run first in: a fused FFN
-    wrapper at ``layer.<key>``, an inlined FFN's head (its ``fc1``), or an MLP module the fx pass
-    rewrote whose input feeds the FFN alone; else None."""
+    """``(layer, key, consumer, its instance attributes to set)`` of a fused FFN unit that a norm could
+    run first in: a fused FFN wrapper at ``layer.<key>``, an inlined FFN's head (its ``fc1``), or an MLP
+    module the fx pass rewrote whose input feeds the FFN alone; else None."""
     head = unit.enable.attrs.get("fc1") if isinstance(unit.enable, _Switch) else None
     if isinstance(head, _FFNHead):
-        return unit.enable.target, "fc1", head
+        return unit.enable.target, "fc1", head, {}
     if unit.name in ctx.fx_consumers:
         name, module, fused = ctx.fx_consumers[unit.name]
         parent, _, key = name.rpartition(".")
         layer = _lookup(model, parent)
         if layer is None or layer._modules.get(key) is not module:
             return None
-        module.__dict__.update(_fusedrc_fx_entry=fused, _fusedrc_fusable=_FxConsumer(module, fused, "fusable"),
-                               _fusedrc_site=_FxConsumer(module, fused, "site"))
-        return layer, key, module
+        # its consumer interface, set on the instance when a norm joins it
+        return layer, key, module, dict(_fusedrc_fx_entry=fused, _fusedrc_fusable=_FxConsumer(module, fused, "fusable"),
+                                        _fusedrc_site=_FxConsumer(module, fused, "site"))
     module = _lookup(model, unit.name)
     if not isinstance(module, _NORM_CONSUMERS) or not unit.name:
         return None
     parent, _, key = unit.name.rpartition(".")
     layer = _lookup(model, parent)
-    return None if layer is None else (layer, key, module)
+    return None if layer is None else (layer, key, module, {})
 
 
 def _norm_first(ctx, model):
@@ -1010,7 +1010,7 @@ def _norm_first(ctx, model):
         found = _norm_consumer(ctx, model, unit)
         if found is None:
             continue
-        layer, ckey, consumer = found
+        layer, ckey, consumer, interface = found
         if isinstance(layer, Wrapper) or _foreign_forward(layer):
             continue  # its forward is not its class's code
         try:
@@ -1027,7 +1027,7 @@ def _norm_first(ctx, model):
             new.__dict__.update(_fusedrc_layer=layer, _fusedrc_key=nkey, _fusedrc_line=start + i,
                                 _fusedrc_consumer=ckey)
             consumer.__dict__.update(_fusedrc_layer=layer, _fusedrc_normed_key=ckey, _fusedrc_norm_key=nkey,
-                                     _fusedrc_norm_pass=_PassThrough())
+                                     _fusedrc_norm_pass=_PassThrough(), **interface)
             bind_replicas(consumer)
             unit.kind = "norm_" + unit.kind
             unit.recompute_modules += (new,)
