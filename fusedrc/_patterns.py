@@ -149,6 +149,7 @@ def _rms_probe(m, cls, w):
     probe = (torch.randn(4, size, generator=gen) * 3).to(w.dtype).to(w.device)
     weight = (torch.randn(size, generator=gen) + 1).to(w.dtype).to(w.device)
     stand_in = copy.copy(m)
+    stand_in.__dict__.pop("weight", None)  # an nn.DataParallel replica holds it as a plain attribute
     stand_in._parameters = dict(m._parameters, weight=nn.Parameter(weight, requires_grad=False))
     try:
         with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
@@ -180,7 +181,7 @@ def norm_kind(m, cls=None):
     if not isinstance(m, nn.Module) or issubclass(t, (nn.LayerNorm, nn.Linear)) or \
             not t.__name__.endswith(("RMSNorm", "LayerNorm")):
         return None
-    w = m._parameters.get("weight")
+    w = getattr(m, "weight", None)  # (a replica's parameters are plain attributes, not in _parameters)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point() or w.device.type == "meta":
         return None
@@ -206,7 +207,8 @@ def norm_call_args(m, x, cls=None):
     if kind is None:
         return None
     kind, eps = kind
-    w, b = m._parameters.get("weight"), m._parameters.get("bias")
+    # attributes, not _parameters: an nn.DataParallel replica holds its parameters as plain attributes
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
     size = w.shape[0] if isinstance(w, torch.Tensor) else m.normalized_shape[0]
     if x.shape[-1] != size or any(isinstance(t, torch.Tensor) and (t.dtype != x.dtype or t.device != x.device)
                                   for t in (w, b)):

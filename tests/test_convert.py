@@ -2088,8 +2088,9 @@ def _timm():
     ("efficientnet_b0", {}, {"conv_bn_act": 33, "conv_bn": 16}, 16),
     # nn.Identity placeholders (drop_block, aa) between BN and the activation
     ("resnet18", {}, {"conv_bn_relu": 9, "conv_bn": 11}, 8),
-    # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block
-    ("vit_tiny_patch16_224", dict(img_size=32), {"ffn": 12}, 12),
+    # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block, with the block's norm2
+    # before it (self.mlp(self.norm2(x))) inside the op
+    ("vit_tiny_patch16_224", dict(img_size=32), {"norm_ffn": 12}, 12),
     # Conv-BN-LeakyReLU(0.01) through BatchNormAct2d; cspnet's DarkBlock
     ("darknet17", {}, {"conv_bn_act": 16}, 5),
     # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels

@@ -120,7 +120,7 @@ EXPECTED_UNITS = {
     "conv": {"features.0": "conv_bn_relu", "features.3": "conv_bn_relu", "pre.0": "bn_relu_conv",
              "head.0": "linear_act"},
     "syncbn": {"head.0": "linear_act"},
-    "mlp": {"ffn.0": "ffn", "block.1": "ffn"},
+    "mlp": {"ffn.0": "ffn", "block.1": "norm_ffn"},  # block: LayerNorm -> FFN, the norm inside the op
 }
 
 
