@@ -4,7 +4,8 @@
 #   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN), less
 #            the files that never touch CUDA (reference, docs, examples, inspect: CI's; FUSEDRC_ALL_TESTS=1 keeps them);
 #            FUSEDRC_TEST_WORKERS (default 12) overrides the worker count
-#   kernels  per-kernel microbenchmarks (fusedrc-bench kernels)
+#   kernels  per-kernel microbenchmarks (fusedrc-bench kernels; since 2026-11-26 with norm_gated_mlp: Llama's
+#            RMSNorm run inside the gated FFN op, never timed on a GPU yet)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_graph  the same shapes as CUDA graph replays (GPU time: eager layer steps there are host-bound),
