@@ -133,7 +133,7 @@ def _plain_bn(m, c):
     return type(m) is nn.BatchNorm2d and m.num_features == c
 
 
-def _rms_probe(m, cls, w):
+def _rms_probe(m, cls, w, eps):
     """The RMS kind (``"llama_rms"`` or ``"rms"``) that ``cls.forward`` computes on ``m``, bit for bit,
     or None. Class names say nothing of the casts (T5's and Llama's norms round twice in 16-bit dtypes,
     Helium's once, Gemma's multiplies by 1 + weight), so it is run once on a probe: random input and a
@@ -141,7 +141,6 @@ def _rms_probe(m, cls, w):
     copy of ``m``, through the class's forward (no hooks run, autocast off)."""
     from . import reference
 
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if isinstance(eps, bool) or not isinstance(eps, float):
         return None
     gen = torch.Generator().manual_seed(0)
@@ -191,7 +190,7 @@ def norm_kind(m, cls=None):
         return cached[1]
     if torch.compiler.is_compiling():
         return None
-    kind = _rms_probe(m, t, w)
+    kind = _rms_probe(m, t, w, eps)
     kind = None if kind is None else (kind, eps)
     m.__dict__["_fusedrc_norm_probe"] = (key, kind)
     return kind

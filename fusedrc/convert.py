@@ -579,9 +579,7 @@ def _run_dense(site, kind, act, mods, x, norm=None):
     if norm is not None:
         # a norm that passed its input through (a _NormFirst) runs as its class, never passing through
         run_norm = norm.plain if isinstance(norm, _NormFirst) else norm
-        args = None
-        if site is not None and site.enabled:
-            args = _norm_args(norm, x) if isinstance(norm, _NormFirst) else norm_call_args(norm, x)
+        args = _norm_args(norm, x) if site is not None and site.enabled else None
         if args is None:  # the norm runs as itself: the unit off, hooks on it, a dtype the op does not model
             x, args = run_norm(x), {}
     if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _still(act, mods[1], *linears) \
@@ -741,22 +739,18 @@ class _FFNHead(nn.Linear):
 
     def forward(self, x):
         norm, norm_args = _armed_norm(self, x)
-        if norm is not None:
-            unfused_norm = norm.plain
+        prenorm = (lambda x: x) if norm is None else norm.plain  # the norm passed x through: run it unfused
         layer, act_slot, tail = self._peers()
         peers = [m for m in (act_slot, tail) if isinstance(m, (_FFNAct, _FFNTail))]
         for m in peers:  # left armed by a layer call that raised half-way
             m.__dict__["_fusedrc_pass"].arm(False)
         if not self._whole(layer, act_slot, tail):
-            if norm is not None:
-                x = unfused_norm(x)
-            return nn.functional.linear(x, self.weight, self.bias)
+            return nn.functional.linear(prenorm(x), self.weight, self.bias)
         act_mod, act = act_slot.__dict__["_fusedrc_act_mod"], self.__dict__["_fusedrc_act"]
 
         def plain(x):  # fc2's parameters from the tail, the module registered in the layer
-            if norm is not None:
-                x = unfused_norm(x)
-            return nn.functional.linear(act_mod(nn.functional.linear(x, self.weight, self.bias)), tail.weight, tail.bias)
+            return nn.functional.linear(act_mod(nn.functional.linear(prenorm(x), self.weight, self.bias)),
+                                        tail.weight, tail.bias)
 
         if not _dense_runtime_ok(x, self, tail) or norm is not None and norm_args is None:
             out = plain(x)
@@ -852,8 +846,8 @@ def _consumer_free(m):
 
 
 def _norm_args(norm, x):
-    """The fused FFN's norm arguments for ``norm`` (a _NormFirst) on ``x``, or None where its op
-    would not compute what the norm's forward does (its epsilon and dtype read now)."""
+    """The fused FFN's norm arguments for norm module ``norm`` (a _NormFirst or a plain one) on ``x``, or
+    None where its op would not compute what the norm's class computes (its epsilon and dtype read now)."""
     return norm_call_args(norm, x, _class_of(norm))
 
 
@@ -886,10 +880,12 @@ def _with_norm(consumer, x, fused, plain):
 
 
 def _self_call(node, attr, arg=None):
-    """Whether ``node`` is ``self.<attr>(<name>)``, the name ``arg`` if given: one positional name."""
+    """Whether ``node`` is ``self.<attr>(<name>)``, the name ``arg`` if given: one positional name (with
+    ``arg=...``, any one positional expression)."""
     return (isinstance(node, _ast.Call) and isinstance(node.func, _ast.Attribute) and node.func.attr == attr
             and isinstance(node.func.value, _ast.Name) and node.func.value.id == "self" and len(node.args) == 1
-            and not node.keywords and isinstance(node.args[0], _ast.Name) and arg in (None, node.args[0].id))
+            and not node.keywords
+            and (arg is ... or isinstance(node.args[0], _ast.Name) and arg in (None, node.args[0].id)))
 
 
 def _norm_call_line(lines, key, consumer_key):
@@ -954,9 +950,7 @@ def _norm_call_line(lines, key, consumer_key):
     for call in _ast.walk(fn):
         # ``self.<consumer_key>(self.<key>(x))``: the norm's output goes to the FFN and nowhere else (timm's
         # ``self.mlp(self.norm2(x))``); told by its line, so the only norm call there
-        if (isinstance(call, _ast.Call) and isinstance(call.func, _ast.Attribute) and call.func.attr == consumer_key
-                and isinstance(call.func.value, _ast.Name) and call.func.value.id == "self" and len(call.args) == 1
-                and not call.keywords and _self_call(call.args[0], key) and not looped(call)
+        if (_self_call(call, consumer_key, ...) and _self_call(call.args[0], key) and not looped(call)
                 and calls_on(call.args[0].lineno) == 1):
             return call.args[0].lineno - 1
     for stmt in _ast.walk(fn):

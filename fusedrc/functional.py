@@ -108,7 +108,7 @@ _NORM_DOC = """norm: None, or a norm of ``x`` over its last dimension run first 
             (``F.rms_norm``, ``nn.RMSNorm``) or ``"llama_rms"`` (Hugging Face's Llama, Mistral,
             Qwen2 and T5 RMSNorm: normalized in float32, cast to x's dtype, then times the
             weight). The op then keeps ``x``, the norm's input, in place of its output, and
-            backward computes the norm again from it (one pass over ``x``, aten's kernels).
+            backward computes the norm again from it, once (aten's ops).
         norm_weight, norm_bias: the norm's ``(in_features,)`` weight and (``"layer"`` only)
             bias, in x's dtype, or None.
         norm_eps: the norm's epsilon."""
@@ -212,8 +212,7 @@ def fused_mlp(
     _check_linear(x_ffn, w2, b2, "w2", "b2", in_features=w1.shape[0],
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     def plain(x):
-        if norm is not None:
-            x = reference.norm_forward(x, norm, norm_weight, norm_bias, norm_eps).to(w1.dtype)
+        x = ops._ffn_input(x, w1, norm, norm_weight, norm_bias, norm_eps)
         a = torch.nn.functional.dropout(reference.linear_act_forward(x, w1, b1, activation), dropout_p)
         return torch.nn.functional.linear(a, w2, b2)
 
@@ -281,8 +280,7 @@ def gated_mlp(
     _check_linear(x_ffn, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
     def plain(x):
-        if norm is not None:
-            x = reference.norm_forward(x, norm, norm_weight, norm_bias, norm_eps).to(w_gate.dtype)
+        x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps)
         a = reference.activation_forward(torch.nn.functional.linear(x, w_gate, b_gate), activation) \
             * torch.nn.functional.linear(x, w_up, b_up)
         return torch.nn.functional.linear(torch.nn.functional.dropout(a, dropout_p), w_down, b_down)

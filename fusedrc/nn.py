@@ -85,13 +85,13 @@ def _check_norm_module(norm, size):
         raise ValueError(f"norm must normalize {size} features (the first layer's in_features), got {got}")
 
 
-def _ffn_input(module, x):
+def _ffn_input(module, x, fused=True):
     """``(x, the fused op's norm arguments)`` of an FFN module holding a ``norm``: the norm runs inside
-    the op where it can, else here, as the module it is (hooks, another dtype)."""
+    the op where it can (``fused``), else here, as the module it is (hooks, another dtype)."""
     norm = module._modules.get("norm")
     if norm is None:
         return x, {}
-    args = norm_call_args(norm, x)
+    args = norm_call_args(norm, x) if fused else None
     return (norm(x), {}) if args is None else (x, args)
 
 
@@ -222,7 +222,7 @@ class FusedMLP(nn.Module):
         _check_features(x, "in_features", self.fc1.in_features, type(self).__name__)
         p = self.dropout if self.training else 0.0
         if not _as_built(self.fc1, self.fc2):
-            x = x if self._modules.get("norm") is None else self.norm(x)
+            x, _ = _ffn_input(self, x, fused=False)
             return self.fc2(TF.dropout(activation_forward(self.fc1(x), self.activation), p))
         x, norm = _ffn_input(self, x)
         return F.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation,
@@ -310,7 +310,7 @@ class GatedMLP(nn.Module):
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         p = self.dropout if self.training else 0.0
         if not _as_built(g, u, d):
-            x = x if self._modules.get("norm") is None else self.norm(x)
+            x, _ = _ffn_input(self, x, fused=False)
             return d(TF.dropout(activation_forward(g(x), self.activation) * u(x), p))
         x, norm = _ffn_input(self, x)
         return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, self.activation, dropout_p=p,

@@ -216,19 +216,11 @@ def _rms_input(x, norm):
     return x if norm == "rms" and x.dtype == torch.float64 else x.float()
 
 
-def _rms_output(x, norm, u, weight):
-    if norm == "rms":
-        return (u if weight is None else u * weight.to(u.dtype)).to(x.dtype)
-    u = u.to(x.dtype)
-    return u if weight is None else weight * u
-
-
 def norm_forward(x, norm, weight, bias, eps):
     """The norm of ``x`` over its last dimension, as the unfused module computes it (differentiable)."""
     if norm == "layer":
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    xf = _rms_input(x, norm)
-    return _rms_output(x, norm, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), weight)
+    return norm_with_stats(x, norm, weight, bias, eps)[0]
 
 
 def norm_with_stats(x, norm, weight, bias, eps):
@@ -239,7 +231,11 @@ def norm_with_stats(x, norm, weight, bias, eps):
         return out, (mean, rstd)
     xf = _rms_input(x, norm)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return _rms_output(x, norm, xf * rstd, weight), rstd
+    u = xf * rstd
+    if norm == "rms":
+        return (u if weight is None else u * weight.to(u.dtype)).to(x.dtype), rstd
+    u = u.to(x.dtype)
+    return (u if weight is None else weight * u), rstd
 
 
 def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None):
