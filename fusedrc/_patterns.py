@@ -37,11 +37,17 @@ def _foreign_forward(module):
     return f is not None and not getattr(f, "_fusedrc_forward", False)
 
 
+def _user_hooks(hooks):
+    return any(not getattr(h, "_fusedrc_hook", False) for h in hooks.values())
+
+
 def _own_hooks(module):
-    """Hooks registered on the module itself, or a forward replaced on the instance."""
+    """Hooks registered on the module itself (fusedrc's own aside: a converted model's norm scope),
+    or a forward replaced on the instance."""
     return bool(
-        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None)
-        or getattr(module, "_backward_pre_hooks", None) or _foreign_forward(module)
+        _user_hooks(module._forward_hooks) or _user_hooks(module._forward_pre_hooks)
+        or getattr(module, "_backward_hooks", None) or getattr(module, "_backward_pre_hooks", None)
+        or _foreign_forward(module)
     )
 
 

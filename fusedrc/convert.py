@@ -117,10 +117,12 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, activation_name, bn_act_conv_call,
-                        conv_bn_act_call, fused_dropout_p, global_hooks, is_linear, norm_call_args, norm_kind)
+from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
+                        bn_act_conv_call, conv_bn_act_call, fused_dropout_p, global_hooks, is_linear, norm_call_args,
+                        norm_kind)
+from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._saved import SavedBytes
-from ._state import inside_region, top_saved_tensors_pack
+from ._state import inside_region, top_saved_tensors_pack, traced, under_recompute_hooks
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
 from .reference import leaky_relu_name
 
@@ -799,6 +801,97 @@ class _FFNTail(nn.Linear):
         return "FusedFFN(fc2, computed in fc1)"
 
 
+# --------------------------------------------------------------------------- norms whose output is not kept
+# Outside the FFN, a norm's output goes to GEMMs (attention's q/k/v projections, the LM head, a post-norm
+# layer's successor) that keep it; the norm's autograd keeps its input as well. A _RecomputedNorm keeps the
+# input alone, and inside the converted model's call (a NormScope, opened by a forward pre-hook on the
+# root) whatever keeps its output keeps a recipe instead: _recomputed_norm.py.
+
+_NORM_NAME = _re.compile(r"(Layer|RMS|Group)Norm(2d)?")
+_TORCH_NORMS = tuple(c for c in (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None)) if c is not None)
+
+
+class _RecomputedNorm(Wrapper):
+    """A norm that keeps only its input for backward, whose consumers keep that input and a recipe in
+    place of its output (rebuilt once in backward, the norm's backward reusing it). Its own forward,
+    its class's, computes; called with anything but one tensor, without autograd, inside a recompute
+    (a fusedrc region, torch.utils.checkpoint), under torch.compile, or with hooks or a mark on it, it
+    is the norm as it was."""
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
+        site = self.sites.get("norm")
+        if (x is None or site is None or not site.enabled or torch.compiler.is_compiling()
+                or not torch.is_grad_enabled() or traced(x) or under_recompute_hooks() or not _free(self)):
+            return self.plain(*args, **kwargs)
+        # attributes, not _parameters: an nn.DataParallel replica holds its parameters as plain attributes
+        params = [t for t in (getattr(self, "weight", None), getattr(self, "bias", None)) if isinstance(t, torch.Tensor)]
+        if not (x.requires_grad or any(p.requires_grad for p in params)):
+            return self.plain(x)
+        if site.impl == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(self.plain, x, use_reentrant=False)
+        return recomputed_norm(self.plain, x, params)
+
+    def _get_name(self):
+        return f"RecomputedNorm({_class_of(self).__name__})"
+
+
+def _recomputable_norm(m):
+    """A norm the class of which computes its output from its input and its ``weight``/``bias`` alone:
+    torch's LayerNorm, GroupNorm and RMSNorm, and classes named ``*LayerNorm``/``*RMSNorm``/``*GroupNorm``
+    (``2d`` allowed) with no submodules, no buffers and no other parameters."""
+    cls = _class_of(m)
+    if isinstance(m, Wrapper) and not isinstance(m, _RecomputedNorm):
+        return False  # run by a rule's code (a _NormFirst: inside the FFN's op)
+    if not (issubclass(cls, _TORCH_NORMS) or _NORM_NAME.search(cls.__name__) and cls.__name__.endswith(
+            ("Norm", "Norm2d"))) or issubclass(cls, (nn.Linear, nn.modules.conv._ConvNd)):
+        return False
+    return (not m._modules and not m._buffers
+            and set(m._parameters) <= {"weight", "bias"} and "forward" not in m.__dict__)
+
+
+def _fx_inlined(model):
+    """ids of the modules whose code an fx-rewritten forward runs inline (never called as modules)."""
+    out = set()
+    for m in model.modules():
+        fx = m.__dict__.get("forward")
+        if isinstance(fx, _FxForward):
+            for name in fx.inlined:
+                try:
+                    out.add(id(m.get_submodule(name)))
+                except AttributeError:
+                    pass
+    return out
+
+
+def _recomputed_norms(ctx, model):
+    """Each norm module convert has not joined to an FFN becomes a unit of kind ``norm``; the root gets the
+    forward hooks that open a NormScope around its calls."""
+    inlined = _fx_inlined(model)
+    found = False
+
+    def visit(module, prefix):
+        nonlocal found
+        for key, child in module._modules.items():
+            if child is None or _is_marked(child):  # a user's mark: left as it is (reported by _rewrite)
+                continue
+            name = _join(prefix, key)
+            if _recomputable_norm(child) and id(child) not in inlined and id(child) not in ctx.joined_norms:
+                if not _nohooks(child):
+                    ctx.skip(name, "hooks registered on the norm")
+                    continue
+                _site_unit(ctx, _RecomputedNorm.wrap(child), name, "norm", "norm", ())
+                found = True
+            else:
+                visit(child, name)
+
+    if not _is_marked(model):
+        visit(model, "")
+    if found and not any(h is scope_enter for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(scope_enter)
+        model.register_forward_hook(scope_exit, always_call=True)
+
+
 # --------------------------------------------------------------------------- a norm run inside the FFN
 # Pre-norm transformers compute ``y = self.norm(x)`` and then ``z = self.mlp(y)``; y is read by nothing
 # else. With the FFN's unit on, the norm (a _NormFirst) passes x through on that call and arms the FFN
@@ -841,7 +934,7 @@ def _consumer_free(m):
     fwd = m.__dict__.get("forward")
     if not isinstance(fwd, _FxForward):
         return _free(m)
-    return not (_is_marked(m) or global_hooks() or m._forward_hooks or m._forward_pre_hooks
+    return not (_is_marked(m) or global_hooks() or _user_hooks(m._forward_hooks) or _user_hooks(m._forward_pre_hooks)
                 or getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None))
 
 
@@ -1229,6 +1322,7 @@ class _Context:
     def __init__(self):
         self.units, self.blocks, self.skipped = [], [], []
         self.fx_consumers = {}  # FFN unit name -> (module name, module, its _FxFused): an fx-rewritten MLP module
+        self.joined_norms = set()  # ids of the norm modules a Sequential's or an fx graph's norm_ffn unit runs
 
     def unit(self, name, kind, enable, disable, recompute_modules=()):
         self.units.append(_Unit(name, kind, enable, disable, tuple(recompute_modules)))
@@ -2403,6 +2497,8 @@ def _sequential(ctx, name, seq):
     keys = list(seq._modules.keys())
     for start, end, kind, act, rec in groups:
         key = keys[start + 1] if kind == "norm_ffn" else keys[start]  # an FFN's unit is named by its fc1
+        if kind == "norm_ffn":
+            ctx.joined_norms.add(id(seq[start]))
         site = _site_unit(ctx, new, _join(name, key), key, kind, rec)
         new.groups[start] = (kind, site, act, tuple(seq._modules.values())[start:end])
     return new
@@ -2875,6 +2971,8 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
                  if n.op != "call_module" or c is not mods.get(n.target)}
         fused_by_key[key] = (_FxFused(kind, fixed, act), f"_fusedrc_fx_{found}")
         first = 1 if kind == "norm_ffn" else 0  # an FFN's unit is named by its fc1, which its FLOPs are
+        if kind == "norm_ffn":
+            ctx.joined_norms.add(id(modules[0]))
         ctx.unit(_join(prefix, chain[first].target), kind, *_site_switches(fused_by_key[key][0].site),
                  (modules[first],))
         if kind == "ffn" and prefix and all(any(c[0] == key and _only_input_user(gm, c[2][0]) for c in chains[mode])
@@ -3238,6 +3336,7 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
     if not _is_marked(model):  # a marked root is left as it is
         reason = _fx_tree(ctx, model)
         _norm_first(ctx, model)
+        _recomputed_norms(ctx, model)
         _layer_blocks(ctx, model)
         _drop_nesting_blocks(ctx, model)
         if reason is not None and not ctx.units and not ctx.blocks:

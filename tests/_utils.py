@@ -125,3 +125,13 @@ def record_launches(monkeypatch, module, grids=False):
 
     monkeypatch.setattr(module, "launcher", spy)
     return seen
+
+
+def fused_without_norms(plan):
+    """``plan.fused`` less convert's norm units (norms whose output the ops after them do not keep,
+    tested in test_recomputed_norm.py): the names of the fused FFN / Conv-BN units switched on."""
+    return [u.name for u in plan.units if u.selected and u.kind != "norm"]
+
+
+def norm_units(plan):
+    return [u.name for u in plan.units if u.selected and u.kind == "norm"]

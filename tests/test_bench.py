@@ -290,7 +290,8 @@ def test_mixtral_quick_run(tmp_path):
 
     doc, plots = _quick_model_run(tmp_path, "mixtral")
     info = doc["workloads"]["mixtral"]
-    assert info["units"] == 2 and info["blocks"] == 2 and info["unit_kinds"] == ["moe_experts"]
+    # 2 experts units; 5 norms (2 a layer, the final one) whose outputs are not kept
+    assert info["units"] == 7 and info["blocks"] == 2 and info["unit_kinds"] == ["moe_experts", "norm"]
     cs = {c["strategy"]: c for c in doc["configs"]}
     assert set(cs) == set(models.MODEL_STRATEGIES)
     saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}
@@ -306,7 +307,8 @@ def test_bert_quick_run(tmp_path):
 
     doc, plots = _quick_model_run(tmp_path, "bert")
     info = doc["workloads"]["bert"]
-    assert info["units"] == 3 and info["blocks"] == 2 and info["unit_kinds"] == ["ffn", "linear_act"]
+    # and 6 LayerNorms (embeddings', 2 a layer, the MLM head's) whose outputs are not kept
+    assert info["units"] == 9 and info["blocks"] == 2 and info["unit_kinds"] == ["ffn", "linear_act", "norm"]
     cs = {c["strategy"]: c for c in doc["configs"]}
     assert set(cs) == set(models.MODEL_STRATEGIES)
     saved = {k: c["saved_activation_bytes"] for k, c in cs.items()}

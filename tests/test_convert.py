@@ -20,7 +20,8 @@ import fusedrc
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
 from fusedrc.recompute import _is_marked
 
-from _utils import FusedOpLog, GemmCounter, SavedBytes, backend_device, rel_err, replicate_on_cpu
+from _utils import (FusedOpLog, GemmCounter, SavedBytes, backend_device, fused_without_norms, norm_units, rel_err,
+                    replicate_on_cpu)
 
 TOL = 1e-4
 
@@ -228,7 +229,10 @@ def test_opt_forward_backward_bytes_steps():
     ids = torch.randint(0, 128, (2, 32))
     conv = fusedrc.convert(model, example_inputs=(ids,))
     plan = conv.fusedrc_plan
-    assert plan.fused == ["model.decoder.layers.0.fc1", "model.decoder.layers.1.fc1"]
+    assert fused_without_norms(plan) == ["model.decoder.layers.0.fc1", "model.decoder.layers.1.fc1"]
+    # the attention's norms and the final one: their outputs are not kept (the FFNs' run inside their op)
+    assert sorted(norm_units(plan)) == ["model.decoder.final_layer_norm"] + \
+        [f"model.decoder.layers.{i}.self_attn_layer_norm" for i in range(2)]
     assert list(conv.state_dict()) == list(model.state_dict())
     conv.load_state_dict(model.state_dict())
     # weight views (a Linear saves weight.t()) are not counted: at this tiny size the attention's
@@ -251,7 +255,7 @@ def test_opt_blocks_and_dropout_after_fc2():
     ids = torch.randint(0, 128, (2, 16))
     conv = fusedrc.convert(model, policy="blocks", example_inputs=(ids,))
     plan = conv.fusedrc_plan
-    assert len(plan.fused) == 2 and len(plan.recomputed_blocks) == 2
+    assert len(fused_without_norms(plan)) == 2 and len(plan.recomputed_blocks) == 2
     assert plan.final_bytes < 0.3 * plan.baseline_bytes
     torch.manual_seed(1)
     la = model(ids, labels=ids).loss
@@ -268,7 +272,7 @@ def test_t5_forward_backward_bytes_steps():
     ids, dec = torch.randint(1, 128, (2, 16)), torch.randint(1, 128, (2, 8))
     conv = fusedrc.convert(model, example_inputs=(ids, None, dec))
     plan = conv.fusedrc_plan
-    assert len(plan.fused) == 4 and all(n.endswith("DenseReluDense") for n in plan.fused)
+    assert len(fused_without_norms(plan)) == 4 and all(n.endswith("DenseReluDense") for n in fused_without_norms(plan))
     assert list(conv.state_dict()) == list(model.state_dict())
     # bytes are whole storages kept alive (the attention saves views of larger buffers, which
     # count in full): 0.80 here, where counting each saved view's own size gave about 0.69
@@ -306,8 +310,9 @@ def test_t5_v1_1_gated_ffn(monkeypatch):
     ids, dec = torch.randint(1, 128, (2, 16)), torch.randint(1, 128, (2, 8))
     conv = fusedrc.convert(model, example_inputs=(ids, None, dec))
     plan = conv.fusedrc_plan
-    assert len(plan.fused) == 4 and all(n.endswith("DenseReluDense") for n in plan.fused)
-    assert {u.kind for u in plan.units} == {"norm_gated_ffn"}  # T5LayerFF's layer_norm runs inside the op
+    assert len(fused_without_norms(plan)) == 4 and all(n.endswith("DenseReluDense") for n in fused_without_norms(plan))
+    # T5LayerFF's layer_norm runs inside the op; the attention layers' and the stacks' final norms are recomputed
+    assert {u.kind for u in plan.units} == {"norm_gated_ffn", "norm"}
     assert plan.final_bytes <= _checkpoint_bytes(conv, (ids, None, dec))
     with FusedOpLog() as log:
         lb = conv(input_ids=ids, labels=dec).loss
@@ -335,7 +340,7 @@ def test_t5_dropout_between_is_fused(monkeypatch):
     model = _t5(dropout_rate=0.1)
     conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
-    assert len(plan.fused) == 4 and not plan.skipped
+    assert len(fused_without_norms(plan)) == 4 and not plan.skipped
     ps = _spy_dropout_p(monkeypatch, "fused_mlp")
     ids, dec = torch.randint(1, 128, (2, 8)), torch.randint(1, 128, (2, 4))
     model.eval(), conv.eval()
@@ -416,7 +421,7 @@ def test_other_hugging_face_families(family):
     model, args, kwargs, units = _hf_family(family)
     conv = fusedrc.convert(model, example_inputs=args)
     plan = conv.fusedrc_plan
-    assert plan.fused == units and not plan.skipped
+    assert fused_without_norms(plan) == units and not plan.skipped
     assert list(conv.state_dict()) == list(model.state_dict())
     assert plan.final_bytes < plan.baseline_bytes
     assert plan.final_bytes <= _checkpoint_bytes(conv, args)
@@ -437,7 +442,8 @@ def test_other_hugging_face_families(family):
     budget = fusedrc.convert(model, memory_budget=0.5, example_inputs=args).fusedrc_plan
     assert budget.final_bytes <= budget.target_bytes
     assert bool(budget.recomputed_blocks) == (plan.final_bytes > budget.target_bytes)  # blocks when units fall short
-    assert all(u.cost > 0 for u in budget.units) and all(b.cost > 0 for b in budget.blocks)  # GPT-2: Conv1D FLOPs
+    # GPT-2: Conv1D FLOPs; the norms rerun no GEMM (cost 0: taken first)
+    assert all((u.cost > 0) == (u.kind != "norm") for u in budget.units) and all(b.cost > 0 for b in budget.blocks)
 
 
 def test_albert_shared_layer_ffn():
@@ -454,7 +460,7 @@ def test_albert_shared_layer_ffn():
     ids = torch.randint(3, 100, (2, 12))
     conv = fusedrc.convert(model, example_inputs=(ids,))
     plan = conv.fusedrc_plan
-    assert plan.fused == ["albert.encoder.albert_layer_groups.0.albert_layers.0.ffn", "predictions.dense"]
+    assert fused_without_norms(plan) == ["albert.encoder.albert_layer_groups.0.albert_layers.0.ffn", "predictions.dense"]
     assert not plan.skipped and list(conv.state_dict()) == list(model.state_dict())
     assert plan.final_bytes < 0.5 * plan.baseline_bytes
     assert plan.final_bytes <= _checkpoint_bytes(conv, (ids,))
@@ -472,7 +478,7 @@ def test_albert_shared_layer_ffn():
     changed = copy.deepcopy(model)
     changed.albert.encoder.albert_layer_groups[0].albert_layers[0].__class__ = other
     with pytest.warns(UserWarning, match="ff_chunk is not ffn -> activation -> ffn_output"):
-        assert fusedrc.convert(changed).fusedrc_plan.fused == ["predictions.dense"]
+        assert fused_without_norms(fusedrc.convert(changed).fusedrc_plan) == ["predictions.dense"]
 
 
 def _split_ffn_model(tr, family, chunk=0, dropout=0.1):
@@ -520,7 +526,7 @@ def test_split_ffn_layers(family):
     ids = torch.randint(3, 100, (2, 12))
     conv = fusedrc.convert(model, example_inputs=(ids,))
     plan = conv.fusedrc_plan
-    assert plan.fused == [f"encoder.layer.{i}.intermediate" for i in range(2)] and not plan.skipped
+    assert fused_without_norms(plan) == [f"encoder.layer.{i}.intermediate" for i in range(2)] and not plan.skipped
     assert type(conv.encoder.layer[0]) is type(model.encoder.layer[0])  # its class (HF's checkpointing) stays
     assert list(conv.state_dict()) == list(model.state_dict())
     assert plan.final_bytes <= _checkpoint_bytes(conv, (ids,))
@@ -611,7 +617,7 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
         layer.output.__class__ = other
     with pytest.warns(UserWarning, match="is not dense -> dropout -> norm"):
         plan = fusedrc.convert(changed).fusedrc_plan
-    assert plan.fused == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
+    assert fused_without_norms(plan) == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
 
 
 def test_stand_ins_pair_per_thread():
@@ -722,7 +728,7 @@ def test_bart_activation_dropout_is_reported_not_fused():
                         activation_dropout=0.1, use_cache=False)
     with pytest.warns(UserWarning, match="activation_dropout=0.1 between fc1 and fc2"):
         plan = fusedrc.convert(tr.BartForConditionalGeneration(cfg)).fusedrc_plan
-    assert not plan.units and len(plan.blocks) == 2
+    assert not fused_without_norms(plan) and len(plan.blocks) == 2
 
 
 # --------------------------------------------------------------------------- plain models
@@ -984,7 +990,7 @@ def test_sequential_patterns_and_dropout_report():
 
 
 def test_no_pattern_warns_and_is_unchanged(capsys):
-    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
     with pytest.warns(UserWarning, match="no pattern found"):
         conv = fusedrc.convert(model, verbose=True)
     assert type(conv) is nn.Sequential and not conv.fusedrc_plan.units
@@ -1542,9 +1548,11 @@ def test_gated_mlps_found_by_their_forward(family):
     model.train()
     conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
-    assert plan.fused == [f"model.layers.{i}.mlp" for i in range(2)] and not plan.skipped
+    assert fused_without_norms(plan) == [f"model.layers.{i}.mlp" for i in range(2)] and not plan.skipped
     # Qwen2's RMSNorm is Llama's and runs inside the op; Gemma's (times 1 + weight) has no fused form
-    assert all(u.kind == {"qwen2": "norm_gated_ffn", "gemma": "gated_ffn"}[family] for u in plan.units)
+    # (and the other norms, Gemma's too, are recomputed on their own)
+    assert all(u.kind == {"qwen2": "norm_gated_ffn", "gemma": "gated_ffn"}[family] for u in plan.units if u.kind != "norm")
+    assert len(norm_units(plan)) == {"qwen2": 3, "gemma": 5}[family]
     with SavedBytes() as a:
         ya = model(ids).logits
     with SavedBytes() as b:
@@ -1726,7 +1734,7 @@ def test_layer_with_an_instance_forward_is_not_rewritten():
     layer.forward = types.MethodType(type(layer).forward, layer)
     with pytest.warns(UserWarning, match="forward set on the instance"):
         conv = fusedrc.convert(model, inplace=True)
-    assert conv.fusedrc_plan.fused == ["model.decoder.layers.1.fc1"]
+    assert fused_without_norms(conv.fusedrc_plan) == ["model.decoder.layers.1.fc1"]
     assert type(layer.fc1) is nn.Linear
 
 
@@ -1979,7 +1987,7 @@ def test_converting_a_converted_model_again(family):
     if family == "opt":  # a hook on a stand-in: that layer is left as it is, and said
         again.model.decoder.layers[1].fc2.register_forward_hook(lambda *a: None)
         plan = fusedrc.convert(again).fusedrc_plan
-        assert plan.fused == ["model.decoder.layers.0.fc1"]
+        assert fused_without_norms(plan) == ["model.decoder.layers.0.fc1"]
         assert any(n == "model.decoder.layers.1.fc1" and "converted already" in r for n, r in plan.skipped)
 
 
@@ -2007,7 +2015,7 @@ def test_parametrized_linears_are_left_as_they_are():
     model = _opt()
     weight_norm(model.model.decoder.layers[0].fc1)
     conv = fusedrc.convert(model)
-    assert conv.fusedrc_plan.fused == ["model.decoder.layers.1.fc1"]
+    assert fused_without_norms(conv.fusedrc_plan) == ["model.decoder.layers.1.fc1"]
     assert list(conv.state_dict()) == list(model.state_dict())
     batches = [torch.randint(0, 128, (2, 16)) for _ in range(2)]
     call = lambda m, b: m(b, labels=b).loss  # noqa: E731
@@ -2090,11 +2098,13 @@ def _timm():
     ("resnet18", {}, {"conv_bn_relu": 9, "conv_bn": 11}, 8),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block, with the block's norm2
     # before it (self.mlp(self.norm2(x))) inside the op
-    ("vit_tiny_patch16_224", dict(img_size=32), {"norm_ffn": 12}, 12),
+    # the attention's norm1 and the final norm: outputs not kept
+    ("vit_tiny_patch16_224", dict(img_size=32), {"norm_ffn": 12, "norm": 13}, 12),
     # Conv-BN-LeakyReLU(0.01) through BatchNormAct2d; cspnet's DarkBlock
     ("darknet17", {}, {"conv_bn_act": 16}, 5),
     # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels
-    ("convnext_atto", {}, {"conv_ffn": 12}, 12),
+    # (and timm's LayerNorm2d: each block's before its MLP, the stem's and the downsamples', outputs not kept)
+    ("convnext_atto", {}, {"conv_ffn": 12, "norm": 17}, 12),
     # pre-activation BatchNormAct2d -> Conv units (the stem a Conv-BN-ReLU); dense layers as blocks
     ("densenet121", {}, {"bn_relu_conv": 119, "conv_bn_relu": 1}, 58),
     # PreActBottleneck: norm1 -> conv1 unless a downsample shares norm1's output (then conv1 -> norm2)

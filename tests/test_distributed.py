@@ -118,8 +118,8 @@ CUDA_CASES = {
 }
 EXPECTED_UNITS = {
     "conv": {"features.0": "conv_bn_relu", "features.3": "conv_bn_relu", "pre.0": "bn_relu_conv",
-             "head.0": "linear_act"},
-    "syncbn": {"head.0": "linear_act"},
+             "head.0": "linear_act", "head.2": "norm"},  # head.2: a LayerNorm whose output is not kept
+    "syncbn": {"head.0": "linear_act", "head.2": "norm"},
     "mlp": {"ffn.0": "ffn", "block.1": "norm_ffn"},  # block: LayerNorm -> FFN, the norm inside the op
 }
 
@@ -392,7 +392,7 @@ def test_convert_leaves_syncbatchnorm_unfused():
     with pytest.warns(UserWarning, match="SyncBatchNorm is not fused"):
         conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
-    assert {u.name for u in plan.units if u.selected} == {"head.0"}
+    assert {u.name for u in plan.units if u.selected} == {"head.0", "head.2"}
     assert {n for n, _ in plan.skipped} == {"features.0", "features.3", "pre.0", "down.conv"}
     assert isinstance(conv.features[1], nn.SyncBatchNorm)
 

@@ -1,0 +1,302 @@
+"""Norms whose output is not kept (convert's units of kind ``norm``).
+
+A converted model's norm keeps only its input; inside the model's call, the ops that keep its output
+(the attention's projections, the head) keep a recipe and the output is rebuilt once in backward.
+The rebuilt output is the same ops on the same values, so outputs and gradients equal the
+original model's bit for bit; the bytes kept drop by at least the norm outputs' size.
+"""
+import copy
+import pickle
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fusedrc
+from fusedrc.convert import saved_bytes
+from fusedrc.errors import RecomputeError
+
+C = sys.modules["fusedrc.convert"]
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm, written out: its eager autograd keeps float32 copies."""
+
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class GemmaRMSNorm(LlamaRMSNorm):
+    """Gemma's (1 + weight) form: no fused FFN form, recomputed all the same (its own forward runs)."""
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+NORMS = {
+    "layer": lambda d: nn.LayerNorm(d),
+    "rms": lambda d: nn.RMSNorm(d, eps=1e-6),
+    "llama_rms": lambda d: LlamaRMSNorm(d),
+    "gemma_rms": lambda d: GemmaRMSNorm(d),
+}
+
+
+class Attention(nn.Module):
+    """A pre-norm attention block: the norm's output feeds three projections that keep it."""
+
+    def __init__(self, d, norm):
+        super().__init__()
+        self.norm = NORMS[norm](d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2) / 4.0, -1) @ self.v(h)
+        return x + self.o(a)
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, norm="layer", layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(Attention(d, norm) for _ in range(layers))
+        self.norm = NORMS[norm](d)
+        self.head = nn.Linear(d, 11)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _net(norm="layer", dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    net = Net(norm=norm, **kw).to(dtype).train()
+    with torch.no_grad():
+        for m in net.modules():
+            if hasattr(m, "variance_epsilon") or isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                for p in m.parameters():
+                    p.add_(torch.randn_like(p) * 0.3)
+    return net
+
+
+def _x(dtype=torch.float32, shape=(2, 7, 16)):
+    torch.manual_seed(1)
+    return torch.randn(shape, dtype=dtype)
+
+
+def _grads(model, x, autocast=None):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+        out = model(x)
+    (out.float() ** 2).sum().backward()
+    g = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.detach(), x.grad, g
+
+
+def _assert_same(a, b, exact=True):
+    """Equal outputs and gradients: bit for bit, or (``exact=False``) within rounding where the norm's
+    eager autograd reads x twice (nn.RMSNorm's composite ops, Gemma's x.float() twice): its two
+    gradient terms then meet the residual's in another order."""
+    out_a, dx_a, g_a = a
+    out_b, dx_b, g_b = b
+    same = torch.equal if exact else (lambda u, v: torch.allclose(u, v, rtol=1e-5, atol=1e-6))
+    assert torch.equal(out_a, out_b)
+    assert same(dx_a, dx_b)
+    assert g_a.keys() == g_b.keys()
+    for k in g_a:
+        assert same(g_a[k], g_b[k]), k
+
+
+NORM_UNITS = ["layers.0.norm", "layers.1.norm", "norm"]
+
+
+@pytest.mark.parametrize("norm,dtype,exact", [("layer", torch.float32, True), ("rms", torch.float32, False),
+                                              ("llama_rms", torch.bfloat16, True), ("gemma_rms", torch.float32, False)])
+def test_outputs_and_gradients_are_the_originals_and_the_norm_outputs_are_not_kept(norm, dtype, exact):
+    net, x = _net(norm, dtype), _x(dtype)
+    conv = C.convert(net)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units if u.kind == "norm"] == [(n, "norm") for n in NORM_UNITS]
+    _assert_same(_grads(net, x), _grads(conv, x), exact)
+    before, after = saved_bytes(net, (x,)), saved_bytes(conv, (x,))
+    norm_out = x.numel() * x.element_size()
+    # each of the three norm outputs was kept (by the projections, the head): none is now
+    assert after <= before - 3 * norm_out, (before, after)
+
+
+def test_the_norms_own_saves_are_its_input_alone():
+    # Llama's RMSNorm in bfloat16 keeps float32 copies of its input: the recomputed one keeps x only
+    norm = LlamaRMSNorm(16).bfloat16()
+    conv = C.convert(nn.Sequential(norm, nn.Tanh()))  # tanh keeps its output, not the norm's
+    x = _x(torch.bfloat16).requires_grad_()
+    assert saved_bytes(conv, (x,)) == x.numel() * x.element_size() * 2  # x and tanh's output
+    assert saved_bytes(nn.Sequential(LlamaRMSNorm(16).bfloat16(), nn.Tanh()), (x,)) > 4 * x.numel() * 2
+
+
+def test_under_autocast_the_casts_of_a_norm_output_are_recipes_too():
+    # float32 parameters, bfloat16 autocast: every projection casts the norm's output and keeps the cast
+    net, x = _net("llama_rms"), _x()
+    conv = C.convert(net)
+    # (float32 x: the norm's x.to(float32) is x itself, read twice)
+    _assert_same(_grads(net, x, autocast=True), _grads(conv, x, autocast=True), exact=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before, after = saved_bytes(net, (x,)), saved_bytes(conv, (x,))
+    # per layer three bfloat16 casts, and the final norm's one cast (head), are no longer kept
+    assert after <= before - 7 * x.numel() * 2, (before, after)
+
+
+def test_a_norm_output_changed_in_place_after_a_consumer_kept_it():
+    # eager raises (the Linear kept h for its weight's gradient); converted, the Linear kept a recipe
+    # of h as it read it, and the gradient is the one of what was computed
+    class Scaled(nn.Module):
+        def __init__(self, in_place):
+            super().__init__()
+            self.norm, self.fc, self.in_place = nn.LayerNorm(16), nn.Linear(16, 16), in_place
+
+        def forward(self, x):
+            h = self.norm(x)
+            a = self.fc(h)
+            h = h.mul_(2.0) if self.in_place else h * 2.0
+            return a + self.fc(h)  # h after the change: kept as it is
+
+    torch.manual_seed(0)
+    net, x = Scaled(True), _x()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _grads(net, x)
+    ref = copy.deepcopy(net)
+    ref.in_place = False
+    _assert_same(_grads(ref, x), _grads(C.convert(net), x))
+
+
+def test_a_norm_input_changed_in_place_raises_as_in_eager():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            x = x * 1.0
+            y = self.fc(self.norm(x))
+            x.add_(1.0)
+            return y
+
+    torch.manual_seed(0)
+    net = Bad()
+    for model in (net, C.convert(net)):
+        out = model(_x().requires_grad_())
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_double_backward_raises_a_clear_error():
+    net, x = _net(), _x().requires_grad_()
+    conv = C.convert(net)
+    out = conv(x)
+    with pytest.raises(RecomputeError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("outer", ["save_on_cpu", "checkpoint"])
+def test_under_outer_saved_tensor_hooks_the_gradients_hold(outer):
+    net, x = _net("llama_rms"), _x()
+    conv = C.convert(net)
+    ref = _grads(net, x)
+    xg = x.clone().requires_grad_()
+    if outer == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            out = conv(xg)
+    else:
+        out = torch.utils.checkpoint.checkpoint(conv, xg, use_reentrant=False)
+    (out.float() ** 2).sum().backward()
+    got = (out.detach(), xg.grad, {n: p.grad.clone() for n, p in conv.named_parameters()})
+    _assert_same(ref, got, exact=False)  # (float32: Llama's norm reads x twice)
+
+
+def test_a_norm_module_called_twice_and_a_shared_output():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.a, self.b = nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.norm(x)
+            g = self.norm(h * 0.5 + 1.0)
+            return self.a(h) * self.b(g) + h  # h kept by a, read again at the end
+
+    torch.manual_seed(0)
+    net, x = Shared(), _x()
+    _assert_same(_grads(net, x), _grads(C.convert(net), x))
+
+
+def test_policy_hooks_and_marks_leave_a_norm_as_it_is():
+    net = _net()
+    conv = C.convert(net, policy=lambda name, m: not name.endswith("norm"))
+    assert not [u.name for u in conv.fusedrc_plan.units if u.kind == "norm" and u.selected]
+    x = _x()
+    assert saved_bytes(conv, (x,)) == saved_bytes(net, (x,))
+    hooked = _net()
+    hooked.norm.register_forward_hook(lambda m, i, o: None)
+    with pytest.warns(UserWarning, match="hooks registered on the norm"):
+        plan = C.convert(hooked).fusedrc_plan
+    assert "norm" not in [u.name for u in plan.units]
+    marked = _net()
+    fusedrc.mark(marked.layers[0])
+    with pytest.warns(UserWarning, match="already marked"):
+        plan = C.convert(marked).fusedrc_plan
+    assert [u.name for u in plan.units if u.kind == "norm"] == ["layers.1.norm", "norm"]
+
+
+def test_a_budget_takes_the_norms_first():
+    net, x = _net(), _x()
+    conv = C.convert(net, memory_budget=0.99, example_inputs=(x,))
+    plan = conv.fusedrc_plan
+    assert plan.final_bytes <= plan.target_bytes
+    # the norms cost no GEMM to recompute: chosen before anything else
+    assert [u.kind for u in plan.units if u.selected] == ["norm"] * len([u for u in plan.units if u.selected])
+
+
+def test_copies_pickles_and_a_second_convert_keep_one_scope():
+    net, x = _net(), _x()
+    conv = C.convert(C.convert(net))
+    assert sum(h is C.scope_enter for h in conv._forward_pre_hooks.values()) == 1
+    ref = _grads(net, x)
+    for model in (conv, copy.deepcopy(conv), pickle.loads(pickle.dumps(conv))):
+        _assert_same(ref, _grads(model, x))
+        assert saved_bytes(model, (x,)) < saved_bytes(net, (x,))
+
+
+def test_a_norm_called_outside_the_models_call_still_keeps_only_its_input():
+    # no scope (a submodule called by hand): its consumers keep its output, it keeps x alone
+    net, x = _net("llama_rms", torch.bfloat16), _x(torch.bfloat16)
+    conv = C.convert(net)
+    layer, plain = conv.layers[0], net.layers[0]
+    xg = x.clone().requires_grad_()
+    # eager keeps x's float32 copy (and its normalized rows in bfloat16) in place of x
+    assert saved_bytes(layer, (xg,)) <= saved_bytes(plain, (xg,)) - 2 * x.numel() * 2
+    _assert_same(_grads(plain, x), _grads(layer, x))
+
+
+def test_torch_compile_runs_the_norms_as_they_are_with_no_graph_break():
+    net, x = _net(), _x()
+    conv = C.convert(net)
+    explain = torch._dynamo.explain(conv)(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(conv, backend="aot_eager")
+    out, dx, g = _grads(compiled, x)
+    ref = _grads(net, x)
+    torch.testing.assert_close(out, ref[0])
+    torch.testing.assert_close(dx, ref[1])
+    for k, v in ref[2].items():
+        torch.testing.assert_close(g["_orig_mod." + k], v)
