@@ -11,7 +11,12 @@
   Hugging Face ``OPTDecoderLayer`` and ``T5DenseActDense``): it runs
   :func:`fusedrc.functional.fused_mlp`, an ``nn.Dropout`` between the layers fused into it
   (mask regenerated in backward: same distribution, its own random stream); a lone
-  ``Linear -> act`` runs ``linear_act``;
+  ``Linear -> act`` runs ``linear_act``; a pre-norm layer's norm before its FFN runs inside
+  the FFN's op (``norm_ffn``);
+* every other norm module (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, ``*LayerNorm`` /
+  ``*RMSNorm`` classes): it keeps only its input, and within the converted model's call the ops
+  that keep its output keep a recipe instead, rebuilt once in backward (kind ``norm``,
+  ``_RecomputedNorm``);
 
 and, with ``policy="blocks"`` or a ``memory_budget``, recomputes whole blocks with
 :func:`fusedrc.mark` (MindSpore's ``Cell.recompute()``), fused ops inside.
