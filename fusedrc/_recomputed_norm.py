@@ -241,7 +241,7 @@ def scope_enter(module, args):
         return
     stack = _local.__dict__.setdefault("stack", [])
     scope = None
-    if _can_open():
+    if any(site.enabled for site in module.__dict__.get("_fusedrc_norm_sites", ())) and _can_open():
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         scope = NormScope(outer).__enter__()
     stack.append((module, scope))

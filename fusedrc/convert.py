@@ -873,10 +873,9 @@ def _recomputed_norms(ctx, model):
     """Each norm module convert has not joined to an FFN becomes a unit of kind ``norm``; the root gets the
     forward hooks that open a NormScope around its calls."""
     inlined = _fx_inlined(model)
-    found = False
+    sites = []
 
     def visit(module, prefix):
-        nonlocal found
         for key, child in module._modules.items():
             if child is None or _is_marked(child):  # a user's mark: left as it is (reported by _rewrite)
                 continue
@@ -885,14 +884,14 @@ def _recomputed_norms(ctx, model):
                 if not _nohooks(child):
                     ctx.skip(name, "hooks registered on the norm")
                     continue
-                _site_unit(ctx, _RecomputedNorm.wrap(child), name, "norm", "norm", ())
-                found = True
+                sites.append(_site_unit(ctx, _RecomputedNorm.wrap(child), name, "norm", "norm", ()))
             else:
                 visit(child, name)
 
     if not _is_marked(model):
         visit(model, "")
-    if found and not any(h is scope_enter for h in model._forward_pre_hooks.values()):
+    model.__dict__["_fusedrc_norm_sites"] = sites  # the scope opens while one of them is on
+    if sites and not any(h is scope_enter for h in model._forward_pre_hooks.values()):
         model.register_forward_pre_hook(scope_enter)
         model.register_forward_hook(scope_exit, always_call=True)
 

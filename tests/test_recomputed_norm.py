@@ -15,6 +15,7 @@ from torch import nn
 
 import fusedrc
 from fusedrc.convert import saved_bytes
+from fusedrc import _recomputed_norm as RN
 from fusedrc.errors import RecomputeError
 
 C = sys.modules["fusedrc.convert"]
@@ -245,6 +246,12 @@ def test_policy_hooks_and_marks_leave_a_norm_as_it_is():
     assert not [u.name for u in conv.fusedrc_plan.units if u.kind == "norm" and u.selected]
     x = _x()
     assert saved_bytes(conv, (x,)) == saved_bytes(net, (x,))
+    # with no norm unit on, the model's call opens no scope (no saved-tensor hook on every op)
+    scopes = []
+    conv.head.register_forward_pre_hook(lambda m, a: scopes.append(RN.current_scope()))
+    conv(x.requires_grad_())
+    C.convert(conv, inplace=True)(x)
+    assert scopes[0] is None and isinstance(scopes[1], RN.NormScope)
     hooked = _net()
     hooked.norm.register_forward_hook(lambda m, i, o: None)
     with pytest.warns(UserWarning, match="hooks registered on the norm"):
