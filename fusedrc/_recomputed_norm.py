@@ -5,19 +5,25 @@ projections, the LM head, the next layer) that keep ``n`` for their weight gradi
 norm's own autograd keeps its input ``x`` (and, for Hugging Face's RMSNorm, float32 copies of it).
 ``x`` is kept either way; ``n`` is one elementwise pass away from it. So:
 
-* :class:`RecomputedNormFunction` runs the norm module's own forward without autograd and keeps
-  only ``x``; its backward reruns that forward with autograd and differentiates it, under the
-  autocast state of the forward (gradients bit for bit eager's: the same ops on the same values).
+* :class:`RecomputedNormFunction` computes the norm with the functional form of its module
+  (``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``, Hugging Face's RMSNorm written out: the
+  module's own ops) without autograd and keeps only ``x``. Its backward reruns that form with
+  autograd on detached copies and differentiates it, under the autocast state of the forward:
+  gradients are eager's (the same ops on the same values).
 * While a :class:`NormScope` is the innermost saved-tensors hook (``convert`` opens one around the
   converted model's forward), every op that saves ``n``, a view of it or a cast of it (autocast's
-  copy before a Linear) stores a recipe in its place; the first unpack in backward reruns the norm
+  copy before a Linear) stores a recipe in its place; the first unpack in a backward reruns the norm
   once for all of them, and the norm's own backward then reuses that rerun.
 
-A scope chains to the saved-tensors hooks below it (a byte counter, ``save_on_cpu``): every pack
-calls the outer pack once, on the tensor or on the recipe's ``x``. It opens only where no recompute
-is in progress (a fusedrc region or ``torch.utils.checkpoint`` saves nothing worth replacing, and
-matches its rerun's saves by count) and never under ``torch.compile``, whose partitioner recomputes
-norms by itself.
+The rerun reads copies of the norm's weight and bias taken in the forward (a few hundred bytes),
+not the module: parameters changed in place since, swapped by ``torch.func.functional_call`` or
+resharded by FSDP do not change what the consumers get back.
+
+A scope chains to the saved-tensors hooks below it (a byte counter, ``save_on_cpu``, an offloading
+hook): every pack calls the outer pack once, on the tensor or on the recipe's ``x``, and a recipe's
+``x`` is unpacked once per backward. It opens only where no recompute is in progress (a fusedrc
+region or ``torch.utils.checkpoint`` saves nothing worth replacing, and matches its rerun's saves by
+count), and never under ``torch.compile``, ``torch.jit`` tracing or a ``torch.func`` transform.
 """
 from __future__ import annotations
 
@@ -27,9 +33,13 @@ import weakref
 import torch
 
 from ._state import top_saved_tensors_pack, under_recompute_hooks
+from ._validate import needs_unfused
 from .errors import RecomputeError
 
 _local = threading.local()
+
+_DOUBLE_BACKWARD = ("double backward (create_graph=True) through {what} a norm fusedrc.convert recomputes is not "
+                    "supported: convert with a policy that leaves the norms out (units of kind 'norm')")
 
 
 def _autocast_state(device_type):
@@ -39,9 +49,17 @@ def _autocast_state(device_type):
         return None
 
 
+class _NoAutocastChange:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def _autocast(state):
     if state is None:
-        return torch.autocast("cpu", enabled=torch.is_autocast_enabled("cpu"))  # as it stands: a no-op
+        return _NoAutocastChange()
     device_type, enabled, dtype = state
     return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
@@ -51,62 +69,83 @@ def _graph_task():
     return None if gid == -1 else gid
 
 
+def usable(x, *params) -> bool:
+    """Whether a norm call on ``x`` may run as a RecomputedNormFunction: autograd records it, and no
+    forward-mode AD, ``torch.func`` transform, ``torch.jit`` trace or compile is at work."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and torch._C._functorch.maybe_current_level() is None and not needs_unfused(x, *params)
+            and (x.requires_grad or any(p is not None and p.requires_grad for p in params)))
+
+
 class _Shared:
-    """What a norm call's recipe and its backward share: the norm rerun with autograd, per backward pass."""
+    """One norm call's state, shared by its recipe and its backward: the functional form, copies of the
+    parameters it read, the autocast state, and the rerun of each backward pass in progress."""
 
-    __slots__ = ("run", "params", "autocast", "grad_x", "reruns", "__weakref__")
+    __slots__ = ("fn", "params", "needs", "autocast", "reruns", "__weakref__")
 
-    def __init__(self, run, params, autocast, grad_x):
-        self.run, self.params, self.autocast, self.grad_x = run, params, autocast, grad_x
-        self.reruns = {}  # graph task id -> (x rerun as an autograd leaf, n rerun with its graph)
+    def __init__(self, fn, x, weight, bias):
+        self.fn = fn
+        # copies: what the forward read, whatever becomes of the parameters before backward
+        self.params = tuple(None if p is None else p.detach().clone() for p in (weight, bias))
+        self.needs = (x.requires_grad, *(p is not None and p.requires_grad for p in (weight, bias)))
+        self.autocast = _autocast_state(x.device.type)
+        self.reruns = {}  # graph task id -> (leaves (x, weight, bias), n rerun with its graph)
 
     def rerun(self, x):
-        x = x.detach().requires_grad_(self.grad_x)
-        with torch.enable_grad(), _autocast(self.autocast):
-            return x, self.run(x)
+        leaves = tuple(None if t is None else t.detach().requires_grad_(need)
+                       for t, need in zip((x, *self.params), self.needs))
+        with torch.inference_mode(False), torch.enable_grad(), _autocast(self.autocast):
+            return leaves, self.fn(*leaves)
+
+    def keep(self, gid, got):
+        """Keep a rerun for the rest of backward pass ``gid`` (the norm's backward takes it; else it
+        is dropped when the pass ends, as when the pass does not reach the norm)."""
+        self.reruns[gid] = got
+        ref = weakref.ref(self)
+
+        def drop():
+            shared = ref()
+            if shared is not None:
+                shared.reruns.pop(gid, None)
+
+        torch.autograd.Variable._execution_engine.queue_callback(drop)
 
 
 class RecomputedNormFunction(torch.autograd.Function):
-    """``run(x)`` (a norm module's forward) keeping only ``x``; ``params`` are the tensors ``run`` reads
-    (the norm's weight and bias), passed so their gradients flow."""
+    """``shared.fn(x, weight, bias)`` keeping only ``x`` (the parameters' copies are in ``shared``)."""
 
     @staticmethod
-    def forward(ctx, x, shared, *params):
+    def forward(ctx, x, weight, bias, shared):
         ctx.shared = shared
         ctx.save_for_backward(x)
-        with _autocast(shared.autocast):  # the forward's own state (a Function's forward keeps it)
-            out = shared.run(x)
-        if not isinstance(out, torch.Tensor):
-            raise RecomputeError(f"a recomputed norm must return one tensor, its forward returned {type(out).__name__}")
-        return out
+        with _autocast(shared.autocast):
+            return shared.fn(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         if torch.is_grad_enabled():
-            raise RecomputeError(
-                "double backward (create_graph=True) through a norm fusedrc.convert recomputes is not supported: "
-                "convert with a policy that leaves the norms out (units of kind 'norm')")
-        (x,) = ctx.saved_tensors
+            raise RecomputeError(_DOUBLE_BACKWARD.format(what=""))
         shared = ctx.shared
-        need = ctx.needs_input_grad
         gid = _graph_task()
         got = shared.reruns.pop(gid, None) if gid is not None else None
-        xr, n = got if got is not None else shared.rerun(x)
-        wanted = [t for t, w in zip((xr, *shared.params), (need[0], *need[2:])) if w]
+        if got is None:
+            got = shared.rerun(ctx.saved_tensors[0])
+        leaves, n = got
+        need = ctx.needs_input_grad[:3]
+        wanted = [t for t, w in zip(leaves, need) if w]
         grads = iter(torch.autograd.grad(n, wanted, grad, allow_unused=True) if wanted else ())
-        dx = next(grads) if need[0] else None
-        return (dx, None, *(next(grads) if w else None for w in need[2:]))
+        return (*(next(grads) if w else None for w in need), None)
 
 
 class _Recipe:
     """An output ``n`` of RecomputedNormFunction, registered in the scope it was made in."""
 
-    __slots__ = ("ref", "shared", "x", "x_packed", "x_version", "version", "size", "outer")
+    __slots__ = ("ref", "shared", "x", "x_packed", "x_version", "version", "size", "stride", "outer")
 
     def __init__(self, n, x, shared, outer):
         self.ref = weakref.ref(n)
         self.shared, self.x, self.x_packed, self.x_version = shared, x, None, x._version
-        self.version, self.size = n._version, n.size()
+        self.version, self.size, self.stride = n._version, n.size(), n.stride()
         self.outer = outer  # the scope's outer (pack, unpack), or None
 
     def packed(self, t, cast=None):
@@ -117,32 +156,33 @@ class _Recipe:
         if n is None or n._version != self.version:
             return None
         if cast is not None:
-            if (cast.size() != self.size or cast.device != n.device or cast._version != 0 or not cast.is_contiguous()
+            if (cast.size() != self.size or cast.stride() != self.stride or cast.device != n.device or cast._version != 0
                     or cast.storage_offset() != 0 or cast.untyped_storage().nbytes() != cast.numel() * cast.element_size()):
                 return None
         elif t.dtype != n.dtype:
             return None
         if self.x_packed is None:  # x through the hooks below, once (what an offloading hook moves)
-            self.x_packed = (self.outer[0](self.x) if self.outer else self.x.detach(),)
-            self.x = None
+            self.x_packed = self.outer[0](self.x) if self.outer else self.x.detach()
+            if self.outer:
+                self.x = None
         return _Packed(self, None if cast is None else cast.dtype, t.size(), t.stride(), t.storage_offset())
 
     def value(self):
-        x = self.x_packed[0]
-        if self.outer:
-            x = self.outer[1](x)
-        if x._version != self.x_version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                "operation: the input of a norm fusedrc.convert recomputes (its consumers keep that input "
-                "in place of the norm's output)")
         gid = _graph_task()
-        if gid is None:  # unpacked outside backward (grad_fn._saved_self)
-            with torch.no_grad(), _autocast(self.shared.autocast):
-                return self.shared.run(x)
-        got = self.shared.reruns.get(gid)
+        got = self.shared.reruns.get(gid) if gid is not None else None
         if got is None:
-            got = self.shared.reruns[gid] = self.shared.rerun(x)
+            x = self.outer[1](self.x_packed) if self.outer else self.x_packed
+            # without hooks below, x is the forward's tensor itself: changed in place since, the rerun would
+            # differ (an offloading hook's unpack gives its copy of the value the forward saw)
+            if not self.outer and x._version != self.x_version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    "operation: the input of a norm fusedrc.convert recomputes (its consumers keep that input "
+                    "in place of the norm's output)")
+            got = self.shared.rerun(x)
+            if gid is None:  # unpacked outside backward (grad_fn._saved_self)
+                return got[1].detach()
+            self.shared.keep(gid, got)
         return got[1].detach()
 
 
@@ -154,19 +194,24 @@ class _Packed:
 
     def unpack(self):
         if torch.is_grad_enabled() and _graph_task() is not None:
-            raise RecomputeError(
-                "double backward (create_graph=True) through the consumers of a norm fusedrc.convert recomputes "
-                "is not supported: convert with a policy that leaves the norms out (units of kind 'norm')")
-        n = self.recipe.value()
+            raise RecomputeError(_DOUBLE_BACKWARD.format(what="the consumers of"))
+        recipe = self.recipe
+        n = recipe.value()
         if self.dtype is not None:
             n = n.to(self.dtype)
-        if not n.is_contiguous():
-            n = n.contiguous()
+        if n.stride() != recipe.stride:  # laid out as the forward's output, which the saved view indexes
+            n = torch.empty_strided(recipe.size, recipe.stride, dtype=n.dtype, device=n.device).copy_(n)
         return n.as_strided(self.size, self.stride, self.offset)
 
 
 def _storage_key(t):
     return t.device, t.untyped_storage().data_ptr()
+
+
+def _plain_dense(t):
+    """A strided tensor of torch's own with real storage (no sparse, nested, subclass or meta tensor)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_nested
+            and t.device.type != "meta")
 
 
 class NormScope:
@@ -179,15 +224,17 @@ class NormScope:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def register(self, n, x, shared):
-        # n must own its storage, laid out as a recomputed n will be: a view of it is then one of the rerun too
-        if n.numel() == 0 or n.grad_fn is None or not n.is_contiguous() or n.storage_offset() != 0 \
-                or n.untyped_storage().nbytes() != n.numel() * n.element_size():
+        # n must own its whole storage (dense, any memory format): a view of it indexes a rerun laid out the same
+        if (not _plain_dense(n) or n.numel() == 0 or n.grad_fn is None
+                or n.storage_offset() != 0 or n.untyped_storage().nbytes() != n.numel() * n.element_size()):
             return
         recipe = _Recipe(n, x, shared, self.outer)
         self.by_storage[_storage_key(n)] = recipe
         self.by_node[n.grad_fn] = recipe
 
     def _packed(self, t):
+        if not _plain_dense(t):
+            return None
         recipe = self.by_storage.get(_storage_key(t))
         if recipe is not None:
             return recipe.packed(t)
@@ -232,14 +279,29 @@ def current_scope():
 
 def _can_open():
     return (torch.is_grad_enabled() and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and not torch.jit.is_tracing() and torch._C._functorch.maybe_current_level() is None
             and not under_recompute_hooks() and current_scope() is None)
 
 
+def _unwind(stack, module):
+    """Close what calls of ``module`` left open: a call that ended on a KeyboardInterrupt (which skips the
+    forward hooks) leaves its scope on the saved-tensors hooks stack."""
+    while stack:
+        m, scope = stack.pop()
+        if scope is not None and current_scope() is scope:
+            scope.__exit__(None, None, None)
+        if m is module:
+            return
+
+
 def scope_enter(module, args):
-    """Forward pre-hook of a converted model holding recomputed norms: opens a NormScope for its call."""
+    """Forward pre-hook of a converted model holding recomputed norms: opens a NormScope for its call
+    while one of its norm units is on."""
     if torch.compiler.is_compiling():
         return
     stack = _local.__dict__.setdefault("stack", [])
+    if any(m is module for m, _ in stack):
+        _unwind(stack, module)
     scope = None
     if any(site.enabled for site in module.__dict__.get("_fusedrc_norm_sites", ())) and _can_open():
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -263,11 +325,11 @@ scope_enter._fusedrc_hook = True
 scope_exit._fusedrc_hook = True
 
 
-def recomputed_norm(run, x, params):
-    """``run(x)`` (a norm's forward reading ``params``) that keeps only ``x``; inside a NormScope its
+def recomputed_norm(fn, x, weight, bias):
+    """``fn(x, weight, bias)`` (a norm's functional form) that keeps only ``x``; inside a NormScope its
     output is registered there, so that the ops saving it keep a recipe."""
-    shared = _Shared(run, tuple(params), _autocast_state(x.device.type), x.requires_grad)
-    n = RecomputedNormFunction.apply(x, shared, *params)
+    shared = _Shared(fn, x, weight, bias)
+    n = RecomputedNormFunction.apply(x, weight, bias, shared)
     scope = current_scope()
     if scope is not None:
         scope.register(n, x, shared)

@@ -13,10 +13,10 @@
   (mask regenerated in backward: same distribution, its own random stream); a lone
   ``Linear -> act`` runs ``linear_act``; a pre-norm layer's norm before its FFN runs inside
   the FFN's op (``norm_ffn``);
-* every other norm module (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, ``*LayerNorm`` /
-  ``*RMSNorm`` classes): it keeps only its input, and within the converted model's call the ops
-  that keep its output keep a recipe instead, rebuilt once in backward (kind ``norm``,
-  ``_RecomputedNorm``);
+* every other norm module with a functional form (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``,
+  timm's LayerNorm, Hugging Face RMSNorm classes that pass ``norm_kind``'s probe): it keeps only its
+  input, and within the converted model's call the ops that keep its output keep a recipe instead,
+  rebuilt once in backward (kind ``norm``, ``_RecomputedNorm``);
 
 and, with ``policy="blocks"`` or a ``memory_budget``, recomputes whole blocks with
 :func:`fusedrc.mark` (MindSpore's ``Cell.recompute()``), fused ops inside.
@@ -105,6 +105,7 @@ import ast as _ast
 import contextlib
 import copy
 import fnmatch
+import functools
 import inspect as _inspect
 import math
 import numbers
@@ -126,10 +127,11 @@ from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks,
                         bn_act_conv_call, conv_bn_act_call, fused_dropout_p, global_hooks, is_linear, norm_call_args,
                         norm_kind)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
+from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
 from ._state import inside_region, top_saved_tensors_pack, traced, under_recompute_hooks
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
-from .reference import leaky_relu_name
+from .reference import leaky_relu_name, norm_forward
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
 
@@ -812,47 +814,66 @@ class _FFNTail(nn.Linear):
 # input alone, and inside the converted model's call (a NormScope, opened by a forward pre-hook on the
 # root) whatever keeps its output keeps a recipe instead: _recomputed_norm.py.
 
-_NORM_NAME = _re.compile(r"(Layer|RMS|Group)Norm(2d)?")
-_TORCH_NORMS = tuple(c for c in (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None)) if c is not None)
+def _group_norm(x, weight, bias, *, groups, eps):
+    return torch.nn.functional.group_norm(x, groups, weight, bias, eps)
+
+
+def _norm_form(x, weight, bias, *, kind, eps, torch_rms):
+    if kind == "layer":
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    if torch_rms:  # nn.RMSNorm's own function (Hugging Face's "rms" classes: their ops, written out)
+        return torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)
+    return norm_forward(x, kind, weight, None, eps)
+
+
+def _norm_call(norm, x):
+    """``(functional form, weight, bias)`` computing what norm module ``norm`` computes on ``x``, or None
+    where there is none (the dtype or size of x not the norm's, hooks, a class no form models)."""
+    cls = _class_of(norm)
+    if cls is nn.GroupNorm:
+        w, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
+        if x.dim() < 2 or x.shape[1] != norm.num_channels or any(
+                t is not None and (t.dtype != x.dtype or t.device != x.device) for t in (w, b)):
+            return None
+        return functools.partial(_group_norm, groups=norm.num_groups, eps=norm.eps), w, b
+    args = _norm_args(norm, x)
+    if args is None:
+        return None
+    form = functools.partial(_norm_form, kind=args["norm"], eps=args["norm_eps"],
+                             torch_rms=cls is getattr(nn, "RMSNorm", None))
+    return form, args["norm_weight"], args["norm_bias"]
 
 
 class _RecomputedNorm(Wrapper):
     """A norm that keeps only its input for backward, whose consumers keep that input and a recipe in
-    place of its output (rebuilt once in backward, the norm's backward reusing it). Its own forward,
-    its class's, computes; called with anything but one tensor, without autograd, inside a recompute
-    (a fusedrc region, torch.utils.checkpoint), under torch.compile, or with hooks or a mark on it, it
-    is the norm as it was."""
+    place of its output (rebuilt once in backward, the norm's backward reusing it). Its module's
+    functional form computes (the same ops). Called with anything but one tensor, without autograd, inside
+    a recompute (a fusedrc region, torch.utils.checkpoint), under torch.compile, a torch.func transform or
+    a jit trace, or with hooks or a mark on it, it is the norm as it was."""
 
     def forward(self, *args, **kwargs):
         x = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
         site = self.sites.get("norm")
-        if (x is None or site is None or not site.enabled or torch.compiler.is_compiling()
-                or not torch.is_grad_enabled() or traced(x) or under_recompute_hooks() or not _free(self)):
+        if (x is None or site is None or not site.enabled or not torch.is_grad_enabled()
+                or torch.compiler.is_compiling() or traced(x) or under_recompute_hooks() or not _free(self)):
             return self.plain(*args, **kwargs)
-        # attributes, not _parameters: an nn.DataParallel replica holds its parameters as plain attributes
-        params = [t for t in (getattr(self, "weight", None), getattr(self, "bias", None)) if isinstance(t, torch.Tensor)]
-        if not (x.requires_grad or any(p.requires_grad for p in params)):
+        call = _norm_call(self, x)
+        if call is None or not recomputable(x, *call[1:]):
             return self.plain(x)
         if site.impl == "checkpoint":
             return torch.utils.checkpoint.checkpoint(self.plain, x, use_reentrant=False)
-        return recomputed_norm(self.plain, x, params)
+        return recomputed_norm(*call[:1], x, *call[1:])
 
     def _get_name(self):
         return f"RecomputedNorm({_class_of(self).__name__})"
 
 
 def _recomputable_norm(m):
-    """A norm the class of which computes its output from its input and its ``weight``/``bias`` alone:
-    torch's LayerNorm, GroupNorm and RMSNorm, and classes named ``*LayerNorm``/``*RMSNorm``/``*GroupNorm``
-    (``2d`` allowed) with no submodules, no buffers and no other parameters."""
-    cls = _class_of(m)
+    """A norm module with a functional form: ``nn.GroupNorm``, and those ``norm_kind`` models
+    (``nn.LayerNorm``, ``nn.RMSNorm``, timm's LayerNorm, Hugging Face RMSNorm classes that pass its probe)."""
     if isinstance(m, Wrapper) and not isinstance(m, _RecomputedNorm):
         return False  # run by a rule's code (a _NormFirst: inside the FFN's op)
-    if not (issubclass(cls, _TORCH_NORMS) or _NORM_NAME.search(cls.__name__) and cls.__name__.endswith(
-            ("Norm", "Norm2d"))) or issubclass(cls, (nn.Linear, nn.modules.conv._ConvNd)):
-        return False
-    return (not m._modules and not m._buffers
-            and set(m._parameters) <= {"weight", "bias"} and "forward" not in m.__dict__)
+    return _class_of(m) is nn.GroupNorm or norm_kind(m, _class_of(m)) is not None
 
 
 def _fx_inlined(model):
@@ -873,12 +894,13 @@ def _recomputed_norms(ctx, model):
     """Each norm module convert has not joined to an FFN becomes a unit of kind ``norm``; the root gets the
     forward hooks that open a NormScope around its calls."""
     inlined = _fx_inlined(model)
-    sites = []
+    sites, seen = [], set()
 
     def visit(module, prefix):
         for key, child in module._modules.items():
-            if child is None or _is_marked(child):  # a user's mark: left as it is (reported by _rewrite)
+            if child is None or _is_marked(child) or id(child) in seen:  # a user's mark: left as it is
                 continue
+            seen.add(id(child))  # a module held twice (ALBERT's shared layer): one unit
             name = _join(prefix, key)
             if _recomputable_norm(child) and id(child) not in inlined and id(child) not in ctx.joined_norms:
                 if not _nohooks(child):

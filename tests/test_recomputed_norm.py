@@ -38,7 +38,7 @@ class LlamaRMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(LlamaRMSNorm):
-    """Gemma's (1 + weight) form: no fused FFN form, recomputed all the same (its own forward runs)."""
+    """Gemma's (1 + weight) form: no functional form fusedrc models, left as it is."""
 
     def forward(self, x):
         out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -108,8 +108,8 @@ def _grads(model, x, autocast=None):
 
 def _assert_same(a, b, exact=True):
     """Equal outputs and gradients: bit for bit, or (``exact=False``) within rounding where the norm's
-    eager autograd reads x twice (nn.RMSNorm's composite ops, Gemma's x.float() twice): its two
-    gradient terms then meet the residual's in another order."""
+    eager autograd reads x twice (nn.RMSNorm's composite ops; Llama's in float32, where x.float() is x):
+    its two gradient terms then meet the residual's in another order."""
     out_a, dx_a, g_a = a
     out_b, dx_b, g_b = b
     same = torch.equal if exact else (lambda u, v: torch.allclose(u, v, rtol=1e-5, atol=1e-6))
@@ -124,7 +124,7 @@ NORM_UNITS = ["layers.0.norm", "layers.1.norm", "norm"]
 
 
 @pytest.mark.parametrize("norm,dtype,exact", [("layer", torch.float32, True), ("rms", torch.float32, False),
-                                              ("llama_rms", torch.bfloat16, True), ("gemma_rms", torch.float32, False)])
+                                              ("llama_rms", torch.bfloat16, True), ("llama_rms", torch.float32, False)])
 def test_outputs_and_gradients_are_the_originals_and_the_norm_outputs_are_not_kept(norm, dtype, exact):
     net, x = _net(norm, dtype), _x(dtype)
     conv = C.convert(net)
@@ -307,3 +307,163 @@ def test_torch_compile_runs_the_norms_as_they_are_with_no_graph_break():
     torch.testing.assert_close(dx, ref[1])
     for k, v in ref[2].items():
         torch.testing.assert_close(g["_orig_mod." + k], v)
+
+
+def test_a_norm_with_no_modelled_form_is_left_as_it_is():
+    net = _net("gemma_rms")
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = C.convert(net)
+    assert not conv.fusedrc_plan.units and type(conv.norm) is GemmaRMSNorm
+
+
+def test_group_norm_before_an_activation_and_a_conv():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Conv2d(8, 4, 3)).train()
+    with torch.no_grad():
+        net[1].weight.add_(torch.randn(8) * 0.3)
+    conv = C.convert(net)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("1", "norm")]
+    x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)
+    _assert_same(_grads(net, x), _grads(conv, x))
+    # the GroupNorm's output (SiLU keeps it) and its statistics are no longer kept
+    assert saved_bytes(conv, (x,)) <= saved_bytes(net, (x,)) - 2 * 8 * 9 * 9 * 4
+
+
+class _OffloadOnce(torch.autograd.graph.saved_tensors_hooks):
+    """An offloading hook that frees what it keeps at its unpack (as torchtune's does): each saved
+    tensor may be unpacked once."""
+
+    def __init__(self):
+        self.kept, self.next = {}, 0
+
+        def pack(t):
+            self.next += 1
+            self.kept[self.next] = (t.clone(), t._version)  # a copy: its own version counter
+            return self.next
+
+        def unpack(i):
+            assert i in self.kept, f"tensor {i} unpacked twice"
+            return self.kept.pop(i)[0]
+
+        super().__init__(pack, unpack)
+
+
+def test_offloading_hooks_below_get_one_pack_and_one_unpack_per_tensor():
+    class InPlaceInput(Net):
+        def forward(self, x):
+            x = x * 1.0
+            x += 0.5  # the norm's input at version 1: an offloader's copy is at 0
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    net, x = InPlaceInput(), _x()
+    conv = C.convert(net)
+    ref = _grads(net, x)
+    for hooks in (_OffloadOnce, torch.autograd.graph.save_on_cpu):
+        xg = x.clone().requires_grad_()
+        with hooks():
+            out = conv(xg)
+        (out.float() ** 2).sum().backward()
+        _assert_same(ref, (out.detach(), xg.grad, {n: p.grad.clone() for n, p in conv.named_parameters()}))
+        conv.zero_grad()
+
+
+def test_the_rerun_reads_the_parameters_the_forward_read():
+    net, x = _net(), _x()
+    conv = C.convert(net)
+    ref = _grads(net, x)
+    # torch.func.functional_call: the module's own parameters are back by backward time
+    params = {n: p.detach().clone().requires_grad_() for n, p in conv.named_parameters()}
+    out = torch.func.functional_call(conv, params, (x,))
+    (out.float() ** 2).sum().backward()
+    for n, g in ref[2].items():
+        assert torch.equal(params[n].grad, g), n
+    # a tensor hook on a norm parameter runs once, as in eager
+    calls = []
+    conv.norm.weight.register_hook(lambda g: calls.append(1) or g * 0.5)
+    got = _grads(conv, x)
+    assert len(calls) == 1 and torch.equal(got[2]["norm.weight"], ref[2]["norm.weight"] * 0.5)
+    # a weight changed in place after the forward: the consumers get the output the forward computed
+    out = conv(x)
+    with torch.no_grad():
+        conv.layers[0].norm.weight.mul_(3.0)
+    (out.float() ** 2).sum().backward()
+    with torch.no_grad():
+        conv.layers[0].norm.weight.div_(3.0)
+    torch.testing.assert_close(conv.head.weight.grad, ref[2]["head.weight"], rtol=0, atol=0)
+
+
+def test_a_partial_backward_keeps_no_rerun_and_inference_mode_backward_works():
+    import gc
+
+    net, x = _net(), _x()
+    conv = C.convert(net)
+    loss = (conv(x.clone().requires_grad_()) ** 2).sum()
+    for _ in range(3):
+        torch.autograd.grad(loss, [conv.head.weight], retain_graph=True)  # reruns the final norm only
+    shared = [o for o in gc.get_objects() if type(o) is RN._Shared]
+    assert len(shared) == 3 and all(not s.reruns for s in shared)
+    del loss, shared
+    ref = _grads(net, x)
+    xg = x.clone().requires_grad_()
+    out = conv(xg)
+    loss = (out.float() ** 2).sum()
+    with torch.inference_mode():  # the rerun in backward leaves it
+        loss.backward()
+    _assert_same(ref, (out.detach(), xg.grad, {n: p.grad.clone() for n, p in conv.named_parameters()}))
+
+
+def test_an_interrupted_call_leaves_no_scope_behind_its_next_call():
+    class Interrupted(Net):
+        stop = False
+
+        def forward(self, x):
+            if self.stop:
+                self.layers[0](x)
+                raise KeyboardInterrupt  # skips the always-called forward hooks
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    conv = C.convert(Interrupted())
+    conv.stop = True
+    with pytest.raises(KeyboardInterrupt):
+        conv(_x().requires_grad_())
+    conv.stop = False
+    (conv(_x().requires_grad_()) ** 2).sum().backward()
+    assert RN.current_scope() is None and not RN._local.stack
+
+
+def test_transforms_traces_and_other_tensors_run_the_norms_as_they_are():
+    net, x = _net(), _x()
+    conv = C.convert(net)
+    loss = lambda m: lambda x: (m(x) ** 2).sum()  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(loss(conv))(x), torch.func.grad(loss(net))(x))
+    with torch.autograd.forward_ad.dual_level():
+        tangent = torch.ones_like(x)
+        got = torch.autograd.forward_ad.unpack_dual(conv(torch.autograd.forward_ad.make_dual(x, tangent))).tangent
+        want = torch.autograd.forward_ad.unpack_dual(net(torch.autograd.forward_ad.make_dual(x, tangent))).tangent
+    torch.testing.assert_close(got, want)
+    traced = torch.jit.trace(conv, (x,), check_trace=False)
+    torch.testing.assert_close(traced(x), net(x))
+
+    class Sparse(nn.Module):  # a sparse tensor saved inside the scope
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x):
+            adj = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.ones(2), (2, 2))
+            return torch.sparse.mm(adj, self.net(x).flatten(1))
+
+    torch.manual_seed(0)
+    sparse = Sparse()
+    out = C.convert(sparse)(x.requires_grad_())
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_norm_module_held_twice_is_one_unit():
+    net = _net()
+    net.layers[1].norm = net.layers[0].norm
+    plan = C.convert(net).fusedrc_plan
+    assert [u.name for u in plan.units] == ["layers.0.norm", "norm"]
