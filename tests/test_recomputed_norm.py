@@ -467,3 +467,24 @@ def test_a_norm_module_held_twice_is_one_unit():
     net.layers[1].norm = net.layers[0].norm
     plan = C.convert(net).fusedrc_plan
     assert [u.name for u in plan.units] == ["layers.0.norm", "norm"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the norms' recipes on GPU tensors under autocast")
+@pytest.mark.parametrize("norm", ["layer", "llama_rms"])
+def test_on_cuda_under_autocast(norm):
+    net, x = _net(norm).cuda(), _x().cuda()
+    conv = C.convert(net)
+
+    def run(model):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(xg)
+        (out.float() ** 2).sum().backward()
+        g = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        return out.detach(), xg.grad, g
+
+    _assert_same(run(net), run(conv), exact=norm == "layer")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        before, after = saved_bytes(net, (x,)), saved_bytes(conv, (x,))
+    assert after <= before - 7 * x.numel() * 2, (before, after)
