@@ -2,6 +2,7 @@
 import contextlib
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "linear", "_addmm_activation"}
@@ -135,3 +136,27 @@ def fused_without_norms(plan):
 
 def norm_units(plan):
     return [u.name for u in plan.units if u.selected and u.kind == "norm"]
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm, written out (its forward, word for word)."""
+
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class GemmaRMSNorm(LlamaRMSNorm):
+    """Gemma's: times (1 + weight), in float32: no fused form (convert leaves it as it is)."""
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (out * (1.0 + self.weight.float())).type_as(x)

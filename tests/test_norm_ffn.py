@@ -19,35 +19,11 @@ import fusedrc
 from fusedrc import reference as R
 from fusedrc.convert import saved_bytes
 
-from _utils import FusedOpLog, SavedBytes, backend_device, rel_err
+from _utils import FusedOpLog, GemmaRMSNorm, LlamaRMSNorm, SavedBytes, backend_device, rel_err
 
 C = sys.modules["fusedrc.convert"]  # the module (fusedrc.convert is the function)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}
-
-
-class LlamaRMSNorm(nn.Module):
-    """Hugging Face's LlamaRMSNorm, written out (its forward, word for word)."""
-
-    def __init__(self, size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-class GemmaRMSNorm(LlamaRMSNorm):
-    """Gemma's: times (1 + weight), in float32: no fused form (convert leaves it as it is)."""
-
-    def forward(self, x):
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 def _norm_module(kind, size, dtype):

@@ -18,31 +18,9 @@ from fusedrc.convert import saved_bytes
 from fusedrc import _recomputed_norm as RN
 from fusedrc.errors import RecomputeError
 
+from _utils import GemmaRMSNorm, LlamaRMSNorm
+
 C = sys.modules["fusedrc.convert"]
-
-
-class LlamaRMSNorm(nn.Module):
-    """Hugging Face's LlamaRMSNorm, written out: its eager autograd keeps float32 copies."""
-
-    def __init__(self, size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-class GemmaRMSNorm(LlamaRMSNorm):
-    """Gemma's (1 + weight) form: no functional form fusedrc models, left as it is."""
-
-    def forward(self, x):
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 NORMS = {
