@@ -140,7 +140,7 @@ def _plain_bn(m, c):
 
 
 def _rms_probe(m, cls, w, eps):
-    """The RMS kind (``"llama_rms"`` or ``"rms"``) that ``cls.forward`` computes on ``m``, bit for bit,
+    """The RMS kind (``"llama_rms"``, ``"rms"`` or ``"gemma_rms"``) that ``cls.forward`` computes on ``m``, bit for bit,
     or None. Class names say nothing of the casts (T5's and Llama's norms round twice in 16-bit dtypes,
     Helium's once, Gemma's multiplies by 1 + weight), so it is run once on a probe: random input and a
     random weight in the weight's dtype (a fresh all-ones weight would hide the rounding), on a shallow
@@ -161,7 +161,7 @@ def _rms_probe(m, cls, w, eps):
             out = cls.forward(stand_in, probe)
     except Exception:
         return None
-    for kind in ("llama_rms", "rms"):
+    for kind in ("llama_rms", "rms", "gemma_rms"):
         want = reference.norm_forward(probe, kind, weight, None, eps)
         if isinstance(out, torch.Tensor) and out.dtype == want.dtype and torch.equal(out, want):
             return kind

@@ -78,7 +78,7 @@ def _check_norm(x, norm, norm_weight, norm_bias, norm_eps):
     if norm is None:
         for t, name in ((norm_weight, "norm_weight"), (norm_bias, "norm_bias")):
             if t is not None:
-                raise ValueError(f"{name} was given without a norm: pass norm='layer', 'rms' or 'llama_rms'")
+                raise ValueError(f"{name} was given without a norm: pass norm='layer', 'rms', 'llama_rms' or 'gemma_rms'")
         return norm_eps
     check_vector(norm_weight, "norm_weight", x.shape[-1], x)
     check_vector(norm_bias, "norm_bias", x.shape[-1], x)
@@ -105,9 +105,10 @@ def _ffn_autocast(x, norm, *params):
 
 _NORM_DOC = """norm: None, or a norm of ``x`` over its last dimension run first (a pre-norm
             transformer's ``mlp(norm(x))``): ``"layer"`` (``F.layer_norm``), ``"rms"``
-            (``F.rms_norm``, ``nn.RMSNorm``) or ``"llama_rms"`` (Hugging Face's Llama, Mistral,
+            (``F.rms_norm``, ``nn.RMSNorm``), ``"llama_rms"`` (Hugging Face's Llama, Mistral,
             Qwen2 and T5 RMSNorm: normalized in float32, cast to x's dtype, then times the
-            weight). The op then keeps ``x``, the norm's input, in place of its output, and
+            weight) or ``"gemma_rms"`` (Gemma's and Qwen3-Next's: normalized in float32 times
+            ``1 + weight``, then cast). The op then keeps ``x``, the norm's input, in place of its output, and
             backward computes the norm again from it, once (aten's ops).
         norm_weight, norm_bias: the norm's ``(in_features,)`` weight and (``"layer"`` only)
             bias, in x's dtype, or None.

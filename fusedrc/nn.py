@@ -78,7 +78,7 @@ def _check_norm_module(norm, size):
         return
     if not isinstance(norm, nn.Module) or norm_kind(norm) is None:
         raise TypeError(f"norm must be None, an nn.LayerNorm or nn.RMSNorm over the last dimension, or a module "
-                        f"computing Hugging Face's Llama RMSNorm, got {type(norm).__name__}")
+                        f"computing Hugging Face's Llama or Gemma RMSNorm, got {type(norm).__name__}")
     w = getattr(norm, "weight", None)
     got = w.shape[0] if isinstance(w, torch.Tensor) else norm.normalized_shape[0]
     if got != size:

@@ -200,8 +200,10 @@ def philox_keep(seed: int, rows: int, cols: int, p: float) -> torch.Tensor:
 #   "layer": F.layer_norm (weight and bias optional);
 #   "rms": F.rms_norm / nn.RMSNorm: x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once;
 #   "llama_rms": Hugging Face's Llama/Mistral/Qwen2/T5 RMSNorm: the same normalized in fp32 and
-#       rounded to x's dtype, then times the weight (rounded twice in 16-bit dtypes).
-NORMS = ("layer", "rms", "llama_rms")
+#       rounded to x's dtype, then times the weight (rounded twice in 16-bit dtypes);
+#   "gemma_rms": Gemma's (1, 2, 3), Qwen3-Next's and Qwen3.5's RMSNorm: normalized in fp32 times
+#       (1 + weight) in fp32, rounded once (the weight is stored as an offset from 1).
+NORMS = ("layer", "rms", "llama_rms", "gemma_rms")
 
 
 def check_norm(norm, name="norm"):
@@ -234,6 +236,8 @@ def norm_with_stats(x, norm, weight, bias, eps):
     u = xf * rstd
     if norm == "rms":
         return (u if weight is None else u * weight.to(u.dtype)).to(x.dtype), rstd
+    if norm == "gemma_rms":
+        return (u if weight is None else u * (1.0 + weight.float())).to(x.dtype), rstd
     u = u.to(x.dtype)
     return (u if weight is None else weight * u), rstd
 
@@ -252,10 +256,11 @@ def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None
                                                [need_dx, need_dw, need_db])
     rstd = stats
     u = _rms_input(x, norm) * rstd
-    if norm == "rms":
+    if norm in ("rms", "gemma_rms"):
         g = grad.to(u.dtype)
         dw = (g * u).sum(0).to(weight.dtype) if need_dw else None
-        du = g if weight is None else g * weight.to(u.dtype)
+        scale = None if weight is None else weight.to(u.dtype) if norm == "rms" else 1.0 + weight.float()
+        du = g if scale is None else g * scale
     else:  # the product with the weight in x's dtype, then the cast's gradient
         dw = (grad * u.to(x.dtype)).sum(0) if need_dw else None
         du = (grad if weight is None else grad * weight).to(u.dtype)

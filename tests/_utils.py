@@ -154,9 +154,28 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-class GemmaRMSNorm(LlamaRMSNorm):
-    """Gemma's: times (1 + weight), in float32: no fused form (convert leaves it as it is)."""
+class GemmaRMSNorm(nn.Module):
+    """Hugging Face's GemmaRMSNorm (Gemma 1-3, Qwen3-Next's is the same), written out: times (1 + weight)
+    in float32, rounded once (kind "gemma_rms"). Its weight starts at zero."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class InputScaledRMSNorm(LlamaRMSNorm):
+    """Scales x by (1 + weight) before it normalizes (transformers' MuseSpark input norm): no kind
+    models it, so convert leaves it as it is."""
+
+    def forward(self, x):
+        h = (x.float() * (1.0 + self.weight.float())).type_as(x).float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).type_as(x)

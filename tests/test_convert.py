@@ -1532,6 +1532,44 @@ def test_hugging_face_activations(monkeypatch, act, fused):
     _assert_close_models(seq, conv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemma3_norms_are_all_recomputed(dtype):
+    """Gemma 3 has six RMSNorms a layer (times 1 + weight): the pre-FFN one runs inside the fused
+    gated FFN, the others (input, post-attention, post-FFN, per-head q/k) and the final norm are
+    recomputed. Outputs equal the original's bit for bit, gradients within rounding (bit for bit in
+    bfloat16, where each norm reads its input once, through its float32 copy)."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    cfg = tr.Gemma3TextConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False,
+                              attn_implementation="eager")
+    model = tr.Gemma3ForCausalLM(cfg).to(dtype).train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0, 0.3)  # Gemma's norm weights start at 0 (a scale of 1)
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert [u.kind for u in plan.units if u.kind != "norm"] == ["norm_gated_ffn"] * 2 and not plan.skipped
+    assert len(norm_units(plan)) == 2 * 5 + 1
+    ids = torch.randint(3, 100, (2, 12))
+    outs = []
+    for m in (model, conv):
+        m.zero_grad()
+        with SavedBytes() as saved:
+            y = m(ids).logits
+        y.float().square().mean().backward()
+        outs.append((y, {n: p.grad for n, p in m.named_parameters()}, saved.bytes))
+    (ya, ga, bytes_a), (yb, gb, bytes_b) = outs
+    assert torch.equal(ya, yb) and ga.keys() == gb.keys()
+    for n in ga:
+        if dtype == torch.bfloat16:
+            assert torch.equal(ga[n], gb[n]), n
+        else:
+            assert rel_err(gb[n], ga[n]) <= 1e-5, n
+    assert bytes_b < 0.6 * bytes_a, (bytes_a, bytes_b)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma"])
 def test_gated_mlps_found_by_their_forward(family):
     """Llama-form MLPs of other classes (Qwen2: SiLU; Gemma: tanh GELU) become one fused gated FFN
@@ -1549,10 +1587,10 @@ def test_gated_mlps_found_by_their_forward(family):
     conv = fusedrc.convert(model)
     plan = conv.fusedrc_plan
     assert fused_without_norms(plan) == [f"model.layers.{i}.mlp" for i in range(2)] and not plan.skipped
-    # Qwen2's RMSNorm is Llama's and runs inside the op; Gemma's (times 1 + weight) has no fused form
-    # (and the other norms, Gemma's too, are recomputed on their own)
-    assert all(u.kind == {"qwen2": "norm_gated_ffn", "gemma": "gated_ffn"}[family] for u in plan.units if u.kind != "norm")
-    assert len(norm_units(plan)) == {"qwen2": 3, "gemma": 0}[family]  # Gemma's: no functional form modelled
+    # both families' pre-FFN norms (Qwen2's is Llama's, Gemma's times 1 + weight) run inside the op;
+    # the other norms (each layer's input norm, the final one) are recomputed on their own
+    assert all(u.kind == "norm_gated_ffn" for u in plan.units if u.kind != "norm")
+    assert len(norm_units(plan)) == 3
     with SavedBytes() as a:
         ya = model(ids).logits
     with SavedBytes() as b:

@@ -19,7 +19,7 @@ import fusedrc
 from fusedrc import reference as R
 from fusedrc.convert import saved_bytes
 
-from _utils import FusedOpLog, GemmaRMSNorm, LlamaRMSNorm, SavedBytes, backend_device, rel_err
+from _utils import FusedOpLog, GemmaRMSNorm, InputScaledRMSNorm, LlamaRMSNorm, SavedBytes, backend_device, rel_err
 
 C = sys.modules["fusedrc.convert"]  # the module (fusedrc.convert is the function)
 
@@ -29,7 +29,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 def _norm_module(kind, size, dtype):
     torch.manual_seed(1)
     m = {"layer": lambda: nn.LayerNorm(size), "rms": lambda: nn.RMSNorm(size, eps=1e-6),
-         "llama_rms": lambda: LlamaRMSNorm(size)}[kind]().to(dtype)
+         "llama_rms": lambda: LlamaRMSNorm(size), "gemma_rms": lambda: GemmaRMSNorm(size)}[kind]().to(dtype)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -38,7 +38,7 @@ def _norm_module(kind, size, dtype):
 
 def _norm_args(m, kind):
     return dict(norm=kind, norm_weight=m.weight, norm_bias=getattr(m, "bias", None) if kind == "layer" else None,
-                norm_eps=m.eps if kind != "llama_rms" else m.variance_epsilon)
+                norm_eps=getattr(m, "variance_epsilon", getattr(m, "eps", None)))
 
 
 def _ffn(gated, k, hidden, n, dtype, device):
@@ -85,15 +85,15 @@ def test_reference_matches_the_modules(kind, gated, dtype):
     g = torch.randn_like(y)
     got = torch.autograd.grad(y, _leaves(x, norm, linears), g)
     want = torch.autograd.grad(y_ref, _leaves(x, norm, linears), g)
-    # Hugging Face's RMSNorm computes a float64 input in float32
-    tol = 1e-12 if dtype == torch.float64 and kind != "llama_rms" else 1e-5
+    # Hugging Face's RMSNorms compute a float64 input in float32
+    tol = 1e-12 if dtype == torch.float64 and kind in ("layer", "rms") else 1e-5
     for a, b in zip(got, want):
         assert rel_err(a, b) <= tol
 
 
 @pytest.mark.parametrize("kind,gated,dtype", [
     ("layer", False, torch.float32), ("rms", True, torch.float32), ("llama_rms", False, torch.float32),
-    ("llama_rms", True, torch.bfloat16), ("layer", True, torch.bfloat16),
+    ("llama_rms", True, torch.bfloat16), ("layer", True, torch.bfloat16), ("gemma_rms", True, torch.bfloat16),
 ])
 def test_triton_path(kind, gated, dtype):
     """The Triton FFN kernels on the norm's output (Triton's interpreter on the CPU), against the
@@ -279,8 +279,9 @@ def _step(model, x):
 
 @pytest.mark.parametrize("layer_cls,norm_cls,fused", [
     (PreNormLayer, LlamaRMSNorm, True), (PreNormLayer, nn.LayerNorm, True),
-    (PreNormLayer, GemmaRMSNorm, False), (ReusedNormLayer, LlamaRMSNorm, False),
-], ids=["llama-rms", "layernorm", "gemma-rms-no-fused-form", "output-read-again"])
+    (PreNormLayer, GemmaRMSNorm, True), (PreNormLayer, InputScaledRMSNorm, False),
+    (ReusedNormLayer, LlamaRMSNorm, False),
+], ids=["llama-rms", "layernorm", "gemma-rms", "no-fused-form", "output-read-again"])
 def test_convert_runs_the_norm_in_the_ffn(layer_cls, norm_cls, fused):
     """convert joins a layer's norm to the fused FFN after it where the layer's code reads the
     norm's output only there and the norm has a fused form; elsewhere the FFN alone is fused."""
@@ -290,8 +291,8 @@ def test_convert_runs_the_norm_in_the_ffn(layer_cls, norm_cls, fused):
     kinds = [u.kind for u in conv.fusedrc_plan.units if u.kind != "norm"]
     assert kinds == ["norm_gated_ffn" if fused else "gated_ffn"] * 2
     # a norm the op does not run is recomputed on its own (its output not kept) where it has a functional
-    # form; Gemma's has none and stays as it is
-    expected = C._NormFirst if fused else GemmaRMSNorm if norm_cls is GemmaRMSNorm else C._RecomputedNorm
+    # form; an input-scaled RMSNorm has none and stays as it is
+    expected = C._NormFirst if fused else norm_cls if norm_cls is InputScaledRMSNorm else C._RecomputedNorm
     assert all(type(conv[i].norm) is expected for i in range(2))
     y_ref, g_ref = _step(model, x)
     with FusedOpLog() as log:
@@ -444,7 +445,7 @@ def test_from_modules_with_a_norm():
     x = torch.randn(5, 16)
     assert m.norm is norm and torch.equal(m(x), _eager(norm, [g, u, d], True, x))
     with pytest.raises(TypeError, match="norm must be None, an nn.LayerNorm or nn.RMSNorm"):
-        fusedrc.nn.GatedMLP.from_modules(g, u, d, nn.SiLU(), norm=GemmaRMSNorm(16))
+        fusedrc.nn.GatedMLP.from_modules(g, u, d, nn.SiLU(), norm=InputScaledRMSNorm(16))
     with pytest.raises(ValueError, match="norm must normalize 16 features"):
         fusedrc.nn.GatedMLP.from_modules(g, u, d, nn.SiLU(), norm=nn.LayerNorm(8))
     with pytest.raises(ValueError, match="norm must be None, 'layer'"):
@@ -609,11 +610,12 @@ class HeliumRMSNorm(LlamaRMSNorm):
 def test_norm_kind_probe_tells_the_roundings_apart():
     """The probe runs the class's forward on a random weight in the weight's dtype: in bfloat16 a norm
     rounding once is "rms" and Llama's (rounding twice) "llama_rms", whatever the module's own weight
-    (a fresh all-ones weight rounds the same either way); Gemma's (1 + weight) has no fused form."""
+    (a fresh all-ones weight rounds the same either way); Gemma's (1 + weight, rounded once) is
+    "gemma_rms"; one that scales x before it normalizes has no fused form."""
     from fusedrc._patterns import norm_kind
 
     for cls, kinds in ((LlamaRMSNorm, ("llama_rms", "llama_rms")), (HeliumRMSNorm, ("llama_rms", "rms")),
-                       (GemmaRMSNorm, (None, None))):
+                       (GemmaRMSNorm, ("gemma_rms", "gemma_rms")), (InputScaledRMSNorm, (None, None))):
         m = cls(16)
         got = [None if k is None else k[0] for k in (norm_kind(m), norm_kind(m.bfloat16()))]
         assert got == list(kinds), cls.__name__

@@ -18,7 +18,7 @@ from fusedrc.convert import saved_bytes
 from fusedrc import _recomputed_norm as RN
 from fusedrc.errors import RecomputeError
 
-from _utils import GemmaRMSNorm, LlamaRMSNorm
+from _utils import GemmaRMSNorm, InputScaledRMSNorm, LlamaRMSNorm
 
 C = sys.modules["fusedrc.convert"]
 
@@ -28,6 +28,7 @@ NORMS = {
     "rms": lambda d: nn.RMSNorm(d, eps=1e-6),
     "llama_rms": lambda d: LlamaRMSNorm(d),
     "gemma_rms": lambda d: GemmaRMSNorm(d),
+    "input_scaled_rms": lambda d: InputScaledRMSNorm(d),  # no kind models it
 }
 
 
@@ -63,7 +64,7 @@ def _net(norm="layer", dtype=torch.float32, **kw):
     net = Net(norm=norm, **kw).to(dtype).train()
     with torch.no_grad():
         for m in net.modules():
-            if hasattr(m, "variance_epsilon") or isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            if hasattr(m, "variance_epsilon") or hasattr(m, "eps"):
                 for p in m.parameters():
                     p.add_(torch.randn_like(p) * 0.3)
     return net
@@ -102,7 +103,8 @@ NORM_UNITS = ["layers.0.norm", "layers.1.norm", "norm"]
 
 
 @pytest.mark.parametrize("norm,dtype,exact", [("layer", torch.float32, True), ("rms", torch.float32, False),
-                                              ("llama_rms", torch.bfloat16, True), ("llama_rms", torch.float32, False)])
+                                              ("llama_rms", torch.bfloat16, True), ("llama_rms", torch.float32, False),
+                                              ("gemma_rms", torch.bfloat16, True)])
 def test_outputs_and_gradients_are_the_originals_and_the_norm_outputs_are_not_kept(norm, dtype, exact):
     net, x = _net(norm, dtype), _x(dtype)
     conv = C.convert(net)
@@ -288,10 +290,10 @@ def test_torch_compile_runs_the_norms_as_they_are_with_no_graph_break():
 
 
 def test_a_norm_with_no_modelled_form_is_left_as_it_is():
-    net = _net("gemma_rms")
+    net = _net("input_scaled_rms")
     with pytest.warns(UserWarning, match="no pattern found"):
         conv = C.convert(net)
-    assert not conv.fusedrc_plan.units and type(conv.norm) is GemmaRMSNorm
+    assert not conv.fusedrc_plan.units and type(conv.norm) is InputScaledRMSNorm
 
 
 def test_group_norm_before_an_activation_and_a_conv():
