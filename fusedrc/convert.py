@@ -834,14 +834,86 @@ def _norm_call(norm, x):
         w, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
         if x.dim() < 2 or x.shape[1] != norm.num_channels or any(
                 t is not None and (t.dtype != x.dtype or t.device != x.device) for t in (w, b)):
-            return None
+            return _own_form(norm, x)
         return functools.partial(_group_norm, groups=norm.num_groups, eps=norm.eps), w, b
     args = _norm_args(norm, x)
     if args is None:
-        return None
+        return _own_form(norm, x)
     form = functools.partial(_norm_form, kind=args["norm"], eps=args["norm_eps"],
                              torch_rms=cls is getattr(nn, "RMSNorm", None))
     return form, args["norm_weight"], args["norm_bias"]
+
+
+# A norm no functional form models (Gemma's kin aside: Cohere's mean-centred float32 LayerNorm, OLMo's
+# weightless one, DeBERTa's, channels-first LayerNorm2d, timm's RmsNorm2d, a LayerNorm with a float32
+# weight under bfloat16 input...) reruns its own class's forward, on a shallow copy of the module holding
+# the parameters passed in (the copies the forward read, in backward). Admitted by name and shape: a
+# class named *Norm/*Norm1d/*Norm2d/*Norm3d, not a BatchNorm, with no submodules, no buffers and at most
+# two parameters; and, before its first recomputed call per dtype, device and rank, checked to be a pure
+# function of x (two runs agree bit for bit, x unchanged, a fresh output).
+_NORM_SUFFIXES = ("norm", "norm1d", "norm2d", "norm3d")
+
+
+def _own_form_candidate(m):
+    cls = _class_of(m)
+    name = cls.__name__.lower()
+    return (name.endswith(_NORM_SUFFIXES) and "batchnorm" not in name and cls.forward is not nn.Module.forward
+            and not m._modules and not m._buffers and len(m._parameters) <= 2)
+
+
+def _as_original(module, state):
+    """An instance of ``module``'s original class holding ``state`` as its ``__dict__``: its forward's
+    zero-argument ``super()`` needs one (a wrapper is no instance of that class)."""
+    cls = _class_of(module)
+    inst = object.__new__(cls)
+    object.__setattr__(inst, "__dict__", state)
+    return inst
+
+
+def _own_forward(x, *params, module, names):
+    state = dict(module.__dict__)
+    for name in names:  # a replica's parameters are plain attributes
+        state.pop(name, None)
+    state["_parameters"] = dict(zip(names, params))
+    return _class_of(module).forward(_as_original(module, state), x)
+
+
+def _same_values(a, b):
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and bool(((a == b) | (a != a) & (b != b)).all()))
+
+
+def _pure_on(form, x, params):
+    """Whether ``form`` computes a fresh tensor from x alone: two runs (RNG forked) agree, x unchanged."""
+    version, devices = x._version, [x.device] if x.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        try:
+            a, b = form(x, *params), form(x, *params)
+        except Exception:
+            return False
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or x._version != version:
+        return False
+    alias = {t.untyped_storage().data_ptr() for t in (x, *params) if t is not None}
+    return a.untyped_storage().data_ptr() not in alias and _same_values(a, b)
+
+
+def _own_form(norm, x):
+    """``(form, weight, bias)`` running ``norm``'s own forward (see above), or None."""
+    names = norm.__dict__.get("_fusedrc_param_names")
+    if names is None or x.is_sparse or x.device.type == "meta":
+        return None
+    params = [getattr(norm, n, None) for n in names]
+    if any(p is not None and not isinstance(p, torch.Tensor) for p in params) or not recomputable(x, *params):
+        return None
+    form = functools.partial(_own_forward, module=norm, names=names)
+    key = (x.dtype, x.device, x.dim(), tuple(None if p is None else (p.dtype, p.device) for p in params))
+    pure = norm.__dict__.setdefault("_fusedrc_pure", {})
+    if key not in pure:
+        pure[key] = _pure_on(form, x, params)
+    if not pure[key]:
+        return None
+    params += [None] * (2 - len(params))
+    return form, *params
 
 
 class _RecomputedNorm(Wrapper):
@@ -864,6 +936,10 @@ class _RecomputedNorm(Wrapper):
             return torch.utils.checkpoint.checkpoint(self.plain, x, use_reentrant=False)
         return recomputed_norm(*call[:1], x, *call[1:])
 
+    def plain(self, *args, **kwargs):
+        # on the original class's instance sharing this module's state: its forward may call super()
+        return _class_of(self).forward(_as_original(self, self.__dict__), *args, **kwargs)
+
     def _get_name(self):
         return f"RecomputedNorm({_class_of(self).__name__})"
 
@@ -873,7 +949,7 @@ def _recomputable_norm(m):
     (``nn.LayerNorm``, ``nn.RMSNorm``, timm's LayerNorm, Hugging Face RMSNorm classes that pass its probe)."""
     if isinstance(m, Wrapper) and not isinstance(m, _RecomputedNorm):
         return False  # run by a rule's code (a _NormFirst: inside the FFN's op)
-    return _class_of(m) is nn.GroupNorm or norm_kind(m, _class_of(m)) is not None
+    return _class_of(m) is nn.GroupNorm or norm_kind(m, _class_of(m)) is not None or _own_form_candidate(m)
 
 
 def _fx_inlined(model):
@@ -906,6 +982,7 @@ def _recomputed_norms(ctx, model):
                 if not _nohooks(child):
                     ctx.skip(name, "hooks registered on the norm")
                     continue
+                child.__dict__["_fusedrc_param_names"] = tuple(child._parameters)  # (what a replica loses)
                 sites.append(_site_unit(ctx, _RecomputedNorm.wrap(child), name, "norm", "norm", ()))
             else:
                 visit(child, name)

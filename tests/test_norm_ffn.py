@@ -290,9 +290,9 @@ def test_convert_runs_the_norm_in_the_ffn(layer_cls, norm_cls, fused):
     conv = fusedrc.convert(model)
     kinds = [u.kind for u in conv.fusedrc_plan.units if u.kind != "norm"]
     assert kinds == ["norm_gated_ffn" if fused else "gated_ffn"] * 2
-    # a norm the op does not run is recomputed on its own (its output not kept) where it has a functional
-    # form; an input-scaled RMSNorm has none and stays as it is
-    expected = C._NormFirst if fused else norm_cls if norm_cls is InputScaledRMSNorm else C._RecomputedNorm
+    # a norm the op does not run is recomputed on its own (its output not kept): through its functional
+    # form, or its own forward (an input-scaled RMSNorm)
+    expected = C._NormFirst if fused else C._RecomputedNorm
     assert all(type(conv[i].norm) is expected for i in range(2))
     y_ref, g_ref = _step(model, x)
     with FusedOpLog() as log:

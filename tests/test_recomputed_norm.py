@@ -28,8 +28,40 @@ NORMS = {
     "rms": lambda d: nn.RMSNorm(d, eps=1e-6),
     "llama_rms": lambda d: LlamaRMSNorm(d),
     "gemma_rms": lambda d: GemmaRMSNorm(d),
-    "input_scaled_rms": lambda d: InputScaledRMSNorm(d),  # no kind models it
+    # no functional form models these three: they rerun their own forward
+    "input_scaled_rms": lambda d: InputScaledRMSNorm(d),
+    "cohere_layer": lambda d: CohereLayerNorm(d),
+    "weightless_layer": lambda d: WeightlessLayerNorm(d),
 }
+
+
+class CohereLayerNorm(nn.Module):
+    """Hugging Face's CohereLayerNorm, written out: mean-centred, in float32, no bias."""
+
+    def __init__(self, hidden_size, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight.to(torch.float32) * hidden_states
+        return hidden_states.to(input_dtype)
+
+
+class WeightlessLayerNorm(nn.Module):
+    """OLMo's: no parameters, float32."""
+
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, None, None, eps=1e-5).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -104,7 +136,10 @@ NORM_UNITS = ["layers.0.norm", "layers.1.norm", "norm"]
 
 @pytest.mark.parametrize("norm,dtype,exact", [("layer", torch.float32, True), ("rms", torch.float32, False),
                                               ("llama_rms", torch.bfloat16, True), ("llama_rms", torch.float32, False),
-                                              ("gemma_rms", torch.bfloat16, True)])
+                                              ("gemma_rms", torch.bfloat16, True), ("input_scaled_rms", torch.bfloat16, True),
+                                              ("cohere_layer", torch.bfloat16, True),
+                                              ("weightless_layer", torch.bfloat16, True),
+                                              ("cohere_layer", torch.float32, False)])
 def test_outputs_and_gradients_are_the_originals_and_the_norm_outputs_are_not_kept(norm, dtype, exact):
     net, x = _net(norm, dtype), _x(dtype)
     conv = C.convert(net)
@@ -289,11 +324,111 @@ def test_torch_compile_runs_the_norms_as_they_are_with_no_graph_break():
         torch.testing.assert_close(g["_orig_mod." + k], v)
 
 
-def test_a_norm_with_no_modelled_form_is_left_as_it_is():
-    net = _net("input_scaled_rms")
+class BufferedRMSNorm(LlamaRMSNorm):
+    def __init__(self, d):
+        super().__init__(d)
+        self.register_buffer("scale", torch.full((d,), 2.0))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class NoisyRMSNorm(LlamaRMSNorm):
+    def forward(self, x):
+        return super().forward(x) + torch.randn_like(x) * 0.1
+
+
+class PassThroughNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+
+    def forward(self, x):
+        return x
+
+
+class ScaledNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.inner = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
+def test_a_norm_with_buffers_or_submodules_is_left_as_it_is():
+    """The own-forward path admits only modules that hold at most two parameters: a buffer could be
+    state the forward changes, a submodule code of its own (it is looked into instead)."""
+    net = nn.Sequential(BufferedRMSNorm(16), nn.Linear(16, 4))
     with pytest.warns(UserWarning, match="no pattern found"):
         conv = C.convert(net)
-    assert not conv.fusedrc_plan.units and type(conv.norm) is InputScaledRMSNorm
+    assert not conv.fusedrc_plan.units and type(conv[0]) is BufferedRMSNorm
+    conv = C.convert(nn.Sequential(ScaledNorm(16), nn.Linear(16, 4)))
+    assert [u.name for u in conv.fusedrc_plan.units] == ["0.inner"] and type(conv[0]) is ScaledNorm
+
+
+@pytest.mark.parametrize("norm_cls", [NoisyRMSNorm, PassThroughNorm])
+def test_a_norm_whose_forward_is_not_a_fresh_pure_function_runs_as_it_is(norm_cls):
+    """A *Norm class whose forward draws random numbers, or returns its input, fails the check its first
+    call runs (two runs agree bit for bit, a fresh output): it runs as it is, and the check leaves the
+    random stream where it was."""
+    torch.manual_seed(0)
+    net = nn.Sequential(norm_cls(16), nn.Linear(16, 4))
+    conv = C.convert(net)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["norm"]
+    x = _x()
+    for _ in range(2):
+        torch.manual_seed(5)
+        ref = _grads(net, x)
+        torch.manual_seed(5)
+        got = _grads(conv, x)
+        _assert_same(ref, got)
+    assert saved_bytes(conv, (x,)) == saved_bytes(net, (x,))
+    assert list(conv[0].__dict__["_fusedrc_pure"].values()) == [False]
+
+
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """A LayerNorm over the channels of an NCHW tensor through ``super().forward`` (Hugging Face's
+    ConvNeXt and SAM norms): a class no form models, whose forward needs an instance of itself."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def test_an_own_forward_norm_calling_super():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ChannelsFirstLayerNorm(8), nn.Conv2d(8, 4, 1))
+    with torch.no_grad():
+        net[1].weight.normal_()
+    conv = C.convert(net)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("1", "norm")]
+    x = torch.randn(2, 3, 7, 7)
+    _assert_same(_grads(net, x), _grads(conv, x))
+    # the second conv kept the norm's output (a channels-last view): a recipe now
+    assert saved_bytes(conv, (x,)) <= saved_bytes(net, (x,)) - 2 * 8 * 49 * 4
+    with torch.no_grad():  # the norm as it was (its plain call)
+        assert torch.equal(conv(x), net(x))
+
+
+def test_a_replicas_own_forward_norm_reads_the_replicas_parameters():
+    """An nn.DataParallel replica holds its parameters as plain attributes: the own-forward path reads
+    them by the names convert recorded, and they get their gradients."""
+    from _utils import replicate_on_cpu
+
+    net = _net("cohere_layer", torch.bfloat16)
+    conv = C.convert(net)
+    replica = replicate_on_cpu(conv, scale=2.0)
+    ref = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(2)
+    x = _x(torch.bfloat16)
+    xr, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (ref(xr).float() ** 2).sum().backward()
+    out = replica(xc)
+    w = replica.norm.weight  # a non-leaf tensor (twice the original's): its gradient reaches the original
+    (gw,) = torch.autograd.grad((out.float() ** 2).sum(), [w], retain_graph=True)
+    assert torch.equal(out, ref(x))
+    assert torch.equal(gw, ref.norm.weight.grad)
 
 
 def test_group_norm_before_an_activation_and_a_conv():
