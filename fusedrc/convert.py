@@ -844,21 +844,30 @@ def _norm_call(norm, x):
     return form, args["norm_weight"], args["norm_bias"]
 
 
-# A norm no functional form models (Gemma's kin aside: Cohere's mean-centred float32 LayerNorm, OLMo's
-# weightless one, DeBERTa's, channels-first LayerNorm2d, timm's RmsNorm2d, a LayerNorm with a float32
-# weight under bfloat16 input...) reruns its own class's forward, on a shallow copy of the module holding
-# the parameters passed in (the copies the forward read, in backward). Admitted by name and shape: a
-# class named *Norm/*Norm1d/*Norm2d/*Norm3d, not a BatchNorm, with no submodules, no buffers and at most
-# two parameters; and, before its first recomputed call per dtype, device and rank, checked to be a pure
-# function of x (two runs agree bit for bit, x unchanged, a fresh output).
+# A norm no functional form models (Cohere's mean-centred float32 LayerNorm, OLMo's weightless one,
+# DeBERTa's, channels-first LayerNorm2d, timm's RmsNorm2d, a LayerNorm with a float32 weight under
+# bfloat16 input...) reruns its own class's forward, on an instance holding the parameters passed in (in
+# backward, the copies the forward read). Admitted by name and shape: a class named *Norm/*Norm1d/*Norm2d/
+# *Norm3d, not a BatchNorm, whose forward takes one argument, with no submodules, no buffers and at most
+# two parameters, and not a parametrization (weight_norm's _WeightNorm); and, before its first recomputed
+# call per dtype, device and rank, checked to be a pure function of x (two runs agree bit for bit, x
+# unchanged, a fresh output).
 _NORM_SUFFIXES = ("norm", "norm1d", "norm2d", "norm3d")
+
+
+def _one_argument(fn):
+    try:
+        params = list(_inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
 
 
 def _own_form_candidate(m):
     cls = _class_of(m)
     name = cls.__name__.lower()
     return (name.endswith(_NORM_SUFFIXES) and "batchnorm" not in name and cls.forward is not nn.Module.forward
-            and not m._modules and not m._buffers and len(m._parameters) <= 2)
+            and not m._modules and not m._buffers and len(m._parameters) <= 2 and _one_argument(cls.forward))
 
 
 def _as_original(module, state):
@@ -975,6 +984,8 @@ def _recomputed_norms(ctx, model):
     def visit(module, prefix):
         for key, child in module._modules.items():
             if child is None or _is_marked(child) or id(child) in seen:  # a user's mark: left as it is
+                continue
+            if isinstance(child, nn.utils.parametrize.ParametrizationList):  # computes a parameter
                 continue
             seen.add(id(child))  # a module held twice (ALBERT's shared layer): one unit
             name = _join(prefix, key)
