@@ -850,8 +850,8 @@ def _norm_call(norm, x):
 # backward, the copies the forward read). Admitted by name and shape: a class named *Norm/*Norm1d/*Norm2d/
 # *Norm3d, not a BatchNorm, whose forward takes one argument, with no submodules, no buffers and at most
 # two parameters, and not a parametrization (weight_norm's _WeightNorm); and, before its first recomputed
-# call per dtype, device and rank, checked to be a pure function of x (two runs agree bit for bit, x
-# unchanged, a fresh output).
+# call per dtype, device, rank and training mode, checked to be a pure function of x (two runs agree bit
+# for bit, x unchanged, a fresh output; one host sync, so a CUDA graph's warm-up calls make it).
 _NORM_SUFFIXES = ("norm", "norm1d", "norm2d", "norm3d")
 
 
@@ -902,20 +902,24 @@ def _pure_on(form, x, params):
             return False
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or x._version != version:
         return False
-    alias = {t.untyped_storage().data_ptr() for t in (x, *params) if t is not None}
-    return a.untyped_storage().data_ptr() not in alias and _same_values(a, b)
+    try:
+        alias = {t.untyped_storage().data_ptr() for t in (x, *params) if t is not None}
+        return a.untyped_storage().data_ptr() not in alias and _same_values(a, b)
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor with no storage to compare (a subclass)
+        return False
 
 
 def _own_form(norm, x):
     """``(form, weight, bias)`` running ``norm``'s own forward (see above), or None."""
     names = norm.__dict__.get("_fusedrc_param_names")
-    if names is None or x.is_sparse or x.device.type == "meta":
+    if names is None or x.layout != torch.strided or x.device.type == "meta":
         return None
     params = [getattr(norm, n, None) for n in names]
     if any(p is not None and not isinstance(p, torch.Tensor) for p in params) or not recomputable(x, *params):
         return None
     form = functools.partial(_own_forward, module=norm, names=names)
-    key = (x.dtype, x.device, x.dim(), tuple(None if p is None else (p.dtype, p.device) for p in params))
+    key = (x.dtype, x.device, x.dim(), norm.training,
+           tuple(None if p is None else (p.dtype, p.device) for p in params))
     pure = norm.__dict__.setdefault("_fusedrc_pure", {})
     if key not in pure:
         pure[key] = _pure_on(form, x, params)
