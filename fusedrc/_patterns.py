@@ -156,11 +156,14 @@ def _rms_probe(m, cls, w, eps):
     stand_in = copy.copy(m)
     stand_in.__dict__.pop("weight", None)  # an nn.DataParallel replica holds it as a plain attribute
     stand_in._parameters = dict(m._parameters, weight=nn.Parameter(weight, requires_grad=False))
+    state = dict(stand_in.__dict__)
     try:
         with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
             out = cls.forward(stand_in, probe)
     except Exception:
         return None
+    if stand_in.__dict__.keys() != state.keys() or any(stand_in.__dict__[k] is not v for k, v in state.items()):
+        return None  # it sets attributes (a counter, cached statistics): a functional form would skip that
     for kind in ("llama_rms", "rms", "gemma_rms"):
         want = reference.norm_forward(probe, kind, weight, None, eps)
         if isinstance(out, torch.Tensor) and out.dtype == want.dtype and torch.equal(out, want):
@@ -189,6 +192,10 @@ def norm_kind(m, cls=None):
     w = getattr(m, "weight", None)  # (a replica's parameters are plain attributes, not in _parameters)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point() or w.device.type == "meta":
+        return None
+    # the kinds read one weight: another parameter or a buffer is state the probe cannot see the use of
+    # (a zero-initialised shift looks absent until training moves it)
+    if set(m._parameters) - {"weight"} or m._modules or any(b is not None for b in m._buffers.values()):
         return None
     key = (t, w.dtype, w.device, tuple(w.shape), eps)
     cached = m.__dict__.get("_fusedrc_norm_probe")

@@ -846,45 +846,70 @@ def _norm_call(norm, x):
 
 # A norm no functional form models (Cohere's mean-centred float32 LayerNorm, OLMo's weightless one,
 # DeBERTa's, channels-first LayerNorm2d, timm's RmsNorm2d, a LayerNorm with a float32 weight under
-# bfloat16 input...) reruns its own class's forward, on an instance holding the parameters passed in (in
-# backward, the copies the forward read). Admitted by name and shape: a class named *Norm/*Norm1d/*Norm2d/
-# *Norm3d, not a BatchNorm, whose forward takes one argument, with no submodules, no buffers and at most
-# two parameters, and not a parametrization (weight_norm's _WeightNorm); and, before its first recomputed
-# call per dtype, device, rank and training mode, checked to be a pure function of x (two runs agree bit
-# for bit, x unchanged, a fresh output; one host sync, so a CUDA graph's warm-up calls make it).
+# bfloat16 input...) reruns its own class's forward. The rerun runs on an instance of that class holding
+# the module's state as the forward found it (its attributes then; in backward, the copies of the
+# parameters the forward read), so what changes on the module between forward and backward does not
+# reach the rerun. Admitted by name and shape: a class named *Norm/*Norm1d/*Norm2d/*Norm3d, not a
+# BatchNorm, whose forward takes one argument, with no submodules, no buffers and at most two parameters
+# (not a parametrization's module, weight_norm's _WeightNorm); at each call, one holding no tensor but
+# its parameters (another tensor, a style vector set from outside, would get no gradient). Before its
+# first recomputed call per input dtype, device, rank and training mode, a check runs the forward as the
+# op does (no autograd) and as its rerun does (autograd on detached leaves): both must give the same bits
+# and a fresh tensor, and leave x, the parameters and the module's attributes as they were. Torch's and
+# Python's random states are restored after. One host sync: a CUDA graph's warm-up calls make it.
 _NORM_SUFFIXES = ("norm", "norm1d", "norm2d", "norm3d")
+_ONE_ARGUMENT = {}  # forward function -> whether it takes one positional argument
 
 
 def _one_argument(fn):
-    try:
-        params = list(_inspect.signature(fn).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return False
-    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+    got = _ONE_ARGUMENT.get(fn)
+    if got is None:
+        try:
+            params = list(_inspect.signature(fn).parameters.values())[1:]
+        except (TypeError, ValueError):
+            params = ()
+        got = _ONE_ARGUMENT[fn] = len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY,
+                                                                            params[0].POSITIONAL_OR_KEYWORD)
+    return got
 
 
 def _own_form_candidate(m):
     cls = _class_of(m)
     name = cls.__name__.lower()
     return (name.endswith(_NORM_SUFFIXES) and "batchnorm" not in name and cls.forward is not nn.Module.forward
-            and not m._modules and not m._buffers and len(m._parameters) <= 2 and _one_argument(cls.forward))
+            and not m._modules and all(b is None for b in m._buffers.values()) and len(m._parameters) <= 2
+            and _one_argument(cls.forward))
 
 
-def _as_original(module, state):
-    """An instance of ``module``'s original class holding ``state`` as its ``__dict__``: its forward's
-    zero-argument ``super()`` needs one (a wrapper is no instance of that class)."""
-    cls = _class_of(module)
+def _uses_class_cell(fn):
+    # a zero-argument super() (or __class__) in fn: it must run on an instance of its class
+    return "__class__" in getattr(getattr(fn, "__code__", None), "co_freevars", ())
+
+
+def _as_original(cls, state):
+    """An instance of ``cls`` (a module's original class) holding ``state`` as its ``__dict__``."""
     inst = object.__new__(cls)
     object.__setattr__(inst, "__dict__", state)
     return inst
 
 
-def _own_forward(x, *params, module, names):
-    state = dict(module.__dict__)
-    for name in names:  # a replica's parameters are plain attributes
-        state.pop(name, None)
-    state["_parameters"] = dict(zip(names, params))
-    return _class_of(module).forward(_as_original(module, state), x)
+def _run_own(x, params, cls, state, names):
+    inst = _as_original(cls, dict(state, _parameters=dict(zip(names, params))))
+    return cls.forward(inst, x), inst.__dict__
+
+
+def _own_forward(x, *params, cls, state, names):
+    return _run_own(x, params, cls, state, names)[0]
+
+
+def _holds_tensors(state, names):
+    for key, v in state.items():
+        if key in names or key in ("_parameters", "_buffers"):
+            continue
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+        if any(isinstance(t, torch.Tensor) for t in items):
+            return True
+    return False
 
 
 def _same_values(a, b):
@@ -892,19 +917,31 @@ def _same_values(a, b):
             and bool(((a == b) | (a != a) & (b != b)).all()))
 
 
-def _pure_on(form, x, params):
-    """Whether ``form`` computes a fresh tensor from x alone: two runs (RNG forked) agree, x unchanged."""
-    version, devices = x._version, [x.device] if x.device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        try:
-            a, b = form(x, *params), form(x, *params)
-        except Exception:
-            return False
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or x._version != version:
+def _pure_on(x, params, cls, state, names):
+    """Whether the own forward is a pure function of x and the parameters (see above): True, False, or
+    None where the check itself failed (an exception: decided at a later call)."""
+    versions = [t._version for t in (x, *params) if t is not None]
+    py_random = _random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            with torch.no_grad():
+                a, state_a = _run_own(x, params, cls, state, names)
+            leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (x, *params)]
+            with torch.enable_grad():
+                b, state_b = _run_own(leaves[0], leaves[1:], cls, state, names)
+    except Exception:
+        return None
+    finally:
+        _random.setstate(py_random)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
+    if versions != [t._version for t in (x, *params) if t is not None] or any(
+            d.keys() != state.keys() or any(d[k] is not state[k] for k in state if k != "_parameters")
+            for d in (state_a, state_b)):
+        return False  # changed its input, a parameter or its own attributes
     try:
         alias = {t.untyped_storage().data_ptr() for t in (x, *params) if t is not None}
-        return a.untyped_storage().data_ptr() not in alias and _same_values(a, b)
+        return a.untyped_storage().data_ptr() not in alias and _same_values(a, b.detach())
     except (RuntimeError, NotImplementedError, TypeError):  # a tensor with no storage to compare (a subclass)
         return False
 
@@ -912,21 +949,26 @@ def _pure_on(form, x, params):
 def _own_form(norm, x):
     """``(form, weight, bias)`` running ``norm``'s own forward (see above), or None."""
     names = norm.__dict__.get("_fusedrc_param_names")
-    if names is None or x.layout != torch.strided or x.device.type == "meta":
+    if (names is None or x.layout != torch.strided or x.device.type == "meta"
+            or not _own_form_candidate(norm) or len(names) > 2):
         return None
-    params = [getattr(norm, n, None) for n in names]
-    if any(p is not None and not isinstance(p, torch.Tensor) for p in params) or not recomputable(x, *params):
+    state = dict(norm.__dict__)
+    params = [state.pop(n) if n in state else getattr(norm, n, None) for n in names]  # (a replica's: in state)
+    if (any(p is not None and not isinstance(p, torch.Tensor) for p in params) or _holds_tensors(state, names)
+            or not recomputable(x, *params)):
         return None
-    form = functools.partial(_own_forward, module=norm, names=names)
+    cls = _class_of(norm)
     key = (x.dtype, x.device, x.dim(), norm.training,
            tuple(None if p is None else (p.dtype, p.device) for p in params))
     pure = norm.__dict__.setdefault("_fusedrc_pure", {})
     if key not in pure:
-        pure[key] = _pure_on(form, x, params)
+        got = _pure_on(x, params, cls, state, names)
+        if got is None:
+            return None
+        pure[key] = got
     if not pure[key]:
         return None
-    params += [None] * (2 - len(params))
-    return form, *params
+    return functools.partial(_own_forward, cls=cls, state=state, names=names), *params, *[None] * (2 - len(params))
 
 
 class _RecomputedNorm(Wrapper):
@@ -950,8 +992,10 @@ class _RecomputedNorm(Wrapper):
         return recomputed_norm(*call[:1], x, *call[1:])
 
     def plain(self, *args, **kwargs):
-        # on the original class's instance sharing this module's state: its forward may call super()
-        return _class_of(self).forward(_as_original(self, self.__dict__), *args, **kwargs)
+        cls = _class_of(self)
+        if _uses_class_cell(cls.forward):  # super() wants an instance of cls: one sharing this module's state
+            return cls.forward(_as_original(cls, self.__dict__), *args, **kwargs)
+        return cls.forward(self, *args, **kwargs)
 
     def _get_name(self):
         return f"RecomputedNorm({_class_of(self).__name__})"

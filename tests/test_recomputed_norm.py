@@ -615,3 +615,108 @@ def test_on_cuda_under_autocast(norm):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         before, after = saved_bytes(net, (x,)), saved_bytes(conv, (x,))
     assert after <= before - 7 * x.numel() * 2, (before, after)
+
+
+class StyleNorm(nn.Module):
+    """Adaptive instance norm: a style (gamma, beta) set as plain attributes before each call."""
+
+    def forward(self, x):
+        return nn.functional.instance_norm(x) * self.gamma[:, :, None, None] + self.beta[:, :, None, None]
+
+
+def test_a_norm_holding_other_tensors_runs_as_it_is():
+    """A tensor the forward reads that is no parameter (a style computed elsewhere) would get no gradient
+    through the recomputed op, and could change before backward: such a norm runs as it is."""
+    torch.manual_seed(0)
+    style = nn.Linear(4, 16)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), StyleNorm(), nn.Conv2d(8, 3, 1))
+    conv = C.convert(net)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["norm"]
+    x, z = torch.randn(2, 3, 5, 5), torch.randn(2, 4)
+
+    def grads(model):
+        style.zero_grad()
+        model.zero_grad()
+        loss = 0
+        for scale in (1.0, -2.0):  # two calls, the style changed between them, one backward
+            model[1].gamma, model[1].beta = (style(z * scale)[:, :8], style(z * scale)[:, 8:])
+            loss = loss + (model(x) ** 2).sum()
+        loss.backward()
+        return [p.grad.clone() for p in (*model.parameters(), *style.parameters())]
+
+    for a, b in zip(grads(net), grads(conv)):
+        assert torch.equal(a, b)
+
+
+class CountingRMSNorm(LlamaRMSNorm):
+    def forward(self, x):
+        self.calls = self.__dict__.get("calls", 0) + 1
+        return super().forward(x)
+
+
+class GradModeLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return super().forward(x)
+        return super().forward(x.bfloat16().float())  # a "fast path" without autograd
+
+
+@pytest.mark.parametrize("norm_cls", [CountingRMSNorm, GradModeLayerNorm])
+def test_a_norm_that_writes_its_attributes_or_reads_the_grad_mode_runs_as_it_is(norm_cls):
+    """The check runs the forward as the op does (no autograd) and as its rerun does: a forward that
+    sets an attribute (lost on the rerun's instance), or computes otherwise without autograd, fails it."""
+    net = nn.Sequential(nn.Linear(16, 16), norm_cls(16), nn.Linear(16, 4))
+    conv = C.convert(copy.deepcopy(net))
+    x = _x()
+    _assert_same(_grads(net, x), _grads(conv, x))
+    assert list(conv[1].__dict__["_fusedrc_pure"].values()) == [False]
+    if norm_cls is CountingRMSNorm:
+        before = conv[1].calls
+        conv(x)
+        assert conv[1].calls == before + 1
+
+
+def test_a_parametrization_on_a_converted_norm():
+    """A parametrization registered after convert: the norm is no longer a candidate (it holds a
+    submodule now) and runs as it is, with and without autograd."""
+    from torch.nn.utils import parametrize
+
+    class Positive(nn.Module):
+        def forward(self, w):
+            return w.abs() + 0.5
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    conv = C.convert(copy.deepcopy(net))
+    for m in (net, conv):
+        parametrize.register_parametrization(m[1], "weight", Positive())
+    x = _x()
+    _assert_same(_grads(net, x), _grads(conv, x))
+    with torch.no_grad():
+        assert torch.equal(conv(x), net(x))
+
+
+def test_a_norm_kind_needs_its_parameters_alone_and_instance_norms_rerun_their_forward():
+    """An RMSNorm class with a parameter beside its weight (here a shift, zero at first: the probe would
+    not see it) matches no kind and is no candidate (three parameters); an nn.InstanceNorm2d without
+    running statistics reruns its own forward."""
+    from fusedrc._patterns import norm_kind
+
+    class ShiftedRMSNorm(LlamaRMSNorm):
+        def __init__(self, d):
+            super().__init__(d)
+            self.shift, self.gate = nn.Parameter(torch.zeros(d)), nn.Parameter(torch.zeros(d))
+
+        def forward(self, x):
+            return super().forward(x) + self.shift * self.gate
+
+    assert norm_kind(ShiftedRMSNorm(16)) is None
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert not C.convert(nn.Sequential(ShiftedRMSNorm(16), nn.Linear(16, 4))).fusedrc_plan.units
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, affine=True), nn.Conv2d(8, 2, 1))
+    conv = C.convert(copy.deepcopy(net))
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("1", "norm")]
+    x = torch.randn(2, 3, 7, 7)
+    _assert_same(_grads(net, x), _grads(conv, x))
+    assert saved_bytes(conv, (x,)) < saved_bytes(net, (x,))
