@@ -139,6 +139,12 @@ def _plain_bn(m, c):
     return type(m) is nn.BatchNorm2d and m.num_features == c
 
 
+def same_attributes(before, after, ignore=()):
+    """Whether a module's ``__dict__`` after a forward (``after``) holds the very objects it held before
+    (``before``, a copy), keys in ``ignore`` aside: a forward that sets attributes changes it."""
+    return after.keys() == before.keys() and all(after[k] is v for k, v in before.items() if k not in ignore)
+
+
 def _rms_probe(m, cls, w, eps):
     """The RMS kind (``"llama_rms"``, ``"rms"`` or ``"gemma_rms"``) that ``cls.forward`` computes on ``m``, bit for bit,
     or None. Class names say nothing of the casts (T5's and Llama's norms round twice in 16-bit dtypes,
@@ -162,7 +168,7 @@ def _rms_probe(m, cls, w, eps):
             out = cls.forward(stand_in, probe)
     except Exception:
         return None
-    if stand_in.__dict__.keys() != state.keys() or any(stand_in.__dict__[k] is not v for k, v in state.items()):
+    if not same_attributes(state, stand_in.__dict__):
         return None  # it sets attributes (a counter, cached statistics): a functional form would skip that
     for kind in ("llama_rms", "rms", "gemma_rms"):
         want = reference.norm_forward(probe, kind, weight, None, eps)

@@ -125,7 +125,7 @@ from torch import nn
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
                         bn_act_conv_call, conv_bn_act_call, fused_dropout_p, global_hooks, is_linear, norm_call_args,
-                        norm_kind)
+                        norm_kind, same_attributes)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
@@ -935,9 +935,8 @@ def _pure_on(x, params, cls, state, names):
         _random.setstate(py_random)
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
-    if versions != [t._version for t in (x, *params) if t is not None] or any(
-            d.keys() != state.keys() or any(d[k] is not state[k] for k in state if k != "_parameters")
-            for d in (state_a, state_b)):
+    if versions != [t._version for t in (x, *params) if t is not None] or not all(
+            same_attributes(state, d, ignore=("_parameters",)) for d in (state_a, state_b)):
         return False  # changed its input, a parameter or its own attributes
     try:
         alias = {t.untyped_storage().data_ptr() for t in (x, *params) if t is not None}
@@ -1003,7 +1002,8 @@ class _RecomputedNorm(Wrapper):
 
 def _recomputable_norm(m):
     """A norm module with a functional form: ``nn.GroupNorm``, and those ``norm_kind`` models
-    (``nn.LayerNorm``, ``nn.RMSNorm``, timm's LayerNorm, Hugging Face RMSNorm classes that pass its probe)."""
+    (``nn.LayerNorm``, ``nn.RMSNorm``, timm's LayerNorm, Hugging Face RMSNorm classes that pass its probe);
+    or one whose own forward may be rerun (``_own_form_candidate``)."""
     if isinstance(m, Wrapper) and not isinstance(m, _RecomputedNorm):
         return False  # run by a rule's code (a _NormFirst: inside the FFN's op)
     return _class_of(m) is nn.GroupNorm or norm_kind(m, _class_of(m)) is not None or _own_form_candidate(m)

@@ -174,7 +174,7 @@ class GemmaRMSNorm(nn.Module):
 
 class InputScaledRMSNorm(LlamaRMSNorm):
     """Scales x by (1 + weight) before it normalizes (transformers' MuseSpark input norm): no kind
-    models it, so convert leaves it as it is."""
+    models it, so convert reruns its own forward."""
 
     def forward(self, x):
         h = (x.float() * (1.0 + self.weight.float())).type_as(x).float()

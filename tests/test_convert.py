@@ -2141,8 +2141,8 @@ def _timm():
     # Conv-BN-LeakyReLU(0.01) through BatchNormAct2d; cspnet's DarkBlock
     ("darknet17", {}, {"conv_bn_act": 16}, 5),
     # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels
-    # (timm's LayerNorm2d, channels first, has no functional form modelled: left as it is)
-    ("convnext_atto", {}, {"conv_ffn": 12, "norm": 17}, 12),  # LayerNorm2d: its own forward rerun
+    # (timm's LayerNorm2d, channels first, has no functional form modelled: its own forward is rerun)
+    ("convnext_atto", {}, {"conv_ffn": 12, "norm": 17}, 12),
     # pre-activation BatchNormAct2d -> Conv units (the stem a Conv-BN-ReLU); dense layers as blocks
     ("densenet121", {}, {"bn_relu_conv": 119, "conv_bn_relu": 1}, 58),
     # PreActBottleneck: norm1 -> conv1 unless a downsample shares norm1's output (then conv1 -> norm2)
