@@ -1777,11 +1777,13 @@ def _conv_mlp(ctx, name, m):
     if lines is None:
         return m
     reason = _conv_mlp_reason(m, mid) if lines[1:] == body else f"{cls.__name__}.forward is not timm's"
-    if reason is None and _act_name(m.act) is None:
+    # read only once the lines matched: another ConvMlp (timm's VGG's: act1, act2) has no .act
+    act = _act_name(m.act) if reason is None else None
+    if reason is None and act is None:
         reason = f"activation {type(m.act).__name__} has no fused form"
     if reason is None and not _nohooks(*m.children()):
         reason = "hooks registered on the modules"
-    return _wrapped_unit(ctx, name, m, reason, FusedConvMlp, _act_name(m.act), "ffn", "conv_ffn", (m.fc1,))
+    return _wrapped_unit(ctx, name, m, reason, FusedConvMlp, act, "ffn", "conv_ffn", (m.fc1,))
 
 
 def _wrapped_unit(ctx, name, m, reason, wrapper, act, key, kind, recompute_modules):
@@ -2390,6 +2392,7 @@ def _looks_experts(m):
 def _experts(ctx, name, m):
     cls = _class_of(m)
     gate = _inspect.getattr_static(cls, "_apply_gate", None)
+    act = getattr(m, "act_fn", None)  # gpt-oss's experts have none: they gate inline
     own = _inspect.signature(cls.forward.__wrapped__).parameters
     if list(own) != ["self", *_EXPERTS_SIGNATURE.parameters]:
         reason = f"{cls.__name__}.forward takes ({', '.join(own)}), not (hidden_states, top_k_index, top_k_weights)"
@@ -2399,9 +2402,9 @@ def _experts(ctx, name, m):
         reason = "a norm after each expert has no fused form"
     elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"):
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
-    elif _act_name(m.act_fn) is None:
-        reason = f"activation {type(m.act_fn).__name__} has no fused form"
-    elif not _nohooks(m, m.act_fn):
+    elif not isinstance(act, nn.Module) or _act_name(act) is None:
+        reason = f"activation {type(act).__name__} has no fused form"
+    elif not _nohooks(m, act):
         reason = "hooks registered on the modules"
     else:
         reason = None
@@ -2413,7 +2416,8 @@ def _experts(ctx, name, m):
             reason = f"{'/'.join(names)} are not 3-D parameters of matching expert and intermediate sizes"
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
     key = _RecomputeKey()
-    new = _wrapped_unit(ctx, name, m, reason, FusedExperts, _act_name(m.act_fn), "experts", "moe_experts", (key,))
+    new = _wrapped_unit(ctx, name, m, reason, FusedExperts, _act_name(act) if reason is None else None, "experts",
+                        "moe_experts", (key,))
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
     return new
@@ -3458,6 +3462,23 @@ def _plan_budget(model, example_inputs, units, blocks, target, baseline):
     return current
 
 
+def _deep_copy(model):
+    """``copy.deepcopy(model)``; where torch refuses, an error that names the tensor and the way out."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError as e:
+        held = next((f"{name or type(model).__name__}.{k}" for name, m in model.named_modules()
+                     for k, v in vars(m).items()
+                     if isinstance(v, torch.Tensor) and not v.is_leaf), None)
+        if held is None:
+            raise
+        raise RuntimeError(
+            f"convert(inplace=False) deep-copies the model, and torch cannot deep-copy {held}: a tensor "
+            "computed with autograd (a state a forward left on the module, as Hugging Face's RecurrentGemma "
+            "keeps its recurrent state). Convert before the first forward, set that attribute to None, or "
+            "pass inplace=True") from e
+
+
 def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inplace=False, verbose=False):
     """Rewrite ``model`` so its Conv-BN-ReLU chains, residual tails and FFNs are fused recompute ops.
 
@@ -3489,7 +3510,7 @@ def convert(model, *, policy="all", memory_budget=None, example_inputs=None, inp
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {type(value).__name__} {value!r}")
     if not inplace:
-        model = copy.deepcopy(model)
+        model = _deep_copy(model)
     for site in _sites(model):  # an earlier convert's units: off unless this plan selects them again
         site.enabled = False
     ctx = _Context()

@@ -116,12 +116,14 @@ def _wanted_grads(grads, inputs, mask):
     return tuple(None if t is None or not m else g for g, t, m in zip(grads, inputs, mask))
 
 
-def _fake_grads(inputs, output_mask, x: Tensor, channels_last: bool = False, images=(0,)):
-    """The layouts of a backward op's outputs: each gradient like its input; empty where the
-    input is absent or ``output_mask`` masks it off."""
+def _fake_grads(inputs, output_mask, x: Tensor, channels_last: bool = False, images=(0,), like=()):
+    """The layouts of a backward op's outputs: each gradient like its input (dense; the inputs at
+    ``images`` in x's conv memory format; those at ``like`` with the input's own strides, as
+    ``torch.empty_like`` gives them); empty where the input is absent or ``output_mask`` masks it off."""
     mask = output_mask if output_mask is not None else [True] * len(inputs)
-    return tuple(_empty(t.shape, t, channels_last=channels_last and i in images) if t is not None and m
-                 else _empty(_EMPTY, x) for i, (t, m) in enumerate(zip(inputs, mask)))
+    return tuple(_empty(_EMPTY, x) if t is None or not m else torch.empty_like(t) if i in like
+                 else _empty(t.shape, t, channels_last=channels_last and i in images)
+                 for i, (t, m) in enumerate(zip(inputs, mask)))
 
 
 def _or_empty(t: Optional[Tensor], ref: Tensor) -> Tensor:
@@ -134,7 +136,9 @@ def _or_empty(t: Optional[Tensor], ref: Tensor) -> Tensor:
 # the real outputs' strides against them. So every output has one documented layout,
 # whatever the backend and the inputs' strides: dense row-major, except 4-D
 # activations and their gradients, which follow the conv's memory format of ``x``
-# (channels_last when x is channels_last and not also contiguous, like the kernels).
+# (channels_last when x is channels_last and not also contiguous, like the kernels), and
+# a conv weight's gradient, which has the weight's strides (``torch.empty_like``'s).
+# Strides of size-1 dimensions are free (inductor's asserts skip them).
 # A real output already laid out so (the usual case) is returned as is, never copied.
 def _channels_last(x: Tensor) -> bool:
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
@@ -156,12 +160,28 @@ def _empty(shape, like: Tensor, dtype=None, channels_last: bool = False) -> Tens
                                dtype=dtype or like.dtype, device=like.device)
 
 
+def _strides_match(t: Tensor, strides) -> bool:
+    # a size-1 dimension's stride is free: neither inductor's stride asserts nor autograd's
+    # gradient layout contract look at it (a 1x1 conv weight is both contiguous and channels_last)
+    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides))
+
+
 def _laid_out(t: Tensor, channels_last: bool = False, dtype=None) -> Tensor:
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    if tuple(t.stride()) == _dense_strides(tuple(t.shape), channels_last):
+    if _strides_match(t, _dense_strides(tuple(t.shape), channels_last)):
         return t
     return _empty(t.shape, t, channels_last=channels_last).copy_(t)
+
+
+def _laid_like(g: Tensor, param: Tensor) -> Tensor:
+    """A parameter's gradient with the strides ``torch.empty_like(param)`` has: a conv weight's in its
+    own memory format. cuDNN's dW already comes so; made dense row-major instead, it would be copied
+    here and copied back by autograd's accumulation, whose layout contract wants the parameter's."""
+    like = torch.empty_like(param, dtype=g.dtype) if g.dim() == param.dim() else None
+    if like is None or _strides_match(g, like.stride()):
+        return g
+    return like.copy_(g)
 
 
 def _stats_dtype(x: Tensor):
@@ -494,7 +514,8 @@ def _conv_bn_act_backward_impl(
         training, eps, stride, padding, dilation, activation, output_mask, groups,
     )
     cl = _channels_last(x)
-    return tuple(_laid_out(_or_empty(g, x), cl and i in (0, 5)) for i, g in enumerate(grads))
+    return tuple(_laid_like(g, weight) if i == 1 and g is not None else _laid_out(_or_empty(g, x), cl and i in (0, 5))
+                 for i, g in enumerate(grads))
 
 
 conv_bn_act_backward_op = _custom_op("conv_bn_act_backward", _conv_bn_act_backward_impl)
@@ -504,7 +525,7 @@ conv_bn_act_backward_op = _custom_op("conv_bn_act_backward", _conv_bn_act_backwa
 def _(x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
       training, eps, stride, padding, dilation, activation, backend, output_mask=None, groups=1):
     return _fake_grads((x, weight, bias, bn_weight, bn_bias, residual), output_mask, x,
-                       channels_last=_channels_last(x), images=(0, 5))
+                       channels_last=_channels_last(x), images=(0, 5), like=(1,))
 
 
 def _conv_bn_act_setup(ctx, inputs, output):
@@ -572,7 +593,8 @@ def _bn_act_conv_backward_impl(
         training, eps, stride, padding, dilation, activation, output_mask, groups,
     )
     cl = _channels_last(x)
-    return tuple(_laid_out(_or_empty(g, x), cl and i == 0) for i, g in enumerate(grads))
+    return tuple(_laid_like(g, weight) if i == 3 and g is not None else _laid_out(_or_empty(g, x), cl and i == 0)
+                 for i, g in enumerate(grads))
 
 
 bn_act_conv_backward_op = _custom_op("bn_act_conv_backward", _bn_act_conv_backward_impl)
@@ -582,7 +604,7 @@ bn_act_conv_backward_op = _custom_op("bn_act_conv_backward", _bn_act_conv_backwa
 def _(x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
       training, eps, stride, padding, dilation, activation, backend, output_mask=None, groups=1):
     return _fake_grads((x, bn_weight, bn_bias, weight, bias), output_mask, x,
-                       channels_last=_channels_last(x), images=(0,))
+                       channels_last=_channels_last(x), images=(0,), like=(3,))
 
 
 def _bn_act_conv_setup(ctx, inputs, output):

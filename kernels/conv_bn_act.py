@@ -1206,6 +1206,7 @@ def conv_bn_act_backward(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         # per-tile partials -> per-channel sums: fixed order, no atomics
+        # (separate buffers: sums of one would alias, and a custom op's outputs may not)
         red = (lambda p: p.sum(0)) if T > 1 else (lambda p: p[0])
         return (red(pg) if reduce else None, red(pgx) if reduce else None,
                 red(pdb) if pdb is not None else None)

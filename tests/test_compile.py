@@ -178,6 +178,7 @@ def _layout_cases(device, backend, ops_by_name):
         xc = t(2, 4, 5, 5, dtype=dtype)
         xc = xc.to(memory_format=torch.channels_last) if cl else xc
         wc, res = t(6, 4, 3, 3, dtype=dtype), t(2, 6, 5, 5, dtype=dtype)  # residual contiguous either way
+        wc = wc.to(memory_format=torch.channels_last) if cl else wc  # dW takes the weight's layout
         bn = torch.float64 if dtype == torch.float64 else torch.float32  # fp32 BN with fp16 x, as under autocast
         gamma, beta, rm, rv = t(6, dtype=bn), t(6, dtype=bn), t(6, dtype=bn), t(6, dtype=bn).abs() + 0.5
         for training in (True, False):

@@ -1216,6 +1216,27 @@ def test_inplace_rewrites_the_given_object():
     assert not calls and not block._forward_hooks
 
 
+def test_a_model_torch_cannot_copy_gets_a_clear_error():
+    """A module holding a tensor computed with autograd (Hugging Face's RecurrentGemma keeps its
+    recurrent state so) cannot be deep-copied: convert says which tensor and what to do;
+    inplace=True converts it."""
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ffn = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+            self.state = None
+
+        def forward(self, x):
+            self.state = x * 2
+            return self.ffn(x)
+
+    model = Stateful()
+    model(torch.randn(2, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"cannot deep-copy Stateful\.state.*inplace=True"):
+        fusedrc.convert(model)
+    assert fusedrc.convert(model, inplace=True).fusedrc_plan.fused == ["ffn.0"]
+
+
 def test_converted_model_pickles_and_copies(tmp_path):
     """torch.save / torch.load round trip; a deep copy's plan switches the copy's units."""
     torch.manual_seed(0)
@@ -2183,6 +2204,21 @@ def test_timm_models(name, kwargs, kinds, blocks):
     with SavedBytes() as c:
         yc = whole(x.clone().requires_grad_())
     assert c.bytes < b.bytes and rel_err(yc, model(x)) <= TOL  # one more training step each
+
+
+def test_timm_vgg_conv_mlp_is_reported():
+    """timm's VGG has a ConvMlp of its own (fc1 -> act1 -> drop -> fc2 -> act2, no ``act``): reported as
+    not timm's layers.ConvMlp and left as it is."""
+    _timm()
+    from timm.models.vgg import ConvMlp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvMlp(8, 16, kernel_size=3, drop_rate=0.0)).eval()
+    with pytest.warns(UserWarning, match="ConvMlp.forward is not timm's"):
+        conv = fusedrc.convert(model)
+    assert ("0", "ConvMlp.forward is not timm's") in conv.fusedrc_plan.skipped  # (its forward branches: no fx)
+    x = torch.randn(2, 8, 5, 5)
+    assert torch.equal(conv(x), model(x))
 
 
 def test_timm_conv_mlps():

@@ -618,6 +618,37 @@ def test_functional_autograd_matches_modules(device):
     assert torch.allclose(rm, bn.running_mean, atol=1e-6) and torch.allclose(rv, bn.running_var, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("op", ["conv_bn_act", "bn_act_conv"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_weight_gradient_is_accumulated_without_a_copy(backend, op, k, device):
+    """A channels_last model's conv weight gets its gradient in its own layout, which autograd's
+    accumulation takes as it is: no dense row-major copy in the op and no copy back into the
+    weight's layout after it."""
+    fmt = torch.channels_last
+    conv = torch.nn.Conv2d(6, 5, k, padding=k // 2, bias=False).to(device, memory_format=fmt)
+    bn = torch.nn.BatchNorm2d(6 if op == "bn_act_conv" else 5).to(device)
+    x = torch.randn(2, 6, 5, 5, device=device).contiguous(memory_format=fmt).requires_grad_(True)
+    ptrs = []
+    conv.weight.register_hook(lambda g: ptrs.append((g.data_ptr(), g.stride())))  # no reference kept
+    with fusedrc.use_backend(backend):
+        if op == "conv_bn_act":
+            y = fusedrc.functional.conv_bn_act(x, conv.weight, bn.weight, bn.bias, None, None, padding=k // 2)
+        else:
+            y = fusedrc.functional.bn_act_conv(x, bn.weight, bn.bias, None, None, conv.weight, padding=k // 2)
+        y.sum().backward()
+    (ptr, stride), = ptrs
+    assert conv.weight.grad.data_ptr() == ptr  # stolen by the accumulation, not cloned
+    assert all(n == 1 or a == b for n, a, b in zip(conv.weight.shape, stride, conv.weight.stride()))
+    ref = torch.nn.functional.conv2d(
+        torch.relu(torch.nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True)) if op == "bn_act_conv"
+        else x, conv.weight, padding=k // 2)
+    if op == "conv_bn_act":
+        ref = torch.relu(torch.nn.functional.batch_norm(ref, None, None, bn.weight, bn.bias, True))
+    g_ref, = torch.autograd.grad(ref.sum(), conv.weight)
+    assert _rel(conv.weight.grad, g_ref.double()) < 1e-5
+
+
 def test_samples_past_32_bit_offsets_take_the_reference_path(monkeypatch):
     # in-sample offsets are 32-bit in the kernels: a sample of >= 2**31 elements (x's or the
     # output's) must not reach them (shapes only: meta tensors, which pass the device check only

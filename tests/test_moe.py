@@ -408,6 +408,29 @@ def test_convert_moe_follows_the_modules_and_reports_what_it_leaves():
                              "of gate_up_proj)")]
 
 
+def test_convert_reports_gpt_oss_experts():
+    """gpt-oss's experts take router indices of their own, carry biases and gate inline (a clamped
+    GLU, no ``act_fn`` module): reported and left as they are, the rest of the model converted, the
+    outputs the original's."""
+    tr = _transformers()
+    if not hasattr(tr, "GptOssConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no gpt-oss")
+    cfg = tr.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+                          layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    torch.manual_seed(0)
+    model = tr.GptOssForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 10))
+    with pytest.warns(UserWarning, match="left these as they are"):
+        conv = fusedrc.convert(model)
+    skipped = dict(conv.fusedrc_plan.skipped)
+    assert skipped["model.layers.0.mlp.experts"] == skipped["model.layers.1.mlp.experts"]
+    assert skipped["model.layers.0.mlp.experts"].startswith("GptOssExperts")
+    assert conv.fusedrc_plan.units  # its norms are recomputed
+    assert rel_err(conv(ids).logits, model(ids).logits) < 1e-5
+
+
 class _OpCount:
     """Counts fused experts calls (the op's plain-eager Function or the custom op)."""
 
