@@ -178,10 +178,10 @@ def _laid_like(g: Tensor, param: Tensor) -> Tensor:
     """A parameter's gradient with the strides ``torch.empty_like(param)`` has: a conv weight's in its
     own memory format. cuDNN's dW already comes so; made dense row-major instead, it would be copied
     here and copied back by autograd's accumulation, whose layout contract wants the parameter's."""
-    like = torch.empty_like(param, dtype=g.dtype) if g.dim() == param.dim() else None
-    if like is None or _strides_match(g, like.stride()):
+    if _strides_match(g, param.stride()):  # the usual case, decided without an allocation
         return g
-    return like.copy_(g)
+    like = torch.empty_like(param, dtype=g.dtype)  # a non-dense weight: empty_like picks the layout
+    return g if _strides_match(g, like.stride()) else like.copy_(g)
 
 
 def _stats_dtype(x: Tensor):
