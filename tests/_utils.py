@@ -45,6 +45,10 @@ class SavedBytes(contextlib.AbstractContextManager):
 class GemmCounter(TorchDispatchMode):
     """Counts matrix multiplications, looking inside fusedrc's custom ops."""
 
+    # On a GPU, the Triton launches inside an op reach the mode as a higher-order operator
+    # (``wrap_triton``'s triton_kernel_wrapper_mutation): they are run as they are, uncounted.
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.gemms = 0
@@ -52,6 +56,8 @@ class GemmCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self.ops.append(str(func))
         if name in GEMM_OPS:

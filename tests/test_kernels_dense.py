@@ -558,7 +558,11 @@ def test_persistent_launch_matches_one_program_per_tile(dropout, tma, device, mo
 
     (out0, grads0, a0, _), (out1, grads1, a1, a1_bwd), seen = persistent_runs(
         monkeypatch, _common, ("_gemm_act_kernel", "_gemm_act_grad_kernel"), run)
-    assert seen and all(p and n == 2 for n, p in seen)  # every launch has more than 2 tiles here
+    # at most 2 programs per launch, each persistent; a GPU's table tile may cover a whole launch
+    # here (one program), the interpreter's small tile never does
+    assert seen and all(p and n in (1, 2) for n, p in seen) and any(n == 2 for n, _ in seen), seen
+    if device.type == "cpu":
+        assert all(n == 2 for n, _ in seen), seen
     assert torch.equal(out0, out1) and torch.equal(a0, a1) and torch.equal(a1, a1_bwd)
     for name, t0, t1 in zip(["dx", "dw1", "db1", "dw2", "db2"], grads0, grads1):
         if name.startswith("db"):

@@ -157,7 +157,8 @@ def test_weight_gradients_written_in_place(backend):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # floating destinations only: Triton's interpreter copies each kernel argument's
             # storage to and from the host as bytes (uint8), which a GPU launch does not
-            if func.overloadpacket.__name__ in ("copy_", "index_put_", "slice_scatter", "select_scatter") \
+            if not isinstance(func, torch._ops.HigherOrderOperator) \
+                    and func.overloadpacket.__name__ in ("copy_", "index_put_", "slice_scatter", "select_scatter") \
                     and args[0].is_floating_point():
                 self.sizes.append(args[0].numel())
             return super().__torch_dispatch__(func, types, args, kwargs)
