@@ -16,7 +16,7 @@ are cuBLAS calls.
 Forward and backward are timed apart, every raw timing is written to
 ``benchmarks/results/host_cost_<pattern>_cpu_<time>.json``.
 
-    python benchmarks/cpu_host_cost.py [--pattern conv|ffn] [--steps 300] [--out benchmarks/results]
+    python benchmarks/cpu_host_cost.py [--pattern conv|ffn] [--conv-z triton|aten] [--steps 300] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -77,6 +77,9 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--pattern", default="conv", choices=("conv", "ffn"),
                     help="the Conv-BN-ReLU layer, or a small FFN (Linear-GELU-Linear: its GEMMs stubbed too)")
+    ap.add_argument("--conv-z", default=None, choices=("triton", "aten"),
+                    help="the conv's CONV_Z setting (the CPU's default is the Triton conv; a GPU's, for "
+                         "16-bit operands, z from cuDNN: 'aten' runs that path's Python, its aten conv for real)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_flush_denormal(True)  # stubbed outputs are uninitialised memory
@@ -99,7 +102,10 @@ def main():
     cases = {"eager": lambda: block(x), "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False),
              "fusedrc.recompute": lambda: fusedrc.recompute(block, x), module_name: lambda: fused(x)}
     records = []
-    with fusedrc.use_backend("triton"):
+    from fusedrc.kernels import conv_bn_act
+
+    conv_z = args.conv_z or conv_bn_act.CONV_Z
+    with fusedrc.use_backend("triton"), measure.switches(conv_bn_act, CONV_Z=conv_z):
         for name, fwd in cases.items():
             f_times, b_times = [], []
             launches[0] = 0
@@ -122,7 +128,7 @@ def main():
             print(f"{name:24s} forward {fm:7.1f} us  backward {bm:7.1f} us  total {fm + bm:7.1f} us  "
                   f"(stubbed Triton launches a step: {rec['triton_launches_per_step']:.0f})", flush=True)
     path = measure.write_results(args.out, f"host_cost_{args.pattern}_cpu", "host_cost", torch.device("cpu"),
-                                 pattern=args.pattern, layer=layer,
+                                 pattern=args.pattern, layer=layer, conv_z=conv_z,
                                  stubbed="fusedrc's Triton launches (its GEMMs on the CPU: the interpreter's "
                                          "kernels) and its aten.convolution_backward call", records=records)
     print("wrote", path)

@@ -177,7 +177,8 @@ def main():
     ap.add_argument("--nchw", action="store_true", help="NCHW instead of channels_last")
     ap.add_argument("--switches", action="store_true", help="also every recompute-switch setting")
     ap.add_argument("--few-switches", action="store_true",
-                    help="also z from cuDNN (CONV_Z=aten), one recompute pass + z (BWD_RECOMPUTE_TWICE=False) "
+                    help="also the strictly fused passes (CONV_Z=triton; the default takes z from cuDNN "
+                         "for 16-bit operands), one recompute pass + z over them (BWD_RECOMPUTE_TWICE=False) "
                          "and, on the stem, the per-tap K loop (FLAT_K_MAX_CHANNELS=0)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time each step as a CUDA graph replay: GPU time, no host overhead")
@@ -203,8 +204,10 @@ def main():
                      for v in ((False, True, "triton", "triton"), (False, True, "aten", "aten"),
                                ("auto", "auto", "aten", "triton"), ("auto", "auto", "aten", "auto"))]
     elif args.few_switches:
-        variants += [{**default, "CONV_Z": "aten"}, {**default, "BWD_RECOMPUTE_TWICE": False},
-                     {**default, "FLAT_K_MAX_CHANNELS": 0}]  # the stem's per-tap loop (other layers: skipped)
+        # the default ("auto": z from cuDNN for 16-bit operands), the strictly fused passes, the
+        # buffered backward over the Triton conv, and the stem's per-tap loop (other layers: skipped)
+        fused = {**default, "CONV_Z": "triton"}
+        variants += [fused, {**fused, "BWD_RECOMPUTE_TWICE": False}, {**fused, "FLAT_K_MAX_CHANNELS": 0}]
     if args.shapes == "grouped":  # grouped convs take aten's dX/dW whatever CONV_GRAD says: one run of each
         variants = [v for i, v in enumerate(variants)
                     if {**v, "CONV_GRAD": "aten"} not in [{**u, "CONV_GRAD": "aten"} for u in variants[:i]]]

@@ -8,7 +8,8 @@ eager took 0.3-1.7 ms: the recomputing strategies looked host-bound. Here each s
 (``zero_grad`` + forward + loss + backward + ``SGD.step``, as ``fusedrc-bench``'s model runs) is
 timed both ways: eager, and captured once in a CUDA graph (after warm-up steps on a side stream)
 and replayed, which leaves only the GPU's time. A strategy whose capture fails (a host sync) is
-recorded with its error. RNG-free models only (``no_rng_state_save``).
+recorded with its error. RNG-free models only (``no_rng_state_save``). convert(all) runs twice:
+with the default conv path and with its strictly fused passes (``CONV_Z="triton"``).
 
     python benchmarks/gpu_model_graph.py                       # resnet50, batch 256, bf16, channels_last
 """
@@ -67,21 +68,28 @@ def main():
     records = []
     measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
     complete = False
+    conv_kernels = importlib.import_module("fusedrc.kernels.conv_bn_act")
+    # convert's model once more with the conv's strictly fused passes (the default takes z from
+    # cuDNN for 16-bit operands on a GPU): the switch is read at each call, the model is the same
+    runs = [(r, r.cfg.strategy, {}) for r in runners]
+    runs += [(r, r.cfg.strategy + " CONV_Z=triton", dict(CONV_Z="triton")) for r in runners
+             if r.cfg.strategy == "convert_all"]
     try:
-        for r in runners:
-            rec = dict(strategy=r.cfg.strategy, units=r.cfg.recomputed_units, blocks=r.cfg.recomputed_blocks)
-            try:
-                rec["eager_times_s"] = measure.do_bench_times(r.step, rep=REP_MS)
-            except Exception as e:  # record and go on
-                rec["eager_error"] = f"{type(e).__name__}: {e}"[:400]
-            try:
-                with no_rng_state_save():
-                    graph = measure.capture_graph(r.step)
-                graph.replay()
-                rec["graph_times_s"] = measure.do_bench_times(graph.replay, rep=REP_MS)
-                del graph
-            except Exception as e:
-                rec["graph_error"] = f"{type(e).__name__}: {e}"[:400]
+        for r, label, sw in runs:
+            rec = dict(strategy=label, units=r.cfg.recomputed_units, blocks=r.cfg.recomputed_blocks, **sw)
+            with measure.switches(conv_kernels, **sw):
+                try:
+                    rec["eager_times_s"] = measure.do_bench_times(r.step, rep=REP_MS)
+                except Exception as e:  # record and go on
+                    rec["eager_error"] = f"{type(e).__name__}: {e}"[:400]
+                try:
+                    with no_rng_state_save():
+                        graph = measure.capture_graph(r.step)
+                    graph.replay()
+                    rec["graph_times_s"] = measure.do_bench_times(graph.replay, rep=REP_MS)
+                    del graph
+                except Exception as e:
+                    rec["graph_error"] = f"{type(e).__name__}: {e}"[:400]
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             records.append(rec)
@@ -90,7 +98,7 @@ def main():
             base = next((x for x in records if x["strategy"] == "no_recompute"), None)
             rel = {k: med[k] / (measure.quantile(base[f"{k}_times_s"], 0.5) * 1e3) for k in med
                    if base is not None and f"{k}_times_s" in base}
-            print(f"{args.workload} batch {args.batch} {r.cfg.strategy:24s} "
+            print(f"{args.workload} batch {args.batch} {label:24s} "
                   + "  ".join(f"{k} {med[k]:8.2f} ms (x{rel.get(k, float('nan')):4.2f} original)" for k in med)
                   + f"  {rec.get('eager_error', '')}{rec.get('graph_error', '')}", flush=True)
         complete = True

@@ -31,9 +31,11 @@ SHAPES = {
 }
 
 
-# fusedrc's conv switches profiled besides the default (kernels/conv_bn_act.py): z from cuDNN
-# with elementwise passes, and one recompute pass plus a transient z
-CONV_VARIANTS = [("CONV_Z=aten", dict(CONV_Z="aten")), ("BWD_RECOMPUTE_TWICE=False", dict(BWD_RECOMPUTE_TWICE=False))]
+# fusedrc's conv switches profiled besides the default (kernels/conv_bn_act.py; for 16-bit operands
+# on a GPU, z from cuDNN with elementwise passes): the strictly fused passes, and one recompute pass
+# plus a transient z
+CONV_VARIANTS = [("CONV_Z=triton", dict(CONV_Z="triton")),
+                 ("CONV_Z=triton BWD_RECOMPUTE_TWICE=False", dict(CONV_Z="triton", BWD_RECOMPUTE_TWICE=False))]
 
 
 def _runs(pattern):

@@ -4,12 +4,13 @@
 #   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN), less
 #            the files that never touch CUDA (reference, docs, examples, inspect: CI's; FUSEDRC_ALL_TESTS=1 keeps them);
 #            FUSEDRC_TEST_WORKERS (default 12) overrides the worker count
-#   kernels  per-kernel microbenchmarks (fusedrc-bench kernels; since 2026-11-26 with norm_gated_mlp: Llama's
-#            RMSNorm run inside the gated FFN op, never timed on a GPU yet)
+#   kernels  per-kernel microbenchmarks (fusedrc-bench kernels; with norm_gated_mlp: Llama's RMSNorm run
+#            inside the gated FFN op, 1.21x checkpoint on the H100 of 2026-11-27)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_graph  the same shapes as CUDA graph replays (GPU time: eager layer steps there are host-bound),
-#            fusedrc's default, CONV_Z=aten and BWD_RECOMPUTE_TWICE=False
+#            fusedrc's default (z from cuDNN for 16-bit operands), CONV_Z=triton (the strictly fused
+#            passes) and CONV_Z=triton with BWD_RECOMPUTE_TWICE=False
 #   conv_compile  the same shapes against torch.compile of the layer
 #   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50/101, RegNetY): the default
 #            (reference path / per-group GEMM) against the opt-in DIRECT kernels
@@ -27,27 +28,26 @@
 #   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (its depthwise convs on the reference path)
 #   densenet DenseNet-121 at batch 64, bf16, channels_last: the pre-activation BN-ReLU-Conv units (bn_act_conv)
-# Usage on the GPU machine, one 10-minute call per line (2026-11-26, H200: 1075 of ~1290 tests in
-# 306 s on 14 workers, so the suite alone takes most of a call; kernels 55 s, models 27 s, mixtral
-# 52 s, opt 41 s, sweep 44 s, conv 120+ s, conv_grouped 110+ s (cut)). Commit first: the device tool
+# Usage on the GPU machine, one 10-minute call per line (2026-11-27, H100: tests reached 1003 of
+# ~1290 in 240 s on 14 workers; conv_graph ~95 s, models_graph ~50 s, tiles 4 x 45 s (each cut),
+# profile 50 s, mixtral 67 s, kernels 61 s; the machine's start ~30 s). Commit first: the device tool
 # ships the working tree, and FUSEDRC_GIT_DIRTY=0 claims it is that commit, unmodified.
 # Every step runs under `timeout -k 30`: SIGTERM lets a script write what it measured, and a
 # step hung in a CUDA call that never returns is killed 30 s later.
-# A session has 15 device minutes (900 s), machine start (~30-90 s) and transfers included; a warm
-# machine is given back 30 s after a call, so have the next call ready. The device tool stops a
-# call at 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a
-# session under ~800 s. Next (2026-11-26 ran kernels/tests(cut)/conv/models/mixtral(no experts
-# found)/opt/sweep/conv_grouped(cut); not yet: tiles, profile, models_mobile, conv_compile):
-#   session 1, call 1 (<= 440 s): FUSEDRC_TIMEOUT_CONV_GRAPH=100 FUSEDRC_TIMEOUT_MODELS_GRAPH=100
-#            FUSEDRC_TIMEOUT_TILES=45 FUSEDRC_TIMEOUT_PROFILE=50 ... "$OUT" conv_graph models_graph tiles
-#            profile   (conv_graph, models_graph: is the conv gap host time? tiles' ffn part: the dense
-#            launch switches on whole steps, issue 3's ratios; profile: the conv pattern's kernels)
-#   session 1, call 2 (<= 290 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=220
-#            FUSEDRC_TIMEOUT_MIXTRAL=60 ... "$OUT" tests mixtral
-#            (with the machine's start and the gaps between calls, about 800 of the 900 s)
+# A session has 15 device minutes (900 s), machine start and transfers included; a warm machine
+# is given back 30 s after a call, so have the next call ready. The device tool stops a call at
+# 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a session
+# under ~800 s. Next (since 2026-11-27 the conv's default on a GPU takes z from cuDNN for 16-bit
+# operands, chosen from conv_graph's layer figures; no whole model has run under it yet):
+#   session 1, call 1 (<= 420 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=120 FUSEDRC_TIMEOUT_MODELS=120
+#            FUSEDRC_TIMEOUT_CONV_GRAPH=100 ... "$OUT" models_graph models conv_graph
+#            (models_graph: ResNet-50 under the new default and with CONV_Z=triton, eager and as a
+#            graph; models: the memory/speed table under it; conv_graph: its layers again)
+#   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280 ... "$OUT" tests
+#            (compile and cuda_graphs first: the CUDA inductor test has never been reached)
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
-#            conv_grouped models_mobile kernels; then conv_compile bert densenet (FUSEDRC_TIMEOUT_BERT=150,
-#            FUSEDRC_TIMEOUT_DENSENET=200; the tests step covers bn_act_conv's kernels first)
+#            conv_grouped models_mobile; then opt bert densenet sweep (FUSEDRC_TIMEOUT_BERT=150,
+#            FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
 # (Every script here writes what it measured when its timeout's SIGTERM arrives.) A step's limit
 # can be set for one call, e.g. FUSEDRC_TIMEOUT_TESTS=300 (each of the tiles step's four parts takes it).
@@ -76,7 +76,8 @@ for step in "${steps[@]}"; do
             # SIGINT: pytest stops and still prints its summary of failures
             # the files only a GPU can check first: xdist hands tests out in collection order, so a
             # run cut by its timeout has covered the kernels (test_inspect compiles AOT: CPU work)
-            first=(kernels_dense kernels_gated kernels_conv moe triton_path amp_cuda cuda_graphs amp compile distributed
+            # (2026-11-27, H100: the kernels files passed; compile and cuda_graphs were cut, so they go first)
+            first=(compile cuda_graphs triton_path amp_cuda kernels_conv kernels_dense kernels_gated moe amp distributed
                    output_mask dropout properties nn api recompute bad_input convert)
             files=()
             for f in "${first[@]}"; do files+=("tests/test_$f.py"); done

@@ -171,7 +171,7 @@ def tf32_matmul_allowed() -> bool:
 
 
 def cudnn_conv_tf32() -> bool:
-    """Whether cuDNN's fp32 convolutions may use tf32 (the conv of the opt-in ``CONV_Z="aten"``
+    """Whether cuDNN's fp32 convolutions may use tf32 (the conv of the ``CONV_Z="aten"``
     path), by either API: the newest precision set at the conv, cuDNN or global level, else the
     legacy ``allow_tf32``."""
     cudnn = torch.backends.cudnn

@@ -2183,15 +2183,21 @@ def _only_input(wrapper, args, kwargs):
 
 class FusedGatedMLP(Wrapper):
     """A gated MLP in Llama's form, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama,
-    Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP and the other Hugging Face classes with
-    that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`)."""
+    Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP, RecurrentGemma and the other Hugging Face
+    classes with that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`); also
+    with an ``nn.Dropout`` of the gated product (T5Gemma, GTE: the op's own dropout, its mask drawn
+    from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it)."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
 
     def _fusedrc_fusable(self, x):
         site, g, u, d = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj
-        return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn)
+        kind, _ = self.__dict__.get("_fusedrc_form", ("plain", None))
+        dropout = self._modules.get("dropout") if kind == "dropout" else None
+        extra = [] if dropout is None else [dropout]
+        return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, *extra)
+                and (kind != "dropout" or fused_dropout_p(dropout) is not None)
                 and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
 
     def forward(self, *args, **kwargs):
@@ -2199,10 +2205,16 @@ class FusedGatedMLP(Wrapper):
         if x is None:
             return self.plain(*args, **kwargs)
         g, u, d, act = self.gate_proj, self.up_proj, self.down_proj, self.__dict__["_fusedrc_act"]
-        return _with_norm(
-            self, x, lambda x, **norm: F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act,
-                                                   **norm),
-            self.plain)
+        kind, p_attr = self.__dict__.get("_fusedrc_form", ("plain", None))
+
+        def fused(x, **norm):
+            p = fused_dropout_p(self._modules.get("dropout")) if kind == "dropout" else 0.0
+            out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm)
+            if kind == "out_dropout":  # after the op, as the module's forward applies it
+                out = torch.nn.functional.dropout(out, p=getattr(self, p_attr), training=self.training)
+            return out
+
+        return _with_norm(self, x, fused, self.plain)
 
 
 _NORM_CONSUMERS = (FusedGatedMLP, FusedT5DenseActDense, FusedT5DenseGatedActDense, FusedConv1DMLP)
@@ -2218,19 +2230,61 @@ def _forward_arg(lines):
     return None if head is None else head.group(1)
 
 
-def _gated_mlp_body(lines):
-    """The name of a forward's one argument ``v`` when its code lines are Llama's MLP,
-    ``return self.down_proj(self.act_fn(self.gate_proj(v)) * self.up_proj(v))``, directly or
-    through one local variable; else None."""
-    v = _forward_arg(lines)
-    if v is None:
-        return None
-    expr = f"self.down_proj(self.act_fn(self.gate_proj({v})) * self.up_proj({v}))"
+def _inlined_return(lines):
+    """The return expression of a forward whose body is assignments to plain names and one final
+    ``return``, each on one line (a docstring allowed first), with every name assigned before
+    substituted in: the one expression the forward computes, as ``ast.unparse`` writes it (parentheses
+    only where precedence needs them). None for any other body (a branch, a loop, a multi-line
+    statement, a tuple assignment, ...)."""
+    env = {}
+
+    class _Inline(_ast.NodeTransformer):
+        def visit_Name(self, node):
+            return copy.deepcopy(env[node.id]) if isinstance(node.ctx, _ast.Load) and node.id in env else node
+
     body = lines[1:]
-    if body == [f"return {expr}"]:
-        return v
-    out = _re.fullmatch(r"(\w+) = (.*)", body[0]) if len(body) == 2 else None
-    return v if out is not None and out.group(2) == expr and body[1] == f"return {out.group(1)}" else None
+    for i, ln in enumerate(body):
+        try:
+            stmts = _ast.parse(ln).body
+        except SyntaxError:
+            return None
+        if len(stmts) != 1:
+            return None
+        st = stmts[0]
+        if i == 0 and isinstance(st, _ast.Expr) and isinstance(st.value, _ast.Constant) \
+                and isinstance(st.value.value, str):
+            continue
+        if isinstance(st, _ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], _ast.Name):
+            env[st.targets[0].id] = _Inline().visit(st.value)
+            continue
+        if isinstance(st, _ast.Return) and st.value is not None and i == len(body) - 1:
+            return _ast.unparse(_Inline().visit(st.value))
+        return None
+    return None
+
+
+# The gated forms the fused op stands for, on the gated product P = act_fn(gate_proj(v)) * up_proj(v):
+# "plain" down_proj(P) (Llama, RecurrentGemma's through a local), "dropout" down_proj(dropout(P)) with
+# an nn.Dropout ``self.dropout`` (T5Gemma, GTE: the op's own dropout between the layers), "out_dropout"
+# F.dropout(down_proj(P), p=self.<attr>, training=self.training) (Seed-OSS: after the op, as written).
+_OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down_proj\({core}\), " \
+               r"p=self\.(\w+), training=self\.training\)"
+
+
+def _gated_mlp_body(lines):
+    """``(v, form, out-dropout attribute or None)`` when a forward of one argument ``v`` computes one of
+    the gated forms above (straight, or through local variables); else None."""
+    v = _forward_arg(lines)
+    expr = None if v is None else _inlined_return(lines)
+    if expr is None:
+        return None
+    core = f"self.act_fn(self.gate_proj({v})) * self.up_proj({v})"
+    if expr == f"self.down_proj({core})":
+        return v, "plain", None
+    if expr == f"self.down_proj(self.dropout({core}))":
+        return v, "dropout", None
+    out = _re.fullmatch(_OUT_DROPOUT.format(core=_re.escape(core)), expr)
+    return (v, "out_dropout", out.group(1)) if out is not None else None
 
 
 def _looks_gated_mlp(m):
@@ -2245,13 +2299,22 @@ def _gated_mlp(ctx, name, m):
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
-    arg = _gated_mlp_body(lines)
-    if arg is None:
-        ctx.skip(name, f"{_class_of(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))")
+    form = _gated_mlp_body(lines)
+    if form is None:
+        ctx.skip(name, f"{_class_of(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x)) "
+                       "(with, at most, a dropout of the product or of the output)")
+        return m
+    arg, kind, p_attr = form
+    if kind == "dropout" and fused_dropout_p(getattr(m, "dropout", None), training=True) is None:
+        ctx.skip(name, f"{type(getattr(m, 'dropout', None)).__name__} between the gate and down_proj has no fused form")
+        return m
+    if kind == "out_dropout" and not isinstance(getattr(m, p_attr, None), numbers.Real):
+        ctx.skip(name, f"the output dropout's p, self.{p_attr}, is not a number")
         return m
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
         new.__dict__["_fusedrc_arg"] = arg
+        new.__dict__["_fusedrc_form"] = (kind, p_attr)
     return new
 
 

@@ -32,7 +32,6 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import reference
 from ._backend import get_impl
 from ._state import cudnn_conv_tf32, pinned_cudnn_tf32, pinned_tf32, tf32_matmul_allowed
 
@@ -239,17 +238,19 @@ _AUTOGRAD["linear_act"] = (_linear_act_backward, _linear_act_setup)
 
 # --------------------------------------------------------------------------- a norm before the FFN
 # The FFN ops take an optional norm of their input (reference.NORMS): they then keep x, the norm's
-# input, and run the FFN on norm(x). The norm is aten's ops on every backend (LayerNorm's own kernels,
-# RMSNorm's elementwise ops), computed again from x in backward, where its backward follows the FFN's.
+# input, and run the FFN on norm(x), computed again from x in backward, where its backward follows
+# the FFN's. LayerNorm is aten's own kernels on every backend; the RMS kinds are a row kernel each
+# way on the Triton backend (kernels/rms_norm.py), aten's elementwise ops on the reference.
 def _ffn_input(x: Tensor, w: Tensor, norm: Optional[str], norm_weight: Optional[Tensor],
-               norm_bias: Optional[Tensor], norm_eps: float) -> Tensor:
+               norm_bias: Optional[Tensor], norm_eps: float, backend: str) -> Tensor:
     """x, or its norm in the FFN weights' dtype (autocast's cast of the norm's output)."""
     if norm is None:
         return x
-    return reference.norm_forward(x, norm, norm_weight, norm_bias, norm_eps).to(w.dtype)
+    return get_impl(backend, "rms_norm", "norm_forward")(x, norm, norm_weight, norm_bias, norm_eps).to(w.dtype)
 
 
-def _ffn_backward(body, x: Tensor, w: Tensor, norm, norm_weight, norm_bias, norm_eps, output_mask, n_ffn: int):
+def _ffn_backward(body, x: Tensor, w: Tensor, norm, norm_weight, norm_bias, norm_eps, output_mask, n_ffn: int,
+                  backend: str):
     """The FFN's gradients from ``body(input, ffn_mask)`` (the input's first), then the norm's:
     ``(dx, *the FFN parameters' gradients, dnorm_weight, dnorm_bias)``, empty where absent or masked."""
     mask = [True] * (n_ffn + 2) if output_mask is None else list(output_mask)
@@ -257,7 +258,7 @@ def _ffn_backward(body, x: Tensor, w: Tensor, norm, norm_weight, norm_bias, norm
         grads = body(x, mask[:n_ffn])
         return tuple(_laid_out(_or_empty(g, x)) for g in (*grads, None, None))
     # the norm once: its output for the FFN, its row statistics for its own backward
-    n, stats = reference.norm_with_stats(x, norm, norm_weight, norm_bias, norm_eps)
+    n, stats = get_impl(backend, "rms_norm", "norm_with_stats")(x, norm, norm_weight, norm_bias, norm_eps)
     ffn_mask = [mask[0] or (mask[n_ffn] and norm_weight is not None) or (mask[n_ffn + 1] and norm_bias is not None),
                 *mask[1:n_ffn]]
     n = n.to(w.dtype)
@@ -266,8 +267,9 @@ def _ffn_backward(body, x: Tensor, w: Tensor, norm, norm_weight, norm_bias, norm
     dx = dnw = dnb = None
     if dn is not None:
         # the cast to the FFN's dtype has the cast back as its gradient
-        dx, dnw, dnb = reference.norm_backward(dn.to(x.dtype), x, norm, norm_weight, norm_bias, norm_eps,
-                                               [mask[0], mask[n_ffn], mask[n_ffn + 1]], stats=stats)
+        dx, dnw, dnb = get_impl(backend, "rms_norm", "norm_backward")(
+            dn.to(x.dtype), x, norm, norm_weight, norm_bias, norm_eps, [mask[0], mask[n_ffn], mask[n_ffn + 1]],
+            stats=stats)
     return tuple(_laid_out(_or_empty(g, x)) for g in (dx, *grads, dnw, dnb))
 
 
@@ -280,7 +282,8 @@ def _fused_mlp_impl(
     norm_bias: Optional[Tensor] = None, norm_eps: float = 0.0,
 ) -> Tensor:
     return _laid_out(get_impl(backend, "fused_mlp", "fused_mlp_forward")(
-        _ffn_input(x, w1, norm, norm_weight, norm_bias, norm_eps), w1, b1, w2, b2, activation, dropout_p, seed))
+        _ffn_input(x, w1, norm, norm_weight, norm_bias, norm_eps, backend), w1, b1, w2, b2, activation, dropout_p,
+        seed))
 
 
 fused_mlp_op = _custom_op("fused_mlp", _fused_mlp_impl)
@@ -301,7 +304,7 @@ def _fused_mlp_backward_impl(
     body = get_impl(backend, "fused_mlp", "fused_mlp_backward")
     return _ffn_backward(
         lambda inp, mask: body(inp, w1, b1, w2, b2, grad_out, activation, dropout_p, seed, mask),
-        x, w1, norm, norm_weight, norm_bias, norm_eps, output_mask, 5)
+        x, w1, norm, norm_weight, norm_bias, norm_eps, output_mask, 5, backend)
 
 
 fused_mlp_backward_op = _custom_op("fused_mlp_backward", _fused_mlp_backward_impl)
@@ -343,8 +346,8 @@ def _gated_mlp_impl(
     norm_eps: float = 0.0,
 ) -> Tensor:
     return _laid_out(get_impl(backend, "gated_mlp", "gated_mlp_forward")(
-        _ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps), w_gate, b_gate, w_up, b_up, w_down, b_down,
-        activation, dropout_p, seed))
+        _ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, backend), w_gate, b_gate, w_up, b_up, w_down,
+        b_down, activation, dropout_p, seed))
 
 
 gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
@@ -366,7 +369,7 @@ def _gated_mlp_backward_impl(
     return _ffn_backward(
         lambda inp, mask: body(inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p,
                                seed, mask),
-        x, w_gate, norm, norm_weight, norm_bias, norm_eps, output_mask, 7)
+        x, w_gate, norm, norm_weight, norm_bias, norm_eps, output_mask, 7, backend)
 
 
 gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_impl)
@@ -635,7 +638,8 @@ _AUTOGRAD["bn_act_conv"] = (_bn_act_conv_backward, _bn_act_conv_setup)
 
 def _pinning_precision(backward, setup):
     """``backward`` runs at the fp32 precision (tf32 or not) that torch allowed when the forward
-    ran, for matmuls and for cuDNN's convs (the conv op's opt-in ``CONV_Z="aten"`` path): its
+    ran, for matmuls and for cuDNN's convs (the conv op's ``CONV_Z="aten"`` path, its
+    default on a GPU for 16-bit operands): its
     recompute must equal the forward bit for bit (the ReLU mask, the dropout scale), even if
     ``torch.backends.cuda.matmul`` or ``torch.backends.cudnn`` changed in between."""
     def pinned_setup(ctx, inputs, output):

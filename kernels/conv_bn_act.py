@@ -48,6 +48,9 @@ are bit-identical; the normalization is one explicit ``fma`` in every kernel):
   ``"auto"`` (either switch): per layer, whichever a roofline estimate calls cheaper
     (``_rerun_beats_buffer``); opt-in until measured.
   Eval mode: one pass (dz = gamma*rstd*g does not need the reductions first).
+  ``CONV_Z`` (below) replaces the Triton conv of these passes, in both directions, by cuDNN's
+  into a transient z buffer (the passes then read z): the default on a GPU with 16-bit operands,
+  where it measured faster; the strictly fused passes above are ``CONV_Z = "triton"``, and the CPU's.
   Then dX = ``_conv_dx_kernel`` (transposed conv as an implicit GEMM over the input
   pixels, K = KH*KW*C_out; for stride > 1 the taps that do not land on an output
   pixel are masked, so (stride_h*stride_w - 1)/(stride_h*stride_w) of its MMA
@@ -91,13 +94,18 @@ BWD_RECOMPUTE_TWICE = True   # training backward: True = two recomputes, False =
 # ~3 TB/s of HBM3). Only "auto" reads them.
 _RIDGE = {"16bit": 130.0, "tf32": 50.0, "fp32": 13.0}
 # Where z (the conv output) comes from when a pass needs it: "triton" (the implicit-GEMM kernels
-# above, with the BN/ReLU work in their epilogues; the default) or "aten" (aten.convolution, cuDNN on a
-# GPU, into a transient buffer in the forward and the backward; the kernels then run as elementwise +
-# reduction passes over it, FROM_Z). "aten" trades two extra passes over z per direction for cuDNN's
-# GEMM speed; "auto" takes it where the roofline calls the conv compute-bound (``_aten_conv_pays``).
+# above, with the BN/ReLU work in their epilogues: z never reaches memory in the backward) or "aten"
+# (aten.convolution, cuDNN on a GPU, into a transient buffer in the forward and the backward; the
+# kernels then run as elementwise + reduction passes over it, FROM_Z). "aten" trades two extra passes
+# over z per direction for cuDNN's GEMM speed. "auto" (the default) decides per layer, as measured:
+# on a GPU with 16-bit operands, "aten" (H100, bf16, ResNet-50's 16 layer shapes at batch 256,
+# channels_last, GPU time of CUDA-graph replays: 0.81x checkpoint's step as a geometric mean against
+# the Triton conv's 1.15x; slower only on two 1x1 layers, by under 2%; conv_tradeoff_graph_cuda_20261127-*.json);
+# on a GPU with fp32 operands (not measured), "aten" where the roofline calls the conv compute-bound
+# (``_aten_conv_pays``); on the CPU (Triton's interpreter, no cuDNN to win with), "triton".
 # Forward and backward must see the same setting: each computes z its own way, and the ReLU mask of
 # the backward must match the forward's bit for bit.
-CONV_Z = "triton"
+CONV_Z = "auto"
 # dX / dW: "aten" (aten.convolution_backward: cuDNN on a GPU) or "triton" (_conv_dx/_conv_dw
 # kernels). Measured on an H100 (bf16, ResNet-50 shapes, benchmarks/results/conv_tradeoff_*.json):
 # cuDNN's wgrad took 21 us where _conv_dw_kernel took 650 us at 32x64x56x56, so aten is the default.
@@ -293,10 +301,19 @@ def _aten_conv_pays(x, weight, M: int, precision: str) -> bool:
     return compute > operands + z
 
 
+def _auto_z_from_aten(device_type: str, opclass: str, compute_bound) -> bool:
+    """CONV_Z="auto": z from cuDNN on a GPU, for 16-bit operands always (measured), for fp32 where
+    ``compute_bound()`` (a roofline guess); never on the CPU (the interpreter's runs)."""
+    return device_type != "cpu" and (opclass == "16bit" or compute_bound())
+
+
 def _z_from_aten(x, weight, M: int, precision: str) -> bool:
     if CONV_Z not in ("triton", "aten", "auto"):
         raise ValueError(f"fusedrc.kernels.conv_bn_act.CONV_Z: expected 'triton', 'aten' or 'auto', got {CONV_Z!r}")
-    return _aten_conv_pays(x, weight, M, precision) if CONV_Z == "auto" else CONV_Z == "aten"
+    if CONV_Z == "auto":
+        return _auto_z_from_aten(x.device.type, operand_class(x.dtype, precision),
+                                 lambda: _aten_conv_pays(x, weight, M, precision))
+    return CONV_Z == "aten"
 
 
 def _aten_z(x, weight, bias, stride, padding, dilation, like):

@@ -32,6 +32,15 @@ def device():
 
 
 @pytest.fixture
+def strictly_fused_conv(monkeypatch):
+    """The conv op's strictly fused passes (the Triton conv, recomputed in the backward's epilogue
+    passes): the CPU's default; a GPU's default takes z from cuDNN for 16-bit operands (CONV_Z)."""
+    from fusedrc.kernels import conv_bn_act
+
+    monkeypatch.setattr(conv_bn_act, "CONV_Z", "triton")
+
+
+@pytest.fixture
 def direct_conv_kernels(monkeypatch):
     """The grouped convs' DIRECT kernels turned on (opt-in: off by default since the H200 run), at
     the width their tests were written for."""

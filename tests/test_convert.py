@@ -1623,6 +1623,81 @@ def test_gated_mlps_found_by_their_forward(family):
     _assert_close_models(model, conv)
 
 
+@pytest.mark.parametrize("family", ["recurrent_gemma", "t5gemma", "gte", "seed_oss"])
+def test_gated_mlp_forms_with_a_local_or_a_dropout(family, monkeypatch):
+    """Gated MLPs written otherwise than Llama's: RecurrentGemma's through a local variable, T5Gemma's
+    and GTE's with an nn.Dropout of the gated product (the op's own dropout; GTE's down_proj has a
+    bias), Seed-OSS's with F.dropout of the output (after the op). One fused gated FFN each: in eval
+    its outputs and gradients are the module's; in training the dropout reaches the op (its p) or
+    runs after it, and the output's expectation is the module's."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    mods = tr.models
+    if family == "recurrent_gemma":
+        cfg = tr.RecurrentGemmaConfig(hidden_size=16, intermediate_size=48, hidden_activation="gelu_pytorch_tanh")
+        mlp = mods.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaMlp(cfg)
+    elif family == "t5gemma":
+        cfg = tr.T5GemmaModuleConfig(hidden_size=16, intermediate_size=24, hidden_activation="gelu_pytorch_tanh",
+                                     dropout_rate=0.25)
+        mlp = mods.t5gemma.modeling_t5gemma.T5GemmaMLP(cfg)
+    elif family == "gte":
+        cfg = tr.GteConfig(hidden_size=16, intermediate_size=24, hidden_act="silu", hidden_dropout_prob=0.25)
+        mlp = mods.gte.modeling_gte.GteMLP(cfg)
+    else:
+        cfg = tr.SeedOssConfig(hidden_size=16, intermediate_size=24, hidden_act="silu", residual_dropout=0.25)
+        mlp = mods.seed_oss.modeling_seed_oss.SeedOssMLP(cfg)
+    conv = fusedrc.convert(mlp)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units if u.selected] == [("", "gated_ffn")] and not plan.skipped
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    mlp.eval(), conv.eval()
+    y, y_ref = conv(x), mlp(xr)
+    assert rel_err(y, y_ref) <= TOL
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    assert rel_err(x.grad, xr.grad) <= TOL
+    _assert_close_models(mlp, conv)
+    conv.train()
+    calls = []
+    real = fusedrc.functional.gated_mlp
+    monkeypatch.setattr(fusedrc.functional, "gated_mlp", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
+    ones = torch.ones(4000, 16)
+    with torch.no_grad():
+        y_train, y_eval = conv(ones), mlp.eval()(ones)
+    assert calls == [0.25 if family in ("t5gemma", "gte") else 0.0]
+    if family == "recurrent_gemma":
+        assert torch.equal(y_train, y_eval)
+    else:  # inverted dropout: the same mean, a different sample
+        assert not torch.equal(y_train, y_eval)
+        assert rel_err(y_train.mean(0), y_eval.mean(0)) <= 0.1
+
+
+def test_gated_mlp_dropout_forms_the_op_cannot_stand_for_are_reported():
+    """A dropout of the gated product that is no nn.Dropout (its mask drawn otherwise), and an output
+    dropout whose p is no number: left as they are, said why."""
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.act_fn, self.dropout, self.p = nn.SiLU(), nn.AlphaDropout(0.1), None
+
+    class ProductDropout(Gated):
+        def forward(self, x):
+            h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+            return self.down_proj(self.dropout(h))
+
+    class OutputDropout(Gated):
+        def forward(self, x):
+            out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return nn.functional.dropout(out, p=self.p, training=self.training)
+
+    with pytest.warns(UserWarning, match="AlphaDropout between the gate and down_proj has no fused form"):
+        plan = fusedrc.convert(nn.ModuleDict({"a": ProductDropout(), "b": OutputDropout()})).fusedrc_plan
+    assert dict(plan.skipped)["b"] == "the output dropout's p, self.p, is not a number"
+    assert not [u for u in plan.units if u.selected and u.kind == "gated_ffn"]
+
+
 def test_gated_mlp_look_alike_with_another_forward_is_reported():
     """gate_proj/up_proj/down_proj/act_fn with a forward that is not Llama's: not a gated FFN, said why
     (fx still finds its act(gate_proj(x)), a Linear+act)."""

@@ -20,9 +20,11 @@ from fusedrc.kernels import conv_bn_act as K  # noqa: E402
 from _utils import record_launches  # noqa: E402
 
 # The DIRECT kernels are opt-in (measured slower than the reference path on an H200); this file's
-# tests run with them on (tests/conftest.py: direct_conv_kernels).
+# tests run with them on (tests/conftest.py: direct_conv_kernels), and on the Triton conv on a GPU
+# too (strictly_fused_conv; a GPU's default takes z from cuDNN): tests of CONV_Z set it themselves.
 _DEFAULT_DIRECT_MAX = K.DIRECT_MAX_GROUP_CHANNELS
-pytestmark = pytest.mark.usefixtures("direct_conv_kernels")
+_DEFAULT_CONV_Z = K.CONV_Z
+pytestmark = pytest.mark.usefixtures("direct_conv_kernels", "strictly_fused_conv")
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 EPS = 1e-5
@@ -294,13 +296,28 @@ def test_auto_strategy_cost_model(c_in, c_out, k, expected):
     (512, 2048, 1, True),   # a wide 1x1 is compute-bound too (~200 flops per byte)
 ])
 def test_aten_conv_cost_model(c_in, c_out, k, expected, monkeypatch):
+    """The roofline guess "auto" goes by for fp32 operands on a GPU; "aten" takes z from aten whatever
+    the shape; "auto" on the CPU never does (the interpreter's runs test the Triton conv)."""
     x = torch.empty(32, c_in, 28, 28, dtype=torch.bfloat16)
     w = torch.empty(c_out, c_in, k, k, dtype=torch.bfloat16)
     assert K._aten_conv_pays(x, w, 32 * 28 * 28, "ieee") is expected
+    assert K._auto_z_from_aten("cuda", "fp32", lambda: K._aten_conv_pays(x, w, 32 * 28 * 28, "ieee")) is expected
     monkeypatch.setattr(K, "CONV_Z", "auto")
-    assert K.conv_plan(x, w, 32 * 28 * 28, "ieee")[0] is expected
+    assert K.conv_plan(x, w, 32 * 28 * 28, "ieee")[0] is False
     monkeypatch.setattr(K, "CONV_Z", "aten")
     assert K.conv_plan(x, w, 1, "ieee") == (True, False, False)
+
+
+def test_default_conv_z_is_measured_choice():
+    """The default, "auto": z from cuDNN on a GPU for 16-bit operands (measured faster on 14 of
+    ResNet-50's 16 layer shapes, within 2% on the others), never on the CPU; fp32 on a GPU by the roofline."""
+    assert _DEFAULT_CONV_Z == "auto"
+    never = lambda: pytest.fail("the roofline is only asked for fp32 operands on a GPU")  # noqa: E731
+    assert K._auto_z_from_aten("cuda", "16bit", never) is True
+    for opclass in ("16bit", "tf32", "fp32"):
+        assert K._auto_z_from_aten("cpu", opclass, never) is False
+    for bound in (True, False):
+        assert K._auto_z_from_aten("cuda", "tf32", lambda: bound) is bound
 
 @pytest.mark.parametrize("fwd_recompute", [False, True], ids=["zbuf", "fwdrc"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

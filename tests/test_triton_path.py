@@ -179,7 +179,7 @@ def _conv_block(cin, cout, k, stride, padding, bias, device, channels_last=False
     ids=["3x3s2-bias", "1x1-batch1", "7x7s2p3-cl", "3x3s1-cl"],
 )
 def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, bias, hw, batch, channels_last,
-                                                  device):
+                                                  device, strictly_fused_conv):
     """Three training steps: only x and the per-channel vectors kept, no aten conv/BN anywhere,
     gradients and running statistics equal to Conv2d -> BatchNorm2d -> ReLU's."""
     torch.manual_seed(1)
@@ -193,7 +193,8 @@ def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, 
     (lambda: nn.Conv2d(9, 6, 3, padding=2, dilation=2, groups=3), nn.Hardswish, True),   # 3 per group
     (lambda: nn.Conv2d(68, 32, 3, padding=1, groups=2), nn.ReLU, False),                 # 34 in, 16 out per group
 ], ids=["depthwise-silu-cl", "mult2-5x5s2-relu6", "grouped-dilated-hardswish-cl", "wide-groups-gemm"])
-def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, device, direct_conv_kernels):
+def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, device, direct_conv_kernels,
+                                                  strictly_fused_conv):
     """The same of grouped and depthwise convs (the DIRECT kernels, opt-in, or the per-group implicit
     GEMM for wide groups; dX/dW by aten's conv backward)."""
     torch.manual_seed(2)
@@ -305,7 +306,7 @@ def test_conv_bn_one_value_per_channel_raises_like_torch(device):
     assert m(x).shape == (1, 4, 1, 1)  # eval uses the running statistics
 
 
-def test_conv_bn_relu_autocast_on_triton(device):
+def test_conv_bn_relu_autocast_on_triton(device, strictly_fused_conv):
     """Under autocast the recognised conv pattern stays on the kernels and matches eager's dtype and values."""
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     block = _conv_block(3, 6, 3, 1, 1, False, device)
@@ -321,7 +322,32 @@ def test_conv_bn_relu_autocast_on_triton(device):
     assert torch.allclose(block[1].running_mean, ref[1].running_mean, rtol=1e-2, atol=1e-3)
 
 
-def test_converted_inverted_residual_runs_the_kernels(device, monkeypatch, direct_conv_kernels):
+def test_default_conv_path_on_this_device(device):
+    """The default (CONV_Z="auto") on 16-bit operands: on a GPU, z from cuDNN's conv once in the
+    forward and once in the backward (its rerun), the Triton passes over it; on the CPU, the Triton
+    conv, no aten conv. Either way eager's results and only x and the vectors kept."""
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    block = _conv_block(8, 16, 3, 1, 1, False, device, channels_last=True)
+    ref = copy.deepcopy(block)
+    x = torch.randn(2, 8, 7, 7, device=device).contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    with torch.autocast(device.type, dtype=dtype), GemmCounter() as c:
+        with SavedBytes() as saved:
+            y = fusedrc.recompute(block, x)
+        y.float().square().sum().backward()
+    with torch.autocast(device.type, dtype=dtype):
+        ref(xr).float().square().sum().backward()
+    convs = [o for o in _conv_ops(c) if o.split(".")[1] in ("convolution", "conv2d")]
+    assert convs == (["aten.convolution.default"] * 2 if device.type == "cuda" else []), _conv_ops(c)
+    assert not [o for o in _conv_ops(c) if "batch_norm" in o]
+    # autocast's 16-bit copies of x and of the weight, mean and rstd
+    assert saved.bytes == (x.numel() + block[0].weight.numel()) * 2 + 2 * 16 * 4, saved.bytes
+    assert rel_err(x.grad, xr.grad) < 3e-2
+    assert rel_err(block[0].weight.grad, ref[0].weight.grad) < 3e-2
+
+
+def test_converted_inverted_residual_runs_the_kernels(device, monkeypatch, direct_conv_kernels,
+                                                      strictly_fused_conv):
     """A converted MobileNetV2 block (expand 1x1 Conv-BN-ReLU6, depthwise 3x3 Conv-BN-ReLU6 on the
     DIRECT kernels, turned on, projection Conv-BN, identity add): two training steps match the block's own."""
     from fusedrc.convert import _import_torchvision
