@@ -2236,11 +2236,14 @@ def _inlined_return(lines):
     substituted in: the one expression the forward computes, as ``ast.unparse`` writes it (parentheses
     only where precedence needs them). None for any other body (a branch, a loop, a multi-line
     statement, a tuple assignment, ...)."""
-    env = {}
+    env, unread = {}, set()
 
     class _Inline(_ast.NodeTransformer):
         def visit_Name(self, node):
-            return copy.deepcopy(env[node.id]) if isinstance(node.ctx, _ast.Load) and node.id in env else node
+            if isinstance(node.ctx, _ast.Load) and node.id in env:
+                unread.discard(node.id)
+                return copy.deepcopy(env[node.id])
+            return node
 
     body = lines[1:]
     for i, ln in enumerate(body):
@@ -2255,10 +2258,15 @@ def _inlined_return(lines):
                 and isinstance(st.value.value, str):
             continue
         if isinstance(st, _ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], _ast.Name):
-            env[st.targets[0].id] = _Inline().visit(st.value)
+            value = _Inline().visit(st.value)
+            if st.targets[0].id in unread:  # a value never read: its call would vanish from the expression
+                return None
+            env[st.targets[0].id] = value
+            unread.add(st.targets[0].id)
             continue
         if isinstance(st, _ast.Return) and st.value is not None and i == len(body) - 1:
-            return _ast.unparse(_Inline().visit(st.value))
+            expr = _ast.unparse(_Inline().visit(st.value))
+            return None if unread else expr
         return None
     return None
 
@@ -2305,8 +2313,9 @@ def _gated_mlp(ctx, name, m):
                        "(with, at most, a dropout of the product or of the output)")
         return m
     arg, kind, p_attr = form
-    if kind == "dropout" and fused_dropout_p(getattr(m, "dropout", None), training=True) is None:
-        ctx.skip(name, f"{type(getattr(m, 'dropout', None)).__name__} between the gate and down_proj has no fused form")
+    dropout = m._modules.get("dropout")
+    if kind == "dropout" and (dropout is None or fused_dropout_p(dropout, training=True) is None):
+        ctx.skip(name, f"{type(dropout).__name__} between the gate and down_proj has no fused form")
         return m
     if kind == "out_dropout" and not isinstance(getattr(m, p_attr, None), numbers.Real):
         ctx.skip(name, f"the output dropout's p, self.{p_attr}, is not a number")

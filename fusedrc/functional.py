@@ -213,7 +213,7 @@ def fused_mlp(
     _check_linear(x_ffn, w2, b2, "w2", "b2", in_features=w1.shape[0],
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
     def plain(x):
-        x = ops._ffn_input(x, w1, norm, norm_weight, norm_bias, norm_eps)
+        x = ops._ffn_input(x, w1, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
         a = torch.nn.functional.dropout(reference.linear_act_forward(x, w1, b1, activation), dropout_p)
         return torch.nn.functional.linear(a, w2, b2)
 
@@ -281,7 +281,7 @@ def gated_mlp(
     _check_linear(x_ffn, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
     def plain(x):
-        x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps)
+        x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
         a = reference.activation_forward(torch.nn.functional.linear(x, w_gate, b_gate), activation) \
             * torch.nn.functional.linear(x, w_up, b_up)
         return torch.nn.functional.linear(torch.nn.functional.dropout(a, dropout_p), w_down, b_down)

@@ -261,14 +261,14 @@ def _ffn_backward(body, x: Tensor, w: Tensor, norm, norm_weight, norm_bias, norm
     n, stats = get_impl(backend, "rms_norm", "norm_with_stats")(x, norm, norm_weight, norm_bias, norm_eps)
     ffn_mask = [mask[0] or (mask[n_ffn] and norm_weight is not None) or (mask[n_ffn + 1] and norm_bias is not None),
                 *mask[1:n_ffn]]
-    n = n.to(w.dtype)
+    n_dtype, n = n.dtype, n.to(w.dtype)
     dn, *grads = body(n, ffn_mask)
     del n
     dx = dnw = dnb = None
     if dn is not None:
-        # the cast to the FFN's dtype has the cast back as its gradient
+        # the cast to the FFN's dtype has the cast back to the norm output's as its gradient
         dx, dnw, dnb = get_impl(backend, "rms_norm", "norm_backward")(
-            dn.to(x.dtype), x, norm, norm_weight, norm_bias, norm_eps, [mask[0], mask[n_ffn], mask[n_ffn + 1]],
+            dn.to(n_dtype), x, norm, norm_weight, norm_bias, norm_eps, [mask[0], mask[n_ffn], mask[n_ffn + 1]],
             stats=stats)
     return tuple(_laid_out(_or_empty(g, x)) for g in (dx, *grads, dnw, dnb))
 

@@ -261,9 +261,9 @@ def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None
         dw = (g * u).sum(0).to(weight.dtype) if need_dw else None
         scale = None if weight is None else weight.to(u.dtype) if norm == "rms" else 1.0 + weight.float()
         du = g if scale is None else g * scale
-    else:  # the product with the weight in x's dtype, then the cast's gradient
+    else:  # y = w * v, v = u in x's dtype: v's gradient in v's dtype (autograd casts it), then u's
         dw = (grad * u.to(x.dtype)).sum(0) if need_dw else None
-        du = (grad if weight is None else grad * weight).to(u.dtype)
+        du = (grad if weight is None else (grad * weight).to(x.dtype)).to(u.dtype)
     dx = (rstd * (du - u * (du * u).mean(-1, keepdim=True))).to(x.dtype) if need_dx else None
     return dx, dw, None
 

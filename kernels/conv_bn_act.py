@@ -97,7 +97,8 @@ _RIDGE = {"16bit": 130.0, "tf32": 50.0, "fp32": 13.0}
 # above, with the BN/ReLU work in their epilogues: z never reaches memory in the backward) or "aten"
 # (aten.convolution, cuDNN on a GPU, into a transient buffer in the forward and the backward; the
 # kernels then run as elementwise + reduction passes over it, FROM_Z). "aten" trades two extra passes
-# over z per direction for cuDNN's GEMM speed. "auto" (the default) decides per layer, as measured:
+# over z per direction for cuDNN's GEMM speed. "auto" (the default) decides per layer, as measured
+# (groups = 1; a grouped conv keeps the Triton conv, its setting before the measurement):
 # on a GPU with 16-bit operands, "aten" (H100, bf16, ResNet-50's 16 layer shapes at batch 256,
 # channels_last, GPU time of CUDA-graph replays: 0.81x checkpoint's step as a geometric mean against
 # the Triton conv's 1.15x; slower only on two 1x1 layers, by under 2%; conv_tradeoff_graph_cuda_20261127-*.json);
@@ -311,8 +312,9 @@ def _z_from_aten(x, weight, M: int, precision: str) -> bool:
     if CONV_Z not in ("triton", "aten", "auto"):
         raise ValueError(f"fusedrc.kernels.conv_bn_act.CONV_Z: expected 'triton', 'aten' or 'auto', got {CONV_Z!r}")
     if CONV_Z == "auto":
-        return _auto_z_from_aten(x.device.type, operand_class(x.dtype, precision),
-                                 lambda: _aten_conv_pays(x, weight, M, precision))
+        # groups = 1 only: grouped and depthwise layers were not measured (their previous default stays)
+        return x.shape[1] == weight.shape[1] and _auto_z_from_aten(
+            x.device.type, operand_class(x.dtype, precision), lambda: _aten_conv_pays(x, weight, M, precision))
     return CONV_Z == "aten"
 
 

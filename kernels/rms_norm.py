@@ -4,8 +4,9 @@ The FFN ops that take a norm of their input (``fusedrc.ops``: ``norm=``) keep x,
 and rebuild the norm's output in backward. On the reference path that is RMSNorm as its module
 computes it, in aten ops: an fp32 copy of x, its square, the mean, the product with rstd and with
 the weight, the cast back; and as many passes again for its backward. Here each direction is one
-pass over the rows (x read once, the output or dx written once), with the same roundings as the
-module (``fusedrc.reference.norm_with_stats`` / ``norm_backward`` are the oracle):
+pass over the rows (x read once, the output or dx written once), with the module's casts and
+products (``fusedrc.reference.norm_with_stats`` / ``norm_backward`` are the oracle; rstd is computed
+with correctly rounded square root and division, not bit for bit torch's rsqrt):
 
 - ``"rms"`` (``nn.RMSNorm`` / ``F.rms_norm``): ``(xf * rstd * w).to(x.dtype)``, in fp32;
 - ``"llama_rms"`` (Hugging Face's Llama): ``w * (xf * rstd).to(x.dtype)``, the product in the
@@ -16,7 +17,8 @@ module (``fusedrc.reference.norm_with_stats`` / ``norm_backward`` are the oracle
 same kernel, so the FFN's recomputed input equals the forward's bit for bit. The weight gradient is
 a column sum: per-program fp32 partials over a fixed slice of rows, then one sum over the programs
 in a fixed order (no atomics: bitwise repeatable). LayerNorm, float64, rows longer than
-``MAX_COLS`` and empty inputs run the reference (LayerNorm already has aten's fused kernels).
+``MAX_COLS``, empty inputs and weights that are not a vector of x's features run the reference
+(LayerNorm already has aten's fused kernels).
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _rms_norm_fwd_kernel(
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, axis=0) / K + eps))
     u = xf * rstd
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -77,10 +79,12 @@ def _rms_norm_bwd_kernel(
     g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, pdw_ptr, M, K, rows_per_program,
     stride_gm, stride_xm, stride_dxm,
     KIND: tl.constexpr, HAS_W: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-    ROUND_DU: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_DU: tl.constexpr, ROUND_DW: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dx of each row of a fixed slice of rows, and the slice's fp32 partial column sums for dw.
-    ROUND_DU (llama_rms, w and x of one 16-bit dtype): the module's product g * w rounds to it."""
+    llama_rms (y = w * v, v = u in x's dtype; g in y's dtype): ROUND_DU, x in 16 bits, v's gradient
+    g * w is rounded to x's dtype (autograd casts it to v's); ROUND_DW, g and x of x's 16-bit dtype,
+    each product g * v is rounded to it."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
@@ -99,7 +103,10 @@ def _rms_norm_bwd_kernel(
             # dv = g * w (in the promoted dtype), whose fp32 copy is u's gradient
             v = u.to(x.dtype).to(tl.float32)
             if NEED_DW:
-                dw += (g * v).to(x.dtype).to(tl.float32)
+                if ROUND_DW:
+                    dw += (g * v).to(x.dtype).to(tl.float32)
+                else:
+                    dw += g * v
             if HAS_W:
                 du = g * w
                 if ROUND_DU:
@@ -121,9 +128,14 @@ def _rms_norm_bwd_kernel(
         tl.store(pdw_ptr + pid * K + cols, dw, mask=mask)
 
 
-def _supported(x, norm) -> bool:
+def _supported(x, norm, weight) -> bool:
     return (norm in _KINDS and x.dim() == 2 and x.dtype in _TRITON_PTR and 0 < x.shape[1] <= MAX_COLS
-            and x.shape[0] > 0)
+            and x.shape[0] > 0 and (weight is None or (tuple(weight.shape) == (x.shape[1],)
+                                                        and weight.dtype in _TRITON_PTR)))
+
+
+def _vector(weight):
+    return None if weight is None else weight.contiguous()
 
 
 def _rows(t):
@@ -140,9 +152,9 @@ def _out_dtype(x, norm, weight):
 def norm_with_stats(x, norm, weight, bias, eps):
     """``(norm output, rstd (M, 1) fp32)`` of the RMS kinds by the row kernel; the reference for the
     others (same contract as ``fusedrc.reference.norm_with_stats``)."""
-    if not _supported(x, norm):
+    if not _supported(x, norm, weight):
         return _reference().norm_with_stats(x, norm, weight, bias, eps)
-    x = _rows(x)
+    x, weight = _rows(x), _vector(weight)
     M, K = x.shape
     y = torch.empty((M, K), device=x.device, dtype=_out_dtype(x, norm, weight))
     rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
@@ -162,13 +174,13 @@ def norm_forward(x, norm, weight, bias, eps):
 def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None):
     """``(dx, dweight, None)`` of the RMS kinds by the row kernel (``stats``: the forward's rstd,
     computed here when not given); the reference for the others."""
-    if not _supported(x, norm):
+    if not _supported(x, norm, weight) or grad.dtype not in _TRITON_PTR:
         return _reference().norm_backward(grad, x, norm, weight, bias, eps, output_mask, stats)
     need_dx, need_dw, _ = wanted(output_mask, 3)
     need_dw = need_dw and weight is not None
     if not (need_dx or need_dw):
         return None, None, None
-    x, grad = _rows(x), _rows(grad)
+    x, grad, weight = _rows(x), _rows(grad), _vector(weight)
     M, K = x.shape
     rstd = norm_with_stats(x, norm, weight, bias, eps)[1] if stats is None else stats
     rstd = rstd.reshape(M).contiguous()
@@ -179,20 +191,22 @@ def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None
     dx = torch.empty_like(x) if need_dx else x
     pdw = torch.empty((programs, K), device=x.device, dtype=torch.float32) if need_dw else rstd
     block = triton.next_power_of_2(K)
-    round_du = norm == "llama_rms" and weight is not None and x.dtype != torch.float32 and \
-        torch.promote_types(weight.dtype, x.dtype) == x.dtype
+    sixteen = x.dtype != torch.float32
+    round_du = norm == "llama_rms" and weight is not None and sixteen
+    dw_dtype = torch.promote_types(grad.dtype, x.dtype)  # llama_rms: g * v's
+    round_dw = norm == "llama_rms" and sixteen and dw_dtype == x.dtype
     with _device_guard(x):
         launcher(_rms_norm_bwd_kernel, x)[(programs,)](
             grad, x, weight if weight is not None else x, rstd, dx, pdw, M, K, per,
             grad.stride(0), x.stride(0), dx.stride(0),
             KIND=_KINDS[norm], HAS_W=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw,
-            ROUND_DU=round_du, BLOCK_K=block, num_warps=_warps(block),
+            ROUND_DU=round_du, ROUND_DW=round_dw, BLOCK_K=block, num_warps=_warps(block),
         )
     dw = None
     if need_dw:
         dw = pdw.sum(0)
-        # llama_rms: the module sums products in x's dtype (aten accumulates them in fp32)
-        dw = dw.to(x.dtype if norm == "llama_rms" else weight.dtype)
+        # llama_rms: the module sums products in their dtype (aten accumulates them in fp32)
+        dw = dw.to(dw_dtype if norm == "llama_rms" else weight.dtype)
     return (dx if need_dx else None), dw, None
 
 
@@ -213,7 +227,8 @@ def inspect_specs():
         common = {"KIND": 1, "HAS_W": True, "BLOCK_K": block}
         for fn, sig, extra in ((_rms_norm_fwd_kernel, fwd_sig, {}),
                                (_rms_norm_bwd_kernel, bwd_sig, {"NEED_DX": True, "NEED_DW": True,
-                                                                "ROUND_DU": dtype != torch.float32})):
+                                                                "ROUND_DU": dtype != torch.float32,
+                                                                "ROUND_DW": dtype != torch.float32})):
             specs.append({"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype,
                           "config": {"BLOCK_K": block, "num_warps": _warps(block), "kind": "llama_rms"},
                           "signature": sig, "constexprs": {**common, **extra}, "num_warps": _warps(block),

@@ -1692,9 +1692,20 @@ def test_gated_mlp_dropout_forms_the_op_cannot_stand_for_are_reported():
             out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
             return nn.functional.dropout(out, p=self.p, training=self.training)
 
+    class UnreadCall(Gated):  # a call whose value is never read is still a call: not the gated form
+        def forward(self, x):
+            aux = self.dropout(x)
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    no_dropout = ProductDropout()
+    del no_dropout.dropout
     with pytest.warns(UserWarning, match="AlphaDropout between the gate and down_proj has no fused form"):
-        plan = fusedrc.convert(nn.ModuleDict({"a": ProductDropout(), "b": OutputDropout()})).fusedrc_plan
-    assert dict(plan.skipped)["b"] == "the output dropout's p, self.p, is not a number"
+        plan = fusedrc.convert(nn.ModuleDict({"a": ProductDropout(), "b": OutputDropout(), "c": UnreadCall(),
+                                              "d": no_dropout})).fusedrc_plan
+    skipped = dict(plan.skipped)
+    assert skipped["b"] == "the output dropout's p, self.p, is not a number"
+    assert skipped["c"].startswith("UnreadCall.forward is not down_proj(")
+    assert skipped["d"] == "NoneType between the gate and down_proj has no fused form"
     assert not [u for u in plan.units if u.selected and u.kind == "gated_ffn"]
 
 

@@ -62,8 +62,10 @@ def test_matches_module_roundings(kind, dtype, device, monkeypatch):
 def test_weight_dtypes_and_no_weight(kind, x_dtype, w_dtype, device):
     x = torch.randn(5, 24, device=device).to(x_dtype)
     w = None if w_dtype is None else _weight(24, w_dtype, device)
-    # the gradient comes in x's dtype (the FFN ops cast it back from the FFN's)
-    dx, dw, _ = _compare(x, kind, w, torch.randn(5, 24, device=device).to(x_dtype), TOL[x_dtype])
+    # the gradient comes in the norm output's dtype (the FFN ops cast it back from the FFN's): fp32
+    # where llama_rms promotes
+    y_dtype = R.norm_with_stats(x, kind, w, None, 1e-6)[0].dtype
+    dx, dw, _ = _compare(x, kind, w, torch.randn(5, 24, device=device).to(y_dtype), TOL[x_dtype])
     assert dx is not None and (dw is None) == (w is None)
 
 
@@ -95,9 +97,18 @@ def test_backward_is_repeatable_and_masked(device, monkeypatch):
     assert K.norm_backward(g, x, "llama_rms", None, None, 1e-6, [False, True, False]) == (None, None, None)
 
 
+def test_weight_read_whatever_its_layout(device):
+    """A weight that is a strided view (every other element of a longer vector) is read as a vector."""
+    x, g = torch.randn(4, 24, device=device), torch.randn(4, 24, device=device)
+    w = _weight(48, torch.float32, device)[::2]
+    assert not w.is_contiguous()
+    _compare(x, "llama_rms", w, g, TOL[torch.float32])
+
+
 def test_other_cases_take_the_reference(device, monkeypatch):
-    """LayerNorm (aten's own fused kernels), float64, rows longer than MAX_COLS and an empty input:
-    the reference, no launch, its results."""
+    """LayerNorm (aten's own fused kernels), float64, rows longer than MAX_COLS, an empty input and a
+    weight that is no vector of the features (the reference raises as the module would): the
+    reference, no launch, its results."""
     seen = record_launches(monkeypatch, K)
     x = torch.randn(4, 37, device=device)
     w, b, g = torch.randn(37, device=device), torch.randn(37, device=device), torch.randn(4, 37, device=device)
@@ -107,6 +118,8 @@ def test_other_cases_take_the_reference(device, monkeypatch):
         got = K.norm_backward(g.to(args[0].dtype), *args, 1e-5, stats=stats)
         want = R.norm_backward(g.to(args[0].dtype), *args, 1e-5, stats=stats)
         assert all((a is None and c is None) or torch.equal(a, c) for a, c in zip(got, want))
+    with pytest.raises(RuntimeError):
+        K.norm_forward(x, "rms", torch.ones(5, device=device), None, 1e-5)
     empty = torch.empty(0, 37, device=device)
     assert K.norm_with_stats(empty, "rms", w, None, 1e-5)[0].shape == (0, 37)
     monkeypatch.setattr(K, "MAX_COLS", 32)
