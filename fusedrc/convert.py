@@ -2145,19 +2145,23 @@ class FusedConv1DMLP(Wrapper):
         return self.dropout(hidden_states)
 
 
-_CONV1D_MLP_BODY = [
-    "hidden_states = self.c_fc(hidden_states)", "hidden_states = self.act(hidden_states)",
-    "hidden_states = self.c_proj(hidden_states)", "hidden_states = self.dropout(hidden_states)",
-    "return hidden_states",
-]
+def _looks_conv1d_mlp(m):
+    """GPT-2's MLP by its parts, whatever its class's name (OpenAI GPT's is ``MLP``): Conv1D ``c_fc``
+    and ``c_proj``, modules ``act`` and ``dropout``; its forward is checked by the rule."""
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in ("c_fc", "c_proj", "act", "dropout")) \
+        and _is_conv1d(m.c_fc) and _is_conv1d(m.c_proj) and not _class_of(m).__module__.startswith("torch.") \
+        and (not isinstance(m, Wrapper) or isinstance(m, FusedConv1DMLP))
 
 
 @register_rule("GPT2MLP", "ImageGPTMLP", "DecisionTransformerGPT2MLP")
 def _conv1d_mlp(ctx, name, m):
+    """``dropout(c_proj(act(c_fc(x))))``, in one expression or through local variables (GPT-2's
+    one variable reassigned, OpenAI GPT's ``h``/``h2``)."""
     body = _forward_lines(ctx, name, m)
     if body is None:
         return m
-    if body[1:] != _CONV1D_MLP_BODY:
+    v = _forward_arg(body)
+    if v is None or _inlined_return(body) != f"self.dropout(self.c_proj(self.act(self.c_fc({v}))))":
         ctx.skip(name, f"{_class_of(m).__name__}.forward is not c_fc -> act -> c_proj -> dropout")
         return m
     act = _act_name(m.act)
@@ -2226,8 +2230,17 @@ _GATED_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 def _forward_arg(lines):
     """The one argument's name of a forward whose code lines start with ``def forward(self, v[: T])[ -> T]:``,
     else None."""
-    head = _re.fullmatch(r"def forward\(self, (\w+)(: [\w.\[\]]+)?\)( -> [\w.\[\]]+)?:", lines[0]) if lines else None
-    return None if head is None else head.group(1)
+    if not lines or not lines[0].startswith("def forward("):
+        return None
+    try:
+        fn = _ast.parse(lines[0] + " pass").body[0]
+    except SyntaxError:  # a signature over several lines
+        return None
+    a = fn.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or [p.arg for p in a.args[:1]] != ["self"] \
+            or len(a.args) != 2:
+        return None
+    return a.args[1].arg
 
 
 def _inlined_return(lines):
@@ -3319,7 +3332,7 @@ def _held_inline(module, prefix, unit):
 # the rules found by a module's shape and code rather than its class name, in the order they are tried
 _SHAPE_RULES = ((_looks_gated_mlp, _gated_mlp), (_looks_inline_ffn_layer, _inline_ffn_layer), (_looks_experts, _experts),
                 (_looks_split_ffn_layer, _split_ffn_layer), (_looks_gate_up_mlp, _gate_up_mlp),
-                (_looks_inline_split_ffn_layer, _inline_split_ffn_layer))
+                (_looks_inline_split_ffn_layer, _inline_split_ffn_layer), (_looks_conv1d_mlp, _conv1d_mlp))
 
 
 def _rewrite(ctx, module, prefix=""):

@@ -383,6 +383,11 @@ def _hf_family(family):
                             resid_pdrop=0.0, use_cache=False)
         model, args, kwargs = tr.GPT2LMHeadModel(cfg), (ids,), {}
         units = [f"transformer.h.{i}.mlp" for i in range(2)]
+    elif family == "openai":  # OpenAI GPT's MLP is GPT-2's by its parts, its forward through h and h2
+        cfg = tr.OpenAIGPTConfig(vocab_size=100, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.0, attn_pdrop=0.0,
+                                 resid_pdrop=0.0, afn="gelu")
+        model, args, kwargs = tr.OpenAIGPTLMHeadModel(cfg), (ids,), {}
+        units = [f"transformer.h.{i}.mlp" for i in range(2)]
     elif family == "starcoder2":  # F.dropout(training=self.training) after c_proj: one fx graph per mode
         cfg = tr.Starcoder2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
@@ -444,6 +449,24 @@ def test_other_hugging_face_families(family):
     assert bool(budget.recomputed_blocks) == (plan.final_bytes > budget.target_bytes)  # blocks when units fall short
     # GPT-2: Conv1D FLOPs; the norms rerun no GEMM (cost 0: taken first)
     assert all((u.cost > 0) == (u.kind != "norm") for u in budget.units) and all(b.cost > 0 for b in budget.blocks)
+
+
+def test_openai_gpt_mlp_found_by_its_parts():
+    """OpenAI GPT's ``MLP`` (GPT-2's parts, its forward through ``h``/``h2``): one fused FFN per layer,
+    found by its Conv1D layers and checked forward; outputs, gradients as the original's, fewer bytes.
+    (Its Block is no GradientCheckpointingLayer: policy="blocks" has no block to take.)"""
+    model, args, kwargs, units = _hf_family("openai")
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert fused_without_norms(plan) == units and not plan.skipped
+    with SavedBytes() as a:
+        ya = model(*args).logits
+    with SavedBytes() as b:
+        yb = conv(*args).logits
+    assert b.bytes < a.bytes and rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, conv)
 
 
 def test_albert_shared_layer_ffn():
