@@ -2882,8 +2882,11 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
             # also kept as calls: a marked module, a converted one (a rule's Wrapper, a fused unit)
             # and any module with an instance forward (mark's, an earlier fx rewrite's): inlined,
             # the graph would run the plain computation without the recompute
+            # a norm the fused FFN models (timm's LayerNorm, Hugging Face's RMSNorms) too: traced through, it
+            # would be an F.layer_norm call the chain before an FFN cannot join, and no norm unit
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
                     or _is_bn_act(m) or (id(m) in leaves or _hf_layer(m)) and m is not model  # blocks: marked later
+                    or m is not model and norm_kind(m) is not None
                     or "forward" in m.__dict__
                     or isinstance(m, (Wrapper, _FusedSequential, _FFNHead, _FFNAct, _FFNTail, _FxFused)))
 

@@ -2273,6 +2273,9 @@ def _timm():
     # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels
     # (timm's LayerNorm2d, channels first, has no functional form modelled: its own forward is rerun)
     ("convnext_atto", {}, {"conv_ffn": 12, "norm": 17}, 12),
+    # conv_mlp=False: the block's timm LayerNorm over the permuted channels, then its Mlp of Linears: the
+    # norm a leaf of the fx graph, run inside the FFN's op
+    ("convnext_atto", dict(conv_mlp=False), {"norm_ffn": 12, "norm": 5}, 12),
     # pre-activation BatchNormAct2d -> Conv units (the stem a Conv-BN-ReLU); dense layers as blocks
     ("densenet121", {}, {"bn_relu_conv": 119, "conv_bn_relu": 1}, 58),
     # PreActBottleneck: norm1 -> conv1 unless a downsample shares norm1's output (then conv1 -> norm2)
