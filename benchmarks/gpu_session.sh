@@ -5,7 +5,8 @@
 #            the files that never touch CUDA (reference, docs, examples, inspect: CI's; FUSEDRC_ALL_TESTS=1 keeps them);
 #            FUSEDRC_TEST_WORKERS (default 12) overrides the worker count
 #   kernels  per-kernel microbenchmarks (fusedrc-bench kernels; with norm_gated_mlp: Llama's RMSNorm run
-#            inside the gated FFN op, 1.21x checkpoint on the H100 of 2026-11-27)
+#            inside the gated FFN op, 1.21x checkpoint on the H100 of 2026-11-27 as aten ops; row kernels
+#            since (kernels/rms_norm.py), not timed yet)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_graph  the same shapes as CUDA graph replays (GPU time: eager layer steps there are host-bound),
@@ -39,10 +40,11 @@
 # 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a session
 # under ~800 s. Next (since 2026-11-27 the conv's default on a GPU takes z from cuDNN for 16-bit
 # operands, chosen from conv_graph's layer figures; no whole model has run under it yet):
-#   session 1, call 1 (<= 420 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=120 FUSEDRC_TIMEOUT_MODELS=120
-#            FUSEDRC_TIMEOUT_CONV_GRAPH=100 ... "$OUT" models_graph models conv_graph
+#   session 1, call 1 (<= 480 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=120 FUSEDRC_TIMEOUT_MODELS=120
+#            FUSEDRC_TIMEOUT_CONV_GRAPH=100 FUSEDRC_TIMEOUT_KERNELS=80 ... "$OUT" models_graph models conv_graph kernels
 #            (models_graph: ResNet-50 under the new default and with CONV_Z=triton, eager and as a
-#            graph; models: the memory/speed table under it; conv_graph: its layers again)
+#            graph; models: the memory/speed table under it; conv_graph: its layers again; kernels: the
+#            RMSNorm row kernels inside the gated FFN)
 #   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280 ... "$OUT" tests
 #            (compile and cuda_graphs first: the CUDA inductor test has never been reached)
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
