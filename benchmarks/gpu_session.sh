@@ -3,7 +3,8 @@
 # packed into $1/gpu.tgz after each step (and on exit), the pytest log copied to $1/pytest.log.
 #   tests    the test suite (CUDA-only tests included: compiled triton_op twins, AMP, DDP+SyncBN), less
 #            the files that never touch CUDA (reference, docs, examples, inspect: CI's; FUSEDRC_ALL_TESTS=1 keeps them);
-#            FUSEDRC_TEST_WORKERS (default 12) overrides the worker count
+#            FUSEDRC_TEST_WORKERS (default 12) overrides the worker count; FUSEDRC_TEST_FILES (node ids,
+#            space-separated) runs only those
 #   kernels  per-kernel microbenchmarks (fusedrc-bench kernels; with norm_gated_mlp: Llama's RMSNorm run
 #            inside the gated FFN op, 1.21x checkpoint on the H100 of 2026-11-27 as aten ops; row kernels
 #            since (kernels/rms_norm.py), not timed yet)
@@ -46,7 +47,9 @@
 #            graph; models: the memory/speed table under it; conv_graph: its layers again; kernels: the
 #            RMSNorm row kernels inside the gated FFN)
 #   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280 ... "$OUT" tests
-#            (compile and cuda_graphs first: the CUDA inductor test has never been reached)
+#            (compile and cuda_graphs first: the CUDA inductor test has never been reached; or first
+#            FUSEDRC_TEST_FILES="tests/test_kernels_norm.py tests/test_norm_ffn.py tests/test_triton_path.py
+#            tests/test_compile.py::test_triton_backend_on_cuda_inductor" for the 2026-11-27 changes)
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
 #            conv_grouped models_mobile; then opt bert densenet sweep (FUSEDRC_TIMEOUT_BERT=150,
 #            FUSEDRC_TIMEOUT_DENSENET=200)
@@ -89,6 +92,8 @@ for step in "${steps[@]}"; do
             for f in tests/test_*.py; do
                 case " ${files[*]} $cpu_only" in *" $f "*) ;; *) files+=("$f") ;; esac
             done
+            # FUSEDRC_TEST_FILES (pytest node ids, space-separated): only those, e.g. what a session changed
+            [ -n "${FUSEDRC_TEST_FILES:-}" ] && read -r -a files <<< "$FUSEDRC_TEST_FILES"
             timeout -s INT -k 30 $(limit tests 500) python3 -m pytest -q -n "${FUSEDRC_TEST_WORKERS:-12}" \
                 -p no:cacheprovider -rA --maxfail=200 --durations=25 "${files[@]}" > "$w/pytest.log" 2>&1
             cp "$w/pytest.log" "$out/pytest.log"
