@@ -857,7 +857,7 @@ def _norm_call(norm, x):
 # op does (no autograd) and as its rerun does (autograd on detached leaves): both must give the same bits
 # and a fresh tensor, and leave x, the parameters and the module's attributes as they were. Torch's and
 # Python's random states are restored after. One host sync: a CUDA graph's warm-up calls make it.
-_NORM_SUFFIXES = ("norm", "norm1d", "norm2d", "norm3d")
+_NORM_SUFFIXES = ("norm", "norm1d", "norm2d", "norm3d", "norm1p")  # norm1p: Nemotron's LayerNorm1P (1 + weight)
 _ONE_ARGUMENT = {}  # forward function -> whether it takes one positional argument
 
 

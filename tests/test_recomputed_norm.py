@@ -409,6 +409,26 @@ def test_an_own_forward_norm_calling_super():
         assert torch.equal(conv(x), net(x))
 
 
+def test_nemotron_layer_norm_1p_reruns_its_own_forward():
+    """Hugging Face Nemotron's LayerNorm1P (F.layer_norm with 1 + weight, autocast off): a norm unit that
+    reruns its own forward; outputs and gradients bit for bit, its output no longer kept."""
+    try:
+        C.import_torchvision()  # transformers imports torchvision where it is installed
+    except ImportError:
+        pass
+    tr = pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+    norm_cls = tr.models.nemotron.modeling_nemotron.NemotronLayerNorm1P
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), norm_cls(16), nn.Linear(16, 8))
+    with torch.no_grad():
+        net[1].weight.normal_(0, 0.3)
+    conv = C.convert(net)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("1", "norm")]
+    x = _x()
+    _assert_same(_grads(net, x), _grads(conv, x))
+    assert saved_bytes(conv, (x,)) <= saved_bytes(net, (x,)) - x.numel() * 4
+
+
 def test_a_replicas_own_forward_norm_reads_the_replicas_parameters():
     """An nn.DataParallel replica holds its parameters as plain attributes: the own-forward path reads
     them by the names convert recorded, and they get their gradients."""
