@@ -230,7 +230,8 @@ def inspect_specs():
                                                                 "ROUND_DU": dtype != torch.float32,
                                                                 "ROUND_DW": dtype != torch.float32})):
             specs.append({"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype,
-                          "config": {"BLOCK_K": block, "num_warps": _warps(block), "kind": "llama_rms"},
+                          "config": {"BLOCK_K": block, "num_warps": _warps(block), "num_stages": 1,
+                                     "kind": "llama_rms"},
                           "signature": sig, "constexprs": {**common, **extra}, "num_warps": _warps(block),
                           "num_stages": 1, "gemm": False,
                           "aligned": [n for n in sig if n.endswith("_ptr")] + ["K"],
