@@ -2195,13 +2195,15 @@ class FusedGatedMLP(Wrapper):
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
 
+    def _fusedrc_dropout(self):
+        """The dropout of the gated product the op runs in the "dropout" form; None (p = 0) otherwise."""
+        return self._modules.get("dropout") if self.__dict__["_fusedrc_form"][0] == "dropout" else None
+
     def _fusedrc_fusable(self, x):
-        site, g, u, d = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj
-        kind, _ = self.__dict__.get("_fusedrc_form", ("plain", None))
-        dropout = self._modules.get("dropout") if kind == "dropout" else None
-        extra = [] if dropout is None else [dropout]
-        return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, *extra)
-                and (kind != "dropout" or fused_dropout_p(dropout) is not None)
+        site, g, u, d, dropout = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj, \
+            self._fusedrc_dropout()
+        return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, dropout)
+                and fused_dropout_p(dropout) is not None
                 and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
 
     def forward(self, *args, **kwargs):
@@ -2209,10 +2211,10 @@ class FusedGatedMLP(Wrapper):
         if x is None:
             return self.plain(*args, **kwargs)
         g, u, d, act = self.gate_proj, self.up_proj, self.down_proj, self.__dict__["_fusedrc_act"]
-        kind, p_attr = self.__dict__.get("_fusedrc_form", ("plain", None))
+        kind, p_attr = self.__dict__["_fusedrc_form"]
 
         def fused(x, **norm):
-            p = fused_dropout_p(self._modules.get("dropout")) if kind == "dropout" else 0.0
+            p = fused_dropout_p(self._fusedrc_dropout())
             out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm)
             if kind == "out_dropout":  # after the op, as the module's forward applies it
                 out = torch.nn.functional.dropout(out, p=getattr(self, p_attr), training=self.training)

@@ -553,6 +553,14 @@ def launcher(kernel, probe: torch.Tensor):
     return wrap_triton(kernel) if traced(probe) else kernel
 
 
+def _reference():
+    """``fusedrc.reference``, imported at the call: the launchers hand it the cases the kernels do not
+    cover (fusedrc imports the kernels lazily, and the reference imports nothing of them)."""
+    from fusedrc import reference
+
+    return reference
+
+
 def _device_guard(t: torch.Tensor):
     """Launch on the tensor's GPU, not the current one."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -599,13 +607,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def device_sms(t: torch.Tensor) -> int:
+    """The SM count of ``t``'s GPU; the interpreter's pretend count on the CPU."""
+    if not t.is_cuda:
+        return _INTERPRETER_SMS
+    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def dense_grid(num_tiles: int, t: torch.Tensor):
     """(grid, PERSISTENT) of a dense launch of ``num_tiles`` output tiles on ``t``'s device."""
     if not GEMM_PERSISTENT:
         return (num_tiles,), False
-    sms = _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
-        if t.is_cuda else _INTERPRETER_SMS
-    return (max(1, min(num_tiles, GEMM_PERSISTENT * sms)),), True
+    return (max(1, min(num_tiles, GEMM_PERSISTENT * device_sms(t))),), True
 
 
 def _use_tma(a: torch.Tensor, b: torch.Tensor, precision: str | None = None) -> bool:

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from . import conv_bn_act as _cba
-from ._common import _act_grad, _device_guard, _upcast_flag, act_meta, cdiv, device_capability, dot_precision, \
-    launcher, wanted
+from ._common import _act_grad, _device_guard, _reference, _upcast_flag, act_meta, cdiv, device_capability, \
+    dot_precision, launcher, wanted
 from .conv_bn_act import (_INSPECT_ARCH, _INSPECT_GEOM, _INSPECT_PTR, _TABLE, _bn_act, _channel_vectors,
                           _conv_mainloop, _finalize_stats, _geom_constexprs, _inspect_args, _memory_format, _out_hw,
                           _pair, _pix_offsets, _supported, _tile_ids, conv_dw, conv_dx, flat_k,
@@ -165,12 +165,6 @@ def _bn_act_conv_fwd_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-def _reference():
-    from fusedrc import reference
-
-    return reference
-
-
 def _pre_supported(x, weight, activation, stride, padding, dilation, groups) -> bool:
     # groups=1: the prologue sits in the implicit-GEMM main loop (grouped convs run the reference)
     return groups == 1 and _supported(x, weight, activation, stride, padding, dilation, groups)

@@ -78,8 +78,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _sm_count, _upcast_flag, act_meta,
-    cdiv, check_activation, device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
+    _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _reference, _sm_count, _upcast_flag,
+    act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config"]
@@ -1003,12 +1003,6 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
         TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
     )
     return mean, rstd
-
-
-def _reference():
-    from fusedrc import reference
-
-    return reference
 
 
 # --------------------------------------------------------------------------- forward

@@ -24,17 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_activation, gemm_act_grad, plain_gemm
+from ._common import _reference, check_activation, gemm_act_grad, plain_gemm
 from .fused_mlp import fused_mlp_forward
 from .gated_mlp import gated_act_grad, gated_mlp_forward, input_grads
 
 __all__ = ["moe_experts_forward", "moe_experts_backward"]
-
-
-def _reference():
-    from fusedrc import reference
-
-    return reference
 
 
 def _expert_forward(x, w_gate, w_up, w_down, activation):

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _INSPECT_ARCH, _TRITON_PTR, _device_guard, _sm_count, cdiv, launcher, wanted
+from ._common import _INSPECT_ARCH, _TRITON_PTR, _device_guard, _reference, cdiv, device_sms, launcher, wanted
 
 __all__ = ["norm_forward", "norm_with_stats", "norm_backward", "MAX_COLS"]
 
@@ -36,12 +36,6 @@ __all__ = ["norm_forward", "norm_with_stats", "norm_backward", "MAX_COLS"]
 # inspect specs compile it without spills, 16384 on 16 warps spilled); longer rows take the reference
 MAX_COLS = 8192
 _KINDS = {"rms": 0, "llama_rms": 1, "gemma_rms": 2}
-
-
-def _reference():
-    from fusedrc import reference
-
-    return reference
 
 
 def _warps(block: int) -> int:
@@ -184,8 +178,7 @@ def norm_backward(grad, x, norm, weight, bias, eps, output_mask=None, stats=None
     M, K = x.shape
     rstd = norm_with_stats(x, norm, weight, bias, eps)[1] if stats is None else stats
     rstd = rstd.reshape(M).contiguous()
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device() if x.is_cuda else 0
-    programs = min(M, 4 if x.device.type == "cpu" else 2 * _sm_count(index))
+    programs = min(M, 2 * device_sms(x))
     per = cdiv(M, programs)
     programs = cdiv(M, per)
     dx = torch.empty_like(x) if need_dx else x
