@@ -180,7 +180,7 @@ def _rms_probe(m, cls, w, eps):
 def norm_kind(m, cls=None):
     """``(kind, eps)`` of a norm module that a fused FFN can run before its first layer
     (``reference.NORMS``), or None: ``nn.LayerNorm`` and ``nn.RMSNorm`` over one dimension, and
-    modules named ``*RMSNorm``/``*LayerNorm`` holding a 1-D ``weight`` and a float epsilon whose forward
+    modules named ``*RMSNorm``/``*LayerNorm``/``*RmsNorm`` (timm's) holding a 1-D ``weight`` and a float epsilon whose forward
     computes an RMS kind (checked on a probe, once per weight dtype, device and epsilon; not while
     torch.compile traces). ``cls``: the class whose forward ``m`` runs (a wrapper's original class).
     ``nn.RMSNorm``'s eps may be None (see ``norm_call_args``). Read at each call: a changed eps counts."""
@@ -193,8 +193,10 @@ def norm_kind(m, cls=None):
             and len(m.normalized_shape) == 1 and m.__dict__.get("_fast_norm") is False):
         return "layer", m.eps  # timm's LayerNorm: F.layer_norm unless its fast (apex / low-precision) path is on
     if not isinstance(m, nn.Module) or issubclass(t, (nn.LayerNorm, nn.Linear)) or \
-            not t.__name__.endswith(("RMSNorm", "LayerNorm")):
+            not t.__name__.endswith(("RMSNorm", "LayerNorm", "RmsNorm")):
         return None
+    if t.__module__.startswith("timm.") and m.__dict__.get("_fast_norm", False) is not False:
+        return None  # timm's fast path (apex, or its low-precision kernels) is not what the probe saw
     w = getattr(m, "weight", None)  # (a replica's parameters are plain attributes, not in _parameters)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point() or w.device.type == "meta":

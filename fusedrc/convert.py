@@ -109,6 +109,7 @@ import functools
 import inspect as _inspect
 import math
 import numbers
+import operator
 import random as _random
 import re as _re
 import textwrap as _textwrap
@@ -555,8 +556,9 @@ def _still(act, act_mod, *linears):
 _CBR_KINDS = ("conv_bn_relu", "conv_bn_act", "conv_bn")
 
 
-def _run_chain(site, kind, act, chain, x):
-    """A fused group's modules on ``x``: Conv-BN[-act] (2 or 3 modules) or a dense chain."""
+def _run_chain(site, kind, act, chain, x, packed=None):
+    """A fused group's modules on ``x``: Conv-BN[-act] (2 or 3 modules) or a dense chain (``packed``:
+    a packed gated FFN's gate half)."""
     if kind in _BAC_KINDS:  # BN, act, Conv; or timm's BatchNormAct2d, Conv
         return _bac(site, chain[0], chain[1] if len(chain) == 3 else None, chain[-1], x)
     if kind in _CBR_KINDS:
@@ -567,23 +569,61 @@ def _run_chain(site, kind, act, chain, x):
                 x = m(x)
             return x
         return _cbr(site, conv, bn, act_mod, x)
-    if kind == "norm_ffn":
-        return _run_dense(site, "ffn", act, chain[1:], x, norm=chain[0])
-    return _run_dense(site, kind, act, chain, x)
+    if kind in ("norm_ffn", "norm_gated_ffn"):
+        return _run_dense(site, kind[5:], act, chain[1:], x, norm=chain[0], packed=packed)
+    return _run_dense(site, kind, act, chain, x, packed=packed)
 
 
-def _run_dense(site, kind, act, mods, x, norm=None):
-    """A ``Linear -> act -> [Dropout...] -> Linear`` (``kind`` "ffn") or ``Linear -> act`` group:
-    fused where ``site`` is on and the call is modelled, else module by module. ``norm``: a norm
-    module before an FFN, run inside its fused op where the op models it."""
-    def plain(x):
-        for m in mods:
-            x = m(x)
-        return x
+def _gated_parts(mods, packed):
+    """``(Linears, dropouts, gated product of x, (w_gate, b_gate, w_up, b_up))`` of a gated FFN group
+    found by the fx pass: ``[gate, act, up, mul, *dropouts, down]``, or with ``packed`` (the index of
+    the gate's half) ``[fc1, act, chunk, item, item, mul, *dropouts, down]`` for one Linear whose
+    output halves are the gate and the up projection (timm's GluMlp; row views of its weight)."""
+    a, down = mods[1], mods[-1]
+    if packed is None:
+        gate, up = mods[0], mods[2]
+        return (gate, up, down), mods[4:-1], lambda x: a(gate(x)) * up(x), \
+            lambda: (gate.weight, gate.bias, up.weight, up.bias)
+    fc1, n = mods[0], down.in_features
 
+    def product(x):
+        halves = fc1(x).chunk(2, dim=-1)
+        return a(halves[packed]) * halves[1 - packed]
+
+    def weights():
+        w, b = fc1.weight, fc1.bias
+        rows = (slice(n * packed, n * (packed + 1)), slice(n * (1 - packed), n * (2 - packed)))
+        return tuple(t for r in rows for t in (w[r], None if b is None else b[r]))
+
+    return (fc1, down), mods[6:-1], product, weights
+
+
+def _run_dense(site, kind, act, mods, x, norm=None, packed=None):
+    """A ``Linear -> act -> [Dropout...] -> Linear`` (``kind`` "ffn"), ``Linear -> act`` or gated FFN
+    group (``kind`` "gated_ffn", laid out as ``_gated_parts`` reads it): fused where ``site`` is on
+    and the call is modelled, else module by module. ``norm``: a norm module before an FFN, run
+    inside its fused op where the op models it."""
     first, last = mods[0], mods[-1]
-    p = _chain_dropout_p(mods[2:-1]) if kind == "ffn" else 0.0
-    linears = (first, last) if kind == "ffn" else (first,)
+    if kind == "gated_ffn":
+        linears, drops, product, gate_up = _gated_parts(mods, packed)
+
+        def plain(x):
+            x = product(x)
+            for m in drops:
+                x = m(x)
+            return last(x)
+
+        p = _chain_dropout_p(drops)
+        if packed is not None and first.out_features != 2 * last.in_features:  # a Linear swapped in since
+            p = None
+    else:
+        def plain(x):
+            for m in mods:
+                x = m(x)
+            return x
+
+        p = _chain_dropout_p(mods[2:-1]) if kind == "ffn" else 0.0
+        linears = (first, last) if kind == "ffn" else (first,)
     args = {}
     if norm is not None:
         # a norm that passed its input through (a _NormFirst) runs as its class, never passing through
@@ -597,6 +637,9 @@ def _run_dense(site, kind, act, mods, x, norm=None):
     if kind == "ffn":
         return _run_site(site, lambda x: F.fused_mlp(x, first.weight, first.bias, last.weight, last.bias, act,
                                                      dropout_p=p, **args),
+                         (lambda x: plain(run_norm(x))) if args else plain, x)
+    if kind == "gated_ffn":
+        return _run_site(site, lambda x: F.gated_mlp(x, *gate_up(), last.weight, last.bias, act, dropout_p=p, **args),
                          (lambda x: plain(run_norm(x))) if args else plain, x)
     return _run_site(site, lambda x: F.linear_act(x, first.weight, first.bias, act), plain, x)
 
@@ -1356,11 +1399,11 @@ class _FxFused(nn.Module):
     ``fixed`` maps a chain position to a module the model does not hold (a functional
     activation's equivalent)."""
 
-    def __init__(self, kind, fixed, act):
+    def __init__(self, kind, fixed, act, packed=None):
         super().__init__()
         self.__dict__["_fusedrc_fixed"] = dict(fixed)
         self.__dict__["site"] = Site()
-        self.kind, self.act = kind, act
+        self.kind, self.act, self.packed = kind, act, packed
 
     def forward(self, x, *registered):
         fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
@@ -1370,8 +1413,8 @@ class _FxFused(nn.Module):
         norm = None if pending is None or torch.compiler.is_compiling() else \
             pending.pop(_threading.get_ident(), None)
         if norm is not None:
-            return _run_dense(self.site, self.kind, self.act, mods, x, norm=norm)
-        return _run_chain(self.site, self.kind, self.act, mods, x)
+            return _run_dense(self.site, self.kind, self.act, mods, x, norm=norm, packed=self.packed)
+        return _run_chain(self.site, self.kind, self.act, mods, x, self.packed)
 
     def extra_repr(self):
         return f"kind={self.kind!r}"
@@ -1587,6 +1630,7 @@ _TIMM_BLOCKS = {
     "InvertedResidual": ("timm.models._efficientnet_blocks",), "EdgeResidual": ("timm.models._efficientnet_blocks",),
     "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins"),
     "MixerBlock": ("timm.models.mlp_mixer",), "SwinTransformerBlock": ("timm.models.swin_transformer",),
+    "EvaBlock": ("timm.models.eva",), "EvaBlockPostNorm": ("timm.models.eva",),
     "ConvNeXtBlock": ("timm.models.convnext",),
     # pre-activation: BatchNormAct2d -> Conv units inside (timm's DenseNet layers, ResNetV2's blocks)
     "DenseLayer": ("timm.models.densenet",),
@@ -3090,6 +3134,74 @@ def _fx_chains(gm, prefix, skip):
         max_args = 2 if c.target is nn.functional.leaky_relu else 1  # its slope may be positional
         return 1 <= len(c.args) <= max_args and not kw
 
+    def is_mul(n, a, b):
+        """Whether ``n`` computes ``a * b`` (either order) and nothing more."""
+        return bool(n) and a is not b and not n.kwargs and len(n.args) == 2 and set(n.args) == {a, b} and (
+            n.op == "call_function" and n.target in (operator.mul, torch.mul) or n.op == "call_method" and n.target == "mul")
+
+    def chunk_items(n, src):
+        """``(first half, second half)`` getitem nodes of ``n = src.chunk(2, dim=-1)``, each half's only
+        reader, or None."""
+        dim = n.args[2] if len(n.args) == 3 else n.kwargs.get("dim")
+        if not (n.op == "call_method" and n.target == "chunk" and n.args[:1] == (src,) and len(n.args) >= 2
+                and n.args[1] == 2 and dim == -1 and len(n.args) + len(n.kwargs) == 3 and set(n.kwargs) <= {"dim"}):
+            return None
+        items = {u.args[1]: u for u in n.users if u.op == "call_function" and u.target is operator.getitem
+                 and len(u.args) == 2 and u.args[0] is n and not u.kwargs}
+        return (items[0], items[1]) if len(n.users) == 2 and set(items) == {0, 1} else None
+
+    def gated(node):
+        """``(chain, modules, act, packed)`` of a gated FFN whose first Linear is ``node``: ``act(g(v)) *
+        u(v)`` (g = ``node``, u a Linear of the same ``v`` and shape; Llama's, timm's SwiGLU), or one Linear's
+        output halves, ``fc1(v).chunk(2, dim=-1)``, one through act times the other (timm's GluMlp and
+        SwiGLUPacked; ``packed``: the gate's half); then Dropout/Identity modules and the down Linear
+        reading the product. Laid out as ``_gated_parts`` reads it. None for anything else."""
+        m, n1 = mod(node), single(node)
+        if not n1 or len(node.args) != 1 or node.kwargs:
+            return None
+        items = chunk_items(n1, node)
+        if items is not None:
+            if m.out_features % 2:
+                return None
+            for packed in (0, 1):
+                act_node = single(items[packed])
+                act, a = act_of(act_node)
+                mul = act is not None and single(act_node)
+                if mul and single(items[1 - packed]) is mul and is_mul(mul, act_node, items[1 - packed]):
+                    break
+            else:
+                return None
+            chain, modules, width = [node, act_node, n1, *items, mul], [m, a, None, None, None, None], m.out_features // 2
+            act_in = items[packed]
+        else:
+            act, a = act_of(n1)
+            mul = act is not None and single(n1)
+            if not mul or not (len(mul.args) == 2 and n1 in mul.args):
+                return None
+            up_node = mul.args[1] if mul.args[0] is n1 else mul.args[0]
+            up = mod(up_node) if isinstance(up_node, torch.fx.Node) else None
+            if not (is_linear(up) and single(up_node) is mul and is_mul(mul, n1, up_node) and up_node.args == node.args
+                    and not up_node.kwargs and up.weight.shape == m.weight.shape and (up.bias is None) == (m.bias is None)):
+                return None
+            chain, modules, width, packed, act_node = [node, n1, up_node, mul], [m, a, up, None], m.out_features, None, n1
+            act_in = node
+        if not (plain_args(act_node) and act_node.args[0] is act_in):
+            return None
+        cur, drops = mul, []
+        nxt = single(cur)
+        while nxt and (isinstance(mod(nxt), nn.Dropout) or type(mod(nxt)) is nn.Identity):
+            drops.append(nxt)
+            cur, nxt = nxt, single(nxt)
+        down = mod(nxt) if nxt else None
+        if not (is_linear(down) and down.in_features == width) \
+                or any(not plain_args(c) or c.args[0] is not prev for prev, c in zip([mul, *drops], [*drops, nxt])):
+            return None
+        if not _static_dropouts_ok([mod(d) for d in drops]):
+            skip(_join(prefix, node.target), "dropouts between the gated FFN's product and its down Linear other "
+                                             "than one nn.Dropout: no fused form")
+            return None
+        return [*chain, *drops, nxt], [*modules, *map(mod, drops), down], act, packed
+
     found, taken, said = [], set(), {}  # said: node -> the reason reported for it
 
     def report(node, reason):
@@ -3106,7 +3218,7 @@ def _fx_chains(gm, prefix, skip):
         if node in taken:  # in an earlier chain (Linear-act-Linear-act: the second Linear)
             continue
         m = mod(node)
-        chain = None
+        chain, packed = None, None
         if type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm):
             # BN -> act -> Conv, the pre-activation order (a Conv before the BN took it first)
             n1 = single(node)
@@ -3150,6 +3262,15 @@ def _fx_chains(gm, prefix, skip):
                     chain, kind, modules = [node, n1, *ids, n2], _cbr_kind(a), [m, mod(n1), *map(mod, ids), a]
                 else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
+        elif is_linear(m) and (g := gated(node)) is not None:
+            chain, modules, act, packed = g
+            kind, readers = "gated_ffn", {chain[0]} if packed is not None else {chain[0], chain[2]}
+            # a norm module whose readers are the gate and up Linears runs inside the op, as for the FFN
+            src = node.args[0]
+            if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
+                    and set(src.users) == readers and norm_kind(mod(src)) is not None
+                    and len(src.args) == 1 and not src.kwargs):
+                chain, kind, modules = [src, *chain], "norm_gated_ffn", [mod(src), *modules]
         elif is_linear(m):
             n1 = single(node)
             act, a = act_of(n1)
@@ -3175,26 +3296,26 @@ def _fx_chains(gm, prefix, skip):
                                 and single(src) is node and norm_kind(mod(src)) is not None
                                 and len(src.args) == 1 and not src.kwargs):
                             chain, kind, modules = [src, *chain], "norm_ffn", [mod(src), *modules]
-                elif not drops:
+                else:  # dropouts and whatever follows them (gMLP's gating unit, a norm) run as they are
                     chain, kind, modules = [node, n1], "linear_act", [m, a]
         if chain is None:
             continue
         node = chain[0]  # a norm before an FFN: the chain starts there
-        if not all(plain_args(c) for c in chain[1:]) or len(node.args) != 1 \
-                or node.kwargs or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:])) \
-                or any(c in taken for c in chain):
-            continue
+        if any(c in taken for c in chain) or len(node.args) != 1 or node.kwargs or "gated" not in kind and (
+                not all(plain_args(c) for c in chain[1:]) or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:]))):
+            continue  # (a gated chain's links were checked as it was found)
         taken.update(chain)
-        key = (kind, act, tuple((c.op, str(c.target)) for c in chain))
+        key = (kind, (act, packed), tuple((c.op, str(c.target)) for c in chain))
         key += (sum(1 for f in found if f[0][:3] == key),)  # the same chain called again
-        found.append((key, node, chain, kind, modules, act))
+        found.append((key, node, chain, kind, modules, act, packed))
     return found
 
 
-def _only_input_user(gm, node):
-    """Whether ``node`` reads the graph's one input and is its only reader."""
+def _only_input_user(gm, chain):
+    """Whether ``chain`` starts on the graph's one input and reads it alone (a gated FFN's gate and up
+    Linears both)."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return len(inputs) == 1 and node.args[:1] == (inputs[0],) and len(inputs[0].users) == 1
+    return len(inputs) == 1 and chain[0].args[:1] == (inputs[0],) and set(inputs[0].users) <= set(chain)
 
 
 def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
@@ -3218,28 +3339,30 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
     first = next(iter(chains.values()))
     mods = dict(next(iter(graphs.values())).named_modules())
     fused_by_key, found = {}, 0
-    for key, node, chain, kind, modules, act in first:
+    for key, node, chain, kind, modules, act, packed in first:
         if key not in common:
             continue
         # the modules the model does not hold at the chain's node (a functional activation's
-        # equivalent) travel with the call, the rest by name
+        # equivalent; None for a function's node) travel with the call, the rest by name
         fixed = {i: c for i, (n, c) in enumerate(zip(chain, modules))
                  if n.op != "call_module" or c is not mods.get(n.target)}
-        fused_by_key[key] = (_FxFused(kind, fixed, act), f"_fusedrc_fx_{found}")
-        first = 1 if kind == "norm_ffn" else 0  # an FFN's unit is named by its fc1, which its FLOPs are
-        if kind == "norm_ffn":
+        fused_by_key[key] = (_FxFused(kind, fixed, act, packed), f"_fusedrc_fx_{found}")
+        normed = kind.startswith("norm_")
+        if normed:
             ctx.joined_norms.add(id(modules[0]))
-        ctx.unit(_join(prefix, chain[first].target), kind, *_site_switches(fused_by_key[key][0].site),
-                 (modules[first],))
-        if kind == "ffn" and prefix and all(any(c[0] == key and _only_input_user(gm, c[2][0]) for c in chains[mode])
+        # an FFN's unit is named by its fc1 (a gated one's by its gate), whose FLOPs it reruns, with the up Linear's
+        recomputed = modules[normed:normed + 1] + (modules[normed + 2:normed + 3] if "gated" in kind and packed is None else [])
+        ctx.unit(_join(prefix, chain[normed].target), kind, *_site_switches(fused_by_key[key][0].site), tuple(recomputed))
+        if kind in ("ffn", "gated_ffn") and prefix and all(any(c[0] == key and _only_input_user(gm, c[2]) for c in chains[mode])
                                             for mode, gm in graphs.items()):
             # the module's input feeds this FFN alone: a norm before the module can run inside it
-            ctx.fx_consumers[_join(prefix, chain[first].target)] = (prefix, model, fused_by_key[key][0])
+            ctx.fx_consumers[_join(prefix, chain[normed].target)] = (prefix, model, fused_by_key[key][0])
         found += 1
     if not found:
         return 0
     for mode, gm in graphs.items():
-        for key, node, chain, kind, modules, act in chains[mode]:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for key, node, chain, kind, modules, act, packed in chains[mode]:
             if key not in fused_by_key:
                 continue
             fused, sub = fused_by_key[key]
@@ -3249,7 +3372,7 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
                 registered = [gm.graph.get_attr(n.target) for i, n in enumerate(chain) if i not in fixed]
                 new_node = gm.graph.call_module(sub, (node.args[0], *registered))
             chain[-1].replace_all_uses_with(new_node)
-            for c in reversed(chain):
+            for c in sorted(chain, key=order.__getitem__, reverse=True):  # readers first (a gated chain's are not in line)
                 gm.graph.erase_node(c)
         gm.graph.lint()
         gm.recompile()

@@ -8,6 +8,7 @@ norm of the reference) of at most 1e-4 in float32; transformer FFNs are bitwise
 equal in practice, still held to the same bound.
 """
 import copy
+import functools
 import sys
 import types
 import warnings
@@ -828,6 +829,99 @@ class _DataDependentNet(nn.Module):
         return self.head(self.gated(x))
 
 
+class _FxGated(nn.Module):
+    """Gated FFNs as a traceable model writes them: two Linears of one input (``split``; the method
+    ``mul`` and a functional tanh GELU in ``split_method``), or one Linear's output halves (``packed``:
+    timm's GluMlp, the gate the second half; ``packed_first``: SwiGLUPacked's, the gate the first),
+    after a LayerNorm whose only readers they are; a dropout of the product in ``split``."""
+
+    def __init__(self, form, p=0.0):
+        super().__init__()
+        self.form, packed = form, form.startswith("packed")
+        self.norm = nn.LayerNorm(12)
+        self.fc1 = nn.Linear(12, 40 if packed else 20)
+        self.up = None if packed else nn.Linear(12, 20)
+        self.act, self.drop, self.fc2 = nn.SiLU(), nn.Dropout(p), nn.Linear(20, 12)
+
+    def forward(self, x):
+        v = self.norm(x)
+        if self.form == "split":
+            h = self.act(self.fc1(v)) * self.up(v)
+        elif self.form == "split_method":
+            h = self.up(v).mul(nn.functional.gelu(self.fc1(v), approximate="tanh"))
+        else:
+            a, b = self.fc1(v).chunk(2, dim=-1)
+            h = a * self.act(b) if self.form == "packed" else self.act(a) * b
+        return self.fc2(self.drop(h))
+
+
+@pytest.mark.parametrize("form, backend", [("split", "reference"), ("split_method", "reference"),
+                                           ("packed", "reference"), ("packed_first", "triton")])
+def test_fx_finds_gated_ffns(form, backend):
+    """The fx pass finds the gated FFN in each form of ``_FxGated`` (timm's SwiGLU, GluMlp and SwiGLUPacked are
+    these forms), its norm inside the op: one fused gated FFN on the gate/up weights (a packed Linear's
+    row halves, views), outputs and gradients the original's, fewer bytes kept; switched off, the
+    original computation, bit for bit."""
+    torch.manual_seed(0)
+    dev = backend_device(backend)
+    model = _FxGated(form).to(dev).train()
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [("fc1", "norm_gated_ffn")] and not plan.skipped
+    x = torch.randn(3, 5, 12, device=dev)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        _assert_same_step(model, conv, x)
+    twin = "_triton" if backend == "triton" else ""
+    assert log.ops == [f"gated_mlp{twin}", f"gated_mlp_backward{twin}"]
+    with SavedBytes() as a:
+        model(x.clone().requires_grad_())
+    with SavedBytes() as b:
+        conv(x.clone().requires_grad_())
+    assert b.bytes < a.bytes
+    off = fusedrc.convert(model, policy=[])
+    assert not off.fusedrc_plan.fused and torch.equal(off(x), model(x))
+
+
+def test_fx_gated_ffn_dropout_and_lookalikes():
+    """A training nn.Dropout of the gated product is the op's own dropout (its p handed to it); what only
+    looks gated is not fused as one: an up projection of another input, or of one output (a broadcast
+    gate), a product read twice, a chunk along another dimension; each still runs as written."""
+    torch.manual_seed(0)
+    model = _FxGated("split", p=0.25).train()
+    conv = fusedrc.convert(model)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["norm_gated_ffn"]
+    x = torch.randn(3, 5, 12)
+    calls, real = [], fusedrc.functional.gated_mlp
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fusedrc.functional, "gated_mlp", lambda *a, **k: calls.append(k["dropout_p"]) or real(*a, **k))
+        conv(x)
+        conv.eval()
+        assert torch.equal(conv(x), conv(x)) and rel_err(conv(x), model.eval()(x)) <= TOL
+    assert calls == [0.25, 0.0, 0.0, 0.0]
+
+    class Lookalike(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.how, self.g = how, nn.Linear(8, 16)
+            self.u = nn.Linear(8, 1 if how == "broadcast" else 16)
+            self.d = nn.Linear(8 if how == "chunk0" else 16, 8)
+
+        def forward(self, x):
+            if self.how == "chunk0":
+                a, b = self.g(x).chunk(2, dim=0)
+                return self.d(nn.functional.silu(a) * b)
+            p = nn.functional.silu(self.g(x)) * self.u(x.flip(0) if self.how == "other_input" else x)
+            return self.d(p) + p.sum() if self.how == "read_twice" else self.d(p)
+
+    for how in ("other_input", "broadcast", "read_twice"):
+        model = Lookalike(how)
+        conv = fusedrc.convert(model)
+        assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("g", "linear_act")], how
+        _assert_same_step(model, conv, torch.randn(4, 8))
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert not fusedrc.convert(Lookalike("chunk0")).fusedrc_plan.units
+
+
 def test_fx_graph_must_hold_without_the_defaulted_arguments():
     """A forward whose fx graph changes when a defaulted argument is left out is not rewritten
     (the rewrite used to fail on model(x) once traced as model(x, mask)); an argument the graph
@@ -960,9 +1054,9 @@ def test_fx_rewrites_the_traceable_submodules_of_an_untraceable_model():
     conv = fusedrc.convert(model, example_inputs=(x,))
     plan = conv.fusedrc_plan
     assert [(u.name, u.kind) for u in plan.units] == [
-        ("head.0", "linear_act"), ("mlp.fc1", "ffn"), ("gated.fc1", "linear_act")]
+        ("head.0", "linear_act"), ("mlp.fc1", "ffn"), ("gated.fc1", "gated_ffn")]
     assert not plan.skipped and type(conv.mlp) is _Mlp and list(conv.state_dict()) == list(model.state_dict())
-    assert _fused_ops(conv, x) == ["fusedrc.fused_mlp.default", "fusedrc.linear_act.default",
+    assert _fused_ops(conv, x) == ["fusedrc.fused_mlp.default", "fusedrc.gated_mlp.default",
                                    "fusedrc.linear_act.default"]
     _assert_same_step(model, conv, x)
     assert plan.final_bytes < plan.baseline_bytes
@@ -2268,6 +2362,13 @@ def _timm():
     # before it (self.mlp(self.norm2(x))) inside the op
     # the attention's norm1 and the final norm: outputs not kept
     ("vit_tiny_patch16_224", dict(img_size=32), {"norm_ffn": 12, "norm": 13}, 12),
+    # gated MLPs found by the fx pass, the block's norm2 inside the op: EVA-02's GluMlp (one fc1, the gate its
+    # first half; EvaBlock a block), DINOv2-giant's SwiGLUPacked, AIMv2's SwiGLU (fc1_g, fc1_x) after timm's RmsNorm
+    ("eva02_tiny_patch14_224", dict(img_size=32, patch_size=16, depth=2), {"norm_gated_ffn": 2, "norm": 3}, 2),
+    ("vit_giant_patch14_dinov2", dict(img_size=32, patch_size=16, embed_dim=48, depth=2, num_heads=2),
+     {"norm_gated_ffn": 2, "norm": 3}, 2),
+    ("aimv2_large_patch14_224", dict(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2),
+     {"norm_gated_ffn": 2, "norm": 4}, 2),
     # Conv-BN-LeakyReLU(0.01) through BatchNormAct2d; cspnet's DarkBlock
     ("darknet17", {}, {"conv_bn_act": 16}, 5),
     # conv_mlp=True: timm's Mlp of 1x1 convs (timm's GELU) in every ConvNeXtBlock, a fused FFN over channels
@@ -2316,6 +2417,24 @@ def test_timm_models(name, kwargs, kinds, blocks):
     with SavedBytes() as c:
         yc = whole(x.clone().requires_grad_())
     assert c.bytes < b.bytes and rel_err(yc, model(x)) <= TOL  # one more training step each
+
+
+def test_timm_mlps_with_something_between_their_layers():
+    """timm's GatedMlp with gMLP's spatial gating unit, and its Mlp with a norm between the layers: fc1 -> act
+    is a fused Linear+act (its pre-activation not kept), the dropout and what follows run as written (the
+    gating unit's LayerNorm a recomputed norm); outputs and gradients the original's."""
+    _timm()
+    from timm.layers import GatedMlp, Mlp
+    from timm.models.mlp_mixer import SpatialGatingUnit
+    torch.manual_seed(0)
+    for mlp, kinds in [(GatedMlp(16, 32, gate_layer=functools.partial(SpatialGatingUnit, seq_len=5), drop=0.1),
+                        [("fc1", "linear_act"), ("gate.norm", "norm")]),
+                       (Mlp(16, 32, norm_layer=nn.LayerNorm), [("fc1", "linear_act"), ("norm", "norm")])]:
+        conv = fusedrc.convert(mlp.eval())
+        assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == kinds and not conv.fusedrc_plan.skipped
+        with FusedOpLog() as log:
+            _assert_same_step(mlp, conv, torch.randn(3, 5, 16))
+        assert log.ops.count("linear_act") == 1
 
 
 def test_timm_vgg_conv_mlp_is_reported():
