@@ -12,7 +12,7 @@ script is how entries are chosen offline (issues 3 and 4):
 - gated: for Llama-2 7B's MLP on 8192 tokens, candidate tiles of the gated FFN's dual kernels
   (``gated_act``: gate and up in one main loop; ``gated_act_grad``: their recompute), checked
   against torch, timed against cuBLAS running the two GEMMs (the table's choice is
-  ``gated_config``: the dense entry with BLOCK_N halved, a static guess);
+  ``gated_config``: the dense entry with BLOCK_N halved, or taken whole where this sweep found it faster);
 - conv: for ResNet-50 conv+BN+ReLU shapes at batch 256, every candidate ``ConvConfig``
   replaces the sm_90 16-bit table entries and a fused training step
   (``fusedrc.recompute`` of the layer, forward + backward) is checked against eager and timed.
@@ -77,8 +77,10 @@ GATED_SHAPES = [(8192, 4096, 11008), (16384, 2048, 5632)]
 GATED_CANDIDATES = [
     (128, 64, 64, 8, 8, 3), (128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3),
     (64, 128, 64, 8, 4, 4), (128, 64, 32, 8, 8, 5), (256, 64, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4),
+    # the grad kernel's epilogue in halves / quarters: 128x128 without its 496-byte spill (254 / 244 registers)
+    (128, 128, 64, 8, 8, 3, 2), (128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (256, 64, 64, 8, 8, 3, 2),
 ]
-GATED_PERSISTENT_CANDIDATES = [(128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)]
+GATED_PERSISTENT_CANDIDATES = [(128, 64, 64, 8, 8, 4), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3, 4)]
 # (C_in, C_out, kernel, stride, H=W) of ResNet-50 layers where the fused conv lags most
 CONV_SHAPES = [(64, 64, 3, 1, 56), (128, 128, 3, 1, 28), (256, 256, 3, 1, 14), (512, 512, 3, 1, 7),
                (256, 64, 1, 1, 56), (1024, 256, 1, 1, 14)]
@@ -196,7 +198,7 @@ def sweep_gated(dtype, records):
         records.append(dict(base, impl="cublas_two_mm", times_s=_time(lambda: (x @ wg.t(), x @ wu.t()))))
         records.append(dict(base, impl="eager_swiglu",
                             times_s=_time(lambda: torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t()))))
-        table = gated_mlp.gated_config(_common.gemm_config(M, H, K, dtype, "ieee", torch.cuda.get_device_capability()))
+        table = gated_mlp._gated_table_config(M, H, K, dtype, "ieee", torch.cuda.get_device_capability())
         cands = [_common.GemmConfig(*c) for c in GATED_CANDIDATES]
         runs = [(c, 0) for c in [table] + [c for c in cands if c != table]]
         runs += [(_common.GemmConfig(*c), 1) for c in GATED_PERSISTENT_CANDIDATES]
@@ -273,9 +275,21 @@ def _static_specs(dtype):
     """sm_90 compile specs of every candidate, built by the kernels modules' own inspect_specs."""
     from fusedrc.kernels import _common
     from fusedrc.kernels import conv_bn_act as ck
+    from fusedrc.kernels import gated_mlp as gm
 
-    return (_candidate_specs(_common, _common.GemmConfig, ("sm90", "16bit", "candidate"), DENSE_CANDIDATES,
-                             "dense", lambda sp: sp["dtype"] == dtype)
+    key = ("sm90", "16bit", "candidate")
+    whole = gm._WHOLE
+    try:  # a gated candidate is the dual kernels' tile itself (taken whole, not halved)
+        gated = []
+        for cand in GATED_CANDIDATES:
+            gm._WHOLE = {key: _common.GemmConfig(*cand)}
+            gated += _candidate_specs(gm, _common.GemmConfig, key, [cand], "gated",
+                                      lambda sp: sp["dtype"] == dtype
+                                      and not {"row_scale", "dropout", "persistent"} & set(sp["config"]))
+    finally:
+        gm._WHOLE = whole
+    return (_candidate_specs(_common, _common.GemmConfig, key, DENSE_CANDIDATES,
+                             "dense", lambda sp: sp["dtype"] == dtype) + gated
             + _candidate_specs(ck, ck.ConvConfig, ("sm90", "16bit", "wide"), CONV_CANDIDATES, "conv",
                                lambda sp: sp["dtype"] == dtype and sp["gemm"]
                                and sp["config"].get("mode") in _STATIC_CONV_MODES))

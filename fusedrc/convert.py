@@ -2669,9 +2669,11 @@ def _hf_layer(m):
 
 def _looks_inline_ffn_layer(m):
     """Found by shape, not class name: a Hugging Face layer holding ``fc1``/``fc2`` Linears and an
-    ``activation_fn`` (BioGPT, LED, TrOCR, Speech2Text, MusicGen, ... copy BART's layer); its
-    forward's code is checked as the named ones' is."""
-    if not (_hf_layer(m) and not isinstance(m, Wrapper) and hasattr(m, "activation_fn")
+    ``activation_fn`` (BioGPT, LED, TrOCR, Speech2Text, MusicGen, ... copy BART's layer; FSMT's
+    ``EncoderLayer``/``DecoderLayer``, a transformers class but no checkpointing layer); its forward's
+    code is checked as the named ones' is."""
+    hf = _hf_layer(m) or _class_of(m).__module__.startswith("transformers.models.")
+    if not (hf and not isinstance(m, Wrapper) and hasattr(m, "activation_fn")
             and all(isinstance(m._modules.get(k), nn.Linear) for k in ("fc1", "fc2"))):
         return False
     lines = _source_lines(m)  # only a forward that passes the rule's code check: the others are the fx pass's

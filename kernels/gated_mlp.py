@@ -23,8 +23,9 @@ rounded to the input's dtype (eager rounds h_g, h_u and act(h_g) to it first: wi
 inputs a pre-activation beyond fp16's range is inf there, finite here); the tolerance
 tests compare both against float64.
 Tiles: the dense table's entry for the (M, H, K) GEMM with BLOCK_N halved (two
-fp32 accumulators hold what one full-width tile would); forward and recompute
-read the same entry.
+fp32 accumulators hold what one full-width tile would), or whole where the H100 sweep
+found that faster (``_WHOLE``: the grad kernel's epilogue then in column slices,
+``EPILOGUE_SPLIT``); forward and recompute read the same entry.
 """
 from __future__ import annotations
 
@@ -34,18 +35,50 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from ._common import (
-    _INSPECT_ARCH, _TABLE, _TRITON_PTR, _act_fwd, _act_grad, _add_bias, _device_guard, _dropout_factor, _tile_ids,
-    _tile_safe, _upcast_flag, act_meta, cdiv, check_activation, dense_grid, device_capability, dot_precision,
-    dropout_args, gemm_config, launcher, plain_gemm, uses_aten_gemm, wanted,
+    _INSPECT_ARCH, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _column_halves,
+    _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
+    check_activation, dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
+    operand_class, plain_gemm, uses_aten_gemm, wanted,
 )
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
 
 
-def gated_config(cfg):
-    """The dual kernels' tile from a dense table entry: BLOCK_N halved (at least 16)."""
+# Entries of the dense table the dual kernels take whole, not with BLOCK_N halved. sm_90 16-bit
+# 128x128 (8 warps, 3 stages): the H100 sweep of 2026-11-27 (benchmarks/results/
+# tile_sweep_cuda_20261127-084949.json) timed it at 0.81x (Llama-2 7B's MLP on 8192 tokens) and 0.87x
+# (16384 x 2048 -> 5632) of the halved 128x64's forward, the recompute within +1%/+8% while it still
+# spilled (496 bytes a thread); with its epilogue in quarters it spills nothing (244 registers,
+# ``python -m fusedrc.inspect --kernel gated``). The recompute without the spill is not timed yet.
+# Not for launches with dropout on the product or persistent (``_common.GEMM_PERSISTENT``): their
+# epilogue / tile loop spill there whatever the split (8-216 bytes); they take the halved entry.
+_WHOLE = {
+    ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
+    ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
+}
+
+
+def gated_config(cfg, key=None):
+    """The dual kernels' tile for dense table entry ``cfg`` (at ``key``, (family, operand class, bucket),
+    for a launch that may take it whole): ``_WHOLE[key]`` where there is one, else ``cfg`` with BLOCK_N
+    halved (at least 16: two fp32 accumulators hold what one full-width tile would) and the epilogue in
+    one piece."""
+    if key in _WHOLE:
+        return _WHOLE[key]
     return cfg._replace(BLOCK_N=max(16, cfg.BLOCK_N // 2), EPILOGUE_SPLIT=1)
+
+
+def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False):
+    """The table's tile of a dual launch: a pure function of the operands, the dropout and the
+    persistent switch, so a forward and its recompute take the same one (the switch is set around
+    whole steps, never between a forward and its backward)."""
+    if capability is None:
+        return gated_config(gemm_config(M, N, K, dtype, precision, capability))
+    key = (_arch_family(capability), operand_class(dtype, precision), _shape_bucket(M, N, K))
+    whole = not dropout and not _common.GEMM_PERSISTENT
+    return gated_config(_TABLE[key], key if whole else None)
 
 
 @triton.jit
@@ -117,20 +150,36 @@ def _gated_act_tile(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
     hg, hu, pid_m, row0, col0 = _gated_preacts(
         tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
-    y = _act_fwd(hg, ACTIVATION, NEG_SLOPE) * hu
-    if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
-        y = y * _dropout_factor(seed, row0 + tl.arange(0, BLOCK_M), col0, drop_threshold, drop_scale,
-                                BLOCK_M, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
-    base = row0.to(tl.int64) * N + col0
-    tl.store(c_ptr + base + (offs_m[:, None] * N + offs_n[None, :]), y.to(c_ptr.dtype.element_ty), mask=mask)
+    _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
+                        drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
+                        ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
+    """The product act(h_g) * h_u on columns [c0, c0 + WIDTH) of the tile, dropped out and stored, in SPLIT
+    column slices one after the other (as the grad kernel's epilogue)."""
+    if SPLIT > 1:
+        hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
+        hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
+        _gated_fwd_epilogue(hg0, hu0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
+                            ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _gated_fwd_epilogue(hg1, hu1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold,
+                            drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+    else:
+        y = _act_fwd(hg, ACTIVATION, NEG_SLOPE) * hu
+        offs_m = tl.arange(0, BLOCK_M)
+        if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
+            y = y * _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
+        offs_n = c0 + tl.arange(0, WIDTH)
+        mask = (offs_m[:, None] < M - row0) & (offs_n[None, :] < N - col0)
+        tl.store(c_ptr + base + (offs_m[:, None] * N + offs_n[None, :]), y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,7 +189,8 @@ def _gated_act_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:  # the dense kernels' launch shape (_common.GEMM_PERSISTENT)
@@ -149,44 +199,51 @@ def _gated_act_kernel(
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
                             HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                            EVEN_K, PRECISION, UPCAST)
+                            EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
                         HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        EVEN_K, PRECISION, UPCAST)
+                        EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
 @triton.jit
-def _gated_act_grad_tile(
-    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
-    seed, scale_ptr, dscale_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+def _gated_grad_epilogue(
+    hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
+    seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # the forward's pre-activations, exactly as _gated_act_tile computes them
-    hg, hu, pid_m, row0, col0 = _gated_preacts(
-        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (hg, hu hold them), in SPLIT
+    column slices one after the other (halving recursively, as the dense ``_grad_epilogue``: each
+    slice's temporaries are live alone). Returns the slices' share of the routed experts' row dot
+    a . g (zeros without ROW_SCALE)."""
+    if SPLIT > 1:
+        hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
+        hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
+        dot0 = _gated_grad_epilogue(
+            hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
+            col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+            ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        dot1 = _gated_grad_epilogue(
+            hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
+            col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+            DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = c0 + tl.arange(0, WIDTH)
     mask_n = offs_n < N - col0
     mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
-    offs = (row0.to(tl.int64) * N + col0) + (offs_m[:, None] * N + offs_n[None, :])
+    offs = base + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+    dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if ROW_SCALE:  # a routed expert's output scaled per row by r: g is the unscaled g_out Wd
-        # d r = a . (g_out Wd): this tile's share of the row dot, one partial per column tile
-        rows = offs_m < M - row0
+        # d r = a . (g_out Wd): this slice's share of the row dot
         dot = tl.sum(tl.where(mask, act * hu * g, 0.0), axis=1)
-        tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
-        g = g * tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32)[:, None]
+        g = g * row_scale[:, None]
     if DROPOUT:  # the forward's mask, regenerated: a = dropout(act * hu) for dW_down, g through the mask
-        factor = _dropout_factor(seed, row0 + offs_m, col0, drop_threshold, drop_scale, BLOCK_M, BLOCK_N)
+        factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
         g = g * factor
         if STORE_ACT:
             tl.store(act_ptr + offs, (act * hu * factor).to(act_ptr.dtype.element_ty), mask=mask)
@@ -200,6 +257,33 @@ def _gated_act_grad_tile(
         part = (pid_m.to(tl.int64) * N + col0) + offs_n
         tl.store(partg_ptr + part, tl.sum(tl.where(mask, ghg, 0.0), axis=0), mask=mask_n)
         tl.store(partu_ptr + part, tl.sum(tl.where(mask, ghu, 0.0), axis=0), mask=mask_n)
+    return dot
+
+
+@triton.jit
+def _gated_act_grad_tile(
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
+    seed, scale_ptr, dscale_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+):
+    # the forward's pre-activations, exactly as _gated_act_tile computes them
+    hg, hu, pid_m, row0, col0 = _gated_preacts(
+        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = offs_m < M - row0
+    row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
+    dot = _gated_grad_epilogue(
+        hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
+        pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+        DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    if ROW_SCALE:  # one partial of the row dot per column tile
+        tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
 
 @triton.jit
@@ -211,7 +295,8 @@ def _gated_act_grad_kernel(
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:
@@ -221,13 +306,13 @@ def _gated_act_grad_kernel(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
             drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -238,7 +323,8 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     M, K = x.shape
     N = w_gate.shape[0]
     precision = dot_precision(x)
-    cfg = config or gated_config(gemm_config(M, N, K, x.dtype, precision, device_capability(x)))
+    cfg = config or _gated_table_config(M, N, K, x.dtype, precision, device_capability(x),
+                                        dropout=dropout is not None and dropout[0] != 0)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
     bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
     bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
@@ -254,7 +340,7 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
     grid, meta["PERSISTENT"] = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
@@ -369,18 +455,17 @@ def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(Non
 # --------------------------------------------------------------------------- ahead-of-time inspection
 def inspect_specs():
     """One spec per distinct compile of the two dual kernels for the sm90/sm80 dense table entries
-    (BLOCK_N halved, ``gated_config``): fp16 and bf16 for "16bit" entries, fp32 for the others;
+    (``gated_config``: whole or BLOCK_N halved): fp16 and bf16 for "16bit" entries, fp32 for the others;
     activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it); bf16
     also with dropout on the product (config ``"dropout": true``: T5 v1.1's), and sm_90 bf16 entries
-    persistent (``_common.GEMM_PERSISTENT``; config ``"persistent": true``); the grad kernel of one
-    sm_90 bf16 entry also with the routed experts' row scale (config ``"row_scale": true``)."""
+    persistent (``_common.GEMM_PERSISTENT``; config ``"persistent": true``); the grad kernel of the
+    widest sm_90 bf16 entry also with the routed experts' row scale (config ``"row_scale": true``)."""
     specs, seen = [], {}
     kernels = ((_gated_act_kernel, "_gated_act_kernel"), (_gated_act_grad_kernel, "_gated_act_grad_kernel"))
     for (family, opclass, bucket), entry in _TABLE.items():
         arch = _INSPECT_ARCH.get(family)
         if arch is None:
             continue
-        cfg = gated_config(entry)
         if opclass == "16bit":
             variants = [(torch.float16, "ieee"), (torch.bfloat16, "ieee")]
         else:
@@ -390,6 +475,8 @@ def inspect_specs():
                 kernels, variants, (False, True), persistence):
             if (dropout or persistent) and dtype != torch.bfloat16 or dropout and persistent:
                 continue
+            # as _gated_table_config chooses: whole where _WHOLE says, except with dropout or persistent
+            cfg = gated_config(entry, None if dropout or persistent else (family, opclass, bucket))
             key = (name, arch, dtype, precision, cfg, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"
             if key in seen:
@@ -416,6 +503,7 @@ def inspect_specs():
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "PERSISTENT": persistent,
             }
+            constexprs["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
             if kernel is _gated_act_grad_kernel:
                 constexprs.update(STORE_ACT=True, ROW_SCALE=False)
             for c in constexprs:
@@ -424,6 +512,7 @@ def inspect_specs():
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
             if dtype == torch.float32:
                 config["input_precision"] = precision
+            config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
             if dropout:
                 config["dropout"] = True
             if persistent:
@@ -436,9 +525,10 @@ def inspect_specs():
             seen[key] = spec
             specs.append(spec)
     # the routed experts' variant (row scale and its gradient in the epilogue), one sm_90 bf16 entry
-    base = next(sp for sp in specs if sp["kernel"] == "_gated_act_grad_kernel" and sp["arch"] == "sm_90"
+    # (the widest tile: the most registers)
+    base = max((sp for sp in specs if sp["kernel"] == "_gated_act_grad_kernel" and sp["arch"] == "sm_90"
                 and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"]
-                and not sp["constexprs"]["PERSISTENT"])
+                and not sp["constexprs"]["PERSISTENT"]), key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
     # as moe_experts launches it: SwiGLU, no bias, the scales a slice at any offset, any row count
     routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True, "HAS_BIAS": False, "ACTIVATION": "silu"},
               "config": {**base["config"], "row_scale": True},

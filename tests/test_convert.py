@@ -409,6 +409,13 @@ def _hf_family(family):
                               use_cache=False)
         model, args, kwargs = tr.BioGptForCausalLM(cfg), (ids,), {}
         units = [f"biogpt.layers.{i}.fc1" for i in range(2)]
+    elif family == "fsmt":  # BART's layer again, in transformers classes that are no checkpointing layer
+        cfg = tr.FSMTConfig(langs=["en", "de"], src_vocab_size=100, tgt_vocab_size=100, d_model=32, encoder_layers=1,
+                            decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                            decoder_ffn_dim=64, activation_function="relu", dropout=0.0, attention_dropout=0.0,
+                            activation_dropout=0.0, use_cache=False)
+        model, args, kwargs = tr.FSMTForConditionalGeneration(cfg), (ids,), {"decoder_input_ids": dec}
+        units = ["model.encoder.layers.0.fc1", "model.decoder.layers.0.fc1"]
     else:  # BART inlines its FFN as x = act(fc1(x)): the inline-FFN rule
         cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
                             decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -418,7 +425,8 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon", "biogpt"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon", "biogpt",
+                                    "fsmt"])
 def test_other_hugging_face_families(family):
     """Beyond the OPT and T5 rules: fx on the submodules that trace (one graph per training mode
     where the forward reads it), the rules for GPT-2's MLP and BART-style layers (named, or by
