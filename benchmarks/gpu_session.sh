@@ -16,6 +16,7 @@
 #   conv_compile  the same shapes against torch.compile of the layer
 #   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50/101, RegNetY): the default
 #            (reference path / per-group GEMM) against the opt-in DIRECT kernels
+#   gated    the gated FFN's dual-kernel tile candidates only (gpu_tile_sweep.py --only gated)
 #   tiles    issue 3's FFN steps under each dense launch switch (pointer/TMA loads, per-tile/persistent
 #            programs) vs eager and checkpoint; then candidate tile-table entries, dense (issue 3's
 #            GEMMs), the gated FFN's dual kernels and conv (batch 256), vs cuBLAS and eager
@@ -42,10 +43,12 @@
 # under ~800 s. Next (since 2026-11-27 the conv's default on a GPU takes z from cuDNN for 16-bit
 # operands, chosen from conv_graph's layer figures; no whole model has run under it yet):
 #   session 1, call 1 (<= 480 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=120 FUSEDRC_TIMEOUT_MODELS=120
-#            FUSEDRC_TIMEOUT_CONV_GRAPH=100 FUSEDRC_TIMEOUT_KERNELS=80 ... "$OUT" models_graph models conv_graph kernels
+#            FUSEDRC_TIMEOUT_GATED=100 FUSEDRC_TIMEOUT_KERNELS=80 ... "$OUT" models_graph models gated kernels
 #            (models_graph: ResNet-50 under the new default and with CONV_Z=triton, eager and as a
-#            graph; models: the memory/speed table under it; conv_graph: its layers again; kernels: the
-#            RMSNorm row kernels inside the gated FFN)
+#            graph; models: the memory/speed table under it; gated: the gated kernels' 128x128 split
+#            tile the table took on 2026-11-27 untimed, against the halved one (if it loses, revert
+#            _WHOLE in kernels/gated_mlp.py); kernels: the gated FFN step under it and the RMSNorm row
+#            kernels inside the gated FFN)
 #   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280 ... "$OUT" tests
 #            (compile and cuda_graphs first: the CUDA inductor test has never been reached; or first
 #            FUSEDRC_TEST_FILES="tests/test_kernels_norm.py tests/test_norm_ffn.py tests/test_triton_path.py
@@ -108,6 +111,8 @@ for step in "${steps[@]}"; do
         conv_grouped) timeout -k 30 $(limit conv_grouped 250) python3 benchmarks/gpu_conv_tradeoff.py --shapes grouped --switches --no-compile \
                           --out "$w/results" 2>&1 | tail -40 ;;
         # dense and conv apart: each writes its records even when its timeout stops it
+        # the gated FFN's dual-kernel candidates alone (the sm_90 table's 128x128 split-4 entry, new 2026-11-27, untimed)
+        gated) timeout -k 20 $(limit gated 100) python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -30 ;;
         tiles) timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only ffn --out "$w/results" 2>&1 | tail -20
                timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
                timeout -k 20 $(limit tiles 100) python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24
