@@ -375,6 +375,20 @@ def test_converted_model_with_a_graph_per_mode(reference, training):
     _compare(make, (4, 16), expect_ops=["fusedrc.fused_mlp"])
 
 
+@pytest.mark.parametrize("form", ["split", "packed"])
+def test_converted_gated_ffn_found_by_fx(reference, form):
+    """A gated FFN the fx pass found (two Linears of one input; one Linear's chunked halves, the op on row
+    views of its weight), its norm inside the op: one graph, the fused op in it, eager's results."""
+    from test_convert import _FxGated
+
+    def make():
+        torch.manual_seed(0)
+        conv = fusedrc.convert(_FxGated(form))
+        assert [u.kind for u in conv.fusedrc_plan.units] == ["norm_gated_ffn"]
+        return conv
+    _compare(make, (3, 5, 12), expect_ops=["fusedrc.gated_mlp"])
+
+
 def test_converted_model_inductor(reference):
     # inductor asserts the custom ops' real output strides against their fake implementations
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), backend="inductor", steps=2, atol=1e-4)
