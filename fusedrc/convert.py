@@ -50,8 +50,11 @@ How patterns are found
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
    MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> act and
-   Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act) become one call of
-   a parameter-free fused module. A graph is used only where it holds for every call
+   Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act), and gated FFNs (two Linears
+   of one input, or one Linear's chunked halves, one through act times the other, then the down
+   Linear: timm's SwiGLU and GluMlp) become one call of a parameter-free fused module. An
+   activation may be a module, a function, or written out as elementwise ops (``_WrittenAct``:
+   ESM's erf GELU, a Swish), known by what it computes on a float64 probe. A graph is used only where it holds for every call
    (see ``_fx_trace``); a forward that reads ``training`` gets one graph per mode.
    Linear subclasses that compute ``F.linear`` (``LINEAR_EQUIVALENTS``: Falcon's) count as Linears.
 
@@ -132,6 +135,7 @@ from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
 from ._state import inside_region, top_saved_tensors_pack, traced, under_recompute_hooks
 from .recompute import _MARK, _is_marked, _mark, bind_replicas, unmark
+from . import reference
 from .reference import leaky_relu_name, norm_forward
 
 __all__ = ["convert", "register_rule", "Wrapper", "Site", "ConvertPlan", "saved_bytes", "import_torchvision"]
@@ -1408,6 +1412,8 @@ class _FxFused(nn.Module):
     def forward(self, x, *registered):
         fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
         mods = [fixed[i] if i in fixed else next(live) for i in range(len(fixed) + len(registered))]
+        if "gated" not in self.kind:  # a written-out activation's other nodes: placeholders (a gated chain's are read)
+            mods = [m for m in mods if m is not None]
         # the norm before the module whose graph starts with this chain passed x through (_FxForward)
         pending = self.__dict__.get("_fusedrc_pending")
         norm = None if pending is None or torch.compiler.is_compiling() else \
@@ -1434,11 +1440,77 @@ _HF_ACTS = {
 }
 
 
+class _WrittenAct(nn.Module):
+    """An activation a traced forward writes out as elementwise ops on one tensor (ESM's
+    ``x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))``, a Swish ``x * torch.sigmoid(x)``): the ops
+    themselves, as fx recorded them (``graph``), which the unit's unfused path runs, and the fused
+    activation they compute (``fused``, found on a float64 probe: ``_probe_act``)."""
+
+    def __init__(self, graph, fused):
+        super().__init__()
+        self.graph, self.fused = graph, fused
+
+    def forward(self, x):
+        return self.graph(x)
+
+    def extra_repr(self):
+        return f"fused={self.fused!r}"
+
+
+# elementwise ops an activation written out may use (on its input, earlier ones' values and numbers)
+_POINTWISE_FUNCTIONS = frozenset({
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
+    torch.mul, torch.add, torch.sub, torch.div, torch.true_divide, torch.neg, torch.pow, torch.square,
+    torch.erf, torch.tanh, torch.sigmoid, torch.exp, nn.functional.tanh, nn.functional.sigmoid,
+})
+_POINTWISE_METHODS = frozenset({"mul", "add", "sub", "div", "neg", "pow", "square", "erf", "tanh", "sigmoid", "exp"})
+# the activations a written-out one is compared with, in this order (the first that matches)
+_PROBED_ACTS = ("gelu", "gelu_tanh", "silu", "quick_gelu", "relu2", "hardswish")
+
+
+def _pointwise(n):
+    """Whether fx node ``n`` is one elementwise op of ``_POINTWISE_*`` on nodes and plain numbers."""
+    if n.kwargs or not (n.op == "call_function" and n.target in _POINTWISE_FUNCTIONS
+                        or n.op == "call_method" and n.target in _POINTWISE_METHODS):
+        return False
+    return all(isinstance(a, torch.fx.Node) or type(a) in (int, float) for a in n.args)
+
+
+def _probe_act(graph):
+    """The fused activation that ``graph`` (one tensor in, one out) computes, or None: compared in
+    float64 on a probe of values across the activations' curved range, within 1e-9 relative."""
+    t = torch.cat([torch.linspace(-12, 12, 2401, dtype=torch.float64),
+                   torch.tensor([0.0, 1e-6, -1e-6, 40.0, -40.0], dtype=torch.float64)])
+    try:
+        with torch.no_grad():
+            out = graph(t.clone())
+    except Exception:  # an op that does not take this probe: not an activation fusedrc knows
+        return None
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float64 or out.shape != t.shape:
+        return None
+    for name in _PROBED_ACTS:
+        if torch.allclose(out, reference.activation_forward(t, name), rtol=1e-9, atol=1e-12):
+            return name
+    return None
+
+
+def _act_graph(h, nodes, sink):
+    """A GraphModule of ``nodes`` (in graph order) as a function of ``h``'s value, returning ``sink``'s."""
+    g = torch.fx.Graph()
+    env = {h: g.placeholder("x")}
+    for n in nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output(env[sink])
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
 def _act_name(mod):
     """The fused activation name of an activation module (torch or Hugging Face), or None."""
     name = activation_name(mod) if isinstance(mod, nn.Module) else None
     if name is not None:
         return name
+    if type(mod) is _WrittenAct:
+        return mod.fused
     cls = type(mod).__name__
     if cls == "GELUActivation" and getattr(mod, "act", None) is not None:
         return "gelu"
@@ -2670,9 +2742,10 @@ def _hf_layer(m):
 def _looks_inline_ffn_layer(m):
     """Found by shape, not class name: a Hugging Face layer holding ``fc1``/``fc2`` Linears and an
     ``activation_fn`` (BioGPT, LED, TrOCR, Speech2Text, MusicGen, ... copy BART's layer; FSMT's
-    ``EncoderLayer``/``DecoderLayer``, a transformers class but no checkpointing layer); its forward's
-    code is checked as the named ones' is."""
-    hf = _hf_layer(m) or _class_of(m).__module__.startswith("transformers.models.")
+    ``EncoderLayer``/``DecoderLayer``, transformers classes named ``*Layer`` but no checkpointing layers: an
+    MLP module of that shape, ViT's, is the fx pass's); its forward's code is checked as the named ones' is."""
+    cls = _class_of(m)
+    hf = _hf_layer(m) or cls.__module__.startswith("transformers.models.") and cls.__name__.endswith("Layer")
     if not (hf and not isinstance(m, Wrapper) and hasattr(m, "activation_fn")
             and all(isinstance(m._modules.get(k), nn.Linear) for k in ("fc1", "fc2"))):
         return False
@@ -3204,6 +3277,40 @@ def _fx_chains(gm, prefix, skip):
             return None
         return [*chain, *drops, nxt], [*modules, *map(mod, drops), down], act, packed
 
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def written_act(h):
+        """``(fused name, _WrittenAct, its nodes in graph order)`` of an activation written out as
+        elementwise ops on ``h`` (ESM's erf GELU, a Swish): the smallest set of ``_pointwise`` nodes that
+        holds every reader of ``h``, reads nothing else but numbers, has one value read outside it (its
+        last node's) and computes a fused activation (``_probe_act``); None where there is none."""
+        region, todo = [], list(h.users)
+        while todo and len(region) < 16:
+            n = todo.pop(0)
+            if n not in region and _pointwise(n):
+                region.append(n)
+                todo.extend(n.users)
+        region.sort(key=order.__getitem__)
+        for sink in region:
+            sub, stack, closed = {sink}, [sink], True
+            while stack and closed:  # the ops the sink's value depends on, back to h
+                for a in stack.pop().all_input_nodes:
+                    if a is h or a in sub:
+                        continue
+                    closed = a in region
+                    if not closed:
+                        break
+                    sub.add(a)
+                    stack.append(a)
+            if not closed or not set(h.users) <= sub or any(u not in sub for n in sub - {sink} for u in n.users):
+                continue
+            nodes = sorted(sub, key=order.__getitem__)
+            graph = _act_graph(h, nodes, sink)
+            name = _probe_act(graph)
+            if name is not None:
+                return name, _WrittenAct(graph, name), nodes
+        return None
+
     found, taken, said = [], set(), {}  # said: node -> the reason reported for it
 
     def report(node, reason):
@@ -3220,7 +3327,7 @@ def _fx_chains(gm, prefix, skip):
         if node in taken:  # in an earlier chain (Linear-act-Linear-act: the second Linear)
             continue
         m = mod(node)
-        chain, packed = None, None
+        chain, packed, written = None, None, []  # written: an activation's nodes, written out (its last read on)
         if type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm):
             # BN -> act -> Conv, the pre-activation order (a Conv before the BN took it first)
             n1 = single(node)
@@ -3260,7 +3367,12 @@ def _fx_chains(gm, prefix, skip):
                     ids.append(n2)
                     n2 = single(n2)
                 act, a = act_of(n2)
-                if act is not None:
+                if act is None and (w := written_act(ids[-1] if ids else n1)) is not None:
+                    act, a, written = w
+                if written:
+                    chain, kind = [node, n1, *ids, *written], _cbr_kind(a)
+                    modules = [m, mod(n1), *map(mod, ids), a] + [None] * (len(written) - 1)
+                elif act is not None:
                     chain, kind, modules = [node, n1, *ids, n2], _cbr_kind(a), [m, mod(n1), *map(mod, ids), a]
                 else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
@@ -3276,6 +3388,11 @@ def _fx_chains(gm, prefix, skip):
         elif is_linear(m):
             n1 = single(node)
             act, a = act_of(n1)
+            acts = [n1]
+            if act is None and (w := written_act(node)) is not None:
+                act, a, written = w
+                acts, n1 = written, written[-1]
+            pad = [None] * (len(acts) - 1)  # the written-out activation's other nodes: no module
             if act is None and n1 and _is_act_module(mod(n1)):
                 skip(_join(prefix, node.target), f"activation {type(mod(n1)).__name__} has no fused form")
             if act is not None:
@@ -3290,8 +3407,8 @@ def _fx_chains(gm, prefix, skip):
                         skip(_join(prefix, node.target), "dropouts between the FFN's Linears other than one nn.Dropout: "
                                               "no fused form")
                     else:
-                        chain = [node, n1, *drops, nxt]
-                        kind, modules = "ffn", [m, a, *[mod(d) for d in drops], mod(nxt)]
+                        chain = [node, *acts, *drops, nxt]
+                        kind, modules = "ffn", [m, a, *pad, *[mod(d) for d in drops], mod(nxt)]
                         # a norm module whose one user is fc1 runs inside the FFN's op
                         src = node.args[0] if len(node.args) == 1 and not node.kwargs else None
                         if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
@@ -3299,13 +3416,17 @@ def _fx_chains(gm, prefix, skip):
                                 and len(src.args) == 1 and not src.kwargs):
                             chain, kind, modules = [src, *chain], "norm_ffn", [mod(src), *modules]
                 else:  # dropouts and whatever follows them (gMLP's gating unit, a norm) run as they are
-                    chain, kind, modules = [node, n1], "linear_act", [m, a]
+                    chain, kind, modules = [node, *acts], "linear_act", [m, a, *pad]
         if chain is None:
             continue
         node = chain[0]  # a norm before an FFN: the chain starts there
-        if any(c in taken for c in chain) or len(node.args) != 1 or node.kwargs or "gated" not in kind and (
-                not all(plain_args(c) for c in chain[1:]) or any(c.args[0] is not prev for prev, c in zip(chain, chain[1:]))):
-            continue  # (a gated chain's links were checked as it was found)
+        # each link reads the one before; a written-out activation stands as its last node (its ops were
+        # checked as it was found, as a gated chain's links were)
+        sink = written[-1] if written else None
+        linked = [c for c in chain if c not in written[:-1]]
+        if any(c in taken for c in chain) or len(node.args) != 1 or node.kwargs or "gated" not in kind and any(
+                c is not sink and (not plain_args(c) or c.args[0] is not prev) for prev, c in zip(linked, linked[1:])):
+            continue
         taken.update(chain)
         key = (kind, (act, packed), tuple((c.op, str(c.target)) for c in chain))
         key += (sum(1 for f in found if f[0][:3] == key),)  # the same chain called again

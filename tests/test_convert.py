@@ -9,6 +9,7 @@ equal in practice, still held to the same bound.
 """
 import copy
 import functools
+import math
 import sys
 import types
 import warnings
@@ -928,6 +929,78 @@ def test_fx_gated_ffn_dropout_and_lookalikes():
         _assert_same_step(model, conv, torch.randn(4, 8))
     with pytest.warns(UserWarning, match="no pattern found"):
         assert not fusedrc.convert(Lookalike("chunk0")).fusedrc_plan.units
+
+
+class _Written(nn.Module):
+    """Activations a model writes out as elementwise ops: ESM's erf GELU after a Linear (its output read
+    twice), a Swish after a BatchNorm, and a GELU whose ops are followed by more (a scale: not an activation
+    of its own, the GELU inside it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 24), nn.Linear(24, 8)
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, img):
+        y = self.bn(self.conv(img))
+        y = y * torch.sigmoid(y)  # Swish
+        h = self.fc1(y.mean((2, 3)))
+        h = h * 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0)))  # ESM's gelu
+        h = self.fc2(h)
+        g = self.head(h)
+        return 2.0 * (0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * torch.pow(g, 3.0)))))
+
+
+def test_fx_finds_activations_written_out():
+    """The fx pass knows an activation written out as elementwise ops by what it computes (checked on a
+    float64 probe): Conv-BN-Swish, an FFN with ESM's GELU, a Linear with the tanh GELU followed by a scale
+    (the scale runs as written); outputs and gradients the original's within rounding, fewer bytes; switched
+    off, the ops as written, bit for bit."""
+    torch.manual_seed(0)
+    model = _Written().train()
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [("conv", "conv_bn_act"), ("fc1", "ffn"), ("head", "linear_act")]
+    fx = [m for m in conv.__dict__.values() if type(m).__name__ == "_FxFused"]
+    acts = sorted(m.fused for f in fx for m in f.__dict__["_fusedrc_fixed"].values() if hasattr(m, "fused"))
+    assert acts == ["gelu", "gelu_tanh", "silu"]
+    x = torch.randn(4, 3, 6, 6)
+    with FusedOpLog() as log:
+        _assert_same_step(model, conv, x)
+    assert sorted(set(log.ops)) == ["conv_bn_act", "conv_bn_act_backward", "fused_mlp", "fused_mlp_backward",
+                                    "linear_act", "linear_act_backward"]
+    with SavedBytes() as a:
+        model(x.clone().requires_grad_())
+    with SavedBytes() as b:
+        conv(x.clone().requires_grad_())
+    assert b.bytes < 0.7 * a.bytes
+    off = fusedrc.convert(model, policy=[])
+    assert not off.fusedrc_plan.fused and torch.equal(off(x), model(x))
+
+
+def test_fx_written_ops_that_are_no_activation():
+    """Elementwise ops after a Linear that compute no fused activation (a sigmoid gate, a product with
+    another tensor, a cube) are left as they are: no unit, the same results."""
+    class Near(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = h * torch.sigmoid(2.0 * h)  # not quick_gelu's 1.702
+            k = self.b(h)
+            k = k * torch.sigmoid(x)  # another tensor in it
+            return self.c(k * k * k)
+
+    torch.manual_seed(0)
+    model = Near()
+    with pytest.warns(UserWarning, match="no pattern found"):
+        conv = fusedrc.convert(model)
+    assert not conv.fusedrc_plan.units
+    x = torch.randn(3, 8)
+    assert torch.equal(conv(x), model(x))
 
 
 def test_fx_graph_must_hold_without_the_defaulted_arguments():
