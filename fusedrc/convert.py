@@ -580,13 +580,13 @@ def _run_chain(site, kind, act, chain, x, packed=None):
 
 def _gated_parts(mods, packed):
     """``(Linears, dropouts, gated product of x, (w_gate, b_gate, w_up, b_up))`` of a gated FFN group
-    found by the fx pass: ``[gate, act, up, mul, *dropouts, down]``, or with ``packed`` (the index of
-    the gate's half) ``[fc1, act, chunk, item, item, mul, *dropouts, down]`` for one Linear whose
-    output halves are the gate and the up projection (timm's GluMlp; row views of its weight)."""
+    found by the fx pass: ``[gate, act, up, *dropouts, down]``, or with ``packed`` (the index of the
+    gate's half) ``[fc1, act, *dropouts, down]`` for one Linear whose output halves are the gate and the
+    up projection (timm's GluMlp; row views of its weight)."""
     a, down = mods[1], mods[-1]
     if packed is None:
         gate, up = mods[0], mods[2]
-        return (gate, up, down), mods[4:-1], lambda x: a(gate(x)) * up(x), \
+        return (gate, up, down), mods[3:-1], lambda x: a(gate(x)) * up(x), \
             lambda: (gate.weight, gate.bias, up.weight, up.bias)
     fc1, n = mods[0], down.in_features
 
@@ -599,7 +599,7 @@ def _gated_parts(mods, packed):
         rows = (slice(n * packed, n * (packed + 1)), slice(n * (1 - packed), n * (2 - packed)))
         return tuple(t for r in rows for t in (w[r], None if b is None else b[r]))
 
-    return (fc1, down), mods[6:-1], product, weights
+    return (fc1, down), mods[2:-1], product, weights
 
 
 def _run_dense(site, kind, act, mods, x, norm=None, packed=None):
@@ -1412,8 +1412,7 @@ class _FxFused(nn.Module):
     def forward(self, x, *registered):
         fixed, live = self.__dict__["_fusedrc_fixed"], iter(registered)
         mods = [fixed[i] if i in fixed else next(live) for i in range(len(fixed) + len(registered))]
-        if "gated" not in self.kind:  # a written-out activation's other nodes: placeholders (a gated chain's are read)
-            mods = [m for m in mods if m is not None]
+        mods = [m for m in mods if m is not None]  # (a function's node in the chain: a placeholder)
         # the norm before the module whose graph starts with this chain passed x through (_FxForward)
         pending = self.__dict__.get("_fusedrc_pending")
         norm = None if pending is None or torch.compiler.is_compiling() else \
@@ -3225,6 +3224,16 @@ def _fx_chains(gm, prefix, skip):
                  and len(u.args) == 2 and u.args[0] is n and not u.kwargs}
         return (items[0], items[1]) if len(n.users) == 2 and set(items) == {0, 1} else None
 
+    def gate_act(h):
+        """``(act, module, nodes)`` of the activation applied to ``h`` alone: one node (a module or a
+        function, reading ``h``) or written out (``written_act``); ``(None, None, None)`` otherwise."""
+        n = single(h)
+        act, a = act_of(n)
+        if act is not None and plain_args(n) and n.args[0] is h:
+            return act, a, [n]
+        w = written_act(h)
+        return w if w is not None else (None, None, None)
+
     def gated(node):
         """``(chain, modules, act, packed)`` of a gated FFN whose first Linear is ``node``: ``act(g(v)) *
         u(v)`` (g = ``node``, u a Linear of the same ``v`` and shape; Llama's, timm's SwiGLU), or one Linear's
@@ -3232,36 +3241,34 @@ def _fx_chains(gm, prefix, skip):
         SwiGLUPacked; ``packed``: the gate's half); then Dropout/Identity modules and the down Linear
         reading the product. Laid out as ``_gated_parts`` reads it. None for anything else."""
         m, n1 = mod(node), single(node)
-        if not n1 or len(node.args) != 1 or node.kwargs:
+        if len(node.args) != 1 or node.kwargs:
             return None
-        items = chunk_items(n1, node)
+        items = chunk_items(n1, node) if n1 else None
         if items is not None:
             if m.out_features % 2:
                 return None
             for packed in (0, 1):
-                act_node = single(items[packed])
-                act, a = act_of(act_node)
-                mul = act is not None and single(act_node)
-                if mul and single(items[1 - packed]) is mul and is_mul(mul, act_node, items[1 - packed]):
+                act, a, acts = gate_act(items[packed])
+                mul = act is not None and single(acts[-1])
+                if mul and single(items[1 - packed]) is mul and is_mul(mul, acts[-1], items[1 - packed]):
                     break
             else:
                 return None
-            chain, modules, width = [node, act_node, n1, *items, mul], [m, a, None, None, None, None], m.out_features // 2
-            act_in = items[packed]
+            width = m.out_features // 2
+            chain, modules = [node, *acts, n1, *items, mul], [m, a] + [None] * (len(acts) + 3)
         else:
-            act, a = act_of(n1)
-            mul = act is not None and single(n1)
-            if not mul or not (len(mul.args) == 2 and n1 in mul.args):
+            act, a, acts = gate_act(node)
+            mul = act is not None and single(acts[-1])
+            if not mul or not (len(mul.args) == 2 and acts[-1] in mul.args):
                 return None
-            up_node = mul.args[1] if mul.args[0] is n1 else mul.args[0]
+            up_node = mul.args[1] if mul.args[0] is acts[-1] else mul.args[0]
             up = mod(up_node) if isinstance(up_node, torch.fx.Node) else None
-            if not (is_linear(up) and single(up_node) is mul and is_mul(mul, n1, up_node) and up_node.args == node.args
-                    and not up_node.kwargs and up.weight.shape == m.weight.shape and (up.bias is None) == (m.bias is None)):
+            if not (is_linear(up) and single(up_node) is mul and is_mul(mul, acts[-1], up_node)
+                    and up_node.args == node.args and not up_node.kwargs and up.weight.shape == m.weight.shape
+                    and (up.bias is None) == (m.bias is None)):
                 return None
-            chain, modules, width, packed, act_node = [node, n1, up_node, mul], [m, a, up, None], m.out_features, None, n1
-            act_in = node
-        if not (plain_args(act_node) and act_node.args[0] is act_in):
-            return None
+            chain, modules = [node, *acts, up_node, mul], [m, a] + [None] * (len(acts) - 1) + [up, None]
+            width, packed = m.out_features, None
         cur, drops = mul, []
         nxt = single(cur)
         while nxt and (isinstance(mod(nxt), nn.Dropout) or type(mod(nxt)) is nn.Identity):
@@ -3378,7 +3385,7 @@ def _fx_chains(gm, prefix, skip):
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
         elif is_linear(m) and (g := gated(node)) is not None:
             chain, modules, act, packed = g
-            kind, readers = "gated_ffn", {chain[0]} if packed is not None else {chain[0], chain[2]}
+            kind, readers = "gated_ffn", {c for c, x in zip(chain[:-1], modules) if is_linear(x)}  # gate (and up)
             # a norm module whose readers are the gate and up Linears runs inside the op, as for the FFN
             src = node.args[0]
             if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
@@ -3474,7 +3481,9 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
         if normed:
             ctx.joined_norms.add(id(modules[0]))
         # an FFN's unit is named by its fc1 (a gated one's by its gate), whose FLOPs it reruns, with the up Linear's
-        recomputed = modules[normed:normed + 1] + (modules[normed + 2:normed + 3] if "gated" in kind and packed is None else [])
+        recomputed = modules[normed:normed + 1]
+        if "gated" in kind and packed is None:
+            recomputed.append([x for x in modules[normed:] if is_linear(x)][1])
         ctx.unit(_join(prefix, chain[normed].target), kind, *_site_switches(fused_by_key[key][0].site), tuple(recomputed))
         if kind in ("ffn", "gated_ffn") and prefix and all(any(c[0] == key and _only_input_user(gm, c[2]) for c in chains[mode])
                                             for mode, gm in graphs.items()):

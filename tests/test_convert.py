@@ -840,7 +840,8 @@ class _DataDependentNet(nn.Module):
 
 class _FxGated(nn.Module):
     """Gated FFNs as a traceable model writes them: two Linears of one input (``split``; the method
-    ``mul`` and a functional tanh GELU in ``split_method``), or one Linear's output halves (``packed``:
+    ``mul`` and a functional tanh GELU in ``split_method``, a SiLU written out in ``split_written``), or one
+    Linear's output halves (``packed``:
     timm's GluMlp, the gate the second half; ``packed_first``: SwiGLUPacked's, the gate the first),
     after a LayerNorm whose only readers they are; a dropout of the product in ``split``."""
 
@@ -858,6 +859,9 @@ class _FxGated(nn.Module):
             h = self.act(self.fc1(v)) * self.up(v)
         elif self.form == "split_method":
             h = self.up(v).mul(nn.functional.gelu(self.fc1(v), approximate="tanh"))
+        elif self.form == "split_written":  # the gate's SiLU written out
+            g = self.fc1(v)
+            h = g * torch.sigmoid(g) * self.up(v)
         else:
             a, b = self.fc1(v).chunk(2, dim=-1)
             h = a * self.act(b) if self.form == "packed" else self.act(a) * b
@@ -865,7 +869,8 @@ class _FxGated(nn.Module):
 
 
 @pytest.mark.parametrize("form, backend", [("split", "reference"), ("split_method", "reference"),
-                                           ("packed", "reference"), ("packed_first", "triton")])
+                                           ("split_written", "reference"), ("packed", "reference"),
+                                           ("packed_first", "triton")])
 def test_fx_finds_gated_ffns(form, backend):
     """The fx pass finds the gated FFN in each form of ``_FxGated`` (timm's SwiGLU, GluMlp and SwiGLUPacked are
     these forms), its norm inside the op: one fused gated FFN on the gate/up weights (a packed Linear's
