@@ -51,8 +51,9 @@
 #            kernels inside the gated FFN)
 #   session 1, call 2 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280 ... "$OUT" tests
 #            (compile and cuda_graphs first: the CUDA inductor test has never been reached; or first
-#            FUSEDRC_TEST_FILES="tests/test_kernels_norm.py tests/test_norm_ffn.py tests/test_triton_path.py
-#            tests/test_compile.py::test_triton_backend_on_cuda_inductor" for the 2026-11-27 changes)
+#            FUSEDRC_TEST_FILES="tests/test_kernels_gated.py tests/test_kernels_norm.py tests/test_norm_ffn.py
+#            tests/test_triton_path.py tests/test_compile.py::test_triton_backend_on_cuda_inductor" for the
+#            2026-11-27 changes: the gated kernels' split epilogues and 128x128 tile, the RMSNorm row kernels)
 #   a later session: FUSEDRC_TIMEOUT_CONV_GROUPED=200 FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... "$OUT"
 #            conv_grouped models_mobile; then opt bert densenet sweep (FUSEDRC_TIMEOUT_BERT=150,
 #            FUSEDRC_TIMEOUT_DENSENET=200)

@@ -957,7 +957,7 @@ class _Written(nn.Module):
         return 2.0 * (0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * torch.pow(g, 3.0)))))
 
 
-def test_fx_finds_activations_written_out():
+def test_fx_finds_activations_written_out(tmp_path):
     """The fx pass knows an activation written out as elementwise ops by what it computes (checked on a
     float64 probe): Conv-BN-Swish, an FFN with ESM's GELU, a Linear with the tanh GELU followed by a scale
     (the scale runs as written); outputs and gradients the original's within rounding, fewer bytes; switched
@@ -982,6 +982,11 @@ def test_fx_finds_activations_written_out():
     assert b.bytes < 0.7 * a.bytes
     off = fusedrc.convert(model, policy=[])
     assert not off.fusedrc_plan.fused and torch.equal(off(x), model(x))
+    # the recorded ops travel with the model: a saved and loaded copy, a deep copy
+    path = tmp_path / "written.pt"
+    torch.save(conv, path)
+    for twin in (torch.load(path, weights_only=False), copy.deepcopy(conv)):
+        assert torch.equal(twin(x), conv(x))
 
 
 def test_fx_written_ops_that_are_no_activation():
