@@ -2691,7 +2691,8 @@ def _no_kv_cache(args, kwargs):
     """Whether a decoder layer's call may be recomputed: not when it is handed a KV cache, which
     the call updates (a rerun would append the keys and values twice). Such calls run plainly
     (warned about once per call site, by the warnings module's own registry)."""
-    caches = [kwargs.get(k) for k in ("past_key_values", "past_key_value", "layer_past", "cache")]
+    # (FSMT's decoder layers take theirs as layer_state)
+    caches = [kwargs.get(k) for k in ("past_key_values", "past_key_value", "layer_past", "cache", "layer_state")]
     if all(c is None for c in caches) and not kwargs.get("use_cache"):
         return True
     _KV_CACHE_CALLS[0] += 1

@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
 from ._common import (
     _INSPECT_ARCH, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _column_halves,
     _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
@@ -52,8 +51,11 @@ __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
 # (16384 x 2048 -> 5632) of the halved 128x64's forward, the recompute within +1%/+8% while it still
 # spilled (496 bytes a thread); with its epilogue in quarters it spills nothing (244 registers,
 # ``python -m fusedrc.inspect --kernel gated``). The recompute without the spill is not timed yet.
-# Not for launches with dropout on the product or persistent (``_common.GEMM_PERSISTENT``): their
-# epilogue / tile loop spill there whatever the split (8-216 bytes); they take the halved entry.
+# Not for launches with dropout on the product (an argument of the op: its forward and recompute agree):
+# its mask's epilogue spills there whatever the split (8-128 bytes); they take the halved entry.
+# Persistent launches (``_common.GEMM_PERSISTENT``) keep the tile and split their epilogues in eighths
+# (the tile loop's registers: 72 bytes of spill in quarters, none in eighths): the split changes no
+# value, so a switch flipped between a forward and its backward changes no bit.
 _WHOLE = {
     ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
     ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
@@ -71,14 +73,18 @@ def gated_config(cfg, key=None):
 
 
 def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False):
-    """The table's tile of a dual launch: a pure function of the operands, the dropout and the
-    persistent switch, so a forward and its recompute take the same one (the switch is set around
-    whole steps, never between a forward and its backward)."""
+    """The table's tile of a dual launch: a pure function of the operands and the dropout, so a forward
+    and its recompute take the same one."""
     if capability is None:
         return gated_config(gemm_config(M, N, K, dtype, precision, capability))
     key = (_arch_family(capability), operand_class(dtype, precision), _shape_bucket(M, N, K))
-    whole = not dropout and not _common.GEMM_PERSISTENT
-    return gated_config(_TABLE[key], key if whole else None)
+    return gated_config(_TABLE[key], None if dropout else key)
+
+
+def _launch_split(cfg, persistent):
+    """The epilogue split of a launch of ``cfg``: the entry's, in eighths when a split tile is launched
+    persistent (values only: any split gives the same bits)."""
+    return min(8, cfg.BLOCK_N // 16) if persistent and cfg.EPILOGUE_SPLIT > 1 else cfg.EPILOGUE_SPLIT
 
 
 @triton.jit
@@ -340,10 +346,11 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
     grid, meta["PERSISTENT"] = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
+    meta["EPILOGUE_SPLIT"] = _launch_split(cfg, meta["PERSISTENT"])
     return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid
 
 
@@ -475,8 +482,9 @@ def inspect_specs():
                 kernels, variants, (False, True), persistence):
             if (dropout or persistent) and dtype != torch.bfloat16 or dropout and persistent:
                 continue
-            # as _gated_table_config chooses: whole where _WHOLE says, except with dropout or persistent
-            cfg = gated_config(entry, None if dropout or persistent else (family, opclass, bucket))
+            # as _gated_table_config chooses: whole where _WHOLE says, except with dropout
+            cfg = gated_config(entry, None if dropout else (family, opclass, bucket))
+            split = _launch_split(cfg, persistent)
             key = (name, arch, dtype, precision, cfg, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"
             if key in seen:
@@ -503,7 +511,7 @@ def inspect_specs():
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "PERSISTENT": persistent,
             }
-            constexprs["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
+            constexprs["EPILOGUE_SPLIT"] = split
             if kernel is _gated_act_grad_kernel:
                 constexprs.update(STORE_ACT=True, ROW_SCALE=False)
             for c in constexprs:
@@ -512,7 +520,7 @@ def inspect_specs():
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
             if dtype == torch.float32:
                 config["input_precision"] = precision
-            config["EPILOGUE_SPLIT"] = cfg.EPILOGUE_SPLIT
+            config["EPILOGUE_SPLIT"] = split
             if dropout:
                 config["dropout"] = True
             if persistent:

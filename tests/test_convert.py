@@ -461,6 +461,29 @@ def test_other_hugging_face_families(family):
     assert all((u.cost > 0) == (u.kind != "norm") for u in budget.units) and all(b.cost > 0 for b in budget.blocks)
 
 
+def test_fsmt_decoder_with_its_cache_is_not_recomputed():
+    """FSMT's decoder layers take their KV cache as ``layer_state`` (FSMTConfig's default use_cache=True):
+    such a call runs without recompute, said once (a rerun would append the keys and values twice);
+    gradients as the original's."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    cfg = tr.FSMTConfig(langs=["en", "de"], src_vocab_size=100, tgt_vocab_size=100, d_model=32, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                        decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    assert cfg.use_cache
+    model = tr.FSMTModel(cfg).train()
+    blocks = fusedrc.convert(model, policy="blocks")
+    assert len(blocks.fusedrc_plan.recomputed_blocks) == 2
+    ids, dec = torch.randint(3, 100, (2, 7)), torch.randint(3, 100, (2, 5))
+    with pytest.warns(UserWarning, match="called with a KV cache"):
+        yb = blocks(ids, decoder_input_ids=dec).last_hidden_state
+    ya = model(ids, decoder_input_ids=dec).last_hidden_state
+    assert rel_err(yb, ya) <= TOL
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    _assert_close_models(model, blocks)
+
+
 def test_openai_gpt_mlp_found_by_its_parts():
     """OpenAI GPT's ``MLP`` (GPT-2's parts, its forward through ``h``/``h2``): one fused FFN per layer,
     found by its Conv1D layers and checked forward; outputs, gradients as the original's, fewer bytes.
@@ -1000,9 +1023,9 @@ def test_fx_written_ops_that_are_no_activation():
         def forward(self, x):
             h = self.a(x)
             h = h * torch.sigmoid(2.0 * h)  # not quick_gelu's 1.702
-            k = self.b(h)
-            k = k * torch.sigmoid(x)  # another tensor in it
-            return self.c(k * k * k)
+            k = self.b(h) * torch.sigmoid(x)  # another tensor in it
+            c = self.c(k)
+            return c * c * c
 
     torch.manual_seed(0)
     model = Near()

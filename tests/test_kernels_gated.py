@@ -150,6 +150,21 @@ def test_gated_grad_epilogue_split(device):
     assert (runs[4][1][2] == 0).float().mean() > 0.2  # the mask really dropped
 
 
+def test_gated_table_choice():
+    """The table's dual tile on sm_90 (a pure function of shape, dtype and dropout, so a forward and its
+    recompute agree): 16-bit medium/large shapes take 128x128 whole with the epilogue in quarters (eighths
+    when launched persistent: the split changes no value), with dropout the halved tile; sm_80 and fp32
+    the halved one."""
+    whole = gated_mlp._gated_table_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0))
+    assert (whole.BLOCK_M, whole.BLOCK_N, whole.EPILOGUE_SPLIT) == (128, 128, 4)
+    assert gated_mlp._launch_split(whole, False) == 4 and gated_mlp._launch_split(whole, True) == 8
+    dropped = gated_mlp._gated_table_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0), dropout=True)
+    assert (dropped.BLOCK_N, dropped.EPILOGUE_SPLIT) == (64, 1) and gated_mlp._launch_split(dropped, True) == 1
+    for dtype, cap in ((torch.bfloat16, (8, 0)), (torch.float32, (9, 0))):
+        dense = _common.gemm_config(8192, 11008, 4096, dtype, "ieee", cap)
+        assert gated_mlp._gated_table_config(8192, 11008, 4096, dtype, "ieee", cap).BLOCK_N == max(16, dense.BLOCK_N // 2)
+
+
 def test_gated_mlp_nan_propagates(device):
     x, wg, bg, wu, bu, wd, bd, g = _inputs(9, 12, 10, 6, torch.float32, device)
     x[3, 5] = float("nan")
