@@ -3165,9 +3165,8 @@ def _fx_chains(gm, prefix, skip):
     """The fusable chains of an fx graph, in graph order: ``(key, node, chain, kind, modules, act, packed)``
     (``key`` names the chain by its ops and modules, the same in another trace of the forward; ``modules``
     has one entry per chain node, None where the call needs no module (a product, a chunk, a written-out
-    activation's later ops); ``packed``
-    the gate's half of a packed gated FFN, else None); ``skip(name, reason)`` hears of the patterns left
-    as they are."""
+    activation's later ops); ``packed`` the gate's half of a packed gated FFN, else None);
+    ``skip(name, reason)`` hears of the patterns left as they are."""
     mods = dict(gm.named_modules())
 
     def mod(node):
