@@ -389,6 +389,17 @@ def test_converted_gated_ffn_found_by_fx(reference, form):
     _compare(make, (3, 5, 12), expect_ops=["fusedrc.gated_mlp"])
 
 
+def test_converted_written_out_activations(reference):
+    """Activations written out as elementwise ops that the fx pass took for fused ones (Conv-BN-Swish, ESM's
+    erf GELU in an FFN, a tanh GELU before a scale): one graph, the fused ops in it, eager's results."""
+    from test_convert import _Written
+
+    def make():
+        torch.manual_seed(0)
+        return fusedrc.convert(_Written())
+    _compare(make, (4, 3, 6, 6), expect_ops=["fusedrc.conv_bn_act", "fusedrc.fused_mlp", "fusedrc.linear_act"])
+
+
 def test_converted_model_inductor(reference):
     # inductor asserts the custom ops' real output strides against their fake implementations
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), backend="inductor", steps=2, atol=1e-4)
