@@ -1475,11 +1475,18 @@ def _pointwise(n):
     return all(isinstance(a, torch.fx.Node) or type(a) in (int, float) for a in n.args)
 
 
-def _probe_act(graph):
-    """The fused activation that ``graph`` (one tensor in, one out) computes, or None: compared in
-    float64 on a probe of values across the activations' curved range, within 1e-9 relative."""
+@functools.lru_cache(maxsize=1)
+def _act_probe():
+    """(probe values across the activations' curved range, float64; each probed activation on them)."""
     t = torch.cat([torch.linspace(-12, 12, 2401, dtype=torch.float64),
                    torch.tensor([0.0, 1e-6, -1e-6, 40.0, -40.0], dtype=torch.float64)])
+    return t, {name: reference.activation_forward(t, name) for name in _PROBED_ACTS}
+
+
+def _probe_act(graph):
+    """The fused activation that ``graph`` (one tensor in, one out) computes, or None: compared in
+    float64 on ``_act_probe``'s values, within 1e-9 relative."""
+    t, wanted = _act_probe()
     try:
         with torch.no_grad():
             out = graph(t.clone())
@@ -1487,10 +1494,7 @@ def _probe_act(graph):
         return None
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float64 or out.shape != t.shape:
         return None
-    for name in _PROBED_ACTS:
-        if torch.allclose(out, reference.activation_forward(t, name), rtol=1e-9, atol=1e-12):
-            return name
-    return None
+    return next((name for name in _PROBED_ACTS if torch.allclose(out, wanted[name], rtol=1e-9, atol=1e-12)), None)
 
 
 def _act_graph(h, nodes, sink):
@@ -3227,6 +3231,25 @@ def _fx_chains(gm, prefix, skip):
                  and len(u.args) == 2 and u.args[0] is n and not u.kwargs}
         return (items[0], items[1]) if len(n.users) == 2 and set(items) == {0, 1} else None
 
+    def drops_after(n):
+        """``(Dropout/Identity nodes, the node after them)``: the run of them that reads ``n``, each the
+        one reader of the one before."""
+        drops, nxt = [], single(n)
+        while nxt and (isinstance(mod(nxt), nn.Dropout) or type(mod(nxt)) is nn.Identity):
+            drops.append(nxt)
+            nxt = single(nxt)
+        return drops, nxt
+
+    def norm_before(node, readers):
+        """The norm module's node whose output ``node`` reads, when ``readers`` (an FFN's first Linear, a
+        gated one's gate and up) are all that read it: the norm then runs inside the FFN's op. Else None."""
+        src = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+        if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
+                and set(src.users) == readers and norm_kind(mod(src)) is not None
+                and len(src.args) == 1 and not src.kwargs):
+            return src
+        return None
+
     def gate_act(h):
         """``(act, module, nodes)`` of the activation applied to ``h`` alone: one node (a module or a
         function, reading ``h``) or written out (``written_act``); ``(None, None, None)`` otherwise."""
@@ -3272,11 +3295,7 @@ def _fx_chains(gm, prefix, skip):
                 return None
             chain, modules = [node, *acts, up_node, mul], [m, a] + [None] * (len(acts) - 1) + [up, None]
             width, packed = m.out_features, None
-        cur, drops = mul, []
-        nxt = single(cur)
-        while nxt and (isinstance(mod(nxt), nn.Dropout) or type(mod(nxt)) is nn.Identity):
-            drops.append(nxt)
-            cur, nxt = nxt, single(nxt)
+        drops, nxt = drops_after(mul)
         down = mod(nxt) if nxt else None
         if not (is_linear(down) and down.in_features == width) \
                 or any(not plain_args(c) or c.args[0] is not prev for prev, c in zip([mul, *drops], [*drops, nxt])):
@@ -3390,10 +3409,8 @@ def _fx_chains(gm, prefix, skip):
             chain, modules, act, packed = g
             kind, readers = "gated_ffn", {c for c, x in zip(chain[:-1], modules) if is_linear(x)}  # gate (and up)
             # a norm module whose readers are the gate and up Linears runs inside the op, as for the FFN
-            src = node.args[0]
-            if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
-                    and set(src.users) == readers and norm_kind(mod(src)) is not None
-                    and len(src.args) == 1 and not src.kwargs):
+            src = norm_before(node, readers)
+            if src is not None:
                 chain, kind, modules = [src, *chain], "norm_gated_ffn", [mod(src), *modules]
         elif is_linear(m):
             n1 = single(node)
@@ -3406,12 +3423,7 @@ def _fx_chains(gm, prefix, skip):
             if act is None and n1 and _is_act_module(mod(n1)):
                 skip(_join(prefix, node.target), f"activation {type(mod(n1)).__name__} has no fused form")
             if act is not None:
-                cur, drops = n1, []
-                nxt = single(cur)
-                while nxt and (isinstance(mod(nxt), nn.Dropout) or type(mod(nxt)) is nn.Identity):
-                    drops.append(nxt)
-                    cur = nxt
-                    nxt = single(cur)
+                drops, nxt = drops_after(n1)
                 if nxt and is_linear(mod(nxt)) and mod(nxt).in_features == m.out_features:
                     if not _static_dropouts_ok([mod(d) for d in drops]):
                         skip(_join(prefix, node.target), "dropouts between the FFN's Linears other than one nn.Dropout: "
@@ -3419,11 +3431,8 @@ def _fx_chains(gm, prefix, skip):
                     else:
                         chain = [node, *acts, *drops, nxt]
                         kind, modules = "ffn", [m, a, *pad, *[mod(d) for d in drops], mod(nxt)]
-                        # a norm module whose one user is fc1 runs inside the FFN's op
-                        src = node.args[0] if len(node.args) == 1 and not node.kwargs else None
-                        if (isinstance(src, torch.fx.Node) and src.op == "call_module" and src not in taken
-                                and single(src) is node and norm_kind(mod(src)) is not None
-                                and len(src.args) == 1 and not src.kwargs):
+                        src = norm_before(node, {node})
+                        if src is not None:
                             chain, kind, modules = [src, *chain], "norm_ffn", [mod(src), *modules]
                 else:  # dropouts and whatever follows them (gMLP's gating unit, a norm) run as they are
                     chain, kind, modules = [node, *acts], "linear_act", [m, a, *pad]
