@@ -693,7 +693,8 @@ def _bn_stats_finalize_kernel(
         d = pm - mean[None, :]
         m2 += tl.sum(tl.where(mask_t[:, None], pq + n_t[:, None] * d * d, 0.0), axis=0)
     var = m2 / M
-    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    # inductor hands a float argument in as fp64, which sqrt_rn refuses: the sum back to fp32
+    rstd = 1.0 / tl.sqrt_rn((var + eps).to(tl.float32))
     tl.store(mean_ptr + offs_c, mean, mask=mask_c)
     tl.store(rstd_ptr + offs_c, rstd, mask=mask_c)
 

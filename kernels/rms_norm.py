@@ -53,7 +53,8 @@ def _rms_norm_fwd_kernel(
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, axis=0) / K + eps))
+    # the sum back to fp32: inductor hands a float argument in as fp64, which sqrt_rn refuses
+    rstd = tl.div_rn(1.0, tl.sqrt_rn((tl.sum(xf * xf, axis=0) / K + eps).to(tl.float32)))
     u = xf * rstd
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

@@ -159,3 +159,41 @@ def test_kernel_filter_matches_kernel_or_module_names(capsys):
     assert fi.main(["--kernel", "no_such_kernel"]) == 1
     err = capsys.readouterr().err
     assert "matches no kernel" in err and "_gemm_act_kernel" in err and "linear_act" in err
+
+
+_FP64_SCALARS = r"""
+import json
+from fusedrc import inspect as fi
+
+specs, failures = fi.discover_specs(arch="sm_90")
+assert not failures, failures
+done, errors = set(), {}
+for spec in specs:
+    floats = [n for n, t in spec.raw["signature"].items() if t == "fp32"]
+    if not floats or spec.kernel in done:
+        continue
+    done.add(spec.kernel)
+    raw = dict(spec.raw, signature={**spec.raw["signature"], **{n: "fp64" for n in floats}})
+    try:
+        fi.compile_spec(raw, spec.id)
+    except Exception as e:  # noqa: BLE001 - collected and reported
+        errors[spec.kernel] = repr(e)[-400:]
+print(json.dumps({"kernels": sorted(done), "errors": errors}))
+"""
+
+
+def test_float_scalars_compile_as_fp64():
+    """torch.compile (inductor) launches a triton_op's kernels with each Python float typed fp64, not
+    fp32 as Triton's own launcher types it; a kernel that hands such a scalar to an fp32-only function
+    (``sqrt_rn``) then fails to compile, which only a GPU run of inductor showed (H100, 2026-11-27).
+    Every kernel with a float scalar compiles for sm_90 with it typed fp64."""
+    if fi.toolchain_problem():
+        pytest.skip(f"no ptxas/cuobjdump to compile with: {fi.toolchain_problem()}")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _FP64_SCALARS], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"_bn_stats_finalize_kernel", "_rms_norm_fwd_kernel", "_gemm_act_kernel"} <= set(report["kernels"])
+    assert not report["errors"], report["errors"]

@@ -25,7 +25,10 @@ def _weight(k, dtype, device):
 
 
 def _compare(x, kind, w, g, tol, mask=None):
-    """The kernels' (y, rstd, dx, dw) against the reference's: dtypes equal, values within ``tol``."""
+    """The kernels' (y, rstd, dx, dw) against the reference's: dtypes equal, values within ``tol``.
+    dx's error is relative to its summands' size, |g w rstd|, where that is larger than dx: with one
+    feature dx = g w rstd eps / (x^2 + eps) is all cancellation, and the kernels' and the reference's
+    fp32 roundings of it differ by ~1e-7 of g w rstd (on an H100, 16% of dx itself)."""
     y, rstd = K.norm_with_stats(x, kind, w, None, 1e-6)
     y_ref, rstd_ref = R.norm_with_stats(x, kind, w, None, 1e-6)
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape and rstd.shape == rstd_ref.shape
@@ -36,7 +39,11 @@ def _compare(x, kind, w, g, tol, mask=None):
         assert (a is None) == (b is None), name
         if a is not None:
             assert a.dtype == b.dtype and a.shape == b.shape, name
-            assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+            err = rel_err(a, b)
+            if name == "dx":
+                terms = (g.double() * rstd_ref.double().reshape(*x.shape[:-1], 1)).norm() * (1 + (w.double().abs().max() if w is not None else 1))
+                err = min(err, ((a.double() - b.to(a.device).double()).norm() / terms).item())
+            assert err <= tol, (name, err)
     return got
 
 
