@@ -2010,14 +2010,12 @@ class _SplitFFN:
     def __init__(self, layer, method, arg, site, act, norm, classes):
         self.layer, self.method, self.arg, self.site = layer, method, arg, site
         self.act, self.norm, self.classes = act, norm, classes  # classes: the layer's, intermediate's, output's
+        # the method's signature (apply_chunking_to_forward counts its parameters), built here: dynamo
+        # before torch 2.13 breaks the graph building a Signature inside a compiled forward
+        self.__signature__ = _inspect.Signature([_inspect.Parameter(arg, _inspect.Parameter.POSITIONAL_OR_KEYWORD)])
 
     def _fusedrc_rebind(self, replica):
         return _SplitFFN(replica, self.method, self.arg, self.site, self.act, self.norm, self.classes)
-
-    @property
-    def __signature__(self):
-        # the method's: apply_chunking_to_forward counts its parameters
-        return _inspect.Signature([_inspect.Parameter(self.arg, _inspect.Parameter.POSITIONAL_OR_KEYWORD)])
 
     def __call__(self, *args, **kwargs):
         layer = self.layer

@@ -14,6 +14,7 @@ op whose backward recomputes inside the kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import uuid
 import weakref
@@ -663,7 +664,8 @@ class _MarkedForward:
     def __call__(self, *args, **kwargs):
         module = self.module
         options = module.__dict__[_MARK]
-        original = options.get("inner") or type(module).forward.__get__(module)
+        # a partial, not a bound method: dynamo before torch 2.13 cannot build a method object (a graph break)
+        original = options.get("inner") or functools.partial(type(module).forward, module)
         output_recompute = options["output_recompute"]
         when = options.get("when")
         if when is not None and not when(args, kwargs):

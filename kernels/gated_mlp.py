@@ -50,7 +50,10 @@ __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
 # tile_sweep_cuda_20261127-084949.json) timed it at 0.81x (Llama-2 7B's MLP on 8192 tokens) and 0.87x
 # (16384 x 2048 -> 5632) of the halved 128x64's forward, the recompute within +1%/+8% while it still
 # spilled (496 bytes a thread); with its epilogue in quarters it spills nothing (244 registers,
-# ``python -m fusedrc.inspect --kernel gated``). The recompute without the spill is not timed yet.
+# ``python -m fusedrc.inspect --kernel gated``). Timed so on an H100 (2026-11-27 15:44,
+# tile_sweep_cuda_20261127-154359.json), against the halved 128x64 (split 1): forward 2.08 vs 2.69 ms,
+# recompute 2.61 vs 3.16 ms (Llama-2 7B's); 1.26 vs 1.65 and 1.49 vs 1.85 ms (16384 x 2048 -> 5632).
+# In halves the recompute took 2.45 and 1.47 ms, but spills on sm_90, so quarters it is.
 # Not for launches with dropout on the product (an argument of the op: its forward and recompute agree):
 # its mask's epilogue spills there whatever the split (8-128 bytes); they take the halved entry.
 # Persistent launches (``_common.GEMM_PERSISTENT``) keep the tile and split their epilogues in eighths
