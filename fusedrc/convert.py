@@ -2544,14 +2544,14 @@ class FusedExperts(Wrapper):
 
     def forward(self, *args, **kwargs):
         try:
-            hs, idx, w = _EXPERTS_SIGNATURE.bind(*args, **kwargs).args
+            hs, idx, w = _experts_args(*args, **kwargs)
         except TypeError:
             return self.plain(*args, **kwargs)
         site = self.sites.get("experts")
         # inside a recomputed region (a block) the original implementation: the region keeps only its
         # inputs already, and transformers' grouped_mm beats a plain per-expert loop
         if (site is None or not site.enabled or not _nohooks(self, self.act_fn) or inside_region()
-                or getattr(self, "_is_expert_parallel", False)
+                or self.__dict__.get("_is_expert_parallel", False)  # an instance flag (transformers 5.24; 5.17 has none)
                 or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or not _experts_runtime_ok(self, hs, idx, w)):
             return self.plain(*args, **kwargs)
         gate_up, down = _experts_weights(self)
@@ -2565,6 +2565,12 @@ class FusedExperts(Wrapper):
 _EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 _EXPERTS_SIGNATURE = _inspect.Signature([_inspect.Parameter(n, _inspect.Parameter.POSITIONAL_OR_KEYWORD)
                                          for n in ("hidden_states", "top_k_index", "top_k_weights")])
+
+
+def _experts_args(hidden_states, top_k_index, top_k_weights):
+    """An experts forward's arguments bound as ``_EXPERTS_SIGNATURE`` binds them (TypeError otherwise),
+    by a call: dynamo before torch 2.13 breaks the graph in ``Signature.bind``."""
+    return hidden_states, top_k_index, top_k_weights
 
 
 def _experts_weights(m):
