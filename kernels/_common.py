@@ -550,7 +550,16 @@ def launcher(kernel, probe: torch.Tensor):
     fake or functional operand, or an active dispatch mode).
     In a plain eager call the kernel itself: wrap_triton's eager path is a higher-order-op
     dispatch per launch."""
-    return wrap_triton(kernel) if traced(probe) else kernel
+    if not traced(probe):
+        return kernel
+    try:
+        return wrap_triton(kernel)
+    except RuntimeError:
+        # torch before 2.13 wraps no interpreted kernel: on real tensors under a dispatch mode
+        # (an op counter) the kernel runs as it is; fake tensors cannot run one, so that case raises
+        if type(probe) in (torch.Tensor, torch.nn.Parameter):
+            return kernel
+        raise
 
 
 def _reference():
