@@ -1967,25 +1967,57 @@ _SPLIT_FFN_INTERMEDIATE = ["hidden_states = self.dense(hidden_states)",
 
 def _split_ffn_norm(lines):
     """The name of the norm module ``output``'s forward applies to ``h + input_tensor`` when its body is
-    BERT's ``dense -> dropout -> norm(h + input_tensor)``, else None."""
+    BERT's ``dense -> dropout -> norm(h + input_tensor)``; ``""`` when it is ``dense -> dropout -> h +
+    input_tensor`` (ESM's, after a pre-FFN norm); else None."""
     if not lines or not lines[0].startswith("def forward(self, hidden_states") or len(lines) != 5:
         return None
-    norm = _re.fullmatch(r"hidden_states = self\.(\w+)\(hidden_states \+ input_tensor\)", lines[3])
     ok = lines[1:3] == ["hidden_states = self.dense(hidden_states)", "hidden_states = self.dropout(hidden_states)"] \
         and lines[4] == "return hidden_states"
+    if ok and lines[3] == "hidden_states = hidden_states + input_tensor":
+        return ""
+    norm = _re.fullmatch(r"hidden_states = self\.(\w+)\(hidden_states \+ input_tensor\)", lines[3])
     return norm.group(1) if ok and norm else None
 
 
+def _split_tail(out, norm, h, residual):
+    """``output``'s forward after its dense: dropout, the residual and its norm (``norm`` "": none)."""
+    y = out.dropout(h) + residual
+    return getattr(out, norm)(y) if norm else y
+
+
+def _split_ffn_act_fn(inter):
+    """``(fused activation, the callable)`` of an ``intermediate`` whose forward is ``dense`` then an
+    activation: its ``intermediate_act_fn`` module (BERT's), or a function of its class's module applied
+    by name (ESM's ``gelu``, erf written out: named by a float64 probe, as a written-out activation);
+    ``(None, None)`` otherwise."""
+    lines = (_source_lines(inter) or [""])[1:]
+    if lines == _SPLIT_FFN_INTERMEDIATE:
+        fn = getattr(inter, "intermediate_act_fn", None)
+        return _act_name(fn), fn
+    call = _re.fullmatch(r"hidden_states = (\w+)\(hidden_states\)", lines[1]) if len(lines) == 3 else None
+    if call is None or lines[0] != _SPLIT_FFN_INTERMEDIATE[0] or lines[2] != "return hidden_states":
+        return None, None
+    fn = vars(_sys.modules.get(_class_of(inter).__module__, types)).get(call.group(1))
+    return (_probe_act(fn), fn) if isinstance(fn, types.FunctionType) else (None, None)
+
+
 def _split_ffn_method(m):
-    """``(name, argument)`` of ``m``'s class method that is BERT's ``feed_forward_chunk`` word for word
-    (its argument named as it likes), or None."""
+    """``(name, argument, pre-norm)`` of ``m``'s class method that is BERT's ``feed_forward_chunk`` word
+    for word (its argument named as it likes; pre-norm None), or that with a norm module of the layer
+    applied first, its output the intermediate's input and the argument the residual (ESM's; pre-norm
+    that module's name), or None."""
     for method in _SPLIT_FFN_METHODS:
         lines = _source_lines(m, method) if hasattr(_class_of(m), method) else None
         head = _re.match(rf"def {method}\(self, (\w+)", lines[0]) if lines else None
-        if head is not None and lines[1:] == [f"intermediate_output = self.intermediate({head.group(1)})",
-                                              f"layer_output = self.output(intermediate_output, {head.group(1)})",
-                                              "return layer_output"]:
-            return method, head.group(1)
+        if head is None:
+            continue
+        arg = head.group(1)
+        pre = _re.fullmatch(rf"(\w+) = self\.(\w+)\({arg}\)", lines[1]) if len(lines) == 5 else None
+        normed, norm = (pre.group(1), pre.group(2)) if pre else (arg, None)
+        if lines[2 if pre else 1:] == [f"intermediate_output = self.intermediate({normed})",
+                                       f"layer_output = self.output(intermediate_output, {arg})",
+                                       "return layer_output"] and normed != "intermediate_output":
+            return method, arg, norm
     return None
 
 
@@ -2007,15 +2039,19 @@ class _SplitFFN:
     ``intermediate`` or ``output``; hooks or a ``fusedrc.mark`` on them or on their Linears, a LoRA
     layer at a Linear's place, another activation), the class's own method runs."""
 
-    def __init__(self, layer, method, arg, site, act, norm, classes):
+    def __init__(self, layer, method, arg, site, act, norm, classes, pre_norm=None, act_fn=None):
         self.layer, self.method, self.arg, self.site = layer, method, arg, site
         self.act, self.norm, self.classes = act, norm, classes  # classes: the layer's, intermediate's, output's
+        # pre_norm: the layer's norm module the method applies first (ESM's); act_fn: a function activation
+        # the intermediate applies by name (None: its intermediate_act_fn module)
+        self.pre_norm, self.act_fn = pre_norm, act_fn
         # the method's signature (apply_chunking_to_forward counts its parameters), built here: dynamo
         # before torch 2.13 breaks the graph building a Signature inside a compiled forward
         self.__signature__ = _inspect.Signature([_inspect.Parameter(arg, _inspect.Parameter.POSITIONAL_OR_KEYWORD)])
 
     def _fusedrc_rebind(self, replica):
-        return _SplitFFN(replica, self.method, self.arg, self.site, self.act, self.norm, self.classes)
+        return _SplitFFN(replica, self.method, self.arg, self.site, self.act, self.norm, self.classes,
+                         self.pre_norm, self.act_fn)
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
@@ -2024,17 +2060,30 @@ class _SplitFFN:
         if not (one and self.site.enabled and (type(layer), type(inter), type(out)) == self.classes):
             return getattr(type(layer), self.method)(layer, *args, **kwargs)
         x = args[0] if args else kwargs[self.arg]
-        h = _split_ffn_run(self.site, self.act, inter, out, x)
-        if h is None:
+        if self.pre_norm is None:
+            h = _split_ffn_run(self.site, self.act, inter, out, x, self.act_fn)
+            if h is None:
+                return getattr(type(layer), self.method)(layer, *args, **kwargs)
+            return _split_tail(out, self.norm, h, x)
+        pre = layer._modules.get(self.pre_norm)
+        if not isinstance(pre, nn.Module):
             return getattr(type(layer), self.method)(layer, *args, **kwargs)
-        return getattr(out, self.norm)(out.dropout(h) + x)
+        normed = pre(x)
+        h = _split_ffn_run(self.site, self.act, inter, out, normed, self.act_fn)
+        if h is None:  # the rest of the method as its code reads (checked at convert), the norm run once
+            return out(inter(normed), x)
+        return _split_tail(out, self.norm, h, x)
 
 
-def _split_ffn_run(site, act, inter, out, x):
+def _split_ffn_run(site, act, inter, out, x, act_fn=None):
     """``output.dense(act(intermediate.dense(x)))`` as one fused FFN (``site``'s impl), or None where the
-    modules are not as convert checked them (hooks, a mark, a LoRA layer or another activation swapped in)."""
-    fc1, act_mod, fc2 = inter.dense, inter.intermediate_act_fn, out.dense
-    if (not _free(inter, out, fc1, act_mod, fc2) or not _still(act, act_mod, fc1, fc2)
+    modules are not as convert checked them (hooks, a mark, a LoRA layer or another activation swapped in).
+    ``act_fn``: the function activation the intermediate applies by name (ESM's), else its module's."""
+    fc1, fc2 = inter.dense, out.dense
+    act_mod = inter.intermediate_act_fn if act_fn is None else act_fn
+    # a function activation is the class's code, checked at convert: only the Linears can have changed
+    still = _still(act, act_mod, fc1, fc2) if act_fn is None else is_linear(fc1) and is_linear(fc2)
+    if (not _free(inter, out, fc1, act_mod if act_fn is None else None, fc2) or not still
             or not _dense_runtime_ok(x, fc1, fc2)):
         return None
     return _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
@@ -2048,25 +2097,27 @@ def _split_ffns(m):
 
 def _split_ffn_reason(inter, out):
     """Why ``intermediate``/``output`` cannot be one fused FFN (None: they can), the norm module's name
-    and the fused activation."""
+    ("": none), the fused activation and the function activation (None: the intermediate_act_fn module)."""
     norm = _split_ffn_norm(_source_lines(out))
-    act = _act_name(getattr(inter, "intermediate_act_fn", None))
+    act, fn = _split_ffn_act_fn(inter)
+    module_act = fn is getattr(inter, "intermediate_act_fn", None)
     if _foreign_forward(inter) or _foreign_forward(out):
         reason = "a forward set on the instance of intermediate or output: its code is not the class's"
-    elif (_source_lines(inter) or [""])[1:] != _SPLIT_FFN_INTERMEDIATE:
-        reason = f"{_class_of(inter).__name__}.forward is not dense -> intermediate_act_fn"
+    elif fn is None and act is None:
+        reason = f"{_class_of(inter).__name__}.forward is not dense -> intermediate_act_fn (or a known function)"
     elif norm is None or not isinstance(getattr(out, "dropout", None), nn.Module) \
-            or not isinstance(getattr(out, norm, None), nn.Module):
-        reason = f"{_class_of(out).__name__}.forward is not dense -> dropout -> norm(h + input_tensor)"
+            or (norm and not isinstance(getattr(out, norm, None), nn.Module)):
+        reason = f"{_class_of(out).__name__}.forward is not dense -> dropout -> [norm](h + input_tensor)"
     elif act is None:
-        reason = f"activation {type(inter.intermediate_act_fn).__name__} has no fused form"
-    elif not (is_linear(inter.dense) and is_linear(out.dense)) or out.dense.in_features != inter.dense.out_features:
+        reason = f"activation {type(fn).__name__ if module_act else fn.__name__} has no fused form"
+    elif not (is_linear(getattr(inter, "dense", None)) and is_linear(getattr(out, "dense", None))) \
+            or out.dense.in_features != inter.dense.out_features:
         reason = "intermediate.dense/output.dense are not plain nn.Linear of matching shapes"
-    elif not _nohooks(inter, out, inter.dense, inter.intermediate_act_fn, out.dense):
+    elif not _nohooks(inter, out, inter.dense, fn if module_act else None, out.dense):
         reason = "hooks registered on the modules"
     else:
         reason = None
-    return reason, norm, act
+    return reason, norm, act, (None if module_act else fn)
 
 
 def _split_ffn_layer(ctx, name, m):
@@ -2074,17 +2125,20 @@ def _split_ffn_layer(ctx, name, m):
     dense, as one fused FFN unit named ``<layer>.intermediate``."""
     for key in _split_ffns(m):
         del m.__dict__[key]  # an earlier convert's: planned afresh
-    method, arg = _split_ffn_method(m)
+    method, arg, pre_norm = _split_ffn_method(m)
     unit = _join(name, "intermediate")
     inter, out = m.intermediate, m.output
-    reason, norm, act = _split_ffn_reason(inter, out)
+    reason, norm, act, act_fn = _split_ffn_reason(inter, out)
+    if reason is None and pre_norm is not None and not isinstance(m._modules.get(pre_norm), nn.Module):
+        reason = f"{method} applies self.{pre_norm} first, which is not a submodule"
     if method in m.__dict__:
         reason = f"a {method} set on the instance: its code is not the class's"
     if reason is not None:
         ctx.skip(unit, reason)
         return m  # its children are visited as usual: intermediate may still be a fused Linear+act
     site = Site()
-    m.__dict__[method] = _SplitFFN(m, method, arg, site, act, norm, (type(m), type(inter), type(out)))
+    m.__dict__[method] = _SplitFFN(m, method, arg, site, act, norm, (type(m), type(inter), type(out)), pre_norm,
+                                   act_fn)
     bind_replicas(m)
     ctx.unit(unit, "ffn", *_site_switches(site), (inter.dense,))
     return m
@@ -2110,7 +2164,7 @@ class _SplitHead(Wrapper):
             return self.plain(*args, **kwargs)
         # the layer's class as convert checked its forward (a subclass swapped in may call them otherwise)
         h = None if type(layer) is not self.__dict__["_fusedrc_layer_cls"] else \
-            _split_ffn_run(site, self.__dict__["_fusedrc_act"], self, tail, args[0])
+            _split_ffn_run(site, self.__dict__["_fusedrc_act"], self, tail, args[0], self.__dict__["_fusedrc_act_fn"])
         if h is None:
             return self.plain(*args, **kwargs)
         tail.__dict__["_fusedrc_pass"].arm()
@@ -2124,7 +2178,7 @@ class _SplitTail(Wrapper):
     def forward(self, *args, **kwargs):
         if len(args) == 2 and not kwargs and _passes_through(self, "output"):
             h, residual = args
-            return getattr(self, self.__dict__["_fusedrc_norm"])(self.dropout(h) + residual)
+            return _split_tail(self, self.__dict__["_fusedrc_norm"], h, residual)
         return self.plain(*args, **kwargs)
 
 
@@ -2155,12 +2209,13 @@ def _inline_split_ffn_layer(ctx, name, m):
     ``<layer>.intermediate``, through the :class:`_SplitHead` / :class:`_SplitTail` stand-ins."""
     inter, out = m.intermediate, m.output
     unit = _join(name, "intermediate")
-    reason, norm, act = _split_ffn_reason(inter, out)
+    reason, norm, act, act_fn = _split_ffn_reason(inter, out)
     if reason is not None:
         ctx.skip(unit, reason)
         return m
     head, tail = _SplitHead.wrap(inter), _SplitTail.wrap(out)
     head.__dict__["_fusedrc_layer"], head.__dict__["_fusedrc_act"] = m, act
+    head.__dict__["_fusedrc_act_fn"] = act_fn
     head.__dict__["_fusedrc_layer_cls"] = type(m)
     tail.__dict__["_fusedrc_norm"] = norm
     _stand_in(tail, m)

@@ -548,6 +548,8 @@ def _split_ffn_model(tr, family, chunk=0, dropout=0.1):
         return tr.DebertaV2Model(tr.DebertaV2Config(**common)).train()
     if family == "mpnet":
         return tr.MPNetModel(tr.MPNetConfig(**common), add_pooling_layer=False).train()
+    if family == "esm":  # a pre-FFN LayerNorm in feed_forward_chunk, erf GELU as a function, no norm after
+        return tr.EsmModel(tr.EsmConfig(pad_token_id=1, **common), add_pooling_layer=False).train()
     if family == "longformer":  # its layer's method is ff_chunk(self, attn_output)
         return tr.LongformerModel(tr.LongformerConfig(pad_token_id=1, attention_window=4, **common),
                                   add_pooling_layer=False).train()
@@ -569,7 +571,7 @@ def _same_seed_step(model, conv, ids):
     return log.ops
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer", "deberta_v2", "mpnet"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer", "deberta_v2", "mpnet", "esm"])
 def test_split_ffn_layers(family):
     """BERT-style layers, found by their code (feed_forward_chunk, intermediate's and output's forwards):
     intermediate's dense and activation and output's dense run as one fused FFN, output's dropout
@@ -594,6 +596,42 @@ def test_split_ffn_layers(family):
         h = torch.randn(2, 3, 32)
         conv.eval(), model.eval()
         assert rel_err(conv.encoder.layer[0].ff_chunk(attn_output=h), model.encoder.layer[0].ff_chunk(attn_output=h)) <= TOL
+
+
+def test_split_ffn_esm_pre_norm_and_function_activation():
+    """ESM's feed_forward_chunk: LayerNorm first, then intermediate (dense, then the module-level erf
+    ``gelu`` function, named by the float64 probe) and output (dense, dropout, + the un-normed input, no
+    norm). The norm runs once (in the fused path and in the fallback a hook on intermediate forces, where
+    the hook sees the activation), the method by keyword gives the original's, and a look-alike whose
+    function is not an activation fusedrc knows is reported, not fused as an FFN."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 12))
+    model = _split_ffn_model(tr, "esm", dropout=0.0)
+    conv = fusedrc.convert(model)
+    norm_calls = []
+    for m in (model, conv):
+        m.encoder.layer[0].LayerNorm.register_forward_hook(lambda *a: norm_calls.append(1))
+    seen = []
+    handle = conv.encoder.layer[1].intermediate.register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") == 1 and seen == [64]
+    assert len(norm_calls) == 2  # once in each model's forward
+    handle.remove()
+    layer, ref = conv.encoder.layer[0], model.encoder.layer[0]
+    h = torch.randn(2, 3, 32)
+    conv.eval(), model.eval()
+    assert rel_err(layer.feed_forward_chunk(attention_output=h), ref.feed_forward_chunk(attention_output=h)) <= TOL
+
+    esm = sys.modules[type(model.encoder.layer[0].intermediate).__module__]
+    real = esm.gelu
+    try:
+        esm.gelu = lambda x: x * torch.sigmoid(x) * 0.5  # not one of the fused activations (convert reads it then)
+        plan = fusedrc.convert(_split_ffn_model(tr, "esm", dropout=0.0)).fusedrc_plan
+    finally:
+        esm.gelu = real
+    assert [reason for _, reason in plan.skipped] == ["activation <lambda> has no fused form"] * 2
+    # the fx pass then finds x * sigmoid(x) after intermediate's Linear: a fused Linear+SiLU, the 0.5 after
+    assert fused_without_norms(plan) == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
 
 
 @pytest.mark.parametrize("family", ["bert", "deberta_v2"])
@@ -671,7 +709,7 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
     changed = copy.deepcopy(model)
     for layer in changed.encoder.layer:
         layer.output.__class__ = other
-    with pytest.warns(UserWarning, match="is not dense -> dropout -> norm"):
+    with pytest.warns(UserWarning, match=r"is not dense -> dropout -> \[norm\]"):
         plan = fusedrc.convert(changed).fusedrc_plan
     assert fused_without_norms(plan) == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
 
