@@ -2014,9 +2014,10 @@ def _split_ffn_method(m):
         arg = head.group(1)
         pre = _re.fullmatch(rf"(\w+) = self\.(\w+)\({arg}\)", lines[1]) if len(lines) == 5 else None
         normed, norm = (pre.group(1), pre.group(2)) if pre else (arg, None)
-        if lines[2 if pre else 1:] == [f"intermediate_output = self.intermediate({normed})",
-                                       f"layer_output = self.output(intermediate_output, {arg})",
-                                       "return layer_output"] and normed != "intermediate_output":
+        body = [f"intermediate_output = self.intermediate({normed})",
+                f"layer_output = self.output(intermediate_output, {arg})", "return layer_output"]
+        # a norm written back into the argument would make the residual the normed value: not this form
+        if lines[2 if pre else 1:] == body and not (pre and normed in (arg, "intermediate_output")):
             return method, arg, norm
     return None
 

@@ -633,6 +633,24 @@ def test_split_ffn_esm_pre_norm_and_function_activation():
     # the fx pass then finds x * sigmoid(x) after intermediate's Linear: a fused Linear+SiLU, the 0.5 after
     assert fused_without_norms(plan) == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
 
+    # a method that writes the norm back into its argument adds the normed value as the residual: not
+    # ESM's form, so no split FFN (intermediate's Linear+GELU is the fx pass's find), and the same outputs
+    layer_cls = type(model.encoder.layer[0])
+
+    class NormedInPlace(layer_cls):
+        def feed_forward_chunk(self, attention_output):
+            attention_output = self.LayerNorm(attention_output)
+            intermediate_output = self.intermediate(attention_output)
+            layer_output = self.output(intermediate_output, attention_output)
+            return layer_output
+
+    other = _split_ffn_model(tr, "esm", dropout=0.0)
+    for layer in other.encoder.layer:
+        layer.__class__ = NormedInPlace
+    conv = fusedrc.convert(other)
+    assert fused_without_norms(conv.fusedrc_plan) == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
+    assert rel_err(conv(ids).last_hidden_state, other(ids).last_hidden_state) <= TOL
+
 
 @pytest.mark.parametrize("family", ["bert", "deberta_v2"])
 def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
