@@ -207,7 +207,7 @@ def _is_conv1d(module):
 def _experts_flops(module, args, kwargs):
     """(the experts' forward, the gate and up projections a fused unit reruns in backward) in FLOPs."""
     try:
-        idx = _EXPERTS_SIGNATURE.bind(*args, **kwargs).arguments["top_k_index"]
+        idx = _experts_args(*args, **kwargs)[1]
     except TypeError:
         return 0, 0
     if not isinstance(idx, torch.Tensor):
@@ -1997,7 +1997,7 @@ def _split_ffn_act_fn(inter):
     call = _re.fullmatch(r"hidden_states = (\w+)\(hidden_states\)", lines[1]) if len(lines) == 3 else None
     if call is None or lines[0] != _SPLIT_FFN_INTERMEDIATE[0] or lines[2] != "return hidden_states":
         return None, None
-    fn = vars(_sys.modules.get(_class_of(inter).__module__, types)).get(call.group(1))
+    fn = getattr(_sys.modules.get(_class_of(inter).__module__), call.group(1), None)
     return (_probe_act(fn), fn) if isinstance(fn, types.FunctionType) else (None, None)
 
 
@@ -2061,18 +2061,15 @@ class _SplitFFN:
         if not (one and self.site.enabled and (type(layer), type(inter), type(out)) == self.classes):
             return getattr(type(layer), self.method)(layer, *args, **kwargs)
         x = args[0] if args else kwargs[self.arg]
-        if self.pre_norm is None:
-            h = _split_ffn_run(self.site, self.act, inter, out, x, self.act_fn)
-            if h is None:
-                return getattr(type(layer), self.method)(layer, *args, **kwargs)
-            return _split_tail(out, self.norm, h, x)
-        pre = layer._modules.get(self.pre_norm)
-        if not isinstance(pre, nn.Module):
+        pre = None if self.pre_norm is None else layer._modules.get(self.pre_norm)
+        if self.pre_norm is not None and not isinstance(pre, nn.Module):
             return getattr(type(layer), self.method)(layer, *args, **kwargs)
-        normed = pre(x)
+        normed = x if pre is None else pre(x)
         h = _split_ffn_run(self.site, self.act, inter, out, normed, self.act_fn)
-        if h is None:  # the rest of the method as its code reads (checked at convert), the norm run once
-            return out(inter(normed), x)
+        if h is None:
+            if pre is None:
+                return getattr(type(layer), self.method)(layer, *args, **kwargs)
+            return out(inter(normed), x)  # the rest of the method as its code reads (checked), the norm run once
         return _split_tail(out, self.norm, h, x)
 
 
@@ -2081,14 +2078,14 @@ def _split_ffn_run(site, act, inter, out, x, act_fn=None):
     modules are not as convert checked them (hooks, a mark, a LoRA layer or another activation swapped in).
     ``act_fn``: the function activation the intermediate applies by name (ESM's), else its module's."""
     fc1, fc2 = inter.dense, out.dense
-    act_mod = inter.intermediate_act_fn if act_fn is None else act_fn
-    # a function activation is the class's code, checked at convert: only the Linears can have changed
-    still = _still(act, act_mod, fc1, fc2) if act_fn is None else is_linear(fc1) and is_linear(fc2)
-    if (not _free(inter, out, fc1, act_mod if act_fn is None else None, fc2) or not still
-            or not _dense_runtime_ok(x, fc1, fc2)):
+    # a function activation is the class's code, checked at convert: only a module one can be swapped
+    act_mod = inter.intermediate_act_fn if act_fn is None else None
+    if (not _free(inter, out, fc1, act_mod, fc2) or not (is_linear(fc1) and is_linear(fc2))
+            or (act_mod is not None and _act_name(act_mod) != act) or not _dense_runtime_ok(x, fc1, fc2)):
         return None
+    run_act = act_fn or act_mod
     return _run_site(site, lambda x: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act),
-                     lambda x: fc2(act_mod(fc1(x))), x)
+                     lambda x: fc2(run_act(fc1(x))), x)
 
 
 def _split_ffns(m):
@@ -2619,14 +2616,13 @@ class FusedExperts(Wrapper):
 
 # has_post_expert_norm came later (transformers 5.24 has it, 5.17 not): absent means no norm
 _EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
-_EXPERTS_SIGNATURE = _inspect.Signature([_inspect.Parameter(n, _inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                                         for n in ("hidden_states", "top_k_index", "top_k_weights")])
-
-
 def _experts_args(hidden_states, top_k_index, top_k_weights):
-    """An experts forward's arguments bound as ``_EXPERTS_SIGNATURE`` binds them (TypeError otherwise),
-    by a call: dynamo before torch 2.13 breaks the graph in ``Signature.bind``."""
+    """An experts forward's arguments bound by a call (TypeError where they do not fit): dynamo before
+    torch 2.13 breaks the graph in ``Signature.bind``."""
     return hidden_states, top_k_index, top_k_weights
+
+
+_EXPERTS_SIGNATURE = _inspect.signature(_experts_args)
 
 
 def _experts_weights(m):
