@@ -236,6 +236,7 @@ def sweep_conv(dtype, batch, records):
             for cfg in [table] + [c for c in (k.ConvConfig(*c) for c in CONV_CANDIDATES) if c != table]:
                 for key in keys:
                     k._TABLE[key] = cfg
+                k.clear_launch_plans()  # the layers' plans hold the tile they were built with
                 rec = dict(base, config=list(cfg), in_table=cfg == table)
                 try:
                     with fusedrc.use_backend("triton"):
@@ -249,6 +250,7 @@ def sweep_conv(dtype, batch, records):
             torch.cuda.empty_cache()
     finally:
         k._TABLE.update(saved)
+        k.clear_launch_plans()
 
 
 # the implicit-GEMM conv passes (training: stats, reduce, emit_dz; eval / FWD_RECOMPUTE: apply);

@@ -146,3 +146,59 @@ def needs_unfused(*tensors) -> bool:
     if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in ts):
         return True
     return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
+
+
+class CheckedCalls:
+    """What the static checks of a functional op's calls returned, by the call's metadata
+    (``call_key``): a layer called every step with tensors of the same shapes, dtypes, devices and
+    strides and the same arguments passes them every time, and in eager mode a small layer's step
+    waits on them. The checks that depend on more than that (autocast, forward-mode AD, recompute
+    regions, the backend setting) still run every call."""
+
+    MAX = 1024
+
+    def __init__(self):
+        self._seen = {}
+
+    def get(self, key):
+        return None if key is None else self._seen.get(key)
+
+    def put(self, key, checked):
+        if key is not None:
+            if len(self._seen) >= self.MAX:
+                self._seen.clear()
+            self._seen[key] = checked
+        return checked
+
+    def clear(self):
+        self._seen.clear()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (int, float, bool, str, type(None), torch.dtype)
+
+
+def call_key(tensors, scalars):
+    """A key of everything a call's static checks read, or None (not cached: torch.compile or a
+    dispatch mode is tracing, a tensor subclass or a non-strided tensor, an argument of another
+    kind than None, a plain int/float/bool/str or a list/tuple of ints). Tensors stand for their
+    shape, strides, dtype and device; scalars for their type and value (``True`` is not ``1``)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return None
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) in _PLAIN and t.layout is torch.strided:
+            key.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    for v in scalars:
+        kind = type(v)
+        if kind in _SCALARS:
+            key.append((kind, v))
+        elif kind in (list, tuple) and all(type(i) is int for i in v):
+            key.append((kind, *v))
+        else:
+            return None
+    return tuple(key)

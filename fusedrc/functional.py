@@ -11,8 +11,8 @@ from torch import Tensor
 from . import ops, reference
 from ._backend import resolve_backend
 from ._state import inside_region, snapshot_buffers, traced
-from ._validate import (check_activation, check_device, check_int, check_no_overlap, check_number, check_probability,
-                        check_same, check_tensor, check_vector, needs_unfused, pair)
+from ._validate import (CheckedCalls, call_key, check_activation, check_device, check_int, check_no_overlap,
+                        check_number, check_probability, check_same, check_tensor, check_vector, needs_unfused, pair)
 
 __all__ = ["linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "bn_act_conv"]
 
@@ -477,6 +477,19 @@ def _check_one_value(use_batch_stats, n, c, h, w):
                          f"{torch.Size((n, c, h, w))}")
 
 
+# The conv ops' static checks, by call (_validate.CheckedCalls): the autocast setting joins the key,
+# since the weight checks read the cast operands.
+_CONV_CHECKED = CheckedCalls()
+_BN_CONV_CHECKED = CheckedCalls()
+
+
+def _conv_call_key(x, tensors, scalars):
+    if not isinstance(x, Tensor):
+        return None
+    amp = torch.get_autocast_dtype(x.device.type) if _autocast_on(x.device.type) else None
+    return call_key((x, *tensors), (*scalars, amp))
+
+
 def conv_bn_act(
     x: Tensor, weight: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
     running_mean: Tensor | None, running_var: Tensor | None, *, training: bool = True,
@@ -525,22 +538,32 @@ def conv_bn_act(
         >>> y.shape
         torch.Size([2, 8, 8, 8])
     """
-    check_tensor(x, "input", ndim=4)
-    _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True), (residual, "residual", 4, True))
-    activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
-    stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
-    eps = check_number(eps, "eps", min_value=0)
-    momentum = check_number(momentum, "momentum")
-    _check_training(training)
-    # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
-    x, weight, bias, residual = _autocast(x, weight, bias, residual)
-    expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups)
+    key = _conv_call_key(x, (weight, bias, bn_weight, bn_bias, running_mean, running_var, residual),
+                         (activation, stride, padding, dilation, groups, eps, training))
+    checked = _CONV_CHECKED.get(key)
+    if checked is None:
+        check_tensor(x, "input", ndim=4)
+        _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True), (residual, "residual", 4, True))
+        activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
+        stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
+        eps = check_number(eps, "eps", min_value=0)
+        momentum = check_number(momentum, "momentum")
+        _check_training(training)
+        # autocast casts the conv's operands; BatchNorm keeps its (fp32) parameters, as in eager
+        x, weight, bias, residual = _autocast(x, weight, bias, residual)
+        expected = _check_conv_weight(x, weight, bias, stride, padding, dilation, groups)
+        use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, weight.shape[0],
+                                            training, eps)
+        if residual is not None:
+            check_same(x, "input", residual, "residual")
+            if tuple(residual.shape) != expected:
+                raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
+        _CONV_CHECKED.put(key, (activation, stride, padding, dilation, groups, eps, expected, use_batch_stats))
+    else:
+        activation, stride, padding, dilation, groups, eps, expected, use_batch_stats = checked
+        momentum = check_number(momentum, "momentum")  # it may change every call (a cumulative average)
+        x, weight, bias, residual = _autocast(x, weight, bias, residual)
     c = weight.shape[0]
-    use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps)
-    if residual is not None:
-        check_same(x, "input", residual, "residual")
-        if tuple(residual.shape) != expected:
-            raise ValueError(f"residual must have the conv output's shape {expected}, got {tuple(residual.shape)}")
     if training and running_mean is not None:
         snapshot_buffers(running_mean, running_var)  # a region's rerun updates them once more: undone after it
     if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias, residual) or inside_region():
@@ -598,17 +621,28 @@ def bn_act_conv(
         >>> y.shape
         torch.Size([2, 4, 5, 5])
     """
-    check_tensor(x, "input", ndim=4)
-    _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True))
-    activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
-    stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
-    eps = check_number(eps, "eps", min_value=0)
-    momentum = check_number(momentum, "momentum")
-    _check_training(training)
-    _, weight, bias = _autocast(x, weight, bias)  # the conv's operands; BatchNorm keeps x's dtype
-    _check_conv_weight(x, weight, bias, stride, padding, dilation, groups, same_dtype=not _autocast_on(x.device.type))
+    key = _conv_call_key(x, (weight, bias, bn_weight, bn_bias, running_mean, running_var),
+                         (activation, stride, padding, dilation, groups, eps, training))
+    checked = _BN_CONV_CHECKED.get(key)
+    if checked is None:
+        check_tensor(x, "input", ndim=4)
+        _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True))
+        activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
+        stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
+        eps = check_number(eps, "eps", min_value=0)
+        momentum = check_number(momentum, "momentum")
+        _check_training(training)
+        _, weight, bias = _autocast(x, weight, bias)  # the conv's operands; BatchNorm keeps x's dtype
+        _check_conv_weight(x, weight, bias, stride, padding, dilation, groups,
+                           same_dtype=not _autocast_on(x.device.type))
+        use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, x.shape[1], training,
+                                            eps)
+        _BN_CONV_CHECKED.put(key, (activation, stride, padding, dilation, groups, eps, use_batch_stats))
+    else:
+        activation, stride, padding, dilation, groups, eps, use_batch_stats = checked
+        momentum = check_number(momentum, "momentum")  # it may change every call (a cumulative average)
+        _, weight, bias = _autocast(x, weight, bias)
     c = x.shape[1]
-    use_batch_stats = _check_batch_norm(x, bn_weight, bn_bias, running_mean, running_var, c, training, eps)
     if training and running_mean is not None:
         snapshot_buffers(running_mean, running_var)
     if x.shape[0] == 0 or needs_unfused(x, weight, bias, bn_weight, bn_bias) or inside_region():

@@ -562,6 +562,75 @@ def launcher(kernel, probe: torch.Tensor):
         raise
 
 
+class LaunchPlans:
+    """Per-layer launch plans of a kernels module, keyed by a call's metadata (shapes, strides,
+    dtypes, device, flags).
+
+    A layer's launches (which kernels, tiles, grids, every integer and constexpr argument) follow
+    from its operands' metadata and the module's switches alone, yet working them out is most of a
+    small layer's host time: in eager mode a GPU step of short kernels waits on it. So the first call
+    of a layer builds its plan and later calls with the same key reuse it. Any attribute set on the
+    module (a switch such as ``CONV_Z``, a table, a monkeypatched helper) clears every plan
+    (``watch``); a table mutated in place needs ``clear()``. Traced calls (fake tensors, symbolic
+    shapes) never use the cache: ``key`` is None there."""
+
+    MAX = 1024  # distinct layer shapes; a model with more rebuilds (correct, slower)
+
+    def __init__(self):
+        self._plans = {}
+
+    def get(self, key, build):
+        """The plan of ``key``, built by ``build()`` on a miss; ``build()`` every call when key is None."""
+        if key is None:
+            return build()
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.MAX:
+                self._plans.clear()
+            plan = self._plans[key] = build()
+        return plan
+
+    def clear(self):
+        self._plans.clear()
+
+    def __len__(self):
+        return len(self._plans)
+
+    def watch(self, module_name: str):
+        """Clear the plans whenever an attribute of module ``module_name`` is set or deleted."""
+        import sys
+        import types
+
+        plans = self
+        module = sys.modules[module_name]
+
+        class _Watched(types.ModuleType):
+            def __setattr__(self, name, value):
+                super().__setattr__(name, value)
+                plans.clear()
+
+            def __delattr__(self, name):
+                super().__delattr__(name)
+                plans.clear()
+
+        module.__class__ = _Watched
+        return self
+
+
+def plan_key(*parts):
+    """``parts`` as a plan key, or None where a tensor among them is traced or symbolic (no cache).
+    A tensor stands for its shape, strides, dtype and device."""
+    key = []
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            if traced(p):
+                return None
+            key.append((p.shape, p.stride(), p.dtype, p.device))
+        else:
+            key.append(p)
+    return tuple(key)
+
+
 def _reference():
     """``fusedrc.reference``, imported at the call: the launchers hand it the cases the kernels do not
     cover (fusedrc imports the kernels lazily, and the reference imports nothing of them)."""

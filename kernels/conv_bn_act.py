@@ -79,7 +79,8 @@ import triton.language as tl
 
 from ._common import (
     _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _reference, _sm_count, _upcast_flag,
-    act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launcher, operand_class, wanted,
+    LaunchPlans, act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launcher,
+    operand_class, plan_key, tf32_matmul_allowed, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config"]
@@ -1006,6 +1007,110 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
     return mean, rstd
 
 
+# --------------------------------------------------------------------------- launch plans
+# Everything a layer's launches need besides its tensors' addresses, worked out once per layer
+# (kernels/_common.py, LaunchPlans): a small layer's eager step is otherwise bound by this Python.
+_PLANS = LaunchPlans().watch(__name__)
+
+
+def clear_launch_plans():
+    """Forget every layer's plan (after mutating a tile table in place)."""
+    _PLANS.clear()
+
+
+def _meta_strides(shape, fmt):
+    return torch.empty(shape, device="meta", memory_format=fmt).stride()
+
+
+def _launch_spec(M, C_out, cfg, **constexprs):
+    """(grid, constexprs) of one launch of a conv kernel over M output pixels with tile ``cfg``."""
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)
+    return grid, dict(constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                      GROUP_M=cfg.GROUP_M, EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
+
+
+class _Layer(NamedTuple):
+    """A conv layer's geometry and strategy, shared by its forward and backward plans."""
+    N: int
+    C_out: int
+    OH: int
+    OW: int
+    M: int
+    fmt: torch.memory_format
+    precision: str
+    cap: tuple
+    cfg: ConvConfig
+    aten_z: bool
+    fwd_recompute: bool
+    twice: bool
+    ints: tuple      # M, C_OUT, C_IN, C_OUT_G, H, W, OH, OW and x's and the weight tile's strides
+    constexprs: dict  # the geometry and the flags both directions share
+
+
+def _layer(x, weight, bias, stride, padding, dilation, groups) -> _Layer:
+    N, _, H, W = x.shape
+    C_out, C_in, KH, KW = weight.shape  # C_in per group
+    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
+    M = N * OH * OW
+    precision = dot_precision(x)
+    cap = device_capability(x)
+    aten_z, fwd_recompute, twice = conv_plan(x, weight, M, precision)
+    # the weight as the Triton conv reads it, (KH, KW, C_in, C_out) contiguous: coalesced B tiles
+    # (weight rows, DIRECT); x stands in for it when every pass reads z
+    w_strides = x.stride() if aten_z else (KW * C_in * C_out, C_in * C_out, C_out, 1)
+    return _Layer(
+        N, C_out, OH, OW, M, _memory_format(x), precision, cap, layer_config(weight, groups, x.dtype, precision, cap),
+        aten_z, fwd_recompute, twice, (M, C_out, C_in, C_out // groups, H, W, OH, OW, *x.stride(), *w_strides),
+        dict(_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=group_strategy(weight, groups) == "direct",
+             FLAT_K=flat_k(weight, groups), HAS_BIAS=bias is not None, PRECISION=precision, UPCAST=_upcast_flag(x)),
+    )
+
+
+def _weight_tile(x, weight, layer: _Layer):
+    return x if layer.aten_z else weight.permute(2, 3, 1, 0).contiguous()
+
+
+class _FwdPlan(NamedTuple):
+    layer: _Layer
+    ints: tuple           # the layer's, then y's (and z's) strides and the residual's
+    stats: tuple | None   # (grid, constexprs) of the training forward's statistics pass
+    stats_rows: int       # its row tiles (the partials' rows)
+    store_z: bool         # that pass stores z (the Triton conv, z buffered) for the apply pass
+    finalize: tuple       # (grid, constexprs) of _bn_stats_finalize_kernel
+    apply: tuple          # (grid, constexprs) of the normalize + activation pass
+    apply_from_z: bool
+
+
+def _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride, padding, dilation, activation,
+              groups):
+    """The forward's plan, or None where the kernels do not cover the call (the reference runs)."""
+    if not _supported(x, weight, activation, stride, padding, dilation, groups, residual):
+        return None
+    layer = _layer(x, weight, bias, stride, padding, dilation, groups)
+    M, C_out, cfg, cap = layer.M, layer.C_out, layer.cfg, layer.cap
+    y_strides = _meta_strides((layer.N, C_out, layer.OH, layer.OW), layer.fmt)
+    rr = residual if residual is not None else x  # x stands for an unused pointer (kernels/_common.py)
+    flags = dict(layer.constexprs, HAS_RES=residual is not None, HAS_W=bn_weight is not None,
+                 HAS_B=bn_bias is not None)
+    stats = None
+    stats_cfg = _elem_config(cap) if layer.aten_z else cfg  # with z from aten the stats pass is elementwise
+    store_z = training and not layer.aten_z and not layer.fwd_recompute
+    if training:
+        pass_cfg = cfg if store_z or not layer.aten_z else stats_cfg
+        # ACTIVATION is unused without APPLY: one compile for every activation
+        stats = _launch_spec(M, C_out, pass_cfg, **flags, FROM_Z=layer.aten_z and not store_z, STATS=True,
+                             STORE_Z=store_z, APPLY=False, **act_meta("relu"))
+    apply_from_z = layer.aten_z or store_z
+    apply = _launch_spec(M, C_out, _elem_config(cap) if apply_from_z else cfg, **flags, FROM_Z=apply_from_z,
+                         STATS=False, STORE_Z=False, APPLY=True, **act_meta(activation))
+    block_c = 16 if interpreting() else 32
+    finalize = ((cdiv(C_out, block_c),), dict(TILE_M=stats_cfg.BLOCK_M, BLOCK_T=16 if interpreting() else 64,
+                                               BLOCK_C=block_c, num_warps=4))
+    return _FwdPlan(layer, (*layer.ints, *y_strides, *rr.stride()), stats, cdiv(M, stats_cfg.BLOCK_M), store_z,
+                    finalize, apply, apply_from_z)
+
+
 # --------------------------------------------------------------------------- forward
 def conv_bn_act_forward(
     x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
@@ -1017,76 +1122,50 @@ def conv_bn_act_forward(
     read (eval) but never written.
     """
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _supported(x, weight, activation, stride, padding, dilation, groups, residual):
+    training = bool(training)
+    key = plan_key("fwd", x, weight, bias is None, bn_weight is None, bn_bias is None, residual, training,
+                   *stride, *padding, *dilation, activation, groups, tf32_matmul_allowed())
+    plan = _PLANS.get(key, lambda: _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride,
+                                             padding, dilation, activation, groups))
+    if plan is None:
         return _reference().conv_bn_act_forward(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
             training, eps, stride, padding, dilation, activation, groups)
-    N, _, H, W = x.shape
-    C_out, C_in, KH, KW = weight.shape  # C_in per group
-    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
-    M = N * OH * OW
-    fmt = _memory_format(x)
-    y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
-    precision = dot_precision(x)
-    cap = device_capability(x)
-    direct = group_strategy(weight, groups) == "direct"
-    flat = flat_k(weight, groups)
-    cfg = layer_config(weight, groups, x.dtype, precision, cap)
-    aten_z, fwd_recompute, _ = conv_plan(x, weight, M, precision)
-    bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
-    res = residual
+    layer = plan.layer
+    C_out = layer.C_out
+    y = torch.empty((layer.N, C_out, layer.OH, layer.OW), device=x.device, dtype=x.dtype, memory_format=layer.fmt)
     dummy = x  # unused pointers: an input, never an output (see kernels/_common.py)
-    # (KH, KW, C_in, C_out): coalesced B tiles (weight rows, DIRECT); not needed when every pass reads z
-    wt = dummy if aten_z else weight.permute(2, 3, 1, 0).contiguous()
-
-    def launch(cfg, *, from_z, z, stats, store_z, apply, mean, rstd, pmean, pm2):
-        grid = (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)
-        zz = z if z is not None else dummy
-        rr = res if res is not None else dummy
-        launcher(_conv_bn_fwd_kernel, x)[grid](
-            x, wt, bias_ if bias_ is not None else dummy, zz, y, rr,
-            mean if mean is not None else dummy, rstd if rstd is not None else dummy,
-            gamma if gamma is not None else dummy, beta if beta is not None else dummy,
-            pmean if pmean is not None else dummy, pm2 if pm2 is not None else dummy,
-            M, C_out, C_in, C_out // groups, H, W, OH, OW,
-            *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
-            *y.stride(), *rr.stride(),  # z, when there is one, is laid out like y
-            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct, FLAT_K=flat,
-            FROM_Z=from_z, HAS_BIAS=bias_ is not None, STATS=stats, STORE_Z=store_z, APPLY=apply,
-            HAS_RES=res is not None, HAS_W=gamma is not None, HAS_B=beta is not None,
-            **act_meta(activation if apply else "relu"),  # unused without APPLY: one compile for all
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    wt = _weight_tile(x, weight, layer)
+    bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
+    head = (x, wt, bias_ if bias_ is not None else dummy)
+    tail = (residual if residual is not None else dummy,)
+    bn = (gamma if gamma is not None else dummy, beta if beta is not None else dummy)
+    kernel = launcher(_conv_bn_fwd_kernel, x)
 
     with _device_guard(x):
-        z = _aten_z(x, weight, bias, stride, padding, dilation, y) if aten_z else None
+        z = _aten_z(x, weight, bias, stride, padding, dilation, y) if layer.aten_z else None
         if training:
-            # with z from aten, the stats pass is elementwise: its tile only sets the partials' rows
-            stats_cfg = _elem_config(cap) if aten_z else cfg
-            T = cdiv(M, stats_cfg.BLOCK_M)
-            pmean = torch.empty((T, C_out), device=x.device, dtype=torch.float32)
+            pmean = torch.empty((plan.stats_rows, C_out), device=x.device, dtype=torch.float32)
             pm2 = torch.empty_like(pmean)
-            if z is None and not fwd_recompute:
+            if plan.store_z:
                 z = torch.empty_like(y)
-                launch(cfg, from_z=False, z=z, stats=True, store_z=True, apply=False,
-                       mean=None, rstd=None, pmean=pmean, pm2=pm2)
-            else:
-                launch(stats_cfg, from_z=aten_z, z=z, stats=True, store_z=False, apply=False,
-                       mean=None, rstd=None, pmean=pmean, pm2=pm2)
-            mean, rstd = _finalize_stats(pmean, pm2, M, C_out, stats_cfg.BLOCK_M, eps, x.device)
+            grid, meta = plan.stats
+            kernel[grid](*head, z if z is not None else dummy, y, *tail, dummy, dummy, *bn, pmean, pm2,
+                         *plan.ints, **meta)
+            mean = torch.empty(C_out, device=x.device, dtype=torch.float32)
+            rstd = torch.empty(C_out, device=x.device, dtype=torch.float32)
+            grid, meta = plan.finalize
+            launcher(_bn_stats_finalize_kernel, pmean)[grid](pmean, pm2, mean, rstd, plan.stats_rows, C_out,
+                                                             layer.M, float(eps), **meta)
             del pmean, pm2
         else:
             mean = running_mean.float().contiguous()
             rstd = torch.rsqrt(running_var.float() + eps).contiguous()
-        if z is None:  # eval, or the training forward that reruns the conv
-            launch(cfg, from_z=False, z=None, stats=False, store_z=False, apply=True,
-                   mean=mean, rstd=rstd, pmean=None, pm2=None)
-        else:
-            launch(_elem_config(cap), from_z=True, z=z, stats=False, store_z=False, apply=True,
-                   mean=mean, rstd=rstd, pmean=None, pm2=None)
-            del z  # transient
+        # eval, or the training forward that reruns the conv: no z
+        grid, meta = plan.apply
+        kernel[grid](*head, z if z is not None else dummy, y, *tail, mean, rstd, *bn, dummy, dummy,
+                     *plan.ints, **meta)
+        del z  # transient
     return y, mean, rstd
 
 
@@ -1156,6 +1235,67 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap, pre_
     return dw.view(C_out, C_in, KH, KW)
 
 
+class _BwdPass(NamedTuple):
+    grid: tuple
+    constexprs: dict
+    rows: int      # row tiles: the rows of the per-tile partials
+    reduce: bool   # it reduces sum(g) and sum(g * xhat) per channel (into sg, sgx)
+    dbias: bool    # it reduces the conv bias's gradient
+
+
+class _BwdPlan(NamedTuple):
+    layer: _Layer
+    ints: tuple
+    wanted: tuple           # need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres
+    store_z: bool           # the first pass stores z for the second (the Triton conv, z buffered)
+    passes: tuple           # _BwdPass, run in order; the second reads the first's sums
+
+
+def _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training, stride, padding, dilation,
+              activation, output_mask, groups):
+    """The backward's plan, or None where the kernels do not cover the call (the reference runs)."""
+    if not _supported(x, weight, activation, stride, padding, dilation, groups, residual) \
+            or _sample_extent(grad_out) > _I32_MAX:  # read through its strides too
+        return None
+    need = wanted(output_mask, 6)
+    need_dx, need_dw, need_db, _, _, need_dres = need
+    layer = _layer(x, weight, bias, stride, padding, dilation, groups)
+    M, C_out, cfg, cap = layer.M, layer.C_out, layer.cfg, layer.cap
+    dz_strides = _meta_strides((layer.N, C_out, layer.OH, layer.OW), layer.fmt)  # z's and dres's too
+    rr = residual if residual is not None else x
+    flags = dict(layer.constexprs, TRAINING=training, HAS_RES=residual is not None, HAS_W=bn_weight is not None,
+                 HAS_B=bn_bias is not None, **act_meta(activation))
+    store_dres = residual is not None and need_dres
+
+    def spec(cfg, *, from_z, store_z, reduce, emit, store_dres):
+        grid, meta = _launch_spec(M, C_out, cfg, **flags, FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce,
+                                  EMIT_DZ=emit, STORE_DRES=store_dres)
+        return _BwdPass(grid, meta, cdiv(M, cfg.BLOCK_M), reduce, emit and bias is not None)
+
+    aten_z = layer.aten_z
+    z_cfg = _elem_config(cap) if aten_z else cfg  # passes that read z are elementwise
+    # dz feeds dX, dW and the conv bias's gradient only (BN-only training has no use for it)
+    emit = need_dx or need_dw or (need_db and bias is not None)
+    store_z = training and not aten_z and not layer.twice and emit
+    if not training:
+        passes = (spec(z_cfg, from_z=aten_z, store_z=False, reduce=bn_weight is not None or bn_bias is not None,
+                       emit=True, store_dres=store_dres),)
+    else:
+        first = spec(cfg if store_z else z_cfg, from_z=aten_z, store_z=store_z, reduce=True, emit=False,
+                     store_dres=store_dres)
+        z_read = aten_z or store_z
+        second = spec(_elem_config(cap) if z_read else cfg, from_z=z_read, store_z=False, reduce=False, emit=True,
+                      store_dres=False)
+        passes = (first, second) if emit else (first,)
+    ints = (*layer.ints[:8], 1.0 / M, *layer.ints[8:], *dz_strides, *grad_out.stride(), *rr.stride())
+    return _BwdPlan(layer, ints, need, store_z, passes)
+
+
+def _tile_sums(p):
+    # per-tile partials -> per-channel sums: fixed order, no atomics
+    return p.sum(0) if p.shape[0] > 1 else p[0]
+
+
 def conv_bn_act_backward(
     x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
     training, eps, stride, padding, dilation, activation, output_mask=None, groups=1,
@@ -1168,88 +1308,48 @@ def conv_bn_act_backward(
     recomputed inside the kernels (see the module docstring for the passes).
     """
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _supported(x, weight, activation, stride, padding, dilation, groups, residual) \
-            or _sample_extent(grad_out) > _I32_MAX:  # read through its strides too
+    training = bool(training)
+    mask = None if output_mask is None else tuple(bool(m) for m in output_mask)
+    key = plan_key("bwd", x, weight, bias is None, bn_weight is None, bn_bias is None, residual, grad_out, training,
+                   *stride, *padding, *dilation, activation, groups, mask, tf32_matmul_allowed())
+    plan = _PLANS.get(key, lambda: _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training,
+                                             stride, padding, dilation, activation, mask, groups))
+    if plan is None:
         return _reference().conv_bn_act_backward(
             x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
             training, eps, stride, padding, dilation, activation, output_mask, groups)
-    need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres = wanted(output_mask, 6)
-    N, _, H, W = x.shape
-    C_out, C_in, KH, KW = weight.shape  # C_in per group
-    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
-    M = N * OH * OW
-    fmt = _memory_format(x)
+    need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres = plan.wanted
+    layer = plan.layer
+    C_out = layer.C_out
     dev = x.device
-    precision = dot_precision(x)
-    cap = device_capability(x)
-    direct = group_strategy(weight, groups) == "direct"
-    flat = flat_k(weight, groups)  # the forward's loop
-    cfg = layer_config(weight, groups, x.dtype, precision, cap)  # the forward's
-    aten_z, _, twice = conv_plan(x, weight, M, precision)
-    wt = x if aten_z else weight.permute(2, 3, 1, 0).contiguous()  # as in the forward
+    wt = _weight_tile(x, weight, layer)  # as in the forward
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
-    dz = torch.empty((N, C_out, OH, OW), device=dev, dtype=x.dtype, memory_format=fmt)
+    dz = torch.empty((layer.N, C_out, layer.OH, layer.OW), device=dev, dtype=x.dtype, memory_format=layer.fmt)
     dres = torch.empty_like(dz, dtype=grad_out.dtype) if residual is not None and need_dres else None
-    affine = gamma is not None or beta is not None
     dummy = x
+    head = (x, wt, bias_ if bias_ is not None else dummy)
+    mid = (grad_out, residual if residual is not None else dummy, dz, dres if dres is not None else dummy, mean, rstd,
+           gamma if gamma is not None else dummy, beta if beta is not None else dummy)
+    kernel = launcher(_conv_bn_bwd_kernel, x)
     f32 = dict(device=dev, dtype=torch.float32)
 
-    def launch(cfg, *, from_z, z, store_z, reduce, emit, store_dres, sg=None, sgx=None):
-        T = cdiv(M, cfg.BLOCK_M)
-        pg = torch.empty((T, C_out), **f32) if reduce else None
-        pgx = torch.empty((T, C_out), **f32) if reduce else None
-        pdb = torch.empty((T, C_out), **f32) if (emit and bias_ is not None) else None
-        rr = residual if residual is not None else dummy
-        grid = (T * cdiv(C_out, cfg.BLOCK_N),)
-        launcher(_conv_bn_bwd_kernel, x)[grid](
-            x, wt, bias_ if bias_ is not None else dummy, z if z is not None else dummy, grad_out, rr,
-            dz, dres if dres is not None else dummy,
-            mean, rstd, gamma if gamma is not None else dummy, beta if beta is not None else dummy,
-            sg if sg is not None else dummy, sgx if sgx is not None else dummy,
-            pg if pg is not None else dummy, pgx if pgx is not None else dummy, pdb if pdb is not None else dummy,
-            M, C_out, C_in, C_out // groups, H, W, OH, OW, 1.0 / M,
-            *x.stride(), wt.stride(0), wt.stride(1), wt.stride(2), wt.stride(3),
-            *dz.stride(), *grad_out.stride(), *rr.stride(),
-            **_geom_constexprs(KH, KW, stride, padding, dilation), DIRECT=direct, FLAT_K=flat,
-            FROM_Z=from_z, STORE_Z=store_z, REDUCE=reduce, EMIT_DZ=emit, TRAINING=bool(training),
-            STORE_DRES=store_dres, HAS_BIAS=bias_ is not None, HAS_RES=residual is not None,
-            HAS_W=gamma is not None, HAS_B=beta is not None, **act_meta(activation),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast_flag(x), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        # per-tile partials -> per-channel sums: fixed order, no atomics
-        # (separate buffers: sums of one would alias, and a custom op's outputs may not)
-        red = (lambda p: p.sum(0)) if T > 1 else (lambda p: p[0])
-        return (red(pg) if reduce else None, red(pgx) if reduce else None,
-                red(pdb) if pdb is not None else None)
-
     with _device_guard(x):
-        z = _aten_z(x, weight, bias, stride, padding, dilation, dz) if aten_z else None
-        # passes that read z are elementwise and take the elementwise tile
-        z_cfg = _elem_config(cap) if aten_z else cfg
-        # dz feeds dX, dW and the conv bias's gradient only (BN-only training has no use for it)
-        emit = need_dx or need_dw or (need_db and bias_ is not None)
-        if training:
-            if z is None and not twice and emit:
-                z = torch.empty_like(dz)
-                sg, sgx, _ = launch(cfg, from_z=False, z=z, store_z=True, reduce=True, emit=False,
-                                    store_dres=dres is not None)
-            else:
-                sg, sgx, _ = launch(z_cfg, from_z=aten_z, z=z, store_z=False, reduce=True, emit=False,
-                                    store_dres=dres is not None)
-            if not emit:
-                db = None
-            elif z is None:
-                _, _, db = launch(cfg, from_z=False, z=None, store_z=False, reduce=False, emit=True,
-                                  store_dres=False, sg=sg, sgx=sgx)
-            else:
-                _, _, db = launch(_elem_config(cap), from_z=True, z=z, store_z=False, reduce=False,
-                                  emit=True, store_dres=False, sg=sg, sgx=sgx)
-        else:
-            sg, sgx, db = launch(z_cfg, from_z=aten_z, z=z, store_z=False, reduce=affine, emit=True,
-                                 store_dres=dres is not None)
+        z = _aten_z(x, weight, bias, stride, padding, dilation, dz) if layer.aten_z else None
+        if plan.store_z:
+            z = torch.empty_like(dz)
+        sg = sgx = db = None
+        for p in plan.passes:
+            # separate buffers: sums of one would alias, and a custom op's outputs may not
+            pg = torch.empty((p.rows, C_out), **f32) if p.reduce else dummy
+            pgx = torch.empty((p.rows, C_out), **f32) if p.reduce else dummy
+            pdb = torch.empty((p.rows, C_out), **f32) if p.dbias else dummy
+            kernel[p.grid](*head, z if z is not None else dummy, *mid, sg if sg is not None else dummy,
+                           sgx if sgx is not None else dummy, pg, pgx, pdb, *plan.ints, **p.constexprs)
+            if p.reduce:
+                sg, sgx = _tile_sums(pg), _tile_sums(pgx)
+            if p.dbias:
+                db = _tile_sums(pdb)
         del z  # transient
         if not (need_dx or need_dw):
             dx = dweight = None
@@ -1258,8 +1358,10 @@ def conv_bn_act_backward(
                 dz, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [need_dx, need_dw, False])
             dx, dweight = dx if need_dx else None, dweight if need_dw else None  # CPU's fills them anyway
         else:
-            dx = conv_dx(dz, weight, x.shape, fmt, stride, padding, dilation, precision, cap) if need_dx else None
-            dweight = conv_dw(dz, x, weight.shape, stride, padding, dilation, precision, cap) if need_dw else None
+            dx = conv_dx(dz, weight, x.shape, layer.fmt, stride, padding, dilation, layer.precision,
+                         layer.cap) if need_dx else None
+            dweight = conv_dw(dz, x, weight.shape, stride, padding, dilation, layer.precision,
+                              layer.cap) if need_dw else None
     dweight = dweight.to(weight.dtype) if dweight is not None else None
     dbias = db.to(bias.dtype) if bias is not None and need_db else None
     dbn_weight = sgx.to(bn_weight.dtype) if bn_weight is not None and need_dgamma else None
