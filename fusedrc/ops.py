@@ -168,6 +168,11 @@ def _strides_match(t: Tensor, strides) -> bool:
 def _laid_out(t: Tensor, channels_last: bool = False, dtype=None) -> Tensor:
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
+    # torch's contiguity checks skip size-1 dimensions as _strides_match does: the usual case, decided
+    # in C++ (an empty tensor counts as contiguous there, so it takes the check below)
+    if t.is_contiguous(memory_format=torch.channels_last if channels_last and t.dim() == 4 else
+                       torch.contiguous_format) and t.numel():
+        return t
     if _strides_match(t, _dense_strides(tuple(t.shape), channels_last)):
         return t
     return _empty(t.shape, t, channels_last=channels_last).copy_(t)

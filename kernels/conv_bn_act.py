@@ -1018,6 +1018,11 @@ def clear_launch_plans():
     _PLANS.clear()
 
 
+def _tf32_key(x) -> bool:
+    # what dot_precision(x) reads besides x's metadata (asked only where it can matter)
+    return x.dtype == torch.float32 and x.is_cuda and tf32_matmul_allowed()
+
+
 def _meta_strides(shape, fmt):
     return torch.empty(shape, device="meta", memory_format=fmt).stride()
 
@@ -1124,7 +1129,7 @@ def conv_bn_act_forward(
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     training = bool(training)
     key = plan_key("fwd", x, weight, bias is None, bn_weight is None, bn_bias is None, residual, training,
-                   *stride, *padding, *dilation, activation, groups, tf32_matmul_allowed())
+                   *stride, *padding, *dilation, activation, groups, _tf32_key(x))
     plan = _PLANS.get(key, lambda: _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride,
                                              padding, dilation, activation, groups))
     if plan is None:
@@ -1311,7 +1316,7 @@ def conv_bn_act_backward(
     training = bool(training)
     mask = None if output_mask is None else tuple(bool(m) for m in output_mask)
     key = plan_key("bwd", x, weight, bias is None, bn_weight is None, bn_bias is None, residual, grad_out, training,
-                   *stride, *padding, *dilation, activation, groups, mask, tf32_matmul_allowed())
+                   *stride, *padding, *dilation, activation, groups, mask, _tf32_key(x))
     plan = _PLANS.get(key, lambda: _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training,
                                              stride, padding, dilation, activation, mask, groups))
     if plan is None:
