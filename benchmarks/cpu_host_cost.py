@@ -13,10 +13,12 @@ the running statistics.
 is a Triton kernel (the interpreter's), so all of them are stubbed there; on a GPU the plain ones
 are cuBLAS calls.
 
-Forward and backward are timed apart, every raw timing is written to
+The strategies take turns, ``--batch`` steps each, so that a shared machine's drifting load falls on
+all of them alike. Forward and backward are timed apart, every raw timing is written to
 ``benchmarks/results/host_cost_<pattern>_cpu_<time>.json``.
 
-    python benchmarks/cpu_host_cost.py [--pattern conv|ffn] [--conv-z triton|aten] [--steps 300] [--out benchmarks/results]
+    python benchmarks/cpu_host_cost.py [--pattern conv|ffn] [--conv-z triton|aten] [--steps 300] [--batch 25]
+        [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ def _stub_kernels():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="timed steps per strategy")
+    ap.add_argument("--batch", type=int, default=25, help="steps a strategy runs before the next takes its turn")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--pattern", default="conv", choices=("conv", "ffn"),
                     help="the Conv-BN-ReLU layer, or a small FFN (Linear-GELU-Linear: its GEMMs stubbed too)")
@@ -105,28 +108,38 @@ def main():
     from fusedrc.kernels import conv_bn_act
 
     conv_z = args.conv_z or conv_bn_act.CONV_Z
+    times = {name: ([], []) for name in cases}
+    counts = dict.fromkeys(cases, 0)
+    rounds = 1 + -(-args.steps // args.batch)  # the first is warm-up
     with fusedrc.use_backend("triton"), measure.switches(conv_bn_act, CONV_Z=conv_z):
-        for name, fwd in cases.items():
-            f_times, b_times = [], []
-            launches[0] = 0
-            for i in range(20 + args.steps):
-                x.grad = None
-                for p in block.parameters():
-                    p.grad = None
-                t0 = time.perf_counter()
-                y = fwd()
-                t1 = time.perf_counter()
-                y.backward(g)
-                t2 = time.perf_counter()
-                if i >= 20:
-                    f_times.append(t1 - t0)
-                    b_times.append(t2 - t1)
-            rec = dict(strategy=name, forward_times_s=f_times, backward_times_s=b_times,
-                       triton_launches_per_step=launches[0] / (20 + args.steps))
-            records.append(rec)
-            fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
-            print(f"{name:24s} forward {fm:7.1f} us  backward {bm:7.1f} us  total {fm + bm:7.1f} us  "
-                  f"(stubbed Triton launches a step: {rec['triton_launches_per_step']:.0f})", flush=True)
+        # strategies take turns, args.batch steps each: a shared machine's load drifts over seconds,
+        # and every strategy sees the same drift
+        for r in range(rounds):
+            for name, fwd in cases.items():
+                launches[0] = 0
+                for _ in range(args.batch):
+                    x.grad = None
+                    for p in block.parameters():
+                        p.grad = None
+                    t0 = time.perf_counter()
+                    y = fwd()
+                    t1 = time.perf_counter()
+                    y.backward(g)
+                    t2 = time.perf_counter()
+                    if r:
+                        times[name][0].append(t1 - t0)
+                        times[name][1].append(t2 - t1)
+                counts[name] = launches[0] / args.batch
+    eager_total = None
+    for name in cases:
+        f_times, b_times = times[name]
+        rec = dict(strategy=name, forward_times_s=f_times, backward_times_s=b_times,
+                   triton_launches_per_step=counts[name], batch=args.batch)
+        records.append(rec)
+        fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
+        eager_total = eager_total or fm + bm
+        print(f"{name:24s} forward {fm:7.1f} us  backward {bm:7.1f} us  total {fm + bm:7.1f} us  "
+              f"({(fm + bm) / eager_total:.2f}x eager; stubbed Triton launches a step: {counts[name]:.0f})", flush=True)
     path = measure.write_results(args.out, f"host_cost_{args.pattern}_cpu", "host_cost", torch.device("cpu"),
                                  pattern=args.pattern, layer=layer, conv_z=conv_z,
                                  stubbed="fusedrc's Triton launches (its GEMMs on the CPU: the interpreter's "
