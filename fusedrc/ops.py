@@ -649,9 +649,15 @@ def _pinning_precision(backward, setup):
     ``torch.backends.cuda.matmul`` or ``torch.backends.cudnn`` changed in between."""
     def pinned_setup(ctx, inputs, output):
         setup(ctx, inputs, output)
-        ctx.tf32, ctx.cudnn_tf32 = tf32_matmul_allowed(), cudnn_conv_tf32()
+        # tf32 applies to fp32 operands only: with 16-bit activations and weights (AMP, a bf16 model)
+        # there is nothing to pin, and the backward skips the settings' reads and context managers
+        ctx.pin = any(isinstance(t, Tensor) and t.dim() > 1 and t.dtype == torch.float32 for t in inputs)
+        if ctx.pin:
+            ctx.tf32, ctx.cudnn_tf32 = tf32_matmul_allowed(), cudnn_conv_tf32()
 
     def pinned_backward(ctx, *grads):
+        if not ctx.pin:
+            return backward(ctx, *grads)
         with pinned_tf32(ctx.tf32), pinned_cudnn_tf32(ctx.cudnn_tf32):
             return backward(ctx, *grads)
 

@@ -493,6 +493,25 @@ def test_backward_recomputes_at_the_forwards_fp32_precision(monkeypatch, fn, set
         flags.fp32_precision = before
 
 
+def test_sixteen_bit_ops_pin_no_precision(monkeypatch):
+    """tf32 applies to fp32 operands only: a bf16 op's setup reads neither tf32 setting and its
+    backward enters no pinning context; an fp32 op's does both."""
+    from fusedrc import ops
+
+    reads = []
+    for name in ("tf32_matmul_allowed", "cudnn_conv_tf32"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda real=real, name=name: reads.append(name) or real())
+    for dtype in (torch.bfloat16, torch.float32):
+        reads.clear()
+        m = fusedrc.nn.ConvBNReLU(4, 5, 3).to(dtype)
+        x = torch.randn(2, 4, 6, 6, dtype=dtype, requires_grad=True)
+        with fusedrc.use_backend("reference"):
+            m(x).float().sum().backward()
+        assert x.grad is not None and x.grad.dtype == dtype
+        assert reads == ([] if dtype == torch.bfloat16 else ["tf32_matmul_allowed", "cudnn_conv_tf32"])
+
+
 def _fused_and_plain(op):
     torch.manual_seed(0)
     if op == "linear_act":
