@@ -36,6 +36,8 @@ import contextlib
 import functools
 import itertools
 import os
+import sys
+import types
 from typing import NamedTuple
 
 import torch
@@ -597,24 +599,28 @@ class LaunchPlans:
         return len(self._plans)
 
     def watch(self, module_name: str):
-        """Clear the plans whenever an attribute of module ``module_name`` is set or deleted."""
-        import sys
-        import types
-
-        plans = self
+        """Clear the plans whenever an attribute of module ``module_name`` is set or deleted (a
+        module may be watched by several caches, a cache may watch several modules)."""
         module = sys.modules[module_name]
-
-        class _Watched(types.ModuleType):
-            def __setattr__(self, name, value):
-                super().__setattr__(name, value)
-                plans.clear()
-
-            def __delattr__(self, name):
-                super().__delattr__(name)
-                plans.clear()
-
-        module.__class__ = _Watched
+        _WATCHERS.setdefault(module_name, []).append(self)
+        if not isinstance(module, _WatchedModule):
+            module.__class__ = _WatchedModule
         return self
+
+
+_WATCHERS = {}  # module name -> the LaunchPlans its attributes feed
+
+
+class _WatchedModule(types.ModuleType):
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        for plans in _WATCHERS.get(self.__name__, ()):
+            plans.clear()
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        for plans in _WATCHERS.get(self.__name__, ()):
+            plans.clear()
 
 
 def plan_key(*parts):

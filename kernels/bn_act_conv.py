@@ -22,16 +22,18 @@ helper, so the backward's activation mask is the forward's, bit for bit.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from . import conv_bn_act as _cba
-from ._common import _act_grad, _device_guard, _reference, _upcast_flag, act_meta, cdiv, device_capability, \
-    dot_precision, launcher, wanted
+from ._common import LaunchPlans, _act_grad, _device_guard, _reference, _upcast_flag, act_meta, cdiv, \
+    device_capability, dot_precision, launcher, plan_key, wanted
 from .conv_bn_act import (_INSPECT_ARCH, _INSPECT_GEOM, _INSPECT_PTR, _TABLE, _bn_act, _channel_vectors,
                           _conv_mainloop, _finalize_stats, _geom_constexprs, _inspect_args, _memory_format, _out_hw,
-                          _pair, _pix_offsets, _supported, _tile_ids, conv_dw, conv_dx, flat_k,
+                          _pair, _pix_offsets, _supported, _tf32_key, _tile_ids, conv_dw, conv_dx, flat_k,
                           layer_config)
 
 __all__ = ["bn_act_conv_forward", "bn_act_conv_backward"]
@@ -188,6 +190,37 @@ def _elem_meta(activation=None):
     return meta if activation is None else {**meta, **act_meta(activation)}
 
 
+# Per-layer launch plans (kernels/_common.py, LaunchPlans): the support check and the conv launch's
+# tile, grid and constexprs, worked out once per layer shape. This module's settings and
+# conv_bn_act's (its tile table, CONV_GRAD) both feed them.
+_PLANS = LaunchPlans().watch(__name__).watch(_cba.__name__)
+
+
+class _FwdPlan(NamedTuple):
+    y_shape: tuple
+    fmt: torch.memory_format
+    M: int
+    grid: tuple
+    constexprs: dict
+
+
+def _fwd_plan(x, weight, bias, stride, padding, dilation, activation, groups):
+    if not _pre_supported(x, weight, activation, stride, padding, dilation, groups):
+        return None
+    N, C, H, W = x.shape
+    C_out, _, KH, KW = weight.shape
+    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
+    precision, cap = dot_precision(x), device_capability(x)
+    cfg = layer_config(weight, 1, x.dtype, precision, cap)
+    M = N * OH * OW
+    meta = dict(_geom_constexprs(KH, KW, stride, padding, dilation), FLAT_K=flat_k(weight, 1),
+                HAS_BIAS=bias is not None, **act_meta(activation),
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _FwdPlan((N, C_out, OH, OW), _memory_format(x), M, (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),),
+                    meta)
+
+
 def bn_act_conv_forward(
     x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
     training, eps, stride, padding, dilation, activation, groups=1,
@@ -195,17 +228,15 @@ def bn_act_conv_forward(
     """y = conv2d(act(bn(x))) -> (y, mean, rstd) of x's channels (fp32). Same contract as
     ``fusedrc.reference.bn_act_conv_forward``; the running buffers are read (eval), never written."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _pre_supported(x, weight, activation, stride, padding, dilation, groups):
+    key = plan_key("fwd", x, weight, bias is None, *stride, *padding, *dilation, activation, groups, _tf32_key(x))
+    plan = _PLANS.get(key, lambda: _fwd_plan(x, weight, bias, stride, padding, dilation, activation, groups))
+    if plan is None:
         return _reference().bn_act_conv_forward(
             x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
             training, eps, stride, padding, dilation, activation, groups)
     N, C, H, W = x.shape
-    C_out, _, KH, KW = weight.shape
-    OH, OW = _out_hw(H, W, KH, KW, stride, padding, dilation)
-    fmt = _memory_format(x)
-    y = torch.empty((N, C_out, OH, OW), device=x.device, dtype=x.dtype, memory_format=fmt)
-    precision, cap = dot_precision(x), device_capability(x)
-    cfg = layer_config(weight, 1, x.dtype, precision, cap)
+    C_out = plan.y_shape[1]
+    y = torch.empty(plan.y_shape, device=x.device, dtype=x.dtype, memory_format=plan.fmt)
     with _device_guard(x):
         if training:
             P = N * H * W
@@ -219,14 +250,10 @@ def bn_act_conv_forward(
             rstd = torch.rsqrt(running_var.float() + eps).contiguous()
         vmean, _, scale, shift = _bn_vectors(bn_weight, bn_bias, mean, rstd)
         wt = weight.permute(2, 3, 1, 0).contiguous()  # (KH, KW, C_in, C_out), as conv_bn_act's forward
-        M = N * OH * OW
-        launcher(_bn_act_conv_fwd_kernel, x)[(cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),)](
+        launcher(_bn_act_conv_fwd_kernel, x)[plan.grid](
             x, wt, bias.contiguous() if bias is not None else x, y, vmean, scale, shift,
-            M, C_out, C, H, W, OH, OW, *x.stride(), *wt.stride(), *y.stride(),
-            **_geom_constexprs(KH, KW, stride, padding, dilation), FLAT_K=flat_k(weight, 1),
-            HAS_BIAS=bias is not None, **act_meta(activation),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            plan.M, C_out, C, H, W, plan.y_shape[2], plan.y_shape[3], *x.stride(), *wt.stride(), *y.stride(),
+            **plan.constexprs,
         )
     return y, mean, rstd
 
@@ -238,8 +265,9 @@ def bn_act_conv_backward(
     """(dx, dbn_weight, dbn_bias, dweight, dbias); None where the input is None or ``output_mask``
     masks it off. Same contract as ``fusedrc.reference.bn_act_conv_backward``."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if not _pre_supported(x, weight, activation, stride, padding, dilation, groups) \
-            or _cba._sample_extent(grad_out) > _cba._I32_MAX:
+    key = plan_key("bwd", x, weight, grad_out, *stride, *padding, *dilation, activation, groups, _tf32_key(x))
+    if not _PLANS.get(key, lambda: _pre_supported(x, weight, activation, stride, padding, dilation, groups)
+                      and _cba._sample_extent(grad_out) <= _cba._I32_MAX):
         return _reference().bn_act_conv_backward(
             x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
             training, eps, stride, padding, dilation, activation, output_mask, groups)

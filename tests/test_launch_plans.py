@@ -180,3 +180,34 @@ def test_checked_call_keys_on_autocast(device):
             y = _call(x, conv, bn)
         assert y.dtype == (torch.float16 if x.is_cuda else torch.bfloat16)
         assert _call(x, conv, bn).dtype == torch.float32
+
+
+def test_bn_act_conv_plans_follow_both_modules(monkeypatch, device):
+    """The pre-activation conv's plans read conv_bn_act's tile table and switches too: setting one
+    there clears them; the cached launch gives the reference's result."""
+    from fusedrc.kernels import bn_act_conv as B
+
+    x, w, gamma, beta, grad = _layer(device=device)
+    w = w[:5]  # (5 out, 5 in, 3, 3): a conv over x's 5 channels
+
+    def run(mod):
+        y, mean, rstd = mod.bn_act_conv_forward(x, gamma[:5], beta[:5], None, None, w, None, True, EPS,
+                                                [1, 1], [1, 1], [1, 1], "relu", 1)
+        return (y, mean, rstd), mod.bn_act_conv_backward(x, gamma[:5], beta[:5], w, None, mean, rstd, grad[:, :5],
+                                                          True, EPS, [1, 1], [1, 1], [1, 1], "relu", None, 1)
+
+    out, grads = run(B)
+    run(B)
+    assert len(B._PLANS) == 2
+    monkeypatch.setattr(K, "FLAT_K_MAX_CHANNELS", K.FLAT_K_MAX_CHANNELS)  # a set on conv_bn_act, same value
+    assert len(B._PLANS) == 0
+    d = {n: t.double() for n, t in (("x", x), ("w", w), ("g", gamma[:5]), ("b", beta[:5]), ("grad", grad[:, :5]))}
+    y_r, mean_r, rstd_r = R.bn_act_conv_forward(d["x"], d["g"], d["b"], None, None, d["w"], None, True, EPS,
+                                               [1, 1], [1, 1], [1, 1], "relu", 1)
+    grads_r = R.bn_act_conv_backward(d["x"], d["g"], d["b"], d["w"], None, mean_r, rstd_r, d["grad"], True, EPS,
+                                     [1, 1], [1, 1], [1, 1], "relu", None, 1)
+    for o, r in zip((*out, *grads), (y_r, mean_r, rstd_r, *grads_r)):
+        if r is None:
+            assert o is None
+            continue
+        assert ((o.double() - r).norm() / r.norm()) < 1e-5
