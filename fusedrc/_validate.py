@@ -155,23 +155,26 @@ class CheckedCalls:
     waits on them. The checks that depend on more than that (autocast, forward-mode AD, recompute
     regions, the backend setting) still run every call."""
 
-    MAX = 1024
+    MAX = 1024  # distinct call signatures; past that the cache starts over (correct, slower)
 
     def __init__(self):
-        self._seen = {}
+        self._entries = {}
 
     def get(self, key):
-        return None if key is None else self._seen.get(key)
+        return None if key is None else self._entries.get(key)
 
-    def put(self, key, checked):
+    def put(self, key, value):
         if key is not None:
-            if len(self._seen) >= self.MAX:
-                self._seen.clear()
-            self._seen[key] = checked
-        return checked
+            if len(self._entries) >= self.MAX:
+                self._entries.clear()
+            self._entries[key] = value
+        return value
 
     def clear(self):
-        self._seen.clear()
+        self._entries.clear()
+
+    def __len__(self):
+        return len(self._entries)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from fusedrc._state import tf32_matmul_allowed, traced
+from fusedrc._validate import CheckedCalls
 from fusedrc.reference import check_activation, split_activation  # noqa: F401  (one definition)
 from fusedrc.reference import wanted  # noqa: F401  (the launchers' output_mask, one definition)
 
@@ -564,7 +565,7 @@ def launcher(kernel, probe: torch.Tensor):
         raise
 
 
-class LaunchPlans:
+class LaunchPlans(CheckedCalls):
     """Per-layer launch plans of a kernels module, keyed by a call's metadata (shapes, strides,
     dtypes, device, flags).
 
@@ -576,27 +577,12 @@ class LaunchPlans:
     (``watch``); a table mutated in place needs ``clear()``. Traced calls (fake tensors, symbolic
     shapes) never use the cache: ``key`` is None there."""
 
-    MAX = 1024  # distinct layer shapes; a model with more rebuilds (correct, slower)
-
-    def __init__(self):
-        self._plans = {}
-
-    def get(self, key, build):
+    def plan(self, key, build):
         """The plan of ``key``, built by ``build()`` on a miss; ``build()`` every call when key is None."""
         if key is None:
             return build()
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self.MAX:
-                self._plans.clear()
-            plan = self._plans[key] = build()
-        return plan
-
-    def clear(self):
-        self._plans.clear()
-
-    def __len__(self):
-        return len(self._plans)
+        plan = self.get(key)
+        return plan if plan is not None else self.put(key, build())
 
     def watch(self, module_name: str):
         """Clear the plans whenever an attribute of module ``module_name`` is set or deleted (a

@@ -229,7 +229,7 @@ def bn_act_conv_forward(
     ``fusedrc.reference.bn_act_conv_forward``; the running buffers are read (eval), never written."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     key = plan_key("fwd", x, weight, bias is None, *stride, *padding, *dilation, activation, groups, _tf32_key(x))
-    plan = _PLANS.get(key, lambda: _fwd_plan(x, weight, bias, stride, padding, dilation, activation, groups))
+    plan = _PLANS.plan(key, lambda: _fwd_plan(x, weight, bias, stride, padding, dilation, activation, groups))
     if plan is None:
         return _reference().bn_act_conv_forward(
             x, bn_weight, bn_bias, running_mean, running_var, weight, bias,
@@ -266,8 +266,8 @@ def bn_act_conv_backward(
     masks it off. Same contract as ``fusedrc.reference.bn_act_conv_backward``."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     key = plan_key("bwd", x, weight, grad_out, *stride, *padding, *dilation, activation, groups, _tf32_key(x))
-    if not _PLANS.get(key, lambda: _pre_supported(x, weight, activation, stride, padding, dilation, groups)
-                      and _cba._sample_extent(grad_out) <= _cba._I32_MAX):
+    if not _PLANS.plan(key, lambda: _pre_supported(x, weight, activation, stride, padding, dilation, groups)
+                       and _cba._sample_extent(grad_out) <= _cba._I32_MAX):
         return _reference().bn_act_conv_backward(
             x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
             training, eps, stride, padding, dilation, activation, output_mask, groups)

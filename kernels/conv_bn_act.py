@@ -1130,8 +1130,8 @@ def conv_bn_act_forward(
     training = bool(training)
     key = plan_key("fwd", x, weight, bias is None, bn_weight is None, bn_bias is None, residual, training,
                    *stride, *padding, *dilation, activation, groups, _tf32_key(x))
-    plan = _PLANS.get(key, lambda: _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride,
-                                             padding, dilation, activation, groups))
+    plan = _PLANS.plan(key, lambda: _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride,
+                                              padding, dilation, activation, groups))
     if plan is None:
         return _reference().conv_bn_act_forward(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
@@ -1317,8 +1317,8 @@ def conv_bn_act_backward(
     mask = None if output_mask is None else tuple(bool(m) for m in output_mask)
     key = plan_key("bwd", x, weight, bias is None, bn_weight is None, bn_bias is None, residual, grad_out, training,
                    *stride, *padding, *dilation, activation, groups, mask, _tf32_key(x))
-    plan = _PLANS.get(key, lambda: _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training,
-                                             stride, padding, dilation, activation, mask, groups))
+    plan = _PLANS.plan(key, lambda: _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training,
+                                              stride, padding, dilation, activation, mask, groups))
     if plan is None:
         return _reference().conv_bn_act_backward(
             x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,

@@ -78,12 +78,12 @@ def test_setting_a_switch_clears_the_plans(monkeypatch, device):
     monkeypatch.setattr(K, "CONV_Z", "triton")
     _fwd_bwd(K, x, w, gamma, beta, grad)
     assert len(K._PLANS) == 2
-    assert not any(p.layer.aten_z for p in K._PLANS._plans.values())
+    assert not any(p.layer.aten_z for p in K._PLANS._entries.values())
     monkeypatch.setattr(K, "CONV_Z", "aten")
     assert len(K._PLANS) == 0
     out, grads = _fwd_bwd(K, x, w, gamma, beta, grad)
     # the new setting's plans: z from aten.convolution
-    assert len(K._PLANS) == 2 and all(p.layer.aten_z for p in K._PLANS._plans.values())
+    assert len(K._PLANS) == 2 and all(p.layer.aten_z for p in K._PLANS._entries.values())
     _assert_close_to_reference(out, grads, x, w, gamma, beta, grad)
 
 
