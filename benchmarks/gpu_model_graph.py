@@ -8,8 +8,10 @@ eager took 0.3-1.7 ms: the recomputing strategies looked host-bound. Here each s
 (``zero_grad`` + forward + loss + backward + ``SGD.step``, as ``fusedrc-bench``'s model runs) is
 timed both ways: eager, and captured once in a CUDA graph (after warm-up steps on a side stream)
 and replayed, which leaves only the GPU's time. A strategy whose capture fails (a host sync) is
-recorded with its error. RNG-free models only (``no_rng_state_save``). convert(all) runs twice:
-with the default conv path and with its strictly fused passes (``CONV_Z="triton"``).
+recorded with its error. RNG-free models only (``no_rng_state_save``). convert(all) runs three
+times: with the default conv path, with its strictly fused passes (``CONV_Z="triton"``) and with
+direct launches (``kernels._common.DIRECT_LAUNCH``: its eager step against the default's is what
+skipping Triton's JIT dispatch saves).
 
     python benchmarks/gpu_model_graph.py                       # resnet50, batch 256, bf16, channels_last
 """
@@ -69,15 +71,20 @@ def main():
     measure.interrupt_on_sigterm()  # the session's `timeout`: keep what was measured
     complete = False
     conv_kernels = importlib.import_module("fusedrc.kernels.conv_bn_act")
+    common = importlib.import_module("fusedrc.kernels._common")
     # convert's model once more with the conv's strictly fused passes (the default takes z from
-    # cuDNN for 16-bit operands on a GPU): the switch is read at each call, the model is the same
+    # cuDNN for 16-bit operands on a GPU), and once with direct launches (kernels/_common.py,
+    # opt-in: the plans' sites call the compiled binaries themselves): the switches are read at
+    # each call, the model is the same
     runs = [(r, r.cfg.strategy, {}) for r in runners]
-    runs += [(r, r.cfg.strategy + " CONV_Z=triton", dict(CONV_Z="triton")) for r in runners
-             if r.cfg.strategy == "convert_all"]
+    runs += [(r, r.cfg.strategy + " " + name, sw) for r in runners if r.cfg.strategy == "convert_all"
+             for name, sw in (("CONV_Z=triton", dict(CONV_Z="triton")), ("DIRECT_LAUNCH", dict(DIRECT_LAUNCH=True)))]
     try:
         for r, label, sw in runs:
             rec = dict(strategy=label, units=r.cfg.recomputed_units, blocks=r.cfg.recomputed_blocks, **sw)
-            with measure.switches(conv_kernels, **sw):
+            conv_sw = {k: v for k, v in sw.items() if k != "DIRECT_LAUNCH"}
+            direct = sw.get("DIRECT_LAUNCH", common.DIRECT_LAUNCH)
+            with measure.switches(conv_kernels, **conv_sw), measure.switches(common, DIRECT_LAUNCH=direct):
                 try:
                     rec["eager_times_s"] = measure.do_bench_times(r.step, rep=REP_MS)
                 except Exception as e:  # record and go on

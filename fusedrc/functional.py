@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops, reference
-from ._backend import resolve_backend
+from ._backend import get_impl, resolve_backend
 from ._state import inside_region, snapshot_buffers, traced
 from ._validate import (CheckedCalls, call_key, check_activation, check_device, check_int, check_no_overlap,
                         check_number, check_probability, check_same, check_tensor, check_vector, needs_unfused, pair)
@@ -581,7 +581,7 @@ def conv_bn_act(
         use_batch_stats, float(eps), stride, padding, dilation, activation, backend, groups,
     )
     if training and running_mean is not None:
-        _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, y.numel() // c)
+        _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, y.numel() // c, backend)
     return y
 
 
@@ -657,26 +657,18 @@ def bn_act_conv(
         use_batch_stats, float(eps), stride, padding, dilation, activation, backend, groups,
     )
     if training and running_mean is not None:
-        _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, x.numel() // c)
+        _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, x.numel() // c, backend)
     return y
 
 
-@torch.no_grad()
-def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, n):
-    # Four small kernels a layer, in the statistics' precision (fp32, fp64 on the reference path
-    # with float64 input): at ResNet channel counts the launches, not the flops, are the cost.
-    unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
-    dtype = running_mean.dtype
-    bufs = [running_mean, running_var]
-    news = [mean.to(dtype), unbiased.to(dtype)]
+def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, n, backend):
     if torch.compiler.is_compiling() or traced(running_mean):
-        torch._foreach_lerp_(bufs, news, momentum)  # traced (compile, export): a visible buffer mutation
+        # traced (compile, export): a visible buffer mutation
+        with torch.no_grad():
+            unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
+            dtype = running_mean.dtype
+            torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased.to(dtype)], momentum)
         return
-    # eager: BatchNorm's kernel updates its buffers without bumping their version counters, so a graph
-    # that saved them stays valid; do the same
-    versions = [b._version for b in bufs]
-    torch._foreach_lerp_(bufs, news, momentum)
-    try:
-        torch._C._autograd._unsafe_set_version_counter(bufs, versions)
-    except (AttributeError, TypeError, RuntimeError):  # not in this torch: the bump stays
-        pass
+    # eager: as BatchNorm's kernel, without bumping the buffers' version counters (a graph that
+    # saved them stays valid); the Triton backend does it in one launch
+    get_impl(backend, "conv_bn_act", "update_running_stats_")(running_mean, running_var, mean, rstd, eps, momentum, n)

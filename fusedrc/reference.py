@@ -571,6 +571,29 @@ def conv_bn_act_backward(
     return dx, dweight, dbias, dbn_weight, dbn_bias, dresidual
 
 
+@torch.no_grad()
+def update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n):
+    """In place: ``running = lerp(running, batch, momentum)`` with the batch's unbiased variance
+    ``(rstd**-2 - eps) * n / (n - 1)`` (``n`` values a channel), as ``nn.BatchNorm2d`` updates its
+    buffers. Their version counters stay as they were, as BatchNorm's kernel leaves them: a graph
+    that saved a buffer stays valid.
+
+    Not a twin of an op: the functional layer calls it (or the Triton launcher of the same name)
+    after a fused conv-BN op, which returns the batch statistics and touches no buffer (traced
+    code updates the buffers with a visible mutation instead).
+    """
+    # four small kernels in the statistics' precision (fp32; fp64 for float64 input)
+    unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
+    dtype = running_mean.dtype
+    bufs = [running_mean, running_var]
+    versions = [b._version for b in bufs]
+    torch._foreach_lerp_(bufs, [mean.to(dtype), unbiased.to(dtype)], momentum)
+    try:
+        torch._C._autograd._unsafe_set_version_counter(bufs, versions)
+    except (AttributeError, TypeError, RuntimeError):  # not in this torch: the bump stays
+        pass
+
+
 # --------------------------------------------------------------------------- BN + act + Conv (pre-activation)
 def _bn_pre_act(x, bn_weight, bn_bias, mean, rstd, training, eps):
     """BatchNorm of ``x`` before the activation, one formula for the forward and the backward's

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 import os
 import sys
 import types
@@ -634,6 +635,118 @@ def _reference():
 def _device_guard(t: torch.Tensor):
     """Launch on the tensor's GPU, not the current one."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- direct launches
+# Opt-in (FUSEDRC_DIRECT_LAUNCH=1 or ``kernels._common.DIRECT_LAUNCH = True``) until a GPU run has
+# checked it on the Triton versions fusedrc supports: a plan's launch sites call the compiled
+# kernel's launcher themselves after their first launch.
+DIRECT_LAUNCH = os.environ.get("FUSEDRC_DIRECT_LAUNCH", "0") not in ("", "0")
+
+
+def _driver_calls():
+    """(current device, stream of a device) as Triton's JIT asks for them."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream
+
+
+def _runtime_knobs():
+    """Where Triton's JIT reads its launch hooks (a profiler may set them at any time)."""
+    from triton import knobs
+
+    return knobs.runtime
+
+
+class DirectLaunch:
+    """One launch site of a launch plan, bound to the binary Triton compiled for it.
+
+    ``JITFunction.run`` (Triton 3.3 to 3.9) specializes every argument, hashes a cache key, looks
+    the binary up and ends with ``binary.run(grid, stream, function, metadata, launch metadata,
+    hooks, *bound arguments)``. At a site of a plan the key cannot change except through what
+    the guard checks here, so this skips to that last call. The guard: each tensor argument's
+    dtype and 16-byte alignment (the pointers' specialization) and every other non-float argument
+    (ints: their value-1 and divisibility specialization, None) as recorded; a miss launches
+    through the JIT, as does a launch while the module's DIRECT_LAUNCH switch is off."""
+
+    __slots__ = ("run", "function", "metadata", "launch_metadata", "tensors", "dtypes", "fixed", "fixed_values",
+                 "consts", "device", "stream", "knobs")
+
+    @classmethod
+    def record(cls, kernel, binary, args, meta):
+        """The site's DirectLaunch, or None where the launch does not have the expected shape
+        (then the site keeps launching through the JIT)."""
+        params = getattr(kernel, "params", None)
+        if params is None or not all(hasattr(binary, a) for a in ("run", "function", "packed_metadata",
+                                                                   "launch_metadata")):
+            return None
+        if len(args) > len(params) or any(p.name in meta for p in params[:len(args)]):
+            return None
+        consts = []
+        for p in params[len(args):]:
+            if not p.is_constexpr:  # a runtime argument passed by name: not a shape this handles
+                return None
+            if p.name in meta:
+                consts.append(meta[p.name])
+            elif p.has_default:
+                consts.append(p.default)
+            else:
+                return None
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        fixed = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, float))]
+        if not tensors or any(args[i].data_ptr() % 16 for i in tensors):
+            return None  # an unaligned pointer: rare, left to the JIT
+        site = cls()
+        site.run, site.function, site.metadata = binary.run, binary.function, binary.packed_metadata
+        site.launch_metadata = binary.launch_metadata
+        site.tensors = _getter(tensors)
+        site.dtypes = tuple(args[i].dtype for i in tensors)
+        site.fixed = _getter(fixed)
+        site.fixed_values = site.fixed(args)
+        site.consts = tuple(consts)
+        site.device, site.stream = _driver_calls()
+        site.knobs = _runtime_knobs()
+        return site
+
+    def __call__(self, grid, args) -> bool:
+        """Launch ``args`` on ``grid`` if the guard holds; whether it launched."""
+        for a, dtype in zip(self.tensors(args), self.dtypes):
+            if a.dtype is not dtype or a.data_ptr() % 16:
+                return False
+        if self.fixed(args) != self.fixed_values:
+            return False
+        stream = self.stream(self.device())
+        tail = (*args, *self.consts)
+        knobs = self.knobs
+        self.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, self.function,
+                 self.metadata, self.launch_metadata(grid, stream, *tail), knobs.launch_enter_hook,
+                 knobs.launch_exit_hook, *tail)
+        return True
+
+
+def _getter(indices):
+    """args -> the tuple of args[i] for i in ``indices``, in C."""
+    if not indices:
+        return lambda args: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*indices)
+
+
+def launch(sites: dict, name, kernel, grid, args, meta):
+    """``kernel[grid](*args, **meta)`` for launch site ``name`` of a plan (``sites``: the plan's
+    dict); with DIRECT_LAUNCH on, directly through the site's binary after its first launch.
+    ``kernel``: the JIT function itself (``launcher``'s answer when nothing is traced)."""
+    if DIRECT_LAUNCH:
+        site = sites.get(name)
+        if site is not None and site(grid, args):
+            return
+        binary = kernel[grid](*args, **meta)
+        if name not in sites and not interpreting() and not traced(args[0]):
+            sites[name] = DirectLaunch.record(kernel, binary, args, meta)
+        return
+    kernel[grid](*args, **meta)
 
 
 _I32_MAX = 2**31 - 1

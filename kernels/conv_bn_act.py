@@ -79,11 +79,11 @@ import triton.language as tl
 
 from ._common import (
     _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _reference, _sm_count, _upcast_flag,
-    LaunchPlans, act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launcher,
+    LaunchPlans, act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launch, launcher,
     operand_class, plan_key, tf32_matmul_allowed, wanted,
 )
 
-__all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config"]
+__all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "update_running_stats_"]
 
 # Strategy switches (module level: the launchers' signatures are fixed). Every setting gives
 # the same results; they exist to be measured on a GPU per shape. "auto" decides per layer
@@ -700,6 +700,24 @@ def _bn_stats_finalize_kernel(
     tl.store(rstd_ptr + offs_c, rstd, mask=mask_c)
 
 
+@triton.jit
+def _bn_running_update_kernel(
+    mean_ptr, rstd_ptr, rm_ptr, rv_ptr, C, s_rm, s_rv, eps, momentum, bessel, BLOCK_C: tl.constexpr,
+):
+    """running = running + momentum * (batch - running), the batch variance unbiased
+    (``(1/rstd^2 - eps) * bessel``), in fp32, stored in the buffers' dtype."""
+    offs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = offs < C
+    mean = tl.load(mean_ptr + offs, mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + offs, mask=mask, other=1.0)
+    inv = 1.0 / rstd  # sqrt(var + eps): squaring rstd itself overflows for tiny eps
+    var = (inv * inv - eps) * bessel
+    rm = tl.load(rm_ptr + offs * s_rm, mask=mask, other=0.0).to(tl.float32)
+    rv = tl.load(rv_ptr + offs * s_rv, mask=mask, other=0.0).to(tl.float32)
+    tl.store(rm_ptr + offs * s_rm, (rm + momentum * (mean - rm)).to(rm_ptr.dtype.element_ty), mask=mask)
+    tl.store(rv_ptr + offs * s_rv, (rv + momentum * (var - rv)).to(rv_ptr.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------- backward kernels
 @triton.jit
 def _conv_bn_bwd_kernel(
@@ -1007,6 +1025,35 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
     return mean, rstd
 
 
+def update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n):
+    """``reference.update_running_stats_`` in one launch (eager only: traced code mutates the
+    buffers visibly). At ResNet channel counts the reference's four aten kernels cost host time,
+    not flops; the kernel writes no version counter either."""
+    ok = (
+        mean.dtype == torch.float32 and rstd.dtype == torch.float32 and mean.is_contiguous() and rstd.is_contiguous()
+        and running_mean.device == mean.device and running_var.device == mean.device
+        and running_mean.dtype in _RUNNING_DTYPES and running_var.dtype in _RUNNING_DTYPES
+        # bf16 arithmetic is broken in Triton's interpreter
+        and not (interpreting() and torch.bfloat16 in (running_mean.dtype, running_var.dtype))
+    )
+    if not ok:
+        return _reference().update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n)
+    C = mean.numel()
+    block_c = min(1024, triton.next_power_of_2(max(C, 16)))
+    s_rm, s_rv = running_mean.stride(0), running_var.stride(0)
+    if len(_UPDATE_SITES) > 1024:
+        _UPDATE_SITES.clear()
+    sites = _UPDATE_SITES.setdefault((C, s_rm, s_rv, running_mean.dtype, running_var.dtype, mean.device), {})
+    with _device_guard(mean):
+        launch(sites, 0, launcher(_bn_running_update_kernel, mean), (cdiv(C, block_c),),
+               (mean, rstd, running_mean, running_var, C, s_rm, s_rv, float(eps), float(momentum), n / max(n - 1, 1)),
+               dict(BLOCK_C=block_c, num_warps=4))
+
+
+_RUNNING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_UPDATE_SITES = {}  # by channel count, strides, dtypes, device: the update's launch sites
+
+
 # --------------------------------------------------------------------------- launch plans
 # Everything a layer's launches need besides its tensors' addresses, worked out once per layer
 # (kernels/_common.py, LaunchPlans): a small layer's eager step is otherwise bound by this Python.
@@ -1085,6 +1132,7 @@ class _FwdPlan(NamedTuple):
     finalize: tuple       # (grid, constexprs) of _bn_stats_finalize_kernel
     apply: tuple          # (grid, constexprs) of the normalize + activation pass
     apply_from_z: bool
+    sites: dict           # its launch sites' bound binaries (_common.launch)
 
 
 def _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride, padding, dilation, activation,
@@ -1113,7 +1161,7 @@ def _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride, p
     finalize = ((cdiv(C_out, block_c),), dict(TILE_M=stats_cfg.BLOCK_M, BLOCK_T=16 if interpreting() else 64,
                                                BLOCK_C=block_c, num_warps=4))
     return _FwdPlan(layer, (*layer.ints, *y_strides, *rr.stride()), stats, cdiv(M, stats_cfg.BLOCK_M), store_z,
-                    finalize, apply, apply_from_z)
+                    finalize, apply, apply_from_z, {})
 
 
 # --------------------------------------------------------------------------- forward
@@ -1155,21 +1203,21 @@ def conv_bn_act_forward(
             if plan.store_z:
                 z = torch.empty_like(y)
             grid, meta = plan.stats
-            kernel[grid](*head, z if z is not None else dummy, y, *tail, dummy, dummy, *bn, pmean, pm2,
-                         *plan.ints, **meta)
+            launch(plan.sites, "stats", kernel, grid, (*head, z if z is not None else dummy, y, *tail, dummy, dummy,
+                                                        *bn, pmean, pm2, *plan.ints), meta)
             mean = torch.empty(C_out, device=x.device, dtype=torch.float32)
             rstd = torch.empty(C_out, device=x.device, dtype=torch.float32)
             grid, meta = plan.finalize
-            launcher(_bn_stats_finalize_kernel, pmean)[grid](pmean, pm2, mean, rstd, plan.stats_rows, C_out,
-                                                             layer.M, float(eps), **meta)
+            launch(plan.sites, "finalize", launcher(_bn_stats_finalize_kernel, pmean), grid,
+                   (pmean, pm2, mean, rstd, plan.stats_rows, C_out, layer.M, float(eps)), meta)
             del pmean, pm2
         else:
             mean = running_mean.float().contiguous()
             rstd = torch.rsqrt(running_var.float() + eps).contiguous()
         # eval, or the training forward that reruns the conv: no z
         grid, meta = plan.apply
-        kernel[grid](*head, z if z is not None else dummy, y, *tail, mean, rstd, *bn, dummy, dummy,
-                     *plan.ints, **meta)
+        launch(plan.sites, "apply", kernel, grid, (*head, z if z is not None else dummy, y, *tail, mean, rstd, *bn,
+                                                    dummy, dummy, *plan.ints), meta)
         del z  # transient
     return y, mean, rstd
 
@@ -1254,6 +1302,7 @@ class _BwdPlan(NamedTuple):
     wanted: tuple           # need_dx, need_dw, need_db, need_dgamma, need_dbeta, need_dres
     store_z: bool           # the first pass stores z for the second (the Triton conv, z buffered)
     passes: tuple           # _BwdPass, run in order; the second reads the first's sums
+    sites: dict             # its launch sites' bound binaries (_common.launch)
 
 
 def _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training, stride, padding, dilation,
@@ -1293,7 +1342,7 @@ def _bwd_plan(x, weight, bias, bn_weight, bn_bias, residual, grad_out, training,
                       store_dres=False)
         passes = (first, second) if emit else (first,)
     ints = (*layer.ints[:8], 1.0 / M, *layer.ints[8:], *dz_strides, *grad_out.stride(), *rr.stride())
-    return _BwdPlan(layer, ints, need, store_z, passes)
+    return _BwdPlan(layer, ints, need, store_z, passes, {})
 
 
 def _tile_sums(p):
@@ -1344,13 +1393,14 @@ def conv_bn_act_backward(
         if plan.store_z:
             z = torch.empty_like(dz)
         sg = sgx = db = None
-        for p in plan.passes:
+        for i, p in enumerate(plan.passes):
             # separate buffers: sums of one would alias, and a custom op's outputs may not
             pg = torch.empty((p.rows, C_out), **f32) if p.reduce else dummy
             pgx = torch.empty((p.rows, C_out), **f32) if p.reduce else dummy
             pdb = torch.empty((p.rows, C_out), **f32) if p.dbias else dummy
-            kernel[p.grid](*head, z if z is not None else dummy, *mid, sg if sg is not None else dummy,
-                           sgx if sgx is not None else dummy, pg, pgx, pdb, *plan.ints, **p.constexprs)
+            launch(plan.sites, i, kernel, p.grid, (*head, z if z is not None else dummy, *mid,
+                                                    sg if sg is not None else dummy, sgx if sgx is not None else dummy,
+                                                    pg, pgx, pdb, *plan.ints), p.constexprs)
             if p.reduce:
                 sg, sgx = _tile_sums(pg), _tile_sums(pgx)
             if p.dbias:

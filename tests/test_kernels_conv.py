@@ -611,6 +611,70 @@ def test_nan_propagation(activation, shape, device):
         assert torch.equal(torch.isnan(dres), torch.isnan(dres_r)), "NaN pattern of the gradient differs"
 
 
+# --------------------------------------------------------------------------- running statistics
+@pytest.mark.parametrize("buf_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("momentum, n", [(0.1, 98), (1 / 3, 2), (1.0, 1)], ids=["m0.1", "cumulative", "n1"])
+def test_running_stats_update_kernel(buf_dtype, momentum, n, monkeypatch, device):
+    """One launch updates the buffers as the reference's four aten ops do (in fp32, rounded once
+    to the buffers' dtype), strided buffers and channels ragged over the block included; their
+    version counters stay as they were, as BatchNorm's kernel leaves them."""
+    C = 37
+    mean = torch.randn(C, device=device)
+    rstd = torch.rand(C, device=device) * 4 + 0.1
+    base = torch.randn(2, 2 * C, device=device).abs_().add_(0.5).to(buf_dtype)
+    rm, rv = base[0, ::2], base[1, ::2]  # every other element: stride 2
+    between = base[:, 1::2].clone()
+    rm_ref, rv_ref = rm.double().clone(), rv.double().clone()
+    versions = rm._version, rv._version
+    seen = record_launches(monkeypatch, K)
+    K.update_running_stats_(rm, rv, mean, rstd, EPS, momentum, n)
+    assert [name for name, _ in seen] == ["_bn_running_update_kernel"]
+    assert (rm._version, rv._version) == versions
+    var = (rstd.double() ** -2 - EPS) * n / max(n - 1, 1)
+    rm_ref += momentum * (mean.double() - rm_ref)
+    rv_ref += momentum * (var - rv_ref)
+    tol = 1e-6 if buf_dtype == torch.float32 else 1e-3
+    assert rm.dtype == buf_dtype and _rel(rm, rm_ref) < tol and _rel(rv, rv_ref) < tol
+    assert torch.equal(base[:, 1::2], between)  # the elements between the strided ones untouched
+
+
+def test_running_stats_update_falls_back_to_the_reference(monkeypatch, device):
+    """float64 statistics (the reference path's, for float64 input) take the reference's aten ops."""
+    mean, rstd = torch.randn(5, device=device, dtype=torch.float64), torch.rand(5, device=device, dtype=torch.float64) + 1
+    rm, rv = torch.zeros(5, device=device, dtype=torch.float64), torch.ones(5, device=device, dtype=torch.float64)
+    rm2, rv2 = rm.clone(), rv.clone()
+    seen = record_launches(monkeypatch, K)
+    K.update_running_stats_(rm, rv, mean, rstd, EPS, 0.1, 10)
+    assert not seen
+    R.update_running_stats_(rm2, rv2, mean, rstd, EPS, 0.1, 10)
+    assert torch.equal(rm, rm2) and torch.equal(rv, rv2) and not torch.equal(rm, torch.zeros_like(rm))
+
+
+def test_training_step_updates_running_stats_in_one_launch(monkeypatch, device):
+    """Through the module: the forward's launches end with the update; no aten arithmetic on the
+    buffers (their version counters unchanged) and the statistics match nn.BatchNorm2d's after three
+    steps with a cumulative average (momentum None)."""
+    conv = torch.nn.Conv2d(3, 6, 3, padding=1, bias=True).to(device)
+    bn = torch.nn.BatchNorm2d(6, momentum=None).to(device)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1, bias=True), torch.nn.BatchNorm2d(6, momentum=None),
+                              torch.nn.ReLU()).to(device)
+    ref[0].load_state_dict(conv.state_dict())
+    fused = fusedrc.nn.ConvBNReLU.from_modules(conv, bn)
+    versions = bn.running_mean._version, bn.running_var._version
+    seen = record_launches(monkeypatch, K)
+    with fusedrc.use_backend("triton"):
+        for _ in range(3):
+            x = torch.randn(2, 3, 5, 5, device=device)
+            del seen[:]
+            fused(x)
+            ref(x)
+            assert seen[-1][0] == "_bn_running_update_kernel"
+    assert (bn.running_mean._version, bn.running_var._version) == versions
+    assert torch.allclose(bn.running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(bn.running_var, ref[1].running_var, rtol=1e-5, atol=1e-6)
+    assert int(bn.num_batches_tracked) == 3
+
+
 # --------------------------------------------------------------------------- through the op
 def test_functional_autograd_matches_modules(device):
     """fusedrc.functional.conv_bn_act on the triton backend vs Conv2d -> BatchNorm2d -> ReLU."""
