@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import conv_bn_act as _cba
 from ._common import LaunchPlans, _act_grad, _device_guard, _reference, _upcast_flag, act_meta, cdiv, \
-    device_capability, dot_precision, launcher, plan_key, wanted
+    device_capability, dot_precision, launch, launcher, plan_key, wanted
 from .conv_bn_act import (_INSPECT_ARCH, _INSPECT_GEOM, _INSPECT_PTR, _TABLE, _bn_act, _channel_vectors,
                           _conv_mainloop, _finalize_stats, _geom_constexprs, _inspect_args, _memory_format, _out_hw,
                           _pair, _pix_offsets, _supported, _tf32_key, _tile_ids, conv_dw, conv_dx, flat_k,
@@ -202,6 +202,7 @@ class _FwdPlan(NamedTuple):
     M: int
     grid: tuple
     constexprs: dict
+    sites: dict  # its launch sites' bound binaries (_common.launch)
 
 
 def _fwd_plan(x, weight, bias, stride, padding, dilation, activation, groups):
@@ -218,7 +219,7 @@ def _fwd_plan(x, weight, bias, stride, padding, dilation, activation, groups):
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 PRECISION=precision, UPCAST=_upcast_flag(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _FwdPlan((N, C_out, OH, OW), _memory_format(x), M, (cdiv(M, cfg.BLOCK_M) * cdiv(C_out, cfg.BLOCK_N),),
-                    meta)
+                    meta, {})
 
 
 def bn_act_conv_forward(
@@ -242,19 +243,17 @@ def bn_act_conv_forward(
             P = N * H * W
             pmean = torch.empty((cdiv(P, _ELEM_BLOCK_M), C), device=x.device, dtype=torch.float32)
             pm2 = torch.empty_like(pmean)
-            launcher(_channel_stats_kernel, x)[_elem_grid(P, C)](
-                x, pmean, pm2, P, C, H, W, *x.stride(), **_elem_meta())
-            mean, rstd = _finalize_stats(pmean, pm2, P, C, _ELEM_BLOCK_M, eps, x.device)
+            launch(plan.sites, "stats", launcher(_channel_stats_kernel, x), _elem_grid(P, C),
+                   (x, pmean, pm2, P, C, H, W, *x.stride()), _elem_meta())
+            mean, rstd = _finalize_stats(pmean, pm2, P, C, _ELEM_BLOCK_M, eps, x.device, plan.sites)
         else:
             mean = running_mean.float().contiguous()
             rstd = torch.rsqrt(running_var.float() + eps).contiguous()
         vmean, _, scale, shift = _bn_vectors(bn_weight, bn_bias, mean, rstd)
         wt = weight.permute(2, 3, 1, 0).contiguous()  # (KH, KW, C_in, C_out), as conv_bn_act's forward
-        launcher(_bn_act_conv_fwd_kernel, x)[plan.grid](
-            x, wt, bias.contiguous() if bias is not None else x, y, vmean, scale, shift,
-            plan.M, C_out, C, H, W, plan.y_shape[2], plan.y_shape[3], *x.stride(), *wt.stride(), *y.stride(),
-            **plan.constexprs,
-        )
+        launch(plan.sites, "conv", launcher(_bn_act_conv_fwd_kernel, x), plan.grid,
+               (x, wt, bias.contiguous() if bias is not None else x, y, vmean, scale, shift, plan.M, C_out, C, H, W,
+                plan.y_shape[2], plan.y_shape[3], *x.stride(), *wt.stride(), *y.stride()), plan.constexprs)
     return y, mean, rstd
 
 
@@ -266,8 +265,10 @@ def bn_act_conv_backward(
     masks it off. Same contract as ``fusedrc.reference.bn_act_conv_backward``."""
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
     key = plan_key("bwd", x, weight, grad_out, *stride, *padding, *dilation, activation, groups, _tf32_key(x))
-    if not _PLANS.plan(key, lambda: _pre_supported(x, weight, activation, stride, padding, dilation, groups)
-                       and _cba._sample_extent(grad_out) <= _cba._I32_MAX):
+    # the plan: the launch sites' dict where the kernels cover the call, else False
+    sites = _PLANS.plan(key, lambda: {} if _pre_supported(x, weight, activation, stride, padding, dilation, groups)
+                        and _cba._sample_extent(grad_out) <= _cba._I32_MAX else False)
+    if sites is False:
         return _reference().bn_act_conv_backward(
             x, bn_weight, bn_bias, weight, bias, mean, rstd, grad_out,
             training, eps, stride, padding, dilation, activation, output_mask, groups)
@@ -285,8 +286,8 @@ def bn_act_conv_backward(
             a = x
             if need_dw:  # aten's wgrad reads the conv's input: act(bn(x)), transient
                 a = torch.empty_like(x, memory_format=fmt)
-                launcher(_bn_act_apply_kernel, x)[_elem_grid(P, C)](
-                    x, a, vmean, scale, shift, P, C, H, W, *x.stride(), *a.stride(), **_elem_meta(activation))
+                launch(sites, "apply", launcher(_bn_act_apply_kernel, x), _elem_grid(P, C),
+                       (x, a, vmean, scale, shift, P, C, H, W, *x.stride(), *a.stride()), _elem_meta(activation))
             da, dweight, _ = torch.ops.aten.convolution_backward(
                 grad_out, a, weight, None, stride, padding, dilation, False, [0, 0], 1, [need_da, need_dw, False])
             del a
@@ -301,16 +302,17 @@ def bn_act_conv_backward(
                 T = cdiv(P, _ELEM_BLOCK_M)
                 pg = torch.empty((T, C), device=x.device, dtype=torch.float32)
                 pgx = torch.empty_like(pg)
-                launcher(_bn_act_grad_reduce_kernel, x)[_elem_grid(P, C)](
-                    x, da, vmean, scale, shift, rstd, pg, pgx, P, C, H, W, *x.stride(), *da.stride(),
-                    **_elem_meta(activation))
+                launch(sites, "reduce", launcher(_bn_act_grad_reduce_kernel, x), _elem_grid(P, C),
+                       (x, da, vmean, scale, shift, rstd, pg, pgx, P, C, H, W, *x.stride(), *da.stride()),
+                       _elem_meta(activation))
                 sg, sgx = (pg[0], pgx[0]) if T == 1 else (pg.sum(0), pgx.sum(0))  # fixed order, no atomics
                 dbeta, dgamma = sg, sgx
             if need_dx:
                 dx = torch.empty_like(x, memory_format=fmt)
-                launcher(_bn_act_grad_dx_kernel, x)[_elem_grid(P, C)](
-                    x, da, dx, vmean, scale, shift, rstd, sg, sgx, 1.0 / P, P, C, H, W,
-                    *x.stride(), *da.stride(), *dx.stride(), TRAINING=bool(training), **_elem_meta(activation))
+                launch(sites, ("dx", bool(training)), launcher(_bn_act_grad_dx_kernel, x), _elem_grid(P, C),
+                       (x, da, dx, vmean, scale, shift, rstd, sg, sgx, 1.0 / P, P, C, H, W,
+                        *x.stride(), *da.stride(), *dx.stride()),
+                       dict(TRAINING=bool(training), **_elem_meta(activation)))
     dbias = grad_out.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype) if bias is not None and need_db else None
     return (dx, dgamma.to(bn_weight.dtype) if need_dgamma else None, dbeta.to(bn_bias.dtype) if need_dbeta else None,
             dweight.to(weight.dtype) if dweight is not None else None, dbias)

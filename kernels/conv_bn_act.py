@@ -1012,16 +1012,17 @@ def _pre_act_args(x, pre_act):
     return dict(pre_mean_ptr=mean, pre_scale_ptr=scale, pre_shift_ptr=shift, PRE_ACT=True, **act_meta(activation))
 
 
-def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device):
+def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device, sites=None):
+    """(mean, rstd) from the per-tile partials; ``sites``: the caller's plan's launch sites (a plan
+    fixes M and C)."""
     mean = torch.empty(C, device=device, dtype=torch.float32)
     rstd = torch.empty(C, device=device, dtype=torch.float32)
     T = pmean.shape[0]
     BLOCK_C = 16 if interpreting() else 32
     BLOCK_T = 16 if interpreting() else 64
-    launcher(_bn_stats_finalize_kernel, pmean)[(cdiv(C, BLOCK_C),)](
-        pmean, pm2, mean, rstd, T, C, M, float(eps),
-        TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
-    )
+    launch({} if sites is None else sites, "finalize", launcher(_bn_stats_finalize_kernel, pmean), (cdiv(C, BLOCK_C),),
+           (pmean, pm2, mean, rstd, T, C, M, float(eps)),
+           dict(TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4))
     return mean, rstd
 
 

@@ -192,3 +192,37 @@ def test_conv_layer_same_bits_with_direct_launches(conv_z, dtype, monkeypatch):
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert sites and all(isinstance(s, C.DirectLaunch) for s in sites)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need compiled kernels (a GPU)")
+@pytest.mark.parametrize("conv_grad", ["aten", "triton"])
+def test_pre_activation_layer_same_bits_with_direct_launches(conv_grad, monkeypatch):
+    """The same for BNReLUConv (bn_act_conv's plans: statistics, finalize, conv; in the backward the
+    apply, reduce and dx passes), bf16 autocast, channels_last."""
+    from fusedrc.kernels import bn_act_conv as B
+
+    monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
+
+    def run(direct):
+        monkeypatch.setattr(C, "DIRECT_LAUNCH", direct)
+        K.clear_launch_plans()
+        B._PLANS.clear()
+        torch.manual_seed(0)
+        layer = fusedrc.nn.BNReLUConv(24, 40, 3, padding=1).cuda().to(memory_format=torch.channels_last)
+        out = []
+        with fusedrc.use_backend("triton"), torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(3):
+                x = torch.randn(4, 24, 15, 15, device="cuda").contiguous(memory_format=torch.channels_last)
+                x.requires_grad_(True)
+                y = layer(x)
+                y.float().square().sum().backward()
+                out += [y.detach().clone(), x.grad, layer.conv.weight.grad.clone(), layer.bn.weight.grad.clone()]
+        out += [layer.bn.running_mean.clone(), layer.bn.running_var.clone()]
+        sites = [s for p in B._PLANS._entries.values() if p for s in (p.sites if hasattr(p, "sites") else p).values()]
+        return out, sites
+
+    ref, _ = run(False)
+    got, sites = run(True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert sites and all(isinstance(s, C.DirectLaunch) for s in sites)

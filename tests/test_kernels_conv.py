@@ -640,8 +640,9 @@ def test_running_stats_update_kernel(buf_dtype, momentum, n, monkeypatch, device
 
 def test_running_stats_update_falls_back_to_the_reference(monkeypatch, device):
     """float64 statistics (the reference path's, for float64 input) take the reference's aten ops."""
-    mean, rstd = torch.randn(5, device=device, dtype=torch.float64), torch.rand(5, device=device, dtype=torch.float64) + 1
-    rm, rv = torch.zeros(5, device=device, dtype=torch.float64), torch.ones(5, device=device, dtype=torch.float64)
+    f64 = dict(device=device, dtype=torch.float64)
+    mean, rstd = torch.randn(5, **f64), torch.rand(5, **f64) + 1
+    rm, rv = torch.zeros(5, **f64), torch.ones(5, **f64)
     rm2, rv2 = rm.clone(), rv.clone()
     seen = record_launches(monkeypatch, K)
     K.update_running_stats_(rm, rv, mean, rstd, EPS, 0.1, 10)
