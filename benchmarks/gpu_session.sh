@@ -29,6 +29,9 @@
 #   mixtral  a Mixtral (hidden 1024, 8 layers, 8 experts of 3584, top-2): the routed-experts op in a model
 #   bert     BertForMaskedLM at bert-base's shape: the FFN split over BertIntermediate/BertOutput, fused
 #   profile  torch.profiler over the conv pattern (batch 32 and 256): host enqueue vs GPU kernel time
+#   host_profile  cProfile over eager ResNet-50 steps at batch 32 (host-bound): the functions the host time
+#            goes to, for the original, checkpoint, convert(all) and convert(all) with direct launches
+#            (benchmarks/gpu_host_profile.py)
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (its depthwise convs on the reference path)
 #   densenet DenseNet-121 at batch 64, bf16, channels_last: the pre-activation BN-ReLU-Conv units (bn_act_conv)
 # Usage on the GPU machine, one 10-minute call per line (2026-11-27, H100: tests reached 1003 of
@@ -47,13 +50,13 @@
 #            tests/test_bn_act_conv.py tests/test_triton_path.py" ... "$OUT" tests (test_direct_launch: the
 #            opt-in direct launches of session 30, never run on a GPU; test_convert was cut at 125 of 164 on
 #            2026-11-27; its two fixes for transformers 5.17 were checked on the CPU only)
-#   session 1, call 2 (<= 460 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=130 FUSEDRC_TIMEOUT_PROFILE=120
-#            FUSEDRC_TIMEOUT_CONV_GROUPED=150 ... "$OUT"
-#            models_graph profile conv_grouped: the eager ResNet-50 step against its CUDA graph since the
-#            conv ops' launch plans and checked-call cache (session 29; 99.7 ms eager / 65.8 ms graph before)
-#            and the one-launch running-statistics update (session 30), with and without direct launches
-#            (if call 1's test_direct_launch passed: the default could turn on), the conv pattern's host
-#            enqueue time, the grouped kernels
+#   session 1, call 2 (<= 460 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=130 FUSEDRC_TIMEOUT_HOST_PROFILE=120
+#            FUSEDRC_TIMEOUT_PROFILE=120 ... "$OUT" models_graph host_profile profile: the eager ResNet-50
+#            step against its CUDA graph since the conv ops' launch plans and checked-call cache (session 29;
+#            99.7 ms eager / 65.8 ms graph before) and the one-launch running-statistics update (session 30),
+#            with and without direct launches (if call 1's test_direct_launch passed: the default could turn
+#            on); where the eager step's host time goes, function by function; the conv pattern's host
+#            enqueue time. conv_grouped (150 s) in a later call
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
@@ -130,6 +133,8 @@ for step in "${steps[@]}"; do
         # host-bound? which of fusedrc's passes costs what next to checkpoint's kernels?)
         profile) timeout -k 30 $(limit profile 120) python3 benchmarks/gpu_profile.py --only conv \
                      > "$w/results/profile_conv.log" 2>&1; grep "^===" "$w/results/profile_conv.log" ;;
+        host_profile) timeout -k 30 $(limit host_profile 120) python3 benchmarks/gpu_host_profile.py --out "$w/results" \
+                          > "$w/results/host_profile.log" 2>&1; grep "^===" "$w/results/host_profile.log" ;;
         models_mobile) timeout -k 30 $(limit models_mobile 250) python3 -m fusedrc.bench --workload efficientnet_b0 --batch-sizes 256 \
                            --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
         # DenseNet-121: the pre-activation units (bn_act_conv; never run on a GPU before this step)

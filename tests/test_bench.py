@@ -608,3 +608,33 @@ def test_tile_sweep_ffn_step_runs_every_launch_switch(monkeypatch):
         assert all(r["err_grads"] < 1e-4 for r in mine[2:])
         assert [r["in_table"] for r in mine[2:]] == [True] + [False] * (len(expected) - 1)
     assert (_common.GEMM_TMA, _common.GEMM_PERSISTENT) == (False, 0)
+
+
+def test_host_profile_script_smoke(tmp_path, monkeypatch):
+    """benchmarks/gpu_host_profile.py --smoke on the CPU: each strategy's profiled rows are written,
+    fusedrc's conv op among convert(all)'s functions and not among the original model's."""
+    import importlib
+    import pathlib
+    import sys
+
+    from fusedrc.bench import models
+
+    if models.require("resnet50") is not None:
+        pytest.skip("needs torchvision (the test extra)")
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    try:
+        script = importlib.import_module("gpu_host_profile")
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(sys, "argv", ["gpu_host_profile.py", "--smoke", "--steps", "1", "--top", "3",
+                                      "--out", str(tmp_path)])
+    script.main()
+    (path,) = tmp_path.glob("host_profile_resnet50_cpu_*.json")
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "host_profile" and doc["smoke"] is True
+    recs = {r["strategy"]: r for r in doc["records"]}
+    assert set(recs) == {"no_recompute", "torch_checkpoint", "convert_all"}
+    for r in recs.values():
+        assert r["wall_ms_per_step_profiled"] > 0 and r["rows"]
+    assert any("conv_bn_act" in row["function"] for row in recs["convert_all"]["rows"])
+    assert not any("fusedrc/ops.py" in row["function"] for row in recs["no_recompute"]["rows"])
