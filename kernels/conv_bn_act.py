@@ -71,6 +71,7 @@ empty tensors and samples past 32-bit offsets run the reference implementation
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -1658,6 +1659,20 @@ def inspect_specs():
                         "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
                         "gemm": False, "aligned": aligned}
             add(("_bn_stats_finalize_kernel", arch, tile_m), f"{family}/finalize", make_fin)
+        # the running-statistics update, buffers in fp32 (AMP) or in the model's 16-bit dtype, at the
+        # block of 64 channels and of 1024 (update_running_stats_: up to 1024 channels a program)
+        for buf_dtype, block_c in itertools.product((torch.float32, torch.bfloat16, torch.float16), (64, 1024)):
+            def make_upd(buf_dtype=buf_dtype, block_c=block_c):
+                buf = _INSPECT_PTR[buf_dtype]
+                sig, constexprs, aligned = _inspect_args(
+                    {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "rm_ptr": buf, "rv_ptr": buf}, ("C",),
+                    ("s_rm", "s_rv"), ("C",), floats=("eps", "momentum", "bessel"))
+                constexprs.update(BLOCK_C=block_c)
+                return {"fn": _bn_running_update_kernel, "kernel": "_bn_running_update_kernel", "arch": arch,
+                        "dtype": buf_dtype, "config": {"BLOCK_C": block_c, "num_warps": 4, "num_stages": 3},
+                        "signature": sig, "constexprs": constexprs, "num_warps": 4, "num_stages": 3,
+                        "gemm": False, "aligned": aligned}
+            add(("_bn_running_update_kernel", arch, buf_dtype, block_c), f"{family}/running_update", make_upd)
     # the flat K loop of a stem (FLAT_K; BLOCK_K as layer_config gives a 7x7 conv on 3 channels:
     # K = 147, clamped to the entry's 64; the geometry constexprs are the other specs' 3x3): the
     # GEMM passes at each sm90/sm80 16-bit table entry, fp16 and bf16

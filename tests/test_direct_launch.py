@@ -163,6 +163,9 @@ def test_conv_layer_same_bits_with_direct_launches(conv_z, dtype, monkeypatch):
     direct launches off and on: equal outputs, gradients and running statistics, bit for bit; and
     the plans' sites did launch directly."""
     monkeypatch.setattr(K, "CONV_Z", conv_z)
+    # cuDNN computes dX/dW (and z with CONV_Z="aten"): its deterministic algorithms, or two runs differ anyway
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
     def run(direct):
         monkeypatch.setattr(C, "DIRECT_LAUNCH", direct)
@@ -202,6 +205,8 @@ def test_pre_activation_layer_same_bits_with_direct_launches(conv_grad, monkeypa
     from fusedrc.kernels import bn_act_conv as B
 
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
     def run(direct):
         monkeypatch.setattr(C, "DIRECT_LAUNCH", direct)
