@@ -155,46 +155,54 @@ def test_interpreter_records_nothing(monkeypatch):
     assert plans and all(site is None for p in plans for site in p.sites.values())
 
 
+def _same_bits_off_and_on(monkeypatch, steps, plans):
+    """``steps()`` (a fresh layer's training steps: the tensors to compare) with direct launches off,
+    then on, from the same seed: equal bits; and every launch site of ``plans`` (a LaunchPlans)
+    bound to its binary."""
+    # cuDNN computes dX/dW (and z with CONV_Z="aten"): its deterministic algorithms, or two runs differ anyway
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    runs = []
+    for direct in (False, True):
+        monkeypatch.setattr(C, "DIRECT_LAUNCH", direct)
+        K.clear_launch_plans()
+        plans.clear()
+        torch.manual_seed(0)
+        runs.append(steps())
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    sites = [s for p in plans._entries.values() if p for s in (p if isinstance(p, dict) else p.sites).values()]
+    assert sites and all(isinstance(s, C.DirectLaunch) for s in sites)
+
+
+def _image(*shape):
+    return torch.randn(*shape, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_(True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need compiled kernels (a GPU)")
 @pytest.mark.parametrize("conv_z", ["aten", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_conv_layer_same_bits_with_direct_launches(conv_z, dtype, monkeypatch):
     """Three training steps and an eval step of a residual Conv-BN-ReLU layer, channels_last, with
-    direct launches off and on: equal outputs, gradients and running statistics, bit for bit; and
-    the plans' sites did launch directly."""
+    direct launches off and on: equal outputs, gradients and running statistics, bit for bit."""
     monkeypatch.setattr(K, "CONV_Z", conv_z)
-    # cuDNN computes dX/dW (and z with CONV_Z="aten"): its deterministic algorithms, or two runs differ anyway
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
-    def run(direct):
-        monkeypatch.setattr(C, "DIRECT_LAUNCH", direct)
-        K.clear_launch_plans()
-        torch.manual_seed(0)
+    def steps():
         conv = torch.nn.Conv2d(24, 40, 3, stride=2, padding=1, bias=True).cuda()
         bn = torch.nn.BatchNorm2d(40).cuda()
         fused = fusedrc.nn.ConvBNReLU.from_modules(conv, bn).to(memory_format=torch.channels_last)
         out = []
         with fusedrc.use_backend("triton"), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            for step in range(3):
-                x = torch.randn(4, 24, 15, 15, device="cuda").contiguous(memory_format=torch.channels_last)
-                x.requires_grad_(True)
-                res = torch.randn(4, 40, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
-                res.requires_grad_(True)
+            for _ in range(3):
+                x, res = _image(4, 24, 15, 15), _image(4, 40, 8, 8)
                 y = fused(x, res)
                 y.float().square().sum().backward()
                 out += [y.detach().clone(), x.grad, res.grad, conv.weight.grad.clone(), bn.weight.grad.clone()]
             fused.eval()
             out.append(fused(x.detach(), res.detach()))
-        out += [bn.running_mean.clone(), bn.running_var.clone()]
-        sites = [s for p in K._PLANS._entries.values() if p is not None for s in p.sites.values()]
-        return out, sites
+        return out + [bn.running_mean.clone(), bn.running_var.clone()]
 
-    ref, _ = run(False)
-    got, sites = run(True)
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
-    assert sites and all(isinstance(s, C.DirectLaunch) for s in sites)
+    _same_bits_off_and_on(monkeypatch, steps, K._PLANS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need compiled kernels (a GPU)")
@@ -205,29 +213,16 @@ def test_pre_activation_layer_same_bits_with_direct_launches(conv_grad, monkeypa
     from fusedrc.kernels import bn_act_conv as B
 
     monkeypatch.setattr(K, "CONV_GRAD", conv_grad)
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
-    def run(direct):
-        monkeypatch.setattr(C, "DIRECT_LAUNCH", direct)
-        K.clear_launch_plans()
-        B._PLANS.clear()
-        torch.manual_seed(0)
+    def steps():
         layer = fusedrc.nn.BNReLUConv(24, 40, 3, padding=1).cuda().to(memory_format=torch.channels_last)
         out = []
         with fusedrc.use_backend("triton"), torch.autocast("cuda", dtype=torch.bfloat16):
             for _ in range(3):
-                x = torch.randn(4, 24, 15, 15, device="cuda").contiguous(memory_format=torch.channels_last)
-                x.requires_grad_(True)
+                x = _image(4, 24, 15, 15)
                 y = layer(x)
                 y.float().square().sum().backward()
                 out += [y.detach().clone(), x.grad, layer.conv.weight.grad.clone(), layer.bn.weight.grad.clone()]
-        out += [layer.bn.running_mean.clone(), layer.bn.running_var.clone()]
-        sites = [s for p in B._PLANS._entries.values() if p for s in (p.sites if hasattr(p, "sites") else p).values()]
-        return out, sites
+        return out + [layer.bn.running_mean.clone(), layer.bn.running_var.clone()]
 
-    ref, _ = run(False)
-    got, sites = run(True)
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
-    assert sites and all(isinstance(s, C.DirectLaunch) for s in sites)
+    _same_bits_off_and_on(monkeypatch, steps, B._PLANS)
