@@ -651,6 +651,18 @@ def test_running_stats_update_falls_back_to_the_reference(monkeypatch, device):
     assert torch.equal(rm, rm2) and torch.equal(rv, rv2) and not torch.equal(rm, torch.zeros_like(rm))
 
 
+def test_running_stats_update_bf16_buffers(monkeypatch, device):
+    """bf16 buffers (a model cast to bf16): the kernel on a GPU, rounded once from fp32; the
+    reference's ops under the interpreter (its bf16 arithmetic is broken)."""
+    mean, rstd = torch.randn(40, device=device), torch.rand(40, device=device) + 0.5
+    rm, rv = torch.zeros(40, device=device, dtype=torch.bfloat16), torch.ones(40, device=device, dtype=torch.bfloat16)
+    seen = record_launches(monkeypatch, K)
+    K.update_running_stats_(rm, rv, mean, rstd, EPS, 0.1, 50)
+    assert [name for name, _ in seen] == ([] if K.interpreting() else ["_bn_running_update_kernel"])
+    var = (rstd.double() ** -2 - EPS) * 50 / 49
+    assert _rel(rm, 0.1 * mean.double()) < 1e-2 and _rel(rv, 0.9 + 0.1 * var) < 1e-2
+
+
 def test_training_step_updates_running_stats_in_one_launch(monkeypatch, device):
     """Through the module: the forward's launches end with the update; no aten arithmetic on the
     buffers (their version counters unchanged) and the statistics match nn.BatchNorm2d's after three
