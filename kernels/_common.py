@@ -680,18 +680,9 @@ class DirectLaunch:
         if params is None or not all(hasattr(binary, a) for a in ("run", "function", "packed_metadata",
                                                                    "launch_metadata")):
             return None
-        if len(args) > len(params) or any(p.name in meta for p in params[:len(args)]):
+        consts = _constexpr_tail(params, args, meta)
+        if consts is None:
             return None
-        consts = []
-        for p in params[len(args):]:
-            if not p.is_constexpr:  # a runtime argument passed by name: not a shape this handles
-                return None
-            if p.name in meta:
-                consts.append(meta[p.name])
-            elif p.has_default:
-                consts.append(p.default)
-            else:
-                return None
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         fixed = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, float))]
         if not tensors or any(args[i].data_ptr() % 16 for i in tensors):
@@ -703,7 +694,7 @@ class DirectLaunch:
         site.dtypes = tuple(args[i].dtype for i in tensors)
         site.fixed = _getter(fixed)
         site.fixed_values = site.fixed(args)
-        site.consts = tuple(consts)
+        site.consts = consts
         site.device, site.stream = _driver_calls()
         site.knobs = _runtime_knobs()
         return site
@@ -722,6 +713,25 @@ class DirectLaunch:
                  self.metadata, self.launch_metadata(grid, stream, *tail), knobs.launch_enter_hook,
                  knobs.launch_exit_hook, *tail)
         return True
+
+
+def _constexpr_tail(params, args, meta):
+    """What Triton's binder appends to ``args`` (positional, in signature order): the values of the
+    remaining parameters, all constexprs, from ``meta`` or their defaults; None where the call has
+    another shape (a runtime argument by name, a constexpr with neither)."""
+    if len(args) > len(params) or any(p.name in meta for p in params[:len(args)]):
+        return None
+    consts = []
+    for p in params[len(args):]:
+        if not p.is_constexpr:
+            return None
+        if p.name in meta:
+            consts.append(meta[p.name])
+        elif p.has_default:
+            consts.append(p.default)
+        else:
+            return None
+    return tuple(consts)
 
 
 def _getter(indices):

@@ -155,6 +155,66 @@ def test_interpreter_records_nothing(monkeypatch):
     assert plans and all(site is None for p in plans for site in p.sites.values())
 
 
+def _tritons_binder(kernel):
+    """Triton's own binder of ``kernel`` (what ``JITFunction.run`` binds a launch's arguments with),
+    built for an sm_90 target without a GPU; None where this Triton builds it another way."""
+    from triton.runtime import jit
+
+    make = getattr(jit, "create_function_from_signature", None)
+    if make is None:
+        return None
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    fn = jit.JITFunction(getattr(kernel, "fn", kernel))  # under the interpreter: the Python function
+    return fn, make(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+
+def test_bound_arguments_are_tritons(monkeypatch):
+    """Every launch site of the conv ops (a training and an eval step of ConvBNReLU, with a residual,
+    and a training step of BNReLUConv): the arguments a direct launch passes after the positional
+    ones are those Triton's binder binds, in its order (constexprs from the launch's keywords or
+    their defaults, launch options left out); and the binder specializes no float argument."""
+    from fusedrc.kernels import bn_act_conv as B
+
+    seen, real = [], C.launch
+
+    def spy(sites, name, kernel, grid, args, meta):
+        seen.append((kernel, args, meta))
+        return real(sites, name, kernel, grid, args, meta)
+
+    monkeypatch.setattr(K, "launch", spy)
+    monkeypatch.setattr(B, "launch", spy)
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(5, 6, 3, padding=1, bias=True), torch.nn.BatchNorm2d(6)
+    fused = fusedrc.nn.ConvBNReLU.from_modules(conv, bn)
+    pre = fusedrc.nn.BNReLUConv(5, 4, 1)
+    x, res = torch.randn(2, 5, 6, 6, requires_grad=True), torch.randn(2, 6, 6, 6)
+    with fusedrc.use_backend("triton"):
+        fused(x, res).sum().backward()
+        pre(x).sum().backward()
+        fused.eval()
+        fused(x, res)
+    names = {getattr(k, "fn", k).__name__ for k, _, _ in seen}
+    assert {"_conv_bn_fwd_kernel", "_bn_stats_finalize_kernel", "_conv_bn_bwd_kernel", "_bn_running_update_kernel",
+            "_channel_stats_kernel", "_bn_act_conv_fwd_kernel", "_bn_act_grad_reduce_kernel",
+            "_bn_act_grad_dx_kernel"} <= names
+    for kernel, args, meta in seen:
+        built = _tritons_binder(kernel)
+        if built is None:
+            pytest.skip("this Triton has no create_function_from_signature")
+        fn, binder = built
+        bound_args, spec, _ = binder(*args, **meta)
+        bound = tuple(bound_args.values())
+        # the guard leaves float arguments out: Triton compiles one binary whatever their value
+        other = tuple(a + 0.375 if type(a) is float else a for a in args)
+        assert binder(*other, **meta)[1] == spec, fn.__name__
+        tail = (*args, *C._constexpr_tail(fn.params, args, meta))
+        assert len(tail) == len(bound), fn.__name__
+        for a, b in zip(tail, bound):
+            assert a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b), fn.__name__
+
+
 def _same_bits_off_and_on(monkeypatch, steps, plans):
     """``steps()`` (a fresh layer's training steps: the tensors to compare) with direct launches off,
     then on, from the same seed: equal bits; and every launch site of ``plans`` (a LaunchPlans)
