@@ -45,11 +45,12 @@
 # 600 s: keep one call's step limits (plus their -k grace) under it, and all calls of a session
 # under ~800 s. Done 2026-11-27 15:42-16:20 (H100): models_graph models gated kernels in one call (230 s),
 # then three test runs of chosen files (60, 215 with kernels, 190 s). Next:
-#   session 1, call 1 (<= 330 s): FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280
-#            FUSEDRC_TEST_FILES="tests/test_direct_launch.py tests/test_convert.py tests/test_kernels_conv.py
-#            tests/test_bn_act_conv.py tests/test_triton_path.py" ... "$OUT" tests (test_direct_launch: the
-#            opt-in direct launches of session 30, never run on a GPU; test_convert was cut at 125 of 164 on
-#            2026-11-27; its two fixes for transformers 5.17 were checked on the CPU only)
+#   session 1, call 1 (<= 330 s): FUSEDRC_DIRECT_LAUNCH=1 FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280
+#            FUSEDRC_TEST_FILES="tests/test_direct_launch.py tests/test_kernels_conv.py tests/test_kernels_bn_act_conv.py
+#            tests/test_bn_act_conv.py tests/test_launch_plans.py tests/test_cuda_graphs.py tests/test_triton_path.py"
+#            ... "$OUT" tests: the opt-in direct launches of session 30 (never run on a GPU) under every conv
+#            test, each test's second and later launches of a layer going direct (test_direct_launch
+#            compares bits with them off and on); if it passes, DIRECT_LAUNCH's default can turn on
 #   session 1, call 2 (<= 460 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=130 FUSEDRC_TIMEOUT_HOST_PROFILE=120
 #            FUSEDRC_TIMEOUT_PROFILE=120 ... "$OUT" models_graph host_profile profile: the eager ResNet-50
 #            step against its CUDA graph since the conv ops' launch plans and checked-call cache (session 29;
@@ -57,6 +58,8 @@
 #            with and without direct launches (if call 1's test_direct_launch passed: the default could turn
 #            on); where the eager step's host time goes, function by function; the conv pattern's host
 #            enqueue time. conv_grouped (150 s) in a later call
+#   session 2: test_convert (cut at 125 of 164 on 2026-11-27; its two fixes for transformers 5.17 were
+#            checked on the CPU only) with the default settings
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
