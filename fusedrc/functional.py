@@ -664,10 +664,7 @@ def bn_act_conv(
 def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, n, backend):
     if torch.compiler.is_compiling() or traced(running_mean):
         # traced (compile, export): a visible buffer mutation
-        with torch.no_grad():
-            unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
-            dtype = running_mean.dtype
-            torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased.to(dtype)], momentum)
+        reference.lerp_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n)
         return
     # eager: as BatchNorm's kernel, without bumping the buffers' version counters (a graph that
     # saved them stays valid); the Triton backend does it in one launch

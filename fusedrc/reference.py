@@ -582,16 +582,23 @@ def update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, 
     after a fused conv-BN op, which returns the batch statistics and touches no buffer (traced
     code updates the buffers with a visible mutation instead).
     """
-    # four small kernels in the statistics' precision (fp32; fp64 for float64 input)
-    unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
-    dtype = running_mean.dtype
     bufs = [running_mean, running_var]
     versions = [b._version for b in bufs]
-    torch._foreach_lerp_(bufs, [mean.to(dtype), unbiased.to(dtype)], momentum)
+    lerp_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n)
     try:
         torch._C._autograd._unsafe_set_version_counter(bufs, versions)
     except (AttributeError, TypeError, RuntimeError):  # not in this torch: the bump stays
         pass
+
+
+@torch.no_grad()
+def lerp_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n):
+    """The arithmetic of ``update_running_stats_``, the version counters bumped (traced code's
+    visible buffer mutation): four small kernels in the statistics' precision (fp32; fp64 for
+    float64 input)."""
+    unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
+    dtype = running_mean.dtype
+    torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased.to(dtype)], momentum)
 
 
 # --------------------------------------------------------------------------- BN + act + Conv (pre-activation)

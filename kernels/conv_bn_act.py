@@ -1013,7 +1013,7 @@ def _pre_act_args(x, pre_act):
     return dict(pre_mean_ptr=mean, pre_scale_ptr=scale, pre_shift_ptr=shift, PRE_ACT=True, **act_meta(activation))
 
 
-def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device, sites=None):
+def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device, sites):
     """(mean, rstd) from the per-tile partials; ``sites``: the caller's plan's launch sites (a plan
     fixes M and C)."""
     mean = torch.empty(C, device=device, dtype=torch.float32)
@@ -1021,39 +1021,10 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device, sites=None):
     T = pmean.shape[0]
     BLOCK_C = 16 if interpreting() else 32
     BLOCK_T = 16 if interpreting() else 64
-    launch({} if sites is None else sites, "finalize", launcher(_bn_stats_finalize_kernel, pmean), (cdiv(C, BLOCK_C),),
+    launch(sites, "finalize", launcher(_bn_stats_finalize_kernel, pmean), (cdiv(C, BLOCK_C),),
            (pmean, pm2, mean, rstd, T, C, M, float(eps)),
            dict(TILE_M=tile_m, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4))
     return mean, rstd
-
-
-def update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n):
-    """``reference.update_running_stats_`` in one launch (eager only: traced code mutates the
-    buffers visibly). At ResNet channel counts the reference's four aten kernels cost host time,
-    not flops; the kernel writes no version counter either."""
-    ok = (
-        mean.dtype == torch.float32 and rstd.dtype == torch.float32 and mean.is_contiguous() and rstd.is_contiguous()
-        and running_mean.device == mean.device and running_var.device == mean.device
-        and running_mean.dtype in _RUNNING_DTYPES and running_var.dtype in _RUNNING_DTYPES
-        # bf16 arithmetic is broken in Triton's interpreter
-        and not (interpreting() and torch.bfloat16 in (running_mean.dtype, running_var.dtype))
-    )
-    if not ok:
-        return _reference().update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n)
-    C = mean.numel()
-    block_c = min(1024, triton.next_power_of_2(max(C, 16)))
-    s_rm, s_rv = running_mean.stride(0), running_var.stride(0)
-    if len(_UPDATE_SITES) > 1024:
-        _UPDATE_SITES.clear()
-    sites = _UPDATE_SITES.setdefault((C, s_rm, s_rv, running_mean.dtype, running_var.dtype, mean.device), {})
-    with _device_guard(mean):
-        launch(sites, 0, launcher(_bn_running_update_kernel, mean), (cdiv(C, block_c),),
-               (mean, rstd, running_mean, running_var, C, s_rm, s_rv, float(eps), float(momentum), n / max(n - 1, 1)),
-               dict(BLOCK_C=block_c, num_warps=4))
-
-
-_RUNNING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_UPDATE_SITES = {}  # by channel count, strides, dtypes, device: the update's launch sites
 
 
 # --------------------------------------------------------------------------- launch plans
@@ -1065,6 +1036,36 @@ _PLANS = LaunchPlans().watch(__name__)
 def clear_launch_plans():
     """Forget every layer's plan (after mutating a tile table in place)."""
     _PLANS.clear()
+
+
+def update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n):
+    """``reference.update_running_stats_`` in one launch (eager only: traced code mutates the
+    buffers visibly). At ResNet channel counts the reference's four aten kernels cost host time,
+    not flops; the kernel writes no version counter either."""
+    # the plan: the launch's sites where the kernel covers the call, else False
+    sites = _PLANS.plan(plan_key("running", running_mean, running_var, mean, rstd),
+                        lambda: {} if _running_supported(running_mean, running_var, mean, rstd) else False)
+    if sites is False:
+        return _reference().update_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n)
+    C = mean.numel()
+    block_c = min(1024, triton.next_power_of_2(max(C, 16)))
+    with _device_guard(mean):
+        launch(sites, "update", launcher(_bn_running_update_kernel, mean), (cdiv(C, block_c),),
+               (mean, rstd, running_mean, running_var, C, running_mean.stride(0), running_var.stride(0), float(eps),
+                float(momentum), n / max(n - 1, 1)), dict(BLOCK_C=block_c, num_warps=4))
+
+
+def _running_supported(running_mean, running_var, mean, rstd) -> bool:
+    return (
+        mean.dtype == torch.float32 and rstd.dtype == torch.float32 and mean.is_contiguous() and rstd.is_contiguous()
+        and running_mean.device == mean.device and running_var.device == mean.device
+        and running_mean.dtype in _RUNNING_DTYPES and running_var.dtype in _RUNNING_DTYPES
+        # bf16 arithmetic is broken in Triton's interpreter
+        and not (interpreting() and torch.bfloat16 in (running_mean.dtype, running_var.dtype))
+    )
+
+
+_RUNNING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _tf32_key(x) -> bool:
