@@ -17,6 +17,8 @@
 #   conv_grouped  the grouped/depthwise conv shapes (EfficientNet-B0, ResNeXt-50/101, RegNetY): the default
 #            (reference path / per-group GEMM) against the opt-in DIRECT kernels
 #   gated    the gated FFN's dual-kernel tile candidates only (gpu_tile_sweep.py --only gated)
+#   dense    the dense kernels' table entry and the first two candidates (the entries it replaced), on
+#            issue 3's four GEMM shapes (gpu_tile_sweep.py --only dense --first 2)
 #   tiles    issue 3's FFN steps under each dense launch switch (pointer/TMA loads, per-tile/persistent
 #            programs) vs eager and checkpoint; then candidate tile-table entries, dense (issue 3's
 #            GEMMs), the gated FFN's dual kernels and conv (batch 256), vs cuBLAS and eager
@@ -47,17 +49,23 @@
 # then three test runs of chosen files (60, 215 with kernels, 190 s). Next:
 #   session 1, call 1 (<= 330 s): FUSEDRC_DIRECT_LAUNCH=1 FUSEDRC_TEST_WORKERS=14 FUSEDRC_TIMEOUT_TESTS=280
 #            FUSEDRC_TEST_FILES="tests/test_direct_launch.py tests/test_kernels_conv.py tests/test_kernels_bn_act_conv.py
-#            tests/test_bn_act_conv.py tests/test_launch_plans.py tests/test_cuda_graphs.py tests/test_triton_path.py"
+#            tests/test_bn_act_conv.py tests/test_launch_plans.py tests/test_cuda_graphs.py tests/test_triton_path.py
+#            tests/test_kernels_dense.py tests/test_kernels_gated.py"
 #            ... "$OUT" tests: the opt-in direct launches of session 30 (never run on a GPU) under every conv
 #            test, each test's second and later launches of a layer going direct (test_direct_launch
-#            compares bits with them off and on); if it passes, DIRECT_LAUNCH's default can turn on
-#   session 1, call 2 (<= 460 s): FUSEDRC_TIMEOUT_MODELS_GRAPH=130 FUSEDRC_TIMEOUT_HOST_PROFILE=120
-#            FUSEDRC_TIMEOUT_PROFILE=120 ... "$OUT" models_graph host_profile profile: the eager ResNet-50
+#            compares bits with them off and on); if it passes, DIRECT_LAUNCH's default can turn on. And the
+#            dense kernels' new sm_90 large entry (session 31: 256x128, epilogues in eighths, never run on a
+#            GPU; test_large_table_entry_runs) and the gated kernels that no longer derive from it
+#   session 1, call 2 (<= 460 s): FUSEDRC_TIMEOUT_KERNELS=80 FUSEDRC_TIMEOUT_DENSE=120 FUSEDRC_TIMEOUT_MODELS_GRAPH=130
+#            FUSEDRC_TIMEOUT_HOST_PROFILE=100 ... "$OUT" kernels dense models_graph host_profile: the FFN steps
+#            against checkpoint (issue 3's 0.95x / 0.85x targets) and the dense GEMMs against cuBLAS (>= 80%)
+#            under the 256x128 entry, with the 128x128 entry it replaced beside it (revert the table's
+#            ("sm90", "16bit", "large") entry in kernels/_common.py if it loses); then the eager ResNet-50
 #            step against its CUDA graph since the conv ops' launch plans and checked-call cache (session 29;
 #            99.7 ms eager / 65.8 ms graph before) and the one-launch running-statistics update (session 30),
 #            with and without direct launches (if call 1's test_direct_launch passed: the default could turn
 #            on); where the eager step's host time goes, function by function; the conv pattern's host
-#            enqueue time. conv_grouped (150 s) in a later call
+#            enqueue time (the profile step, 120 s, and conv_grouped, 150 s, in a later call)
 #   session 2: test_convert (cut at 125 of 164 on 2026-11-27; its two fixes for transformers 5.17 were
 #            checked on the CPU only) with the default settings
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
@@ -119,6 +127,10 @@ for step in "${steps[@]}"; do
         # dense and conv apart: each writes its records even when its timeout stops it
         # the gated FFN's dual-kernel candidates alone (the sm_90 table's 128x128 split-4 entry, new 2026-11-27, untimed)
         gated) timeout -k 20 $(limit gated 100) python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -30 ;;
+        # the dense kernels' table entry against the two tiles it replaced (sm_90 large: 256x128 in eighths
+        # since 2026-11-28), on every dense shape of issue 3
+        dense) timeout -k 20 $(limit dense 150) python3 benchmarks/gpu_tile_sweep.py --only dense --first 2 \
+                   --out "$w/results" 2>&1 | tail -20 ;;
         tiles) timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only ffn --out "$w/results" 2>&1 | tail -20
                timeout -k 20 $(limit tiles 200) python3 benchmarks/gpu_tile_sweep.py --only dense --out "$w/results" 2>&1 | tail -70
                timeout -k 20 $(limit tiles 100) python3 benchmarks/gpu_tile_sweep.py --only gated --out "$w/results" 2>&1 | tail -24

@@ -50,27 +50,36 @@ DENSE_SHAPES = [(8192, 4096, 16384), (8192, 16384, 4096), (16384, 1024, 4096), (
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, EPILOGUE_SPLIT]); shared memory
 # per stage is (BM + BN) * BK * 2 bytes: 128x256x64 is 48 KiB, so 4 stages fit sm_90's 227 KiB
 DENSE_CANDIDATES = [
+    # first (the table's entry runs before all): the sm_90 large entry before 2026-11-28, and the
+    # spilling 256x128 that beat it on 2026-11-27
+    (128, 128, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3),
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 4, 5),
-    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3), (256, 128, 64, 8, 8, 4),
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 4),
     (128, 64, 64, 8, 4, 4), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 2), (128, 256, 32, 8, 8, 5),
     # no spills on sm_90 in the --static report (128x256 / 256x128 spill ~1 KiB in the grad kernel)
     (128, 128, 64, 8, 8, 5), (128, 128, 64, 16, 8, 4), (128, 128, 128, 8, 8, 3), (128, 64, 64, 8, 4, 5),
     # the grad kernel's epilogue in quarters: 128x128 on 8 warps in 128 registers (2 CTAs per SM
     # where shared memory allows: 3 stages), 128x256 / 256x128 down to ~40 bytes of spill
-    (128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 128, 64, 8, 8, 5, 4), (128, 128, 128, 8, 8, 3, 4),
+    (128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 5, 4), (128, 128, 128, 8, 8, 3, 4),
     (128, 256, 64, 8, 8, 3, 4), (256, 128, 64, 8, 8, 3, 4), (128, 64, 64, 8, 4, 4, 4),
+    # in eighths, the forward's activation per slice too: 256x128 without spills (the sm_90 large
+    # entry since 2026-11-28, untimed; unsplit, at the top of this list, its grad kernel ran at 90%
+    # of cuBLAS while spilling), and 128x256 beside it
+    (256, 128, 64, 8, 8, 3, 8), (256, 128, 64, 8, 8, 4, 8), (128, 256, 64, 8, 8, 3, 8),
 ]
 # also timed with TMA loads (kernels/_common.py GEMM_TMA): the table's entries and the large tiles
 # the pointer loads cannot hold without spilling
 TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 256, 64, 8, 8, 3, 4),
-                  (128, 256, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3, 4), (128, 128, 128, 8, 8, 3, 4)]
+                  (128, 256, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3, 4), (128, 128, 128, 8, 8, 3, 4),
+                  (256, 128, 64, 8, 8, 3, 8)]
 # also timed persistent (kernels/_common.py GEMM_PERSISTENT=1: one program per SM walking the
 # tiles, each tile's epilogue overlapping the next tile's loads), with TMA loads or not. The
 # --static report (sm_90, bf16): no spills at 128x128 (forward ~190 registers, grad 165 with TMA,
 # ~240 without: one CTA per SM either way), 80-460 bytes at 128x256
+# (wide tiles, 128x256 and 256x128 on 8 warps, are never launched persistent: _common._wide_tile)
 PERSISTENT_CANDIDATES = [((128, 128, 64, 8, 8, 4, 4), False), ((128, 128, 64, 8, 8, 3, 4), False),
                          ((128, 128, 64, 8, 8, 4, 4), True), ((128, 128, 64, 8, 8, 3, 4), True),
-                         ((128, 256, 64, 8, 8, 3, 4), True), ((128, 128, 128, 8, 8, 3, 4), True)]
+                         ((128, 128, 128, 8, 8, 3, 4), True)]
 # (M, K, H) of the gated FFN's dual GEMMs: Llama-2 7B, 8192 tokens; and a smaller model's
 GATED_SHAPES = [(8192, 4096, 11008), (16384, 2048, 5632)]
 # two fp32 accumulators: a BLOCK_M x BLOCK_N dual tile holds what a BLOCK_M x 2*BLOCK_N one does
@@ -101,7 +110,9 @@ def _time(fn, rep=100):
     return measure.do_bench_times(fn, rep=rep)
 
 
-def sweep_dense(dtype, records):
+def sweep_dense(dtype, records, first=None):
+    """Each of DENSE_SHAPES: cuBLAS, then the table's entry and the candidates (``first``: only the
+    first that many of DENSE_CANDIDATES, no TMA or persistent runs)."""
     from fusedrc.kernels import _common
 
     for M, K, N in DENSE_SHAPES:
@@ -117,10 +128,11 @@ def sweep_dense(dtype, records):
         records.append(dict(base, impl="cublas_addmm_relu", times_s=_time(lambda: torch.relu(torch.addmm(b, a, bt)))))
         records.append(dict(base, impl="cublas_mm", times_s=_time(lambda: torch.mm(a, bt))))
         table = _common.gemm_config(M, N, K, dtype, "ieee", torch.cuda.get_device_capability())
-        cands = [_common.GemmConfig(*c) for c in DENSE_CANDIDATES]
+        cands = [_common.GemmConfig(*c) for c in DENSE_CANDIDATES[:first]]
         runs = [(c, False, 0) for c in [table] + [c for c in cands if c != table]]
-        runs += [(_common.GemmConfig(*c), True, 0) for c in TMA_CANDIDATES]
-        runs += [(_common.GemmConfig(*c), tma, 1) for c, tma in PERSISTENT_CANDIDATES]
+        if first is None:
+            runs += [(_common.GemmConfig(*c), True, 0) for c in TMA_CANDIDATES]
+            runs += [(_common.GemmConfig(*c), tma, 1) for c, tma in PERSISTENT_CANDIDATES]
         default = bool(_common.GEMM_TMA), _common.GEMM_PERSISTENT
         for cfg, tma, per_sm in runs:
             rec = dict(base, config=list(cfg), loads="tma" if tma else "pointer", persistent=per_sm,
@@ -366,6 +378,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--batch", type=int, default=256, help="conv batch")
     ap.add_argument("--only", choices=("ffn", "dense", "gated", "conv"))
+    ap.add_argument("--first", type=int, default=None, metavar="N",
+                    help="dense: the table's entry and the first N candidates of each shape only")
     ap.add_argument("--static", action="store_true", help="no GPU: compile the candidates for sm_90 and report")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compiles with --static")
     args = ap.parse_args()
@@ -391,7 +405,7 @@ def main():
         if args.only in (None, "ffn"):
             sweep_ffn(dtype, records)
         if args.only in (None, "dense"):
-            sweep_dense(dtype, records)
+            sweep_dense(dtype, records, args.first)
         if args.only in (None, "gated"):
             sweep_gated(dtype, records)
         if args.only in (None, "conv"):

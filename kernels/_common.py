@@ -23,9 +23,9 @@ Operand loads (``GEMM_TMA``): plain pointer tiles (the default), or Hopper's ten
 memory accelerator through host-side tensor descriptors (``TMA=True``): A and B^T
 (both K-contiguous: x and a Linear weight) are copied tile by tile into shared memory
 by the TMA unit, without the pointer tensors and address math of the pointer path
-(sm_90, bf16, 128x256, ReLU forward: 165 registers instead of 186). It does not make
-128x256 fit the grad kernel: its epilogue holds the registers (both paths spill there, ~1 KiB
-unsplit, 16-40 bytes with the epilogue in quarters, ``EPILOGUE_SPLIT``).
+(sm_90, bf16, 128x256, ReLU forward: 165 registers instead of 186). What makes a 256x128 tile
+fit is the epilogue, not the loads: ~1 KiB of spill unsplit in the grad kernel, 16-40 bytes in
+quarters, none in eighths with the activation computed per slice (``EPILOGUE_SPLIT``).
 Whether the bulk copies are faster is for the GPU sweep (benchmarks/gpu_tile_sweep.py).
 The choice is a pure function of the operands (``_use_tma``), so a forward and its
 recompute take the same path.
@@ -73,12 +73,14 @@ class GemmConfig(NamedTuple):
     GROUP_M: int
     num_warps: int
     num_stages: int
-    # The grad kernel's epilogue works on 1, 2 or 4 column slices of the tile, one after the
+    # The grad kernel's epilogue works on 1, 2, 4 or 8 column slices of the tile, one after the
     # other: each slice's incoming gradient, activation temporaries and stores are live alone.
     # sm_90, bf16, 128x128 on 8 warps, gelu: 255 registers unsplit, 174 in halves, 128 in
     # quarters (2 CTAs per SM instead of 1, so one CTA's epilogue overlaps another's main loop).
-    # Values only, never the recomputed h: any split gives the same g_h and act(h) bits; the bias
-    # gradient's column sums agree to rounding (a GPU adds a slice's rows in another order).
+    # The forward's epilogue takes the split too where the tile is wide (``_wide_tile``) or
+    # carries dropout. Values only, never the recomputed h: any split gives the same y, g_h and
+    # act(h) bits; the bias gradient's column sums agree to rounding (a GPU adds a slice's rows
+    # in another order).
     EPILOGUE_SPLIT: int = 1
 
 
@@ -99,7 +101,12 @@ _TABLE = {
     # ---- Hopper / datacenter Blackwell
     ("sm90", "16bit", "small"): GemmConfig(64, 64, 64, 8, 4, 4, 4),
     ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
-    ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 4, 4),
+    # 256x128: on an H100 (tile_sweep_cuda_20261127-084919.json, bf16, 8192x4096 -> 16384, ReLU) it
+    # ran the forward in 1.71 ms and the grad kernel in 1.86 ms (98% / 90% of cuBLAS's 1.68 ms), the
+    # 128x128 entry before it (128, 128, 64, 8, 8, 4, 4) 1.82 / 2.12 ms (92% / 79%). That run's
+    # 256x128 was unsplit and spilled (~1 KiB in the grad kernel); in eighths, with the activation
+    # computed per slice, neither kernel spills (fusedrc.inspect, every activation, dropout, TMA).
+    ("sm90", "16bit", "large"): GemmConfig(256, 128, 64, 8, 8, 3, 8),
     ("sm90", "tf32", "small"): GemmConfig(64, 64, 32, 8, 4, 4, 4),
     # tf32 128x128 (8 warps): the grad kernel's epilogue spills (255 registers); 128x64 does not
     ("sm90", "tf32", "medium"): GemmConfig(128, 64, 32, 8, 8, 3, 2),
@@ -376,17 +383,20 @@ def _dropout_factor(seed, rows, col_start, threshold, scale, ROWS: tl.constexpr,
 
 
 @triton.jit
-def _fwd_epilogue(y, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                  DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """Store columns [c0, c0 + WIDTH) of the forward's tile (y holds them, activated), through
-    dropout, in SPLIT column slices one after the other (the mask's temporaries live per slice)."""
+def _fwd_epilogue(h, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
+                  ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
+    """Activate and store columns [c0, c0 + WIDTH) of the forward's tile (h holds them), through
+    dropout, in SPLIT column slices one after the other (the activation's and the mask's
+    temporaries live per slice)."""
     if SPLIT > 1:
-        y0, y1 = _column_halves(y, BLOCK_M, WIDTH)
-        _fwd_epilogue(y0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                      DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
-        _fwd_epilogue(y1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold, drop_scale,
-                      DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
+        _fwd_epilogue(h0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
+                      ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _fwd_epilogue(h1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold, drop_scale,
+                      ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
+        y = _act_fwd(h, ACTIVATION, NEG_SLOPE)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = c0 + tl.arange(0, WIDTH)
         if DROPOUT:
@@ -421,8 +431,8 @@ def _gemm_act_tile(
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
-    _fwd_epilogue(_act_fwd(acc, ACTIVATION, NEG_SLOPE), c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
-                  drop_threshold, drop_scale, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    _fwd_epilogue(acc, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
+                  drop_threshold, drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -807,9 +817,11 @@ def device_sms(t: torch.Tensor) -> int:
     return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def dense_grid(num_tiles: int, t: torch.Tensor):
-    """(grid, PERSISTENT) of a dense launch of ``num_tiles`` output tiles on ``t``'s device."""
-    if not GEMM_PERSISTENT:
+def dense_grid(num_tiles: int, t: torch.Tensor, cfg: GemmConfig | None = None):
+    """(grid, PERSISTENT) of a dense launch of ``num_tiles`` output tiles of ``cfg`` on ``t``'s
+    device. A wide tile (``_wide_tile``) takes one program per tile whatever the switch: the tile
+    and its arithmetic stay the switch's, so a forward and its recompute agree bit for bit."""
+    if not GEMM_PERSISTENT or (cfg is not None and _wide_tile(cfg)):
         return (num_tiles,), False
     return (max(1, min(num_tiles, GEMM_PERSISTENT * device_sms(t))),), True
 
@@ -850,10 +862,17 @@ def _launch_params(a: torch.Tensor, M: int, N: int, K: int):
     return precision, cfg
 
 
+def _wide_tile(cfg: GemmConfig) -> bool:
+    """Whether the tile's fp32 accumulator alone takes 128 or more registers a thread (256x128 on 8
+    warps): its forward epilogue is split too, and it is never launched persistent (the tile loop's
+    registers spill there: 32-96 bytes on sm_90 in eighths)."""
+    return cfg.BLOCK_M * cfg.BLOCK_N >= 128 * 32 * cfg.num_warps
+
+
 def _epilogue_split(cfg: GemmConfig, grad_kernel: bool, dropout: bool) -> int:
-    # the forward's plain epilogue is light: in one piece; the grad kernel's, and the dropout
-    # mask's, in the table's slices
-    return cfg.EPILOGUE_SPLIT if grad_kernel or dropout else 1
+    # the forward's plain epilogue on a tile that leaves registers free is light: in one piece; the
+    # grad kernel's, the dropout mask's and a wide tile's, in the table's slices
+    return cfg.EPILOGUE_SPLIT if grad_kernel or dropout or _wide_tile(cfg) else 1
 
 
 def dropout_args(dropout, fill):
@@ -915,7 +934,7 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     if M == 0 or N == 0:
         return out
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=False)
-    grid, persistent = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
+    grid, persistent = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a, cfg)
     with _device_guard(a):
         launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, **act_meta(activation), **meta,
                                             PERSISTENT=persistent)
@@ -977,7 +996,7 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=True)
     num_pid_m = cdiv(M, cfg.BLOCK_M)
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
-    grid, persistent = dense_grid(num_pid_m * cdiv(N, cfg.BLOCK_N), a)
+    grid, persistent = dense_grid(num_pid_m * cdiv(N, cfg.BLOCK_N), a, cfg)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
@@ -1038,7 +1057,8 @@ def inspect_specs():
     (as ``fused_mlp`` launches it). sm_90 entries also with TMA loads (``GEMM_TMA``;
     config ``"loads": "tma"``); bf16 entries also with the FFN's dropout in the epilogue
     (config ``"dropout": true``: Philox per element, the heaviest epilogue); sm_90 bf16 entries
-    also persistent (``GEMM_PERSISTENT``; config ``"persistent": true``), with either load. The grad
+    but wide ones (``_wide_tile``) also persistent (``GEMM_PERSISTENT``; config ``"persistent": true``),
+    with either load. The grad
     kernel of one sm_90 bf16 entry also with each other activation (config ``"activation"``)."""
     specs = []
     by_key = {}
@@ -1052,7 +1072,7 @@ def inspect_specs():
             variants = [(torch.float32, "tf32" if opclass == "tf32" else "ieee")]
         tma_ok = arch == "sm_90" and opclass != "fp32" and TensorDescriptor is not None
         loads = (False, True) if tma_ok else (False,)
-        persistence = (False, True) if arch == "sm_90" and opclass == "16bit" else (False,)
+        persistence = (False, True) if arch == "sm_90" and opclass == "16bit" and not _wide_tile(cfg) else (False,)
         for (kernel, name), dtype_precision, tma, dropout, persistent in itertools.product(
                 ((_gemm_act_kernel, "_gemm_act_kernel"), (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")),
                 variants, loads, (False, True), persistence):
@@ -1087,7 +1107,7 @@ def inspect_specs():
                 sig[c] = "constexpr"
             config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
                       "GROUP_M": cfg.GROUP_M, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            if kernel is _gemm_act_grad_kernel or dropout:
+            if split > 1 or kernel is _gemm_act_grad_kernel or dropout:
                 config["EPILOGUE_SPLIT"] = split
             if dtype == torch.float32:
                 config["input_precision"] = precision

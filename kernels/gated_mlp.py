@@ -63,6 +63,9 @@ _WHOLE = {
     ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
     ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
 }
+# The dense entry the dual tiles derive from where it is not the dense table's own: sm_90's 16-bit
+# large entry is 256x128, one accumulator of 128 registers a thread; two of them do not fit.
+_DUAL_BASE = {("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 4, 4)}
 
 
 def gated_config(cfg, key=None):
@@ -81,7 +84,7 @@ def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False):
     if capability is None:
         return gated_config(gemm_config(M, N, K, dtype, precision, capability))
     key = (_arch_family(capability), operand_class(dtype, precision), _shape_bucket(M, N, K))
-    return gated_config(_TABLE[key], None if dropout else key)
+    return gated_config(_DUAL_BASE.get(key) or _TABLE[key], None if dropout else key)
 
 
 def _launch_split(cfg, persistent):
@@ -486,7 +489,8 @@ def inspect_specs():
             if (dropout or persistent) and dtype != torch.bfloat16 or dropout and persistent:
                 continue
             # as _gated_table_config chooses: whole where _WHOLE says, except with dropout
-            cfg = gated_config(entry, None if dropout else (family, opclass, bucket))
+            entry_key = (family, opclass, bucket)
+            cfg = gated_config(_DUAL_BASE.get(entry_key) or entry, None if dropout else entry_key)
             split = _launch_split(cfg, persistent)
             key = (name, arch, dtype, precision, cfg, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"

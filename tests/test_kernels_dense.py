@@ -370,6 +370,25 @@ def test_gpu_table_configs_run(dtype, device, monkeypatch):
     _check_linear(*_linear_inputs(M, K, N, dtype, device, True), "relu", dtype)
 
 
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_large_table_entry_runs(act, device):
+    """The large bucket's entry (sm_90: 256x128, epilogues in eighths) on a GPU: forward, g_h, the
+    recomputed act(h) equal to the forward's bit for bit, and the bias gradient, against float64."""
+    if device.type != "cuda":
+        pytest.skip("the table's GPU entries run on a GPU; the interpreter takes its own small tile")
+    M, K, N = 2100, 530, 2060  # large bucket, ragged in M, N and K
+    x, w, b, g = _linear_inputs(M, K, N, torch.bfloat16, device, True)
+    cfg = _common.gemm_config(M, N, K, x.dtype, "ieee", _common.device_capability(x))
+    assert _common._shape_bucket(M, N, K) == "large", cfg
+    y = _common.gemm_act(x, w.t(), b, act)
+    gh, a, db = _common.gemm_act_grad(x, w.t(), b, g, act, store_act=True)
+    assert torch.equal(a, y)
+    h_ref = _d(x) @ _d(w).t() + _d(b)
+    gh_ref = R.activation_backward(_d(g), h_ref, act)
+    assert _rel(y, R.activation_forward(h_ref, act)) < TOL[torch.bfloat16]
+    assert _rel(gh, gh_ref) < TOL[torch.bfloat16] and _rel(db, gh_ref.sum(0)) < TOL[torch.bfloat16]
+
+
 def test_tile_table_rules():
     smem = {"sm90": 227 * 1024, "sm80": 163 * 1024, "small_smem": 99 * 1024}
     for (family, cls, bucket), c in _common._TABLE.items():
@@ -378,7 +397,7 @@ def test_tile_table_rules():
         assert c.num_warps in (4, 8) and c.GROUP_M >= 1
         if family == "sm90" and cls != "fp32":  # HGMMA
             assert c.BLOCK_M >= 64 and c.num_warps % 4 == 0
-        assert c.EPILOGUE_SPLIT in (1, 2, 4) and c.BLOCK_N // c.EPILOGUE_SPLIT >= 16, (family, cls, bucket)
+        assert c.EPILOGUE_SPLIT in (1, 2, 4, 8) and c.BLOCK_N // c.EPILOGUE_SPLIT >= 16, (family, cls, bucket)
     for family in smem:
         for cls in ("16bit", "tf32", "fp32"):
             for bucket in ("small", "medium", "large"):
@@ -410,6 +429,43 @@ def test_epilogue_split(act, device):
     a_ref = R.activation_forward(h_ref, act)
     assert _rel(gh, gh_ref) < 1e-5 and _rel(a, a_ref) < 1e-5
     assert _rel(db, gh_ref.sum(0)) < 1e-5
+
+
+def test_wide_tile_forward_epilogue_split(device, monkeypatch):
+    """A wide tile (its accumulator alone 128 registers a thread: sm_90's 256x128 large entry) splits
+    the forward's epilogue too, the activation computed per slice: the same y bits at every split, with
+    and without dropout, equal to the grad kernel's recomputed act(h); the forward at split 8 matches the
+    float64 reference. A wide tile is launched one program per tile under GEMM_PERSISTENT (its tile
+    loop's registers would spill); a narrow one persistent."""
+    M, K, N = 150, 40, 200  # 2 x 2 tiles of 128, ragged in M and N, a K tail
+    x, w, b, g = _linear_inputs(M, K, N, torch.float32, device, True)
+    wide = _common.GemmConfig(128, 128, 32, 2, 4, 1, 1)
+    assert _common._wide_tile(wide) and not _common._wide_tile(wide._replace(num_warps=8))
+    seed = torch.tensor([99], dtype=torch.int64, device=device)
+    launches = record_launches(monkeypatch, _common)
+    for dropout in (None, (0.25, seed)):
+        outs = []
+        for split in (1, 2, 4, 8):
+            cfg = wide._replace(EPILOGUE_SPLIT=split)
+            launches.clear()
+            outs.append(_common.gemm_act(x, w.t(), b, "gelu", config=cfg, dropout=dropout))
+            assert [kw["EPILOGUE_SPLIT"] for _, kw in launches] == [split]
+            _, a, _ = _common.gemm_act_grad(x, w.t(), b, torch.ones_like(outs[-1]), "gelu", store_act=True,
+                                            config=cfg, dropout=dropout)
+            assert torch.equal(a, outs[-1])
+        for other in outs[1:]:
+            assert torch.equal(outs[0], other)
+    h_ref = _d(x) @ _d(w).t() + _d(b)
+    assert _rel(outs[0], R.activation_forward(h_ref, "gelu") * (outs[0] != 0) / 0.75) < 1e-5
+    assert 0.15 < (outs[0] == 0).double().mean().item() < 0.35  # the dropout mask really dropped
+    y = _common.gemm_act(x, w.t(), b, "gelu", config=wide._replace(EPILOGUE_SPLIT=8))
+    assert _rel(y, R.activation_forward(h_ref, "gelu")) < 1e-5
+    monkeypatch.setattr(_common, "GEMM_PERSISTENT", 2)
+    for cfg, persistent in ((wide, False), (wide._replace(num_warps=8), True)):
+        launches.clear()
+        _common.gemm_act(x, w.t(), b, "gelu", config=cfg)
+        _common.gemm_act_grad(x, w.t(), b, g, "gelu", config=cfg)
+        assert [kw["PERSISTENT"] for _, kw in launches] == [persistent, persistent]
 
 
 # --------------------------------------------------------------------------- TMA loads

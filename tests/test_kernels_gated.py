@@ -160,6 +160,9 @@ def test_gated_table_choice():
     assert gated_mlp._launch_split(whole, False) == 4 and gated_mlp._launch_split(whole, True) == 8
     dropped = gated_mlp._gated_table_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0), dropout=True)
     assert (dropped.BLOCK_N, dropped.EPILOGUE_SPLIT) == (64, 1) and gated_mlp._launch_split(dropped, True) == 1
+    # not the dense table's wide 256-row large entry: two accumulators of that size would not fit
+    assert _common._wide_tile(_common.gemm_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0)))
+    assert dropped.BLOCK_M == 128
     for dtype, cap in ((torch.bfloat16, (8, 0)), (torch.float32, (9, 0))):
         dense = _common.gemm_config(8192, 11008, 4096, dtype, "ieee", cap)
         assert gated_mlp._gated_table_config(8192, 11008, 4096, dtype, "ieee", cap).BLOCK_N == max(16, dense.BLOCK_N // 2)
