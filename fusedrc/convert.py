@@ -40,7 +40,8 @@ How patterns are found
    and, by shape rather than class name, every layer whose ``feed_forward_chunk``, ``intermediate``
    and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them; DeBERTa and
    MPNet call the two inline, ``_inline_split_ffn_layer``), every module
-   whose forward is Phi-3's MLP (``_gate_up_mlp``: gate and up projections in one ``gate_up_proj``), every module holding ``gate_proj`` /
+   whose forward is Phi-3's MLP or Moshi's gating MLP (``_gate_up_mlp``: gate and up projections in one
+   ``gate_up_proj`` or ``fc1``), every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
@@ -2515,14 +2516,19 @@ def _gated_mlp(ctx, name, m):
 class FusedGateUpMLP(Wrapper):
     """A gated MLP whose gate and up projections are one Linear, Phi-3's
     ``up = gate_up_proj(x); gate, up = up.chunk(2, dim=-1); down_proj(up * activation_fn(gate))``
-    (Phi-3/3.5/4-mini, Phi-4-multimodal, GLM, ...), as one fused gated FFN on the two halves of
-    ``gate_up_proj``'s weight (row views: no copy)."""
+    (Phi-3/3.5/4-mini, Phi-4-multimodal, GLM, ...), or Moshi's ``MoshiGatingMLP`` (``fc1``'s output
+    viewed as (batch, sequence, 2, -1), ``activation_fn`` of half 0 times half 1, then ``fc2``: the same
+    halves), as one fused gated FFN on the two halves of the first Linear's weight (row views: no copy).
+    A call the module's forward takes otherwise (Moshi's with a codebook's ``layer_idx``, an input of
+    another rank there) runs that forward."""
 
     def forward(self, *args, **kwargs):
         x = _only_input(self, args, kwargs)
-        site, gu, d, act_mod = self.sites.get("gated_ffn"), self.gate_up_proj, self.down_proj, self.activation_fn
+        (gu_name, d_name), rank = self.__dict__["_fusedrc_form"]
+        site, gu, d, act_mod = self.sites.get("gated_ffn"), getattr(self, gu_name), getattr(self, d_name), \
+            self.activation_fn
         if (x is None or site is None or not site.enabled or not _nohooks(self, gu, d, act_mod)
-                or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d)
+                or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d) or rank not in (None, x.dim())
                 or gu.out_features != 2 * d.in_features or not _dense_runtime_ok(x, gu, d)):
             return self.plain(*args, **kwargs)
         act, n = self.__dict__["_fusedrc_act"], d.in_features
@@ -2543,28 +2549,72 @@ def _gate_up_body(lines):
     return v if lines[1:] == body else None
 
 
+def _moshi_gating_body(lines):
+    """The name of a forward's input ``v`` when its code lines are Moshi's gating MLP, word for word
+    (``def forward(self, v[: T], layer_idx[: T] = None)``); else None."""
+    if not lines or not lines[0].startswith("def forward("):
+        return None
+    try:
+        a = _ast.parse(lines[0] + " pass").body[0].args
+    except SyntaxError:
+        return None
+    if (a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(a.args) != 3 or a.args[0].arg != "self"
+            or a.args[2].arg != "layer_idx" or len(a.defaults) != 1 or not _is_none(a.defaults[0])):
+        return None
+    v = a.args[1].arg
+    body = [f"{v} = self.fc1({v}) if layer_idx is None else self.fc1({v}, layer_idx)",
+            f"batch_size, sequence_length, _ = {v}.shape",
+            f"{v} = {v}.view(batch_size, sequence_length, 2, -1)",
+            f"{v} = self.activation_fn({v}[..., 0, :]) * {v}[..., 1, :]",
+            f"{v} = self.fc2({v}) if layer_idx is None else self.fc2({v}, layer_idx)", f"return {v}"]
+    return v if lines[1:] == body else None
+
+
+def _is_none(node):
+    return isinstance(node, _ast.Constant) and node.value is None
+
+
+# the gated MLPs of one packed Linear: (first Linear, down Linear), the input rank the forward needs
+# (None: any), the check of the forward's code (the input's name, or None)
+_GATE_UP_FORMS = ((("gate_up_proj", "down_proj"), None, _gate_up_body), (("fc1", "fc2"), 3, _moshi_gating_body))
+
+
+def _gate_up_form(m):
+    """The ``_GATE_UP_FORMS`` entry whose two Linears and ``activation_fn`` ``m`` holds, or None."""
+    return next((f for f in _GATE_UP_FORMS
+                 if all(isinstance(getattr(m, a, None), nn.Module) for a in (*f[0], "activation_fn"))), None)
+
+
 def _looks_gate_up_mlp(m):
-    return all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_up_proj", "down_proj", "activation_fn")) \
-        and not _class_of(m).__module__.startswith("torch.") \
-        and (not isinstance(m, Wrapper) or isinstance(m, FusedGateUpMLP))
+    if _class_of(m).__module__.startswith("torch.") or isinstance(m, Wrapper) and not isinstance(m, FusedGateUpMLP):
+        return False
+    form = _gate_up_form(m)
+    if form is None:
+        return False
+    if form[0][0] == "gate_up_proj":
+        return True
+    lines = _source_lines(m)  # fc1/fc2 modules of other forwards (CLIP's MLP, ...) are the fx pass's
+    return lines is not None and form[2](lines) is not None
 
 
 def _gate_up_mlp(ctx, name, m):
     """Found by shape: a module holding ``gate_up_proj``/``down_proj`` Linears and ``activation_fn``
-    whose forward is Phi-3's MLP, word for word."""
+    whose forward is Phi-3's MLP, word for word; or ``fc1``/``fc2`` and ``activation_fn`` with
+    Moshi's gating MLP as its forward."""
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
-    arg = _gate_up_body(lines)
+    (gu_name, d_name), rank, body = _gate_up_form(m)
+    arg = body(lines)
     act = _act_name(m.activation_fn)
-    gu, d = m.gate_up_proj, m.down_proj
+    gu, d = getattr(m, gu_name), getattr(m, d_name)
     if arg is None:
         reason = (f"{_class_of(m).__name__}.forward is not gate, up = gate_up_proj(x).chunk(2); "
                   "down_proj(up * activation_fn(gate))")
     elif act is None:
         reason = f"activation {type(m.activation_fn).__name__} has no fused form"
     elif not (is_linear(gu) and is_linear(d)) or gu.out_features != 2 * d.in_features:
-        reason = "gate_up_proj/down_proj are not plain nn.Linear of matching shapes"
+        reason = f"{gu_name}/{d_name} are not plain nn.Linear of matching shapes"
     else:
         reason = None
     if reason is not None:
@@ -2572,6 +2622,7 @@ def _gate_up_mlp(ctx, name, m):
         return m
     new = FusedGateUpMLP.wrap(m)
     new.__dict__["_fusedrc_act"], new.__dict__["_fusedrc_arg"] = act, arg
+    new.__dict__["_fusedrc_form"] = ((gu_name, d_name), rank)
     _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (gu,))
     return new
 

@@ -359,6 +359,13 @@ def test_t5_dropout_between_is_fused(monkeypatch):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in conv.parameters() if p.requires_grad)
 
 
+def _moshi_config(tr, **kw):
+    return tr.MoshiConfig(vocab_size=100, hidden_size=32, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, audio_vocab_size=50, num_codebooks=2, depth_hidden_size=16,
+                          depth_num_hidden_layers=1, depth_num_attention_heads=2, depth_ffn_dim=32,
+                          max_position_embeddings=64, sliding_window=64, use_cache=False, **kw)
+
+
 def _hf_family(family):
     """Tiny Hugging Face models of other families, their inputs and the units convert finds."""
     tr = _transformers()
@@ -374,6 +381,10 @@ def _hf_family(family):
                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
                             eos_token_id=2, use_cache=False)
         model, args, kwargs = tr.Phi3ForCausalLM(cfg), (ids,), {}
+        units = [f"model.layers.{i}.mlp" for i in range(2)]
+    elif family == "moshi":  # Moshi's gating MLP: fc1's output viewed in halves, found by its forward
+        cfg = _moshi_config(tr)
+        model, args, kwargs = tr.MoshiForCausalLM(cfg), (ids,), {}
         units = [f"model.layers.{i}.mlp" for i in range(2)]
     elif family == "bert":  # the split-FFN rule on BertLayer, fx on the MLM head's transform (dense + GELU)
         cfg = tr.BertConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -426,8 +437,8 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon", "biogpt",
-                                    "fsmt"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "moshi", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon",
+                                    "biogpt", "fsmt"])
 def test_other_hugging_face_families(family):
     """Beyond the OPT and T5 rules: fx on the submodules that trace (one graph per training mode
     where the forward reads it), the rules for GPT-2's MLP and BART-style layers (named, or by
@@ -810,6 +821,45 @@ def test_phi3_gate_up_mlp(backend):
     with pytest.warns(UserWarning, match="no pattern found"):
         plan = fusedrc.convert(changed).fusedrc_plan
     assert not plan.fused and "is not gate, up = gate_up_proj" in dict(plan.skipped)[""]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_moshi_gating_mlp(backend):
+    """Moshi's gating MLP (fc1's output viewed as (batch, sequence, 2, -1), activation_fn of half 0 times
+    half 1, then fc2): one fused gated FFN on the two row halves of fc1's weight, its gradients the
+    original's. Calls the fused op does not model run the module's forward: a codebook's layer_idx, an
+    input that is not 3-D (which raises there as in the original). The depth decoder's per-codebook
+    Linears are reported; a forward that differs is not taken."""
+    tr = _transformers()
+    gating = tr.models.moshi.modeling_moshi.MoshiGatingMLP
+    torch.manual_seed(0)
+    cfg = _moshi_config(tr, hidden_act="gelu")
+    dev = backend_device(backend)
+    mlp = gating(cfg).to(dev)
+    conv = fusedrc.convert(mlp)
+    assert conv.fusedrc_plan.fused == [""] and conv.fusedrc_plan.units[0].kind == "gated_ffn"
+    x = torch.randn(2, 5, 32, device=dev)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        xa, xb = _assert_same_step(mlp, conv, x)
+    twin = "_triton" if backend == "triton" else ""
+    assert log.ops == [f"gated_mlp{twin}", f"gated_mlp_backward{twin}"]
+    assert rel_err(xb.grad, xa.grad) <= TOL and conv.fc1.weight.grad.shape == (96, 32)
+    with FusedOpLog() as log:
+        assert torch.equal(conv(x, layer_idx=None), mlp(x, layer_idx=None))  # two arguments: the module's own
+        with pytest.raises(ValueError):
+            conv(x[0])
+    assert log.ops == []
+
+    flexible = gating(cfg, use_flexible_linear=True)
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(flexible).fusedrc_plan
+    assert "fc1/fc2 are not plain nn.Linear" in dict(plan.skipped)[""]
+    other = type("MoshiGatingMLP", (gating,), {"forward": lambda self, h, layer_idx=None: self.fc2(
+        self.activation_fn(self.fc1(h)[..., :48]) * self.fc1(h)[..., 48:])})
+    changed = copy.deepcopy(mlp)
+    changed.__class__ = other
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert not fusedrc.convert(changed).fusedrc_plan.fused
 
 
 @pytest.mark.parametrize("code, reason, dropout", [
