@@ -46,7 +46,8 @@ How patterns are found
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`); timm's MLPs of 1x1
-   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``: a fused FFN over each pixel's channels).
+   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``: a fused FFN over each pixel's channels; with
+   MetaFormer's StarReLU, ``_affine_act``, folded into the second layer, as in fx's FFNs).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
@@ -629,6 +630,9 @@ def _run_dense(site, kind, act, mods, x, norm=None, packed=None):
 
         p = _chain_dropout_p(mods[2:-1]) if kind == "ffn" else 0.0
         linears = (first, last) if kind == "ffn" else (first,)
+    affine = _affine_act(mods[1]) if kind != "gated_ffn" else None
+    if affine is not None and (affine[0] != act or p != 0 or not all(is_linear(m) for m in linears)):
+        p = None  # a dropout of s * act + b: b no longer a constant through the second Linear
     args = {}
     if norm is not None:
         # a norm that passed its input through (a _NormFirst) runs as its class, never passing through
@@ -636,16 +640,20 @@ def _run_dense(site, kind, act, mods, x, norm=None, packed=None):
         args = _norm_args(norm, x) if site is not None and site.enabled else None
         if args is None:  # the norm runs as itself: the unit off, hooks on it, a dtype the op does not model
             x, args = run_norm(x), {}
-    if site is None or not site.enabled or p is None or not _nohooks(*mods) or not _still(act, mods[1], *linears) \
-            or not _dense_runtime_ok(x, *linears):
+    if site is None or not site.enabled or p is None or not _nohooks(*mods) \
+            or affine is None and not _still(act, mods[1], *linears) or not _dense_runtime_ok(x, *linears):
         return plain(run_norm(x) if args else x)
     if kind == "ffn":
-        return _run_site(site, lambda x: F.fused_mlp(x, first.weight, first.bias, last.weight, last.bias, act,
-                                                     dropout_p=p, **args),
-                         (lambda x: plain(run_norm(x))) if args else plain, x)
+        def fused(x):
+            w2, b2 = (last.weight, last.bias) if affine is None else _fold_affine(last.weight, last.bias, *affine[1:])
+            return F.fused_mlp(x, first.weight, first.bias, w2, b2, act, dropout_p=p, **args)
+        return _run_site(site, fused, (lambda x: plain(run_norm(x))) if args else plain, x)
     if kind == "gated_ffn":
         return _run_site(site, lambda x: F.gated_mlp(x, *gate_up(), last.weight, last.bias, act, dropout_p=p, **args),
                          (lambda x: plain(run_norm(x))) if args else plain, x)
+    if affine is not None:  # as the module computes it: scale * act(h) + bias (its product keeps act(h))
+        return _run_site(site, lambda x: affine[1] * F.linear_act(x, first.weight, first.bias, act) + affine[2],
+                         plain, x)
     return _run_site(site, lambda x: F.linear_act(x, first.weight, first.bias, act), plain, x)
 
 
@@ -1836,28 +1844,60 @@ class FusedConvMlp(Wrapper):
         _, mid, after = _CONV_MLP_FORMS[_class_of(self).__name__]
         act = self.__dict__["_fusedrc_act"]
         p = fused_dropout_p(getattr(self, mid))
+        affine = _affine_act(self.act)
         # inside a recomputed region (a block) the convolutions themselves: the region keeps its inputs
         if (site is None or not site.enabled or p is None or _conv_mlp_reason(self, mid) is not None
-                or inside_region() or _act_name(self.act) != act or not _nohooks(self, *self.children())
+                or inside_region() or (affine[0] if affine else _act_name(self.act)) != act
+                or affine and p != 0  # dropout(s * act + b): b no longer a constant through fc2
+                or not _nohooks(self, *self.children())
                 or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
                 or not _dense_runtime_ok(x, fc1, fc2)):
             return self.plain(x)
-        y = _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p),
+        y = _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p, affine),
                       lambda x: fc2(getattr(self, mid)(self.act(fc1(x)))), x)
         return getattr(self, after)(y) if after else y
 
 
-def _conv_ffn(x, fc1, fc2, act, p):
+def _conv_ffn(x, fc1, fc2, act, p, affine=None):
     """``fc2(dropout(act(fc1(x))))`` for 1x1 convolutions on NCHW ``x``, as one fused FFN on its
     (pixels, channels) rows: a view of a channels_last input, one copy (the tensor the op keeps,
     as a checkpoint keeps x) of a contiguous one; the output in the memory format the conv would
-    give (channels_last when x's channels are its innermost dimension, as torch decides it)."""
+    give (channels_last when x's channels are its innermost dimension, as torch decides it).
+    ``affine``: ``_affine_act``'s (act, scale, bias) of an activation ``scale * act(h) + bias``, folded
+    into fc2 (no dropout between)."""
     from torch._prims_common import suggest_memory_format  # eager's Tensor::suggest_memory_format
 
     channels_last = suggest_memory_format(x) == torch.channels_last
-    y = F.fused_mlp(x.permute(0, 2, 3, 1), fc1.weight.flatten(1), fc1.bias, fc2.weight.flatten(1), fc2.bias, act,
+    w2, b2 = fc2.weight.flatten(1), fc2.bias
+    if affine is not None:
+        w2, b2 = _fold_affine(w2, b2, affine[1], affine[2])
+    y = F.fused_mlp(x.permute(0, 2, 3, 1), fc1.weight.flatten(1), fc1.bias, w2, b2, act,
                     dropout_p=p).permute(0, 3, 1, 2)
     return y if channels_last else y.contiguous()
+
+
+def _affine_act(mod):
+    """``(activation, scale, bias)`` of an activation module computing ``scale * act(x) + bias`` with
+    learned one-element ``scale`` and ``bias``: timm's StarReLU (MetaFormer's, ``scale * relu(x) ** 2 +
+    bias``), known by its forward's code; else None. No fused activation stands for it alone: an FFN
+    folds it into its second layer (``_fold_affine``)."""
+    if type(mod).__name__ != "StarReLU" or type(mod._modules.get("relu")) is not nn.ReLU:
+        return None
+    scale, bias = mod._parameters.get("scale"), mod._parameters.get("bias")
+    if scale is None or bias is None or scale.numel() != 1 or bias.numel() != 1:
+        return None
+    lines = _source_lines(mod)
+    if lines is None or lines[1:] != ["return self.scale * self.relu(x) ** 2 + self.bias"] or _forward_arg(lines) != "x":
+        return None
+    return "relu2", scale, bias
+
+
+def _fold_affine(w2, b2, scale, bias):
+    """The second layer's weight and bias with ``scale * a + bias`` folded in: ``(scale * a + bias) W2^T + b2
+    = a (scale W2)^T + (b2 + bias * W2 1)``, equal up to rounding; differentiable in all four."""
+    w = w2 * scale.to(w2.dtype)
+    b = bias.to(w2.dtype) * w2.sum(1)
+    return w, b if b2 is None else b2 + b
 
 
 # class name -> (its forward's lines after the def, the dropout between act and fc2, the module after fc2)
@@ -1898,9 +1938,12 @@ def _conv_mlp(ctx, name, m):
         return m
     reason = _conv_mlp_reason(m, mid) if lines[1:] == body else f"{cls.__name__}.forward is not timm's"
     # read only once the lines matched: another ConvMlp (timm's VGG's: act1, act2) has no .act
-    act = _act_name(m.act) if reason is None else None
+    affine = _affine_act(m.act) if reason is None else None
+    act = (affine[0] if affine else _act_name(m.act)) if reason is None else None
     if reason is None and act is None:
         reason = f"activation {type(m.act).__name__} has no fused form"
+    if affine and fused_dropout_p(getattr(m, mid), training=True) != 0:
+        reason = f"{type(m.act).__name__}'s bias does not fold through the dropout before fc2"
     if reason is None and not _nohooks(*m.children()):
         reason = "hooks registered on the modules"
     return _wrapped_unit(ctx, name, m, reason, FusedConvMlp, act, "ffn", "conv_ffn", (m.fc1,))
@@ -3116,7 +3159,8 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
             # the graph would run the plain computation without the recompute
             # a norm the fused FFN models (timm's LayerNorm, Hugging Face's RMSNorms) too: traced through, it
             # would be an F.layer_norm call the chain before an FFN cannot join, and no norm unit
-            return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _own_hooks(m) or is_linear(m)
+            return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _affine_act(m) is not None
+                    or _own_hooks(m) or is_linear(m)
                     or _is_bn_act(m) or (id(m) in leaves or _hf_layer(m)) and m is not model  # blocks: marked later
                     or m is not model and norm_kind(m) is not None
                     or "forward" in m.__dict__
@@ -3523,6 +3567,10 @@ def _fx_chains(gm, prefix, skip):
             n1 = single(node)
             act, a = act_of(n1)
             acts = [n1]
+            # an activation with learned scale and bias (StarReLU): folded into an FFN's second Linear
+            affine = act is None and n1 and plain_args(n1) and n1.args[0] is node and _affine_act(mod(n1))
+            if affine:
+                act, a = affine[0], mod(n1)
             if act is None and (w := written_act(node)) is not None:
                 act, a, written = w
                 acts, n1 = written, written[-1]
@@ -3535,6 +3583,9 @@ def _fx_chains(gm, prefix, skip):
                     if not _static_dropouts_ok([mod(d) for d in drops]):
                         skip(_join(prefix, node.target), "dropouts between the FFN's Linears other than one nn.Dropout: "
                                               "no fused form")
+                    elif affine and _chain_dropout_p([mod(d) for d in drops], training=True) != 0:
+                        skip(_join(prefix, node.target), f"{type(a).__name__}'s bias does not fold through the "
+                                                         "dropout before the second Linear")
                     else:
                         chain = [node, *acts, *drops, nxt]
                         kind, modules = "ffn", [m, a, *pad, *[mod(d) for d in drops], mod(nxt)]

@@ -2752,6 +2752,53 @@ def test_timm_conv_mlps():
     assert [(u.name, u.kind) for u in plan.units] == [("0.fc1", "conv_bn_relu")]
 
 
+def test_timm_metaformer_star_relu():
+    """timm's MetaFormer MLPs with StarReLU (``scale * relu(h) ** 2 + bias``, learned scalars), CAFormer's
+    layout: 1x1-conv MLPs (stages 0-1) and Linear MLPs found by fx (stages 2-3) run as one fused
+    squared-ReLU FFN, scale and bias folded into the second layer (``(s a + b) W^T = a (s W)^T + b W 1``);
+    outputs and every gradient (scale's and bias's too) the original's, fewer bytes kept. A lone
+    Linear -> StarReLU is a fused Linear + squared ReLU with the scale and bias after it; a dropout
+    between the layers (the bias would not fold through it) is reported and left."""
+    timm = _timm()
+    from timm.models.metaformer import Attention, LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, SepConv, StarReLU
+    torch.manual_seed(0)
+    model = MetaFormer(depths=(1, 1, 1, 1), dims=(16, 32, 64, 64), num_classes=10,
+                       token_mixers=[SepConv, SepConv, Attention, Attention],
+                       norm_layers=[LayerNorm2dNoBias] * 2 + [LayerNormNoBias] * 2).train()
+    for m in model.modules():
+        if isinstance(m, StarReLU):
+            with torch.no_grad():
+                m.scale.uniform_(0.5, 1.5), m.bias.uniform_(-0.5, 0.5)
+    conv = fusedrc.convert(model)
+    units = [(u.name, u.kind) for u in conv.fusedrc_plan.units if u.kind != "norm"]
+    assert units == [("stages.0.blocks.0.mlp", "conv_ffn"), ("stages.1.blocks.0.mlp", "conv_ffn"),
+                     ("stages.2.blocks.0.mlp.fc1", "ffn"), ("stages.3.blocks.0.mlp.fc1", "ffn"),
+                     ("head.fc.fc1", "linear_act")] and not conv.fusedrc_plan.skipped
+    x = torch.randn(2, 3, 64, 64)
+    with FusedOpLog() as log:
+        xa, xb = _assert_same_step(model, conv, x)
+    assert log.ops.count("fused_mlp") == 4
+    assert rel_err(xb.grad, xa.grad) <= TOL
+    for (n, p), q in zip(model.named_parameters(), conv.parameters()):
+        assert rel_err(q.grad, p.grad) <= 1e-4, n
+    with SavedBytes() as b:
+        conv(x.clone().requires_grad_())
+    with SavedBytes() as a:
+        model(x.clone().requires_grad_())
+    assert b.bytes < 0.7 * a.bytes
+
+    lone = nn.Sequential(nn.Linear(8, 12), StarReLU(scale_value=0.7, bias_value=0.2))
+    conv = fusedrc.convert(lone)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("0", "linear_act")]
+    with FusedOpLog() as log:
+        _assert_same_step(lone, conv, torch.randn(3, 8))
+    assert log.ops == ["linear_act", "linear_act_backward"]
+    dropped = nn.Sequential(nn.Linear(8, 12), StarReLU(), nn.Dropout(0.1), nn.Linear(12, 8))
+    with pytest.warns(UserWarning, match="bias does not fold through the dropout"):
+        plan = fusedrc.convert(dropped).fusedrc_plan
+    assert not plan.fused
+
+
 class _Gate(nn.Module):
     """A submodule fx inlines into its parent's graph (not a torch module)."""
 
