@@ -45,7 +45,7 @@ How patterns are found
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
-   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`); timm's MLPs of 1x1
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE`` by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``: a fused FFN over each pixel's channels; with
    MetaFormer's StarReLU, ``_affine_act``, folded into the second layer, as in fx's FFNs).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
@@ -197,7 +197,16 @@ def _flops(module, inp, out):
         return 2 * out.numel() * module.in_features
     if _is_conv1d(module):
         return 2 * out.numel() * module.weight.shape[0]
+    if _is_parallel_experts(module):  # JetMoE's: one F.linear per expert on its rows
+        return 2 * out.numel() * module.weight.shape[2]
     return 0
+
+
+def _is_parallel_experts(module):
+    """JetMoE's ``JetMoeParallelExperts``: a (num_experts, out, in) weight, each expert's rows through
+    ``F.linear``."""
+    return type(module).__name__ == "JetMoeParallelExperts" and isinstance(module._parameters.get("weight"), nn.Parameter) \
+        and module.weight.dim() == 3
 
 
 def _is_conv1d(module):
@@ -229,7 +238,7 @@ def _measure_flops(model, example_inputs):
                 flops[id(mod)], flops[key] = flops.get(id(mod), 0) + whole, flops.get(key, 0) + rerun
             handles.append(m.register_forward_hook(hook, with_kwargs=True))
             continue
-        if isinstance(m, (nn.Conv2d, nn.Linear)) or _is_conv1d(m):
+        if isinstance(m, (nn.Conv2d, nn.Linear)) or _is_conv1d(m) or _is_parallel_experts(m):
             def hook(mod, i, o):
                 if isinstance(o, torch.Tensor):
                     flops[id(mod)] = flops.get(id(mod), 0) + _flops(mod, i, o)
@@ -2777,6 +2786,107 @@ def _experts(ctx, name, m):
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
     return new
+
+
+class FusedJetMoeMoE(Wrapper):
+    """JetMoE's ``JetMoeMoE``: its experts (``input_linear`` (E, 2H, D), gate then up; ``output_linear``
+    (E, D, H); ``JetMoeParallelExperts``) as one :func:`fusedrc.functional.moe_experts` call on the
+    router's choices, which its sorted pairs give back per token; the router and the output bias as they
+    are. Only the call's inputs are kept for the experts."""
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        site, act, up, down = self.sites.get("experts"), self.__dict__["_fusedrc_act"], self.input_linear, \
+            self.output_linear
+        if (x is None or site is None or not site.enabled or inside_region()
+                or not _nohooks(self, self.activation, up, down) or _act_name(self.activation) != act
+                or _jetmoe_reason(self) is not None or not isinstance(x, torch.Tensor) or x.dim() != 3
+                or not x.is_floating_point() or x.device != up.weight.device
+                or not (x.dtype == up.weight.dtype == down.weight.dtype or torch.is_autocast_enabled(x.device.type))):
+            return self.plain(*args, **kwargs)
+        bsz, length, emb_size = x.size()
+        flat = x.reshape(-1, emb_size)
+        index_sorted, batch_index, batch_gates, expert_size, _ = self.router(flat)
+
+        def fused(h, index_sorted, batch_gates):
+            # the router sorted the (token, choice) pairs by expert: back to (tokens, k) per token
+            k, experts = self.router.top_k, up.weight.shape[0]
+            inverse = torch.empty_like(index_sorted)
+            inverse[index_sorted] = torch.arange(index_sorted.numel(), device=index_sorted.device)
+            chosen = torch.repeat_interleave(torch.arange(experts, device=h.device),
+                                             torch.as_tensor(expert_size, device=h.device), output_size=h.shape[0] * k)
+            return F.moe_experts(h, chosen[inverse].view(-1, k), batch_gates[inverse].view(-1, k), up.weight,
+                                 down.weight, act).to(h.dtype)
+
+        def plain(h, index_sorted, batch_gates):  # the module's own lines (checkpoint's comparison)
+            hidden = up(h[batch_index], expert_size).chunk(2, dim=-1)
+            out = down(self.activation(hidden[0]) * hidden[1], expert_size) * batch_gates[:, None]
+            return torch.zeros((h.shape[0], h.shape[1]), dtype=out.dtype, device=out.device).index_add(0, batch_index, out)
+
+        out = _run_site(site, fused, plain, flat, index_sorted, batch_gates)
+        return out.view(bsz, length, emb_size) + self.bias
+
+
+# JetMoE's MoE and router lines the fused call relies on (the router: how its sorted pairs are laid out)
+_JETMOE_LINES = ["bsz, length, emb_size = layer_input.size()", "layer_input = layer_input.reshape(-1, emb_size)",
+                 "_, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)",
+                 "expert_inputs = layer_input[batch_index]",
+                 "hidden_states = self.input_linear(expert_inputs, expert_size)",
+                 "chunked_hidden_states = hidden_states.chunk(2, dim=-1)",
+                 "hidden_states = self.activation(chunked_hidden_states[0]) * chunked_hidden_states[1]",
+                 "expert_outputs = self.output_linear(hidden_states, expert_size)",
+                 "expert_outputs = expert_outputs * batch_gates[:, None]",
+                 "zeros = torch.zeros((bsz * length, self.input_size), dtype=expert_outputs.dtype, "
+                 "device=expert_outputs.device)",
+                 "layer_output = zeros.index_add(0, batch_index, expert_outputs)",
+                 "layer_output = layer_output.view(bsz, length, self.input_size)",
+                 "layer_output = layer_output + self.bias", "return layer_output"]
+_JETMOE_ROUTER_LINES = ["top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)  # [num_tokens, top_k]",
+                        "top_k_experts = top_k_indices.flatten()  # [num_tokens * top_k]",
+                        "_, index_sorted_experts = top_k_experts.sort(0)  # [num_tokens * top_k]",
+                        "batch_index = index_sorted_experts.div(self.top_k, rounding_mode=\"trunc\")  # [num_tokens * top_k]",
+                        "top_k_gates = top_k_gates.flatten()  # [num_tokens * top_k]",
+                        "batch_gates = top_k_gates[index_sorted_experts]  # [num_tokens * top_k]",
+                        "return index_sorted_experts, batch_index, batch_gates, expert_size, logits"]
+
+
+def _jetmoe_reason(m):
+    """Why JetMoE's MoE module ``m`` cannot be one fused experts call now, or None."""
+    up, down, router = m._modules.get("input_linear"), m._modules.get("output_linear"), m._modules.get("router")
+    if not (_is_parallel_experts(up) and _is_parallel_experts(down)) or up.weight.shape[0] != down.weight.shape[0] \
+            or up.weight.shape[1] != 2 * down.weight.shape[2] or down.weight.shape[1] != up.weight.shape[2]:
+        return "input_linear/output_linear are not JetMoeParallelExperts of matching expert and hidden sizes"
+    if type(router).__name__ != "JetMoeTopKGating" or not isinstance(getattr(router, "top_k", None), int):
+        return f"the router {type(router).__name__} is not JetMoE's top-k gating"
+    if not isinstance(m._parameters.get("bias"), nn.Parameter):
+        return "no output bias parameter"
+    return None
+
+
+@register_rule("JetMoeMoE")
+def _jetmoe_moe(ctx, name, m):
+    """JetMoE's Mixture-of-Experts layer (``JetMoeMoE``; its experts' forward checked line by line, and
+    the router's lines that lay out its sorted pairs)."""
+    lines, router_lines = _forward_lines(ctx, name, m), _source_lines(m._modules.get("router"))
+    if lines is None:
+        return m
+    act = _act_name(getattr(m, "activation", None))
+    if lines[0] != "def forward(self, layer_input):" or not _contains_run(lines, _JETMOE_LINES):
+        reason = f"{_class_of(m).__name__}.forward is not JetMoE's"
+    elif router_lines is None or not all(ln in router_lines for ln in _JETMOE_ROUTER_LINES):
+        reason = "the router's forward is not JetMoE's top-k gating"
+    elif act is None:
+        reason = f"activation {type(getattr(m, 'activation', None)).__name__} has no fused form"
+    else:
+        reason = _jetmoe_reason(m)
+    return _wrapped_unit(ctx, name, m, reason, FusedJetMoeMoE, act, "experts", "moe_experts",
+                         (m.input_linear,) if reason is None else ())
+
+
+def _contains_run(lines, run):
+    """Whether ``run`` appears in ``lines`` as consecutive lines."""
+    n = len(run)
+    return any(lines[i:i + n] == run for i in range(len(lines) - n + 1))
 
 
 class _RecomputeKey:

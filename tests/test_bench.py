@@ -638,3 +638,23 @@ def test_host_profile_script_smoke(tmp_path, monkeypatch):
         assert r["wall_ms_per_step_profiled"] > 0 and r["rows"]
     assert any("conv_bn_act" in row["function"] for row in recs["convert_all"]["rows"])
     assert not any("fusedrc/ops.py" in row["function"] for row in recs["no_recompute"]["rows"])
+
+
+def test_ffn_floor_script_on_committed_results(capsys):
+    """benchmarks/ffn_floor.py on the committed GPU kernel results: a row per FFN shape and file, each
+    floor (seven estimated GEMMs over checkpoint's step) between 0.5 and 1, consistent with its inputs."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ffn_floor.py"
+    spec = importlib.util.spec_from_file_location("ffn_floor", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main([])
+    if not rows:
+        pytest.skip("no bench_kernels_cuda_*.json with fused_mlp rows committed")
+    assert {r["shape"]["d"] for r in rows} >= {4096}
+    for r in rows:
+        assert 0.5 < r["floor"] < 1.0 and r["gemm_s"] > 0
+        assert abs(7 * r["gemm_s"] / r["checkpoint_s"] - r["floor"]) < 1e-12
+        assert r["gemm_s"] < r["eager_s"] / 6  # the activation passes come off the eager step
+    assert "floor" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as TF
+from torch import nn
 
 import fusedrc
 from fusedrc import functional as F
@@ -287,6 +288,15 @@ def _moe_model(family):
     if family == "olmoe":
         cfg = tr.OlmoeConfig(intermediate_size=24, num_experts=4, num_experts_per_tok=2, **common)
         return tr.OlmoeForCausalLM(cfg), experts
+    if family == "jetmoe":  # its own MoE layer (JetMoeMoE: a rule of its own); its attention's experts are left
+        cfg = tr.JetMoeConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                              num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=64, use_cache=False)
+        model = tr.JetMoeForCausalLM(cfg)
+        for m in model.modules():  # its output bias starts at zero (empty, then initialised): make it count
+            if type(m).__name__ == "JetMoeMoE":
+                torch.nn.init.normal_(m.bias, std=0.1)
+        return model, [f"model.layers.{i}.mlp" for i in range(2)]
     # Aria's experts keep their weights transposed (is_transposed): fused on the transposed views
     cfg = tr.AriaTextConfig(intermediate_size=24, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **common)
     shared = [f"model.layers.{i}.mlp.shared_experts" for i in range(2)]
@@ -297,7 +307,7 @@ def _moe_model(family):
     return model, [u for pair in zip(experts, shared) for u in pair]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe"])
 def test_convert_moe_models(family):
     """Every experts module becomes one fused unit (found by what transformers' experts decorator
     sets, not by class name); the state_dict keys stay; loss and every gradient match the original;
@@ -323,9 +333,10 @@ def test_convert_moe_models(family):
     assert budget.final_bytes <= budget.target_bytes
     # the experts' recompute FLOPs too; the norms rerun no GEMM
     assert all((u.cost > 0) == (u.kind != "norm") for u in budget.units)
-    if family == "mixtral":  # its backward reruns the gate and up projections: 2 of the experts' 3 GEMMs
+    if family in ("mixtral", "jetmoe"):  # its backward reruns the gate and up projections: 2 of the experts' 3 GEMMs
         S = 2 * ids.numel()  # routed tokens: top-2
-        _, two_i, K = model.model.layers[0].mlp.experts.gate_up_proj.shape
+        layer = model.model.layers[0].mlp
+        _, two_i, K = layer.experts.gate_up_proj.shape if family == "mixtral" else layer.input_linear.weight.shape
         assert [u.cost for u in budget.units if u.kind != "norm"] == [2 * S * two_i * K] * 2
         # a layer's block reruns the experts' 3 GEMMs (and the attention's)
         assert all(b.cost > 2 * S * two_i * K + 2 * S * K * two_i // 2 for b in budget.blocks)
@@ -474,6 +485,50 @@ def test_convert_mixtral_on_the_triton_backend():
     for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
         if p.grad is not None:
             assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+
+
+def test_convert_jetmoe_moe_layer():
+    """JetMoE's MoE layer on the Triton backend (the interpreter on the CPU): one experts call a layer on the
+    router's choices laid back out per token, loss and every gradient (the router's and the output bias's
+    too) as the original's; a layer with a hook, or with 2-D input, runs its own forward; a router of
+    another kind and an activation with no fused form are reported."""
+    model, units = _moe_model("jetmoe")
+    model.train()
+    device = backend_device("triton")
+    model.to(device)
+    ids = torch.randint(0, 64, (2, 8), device=device)
+    conv = fusedrc.convert(model)
+    la = model(ids, labels=ids).loss
+    with fusedrc.use_backend("triton"), _OpCount() as ops:
+        lb = conv(ids, labels=ids).loss
+    assert ops.count == 2
+    la.backward()
+    with fusedrc.use_backend("triton"):
+        lb.backward()
+    assert abs(la.item() - lb.item()) < 1e-5
+    for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
+        if p.grad is not None:
+            assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+    layer, fused = model.model.layers[0].mlp, conv.model.layers[0].mlp
+    x = torch.randn(2, 5, 32, device=device)
+    handle = fused.register_forward_hook(lambda *a: None)
+    with _OpCount() as ops:
+        assert rel_err(fused(x), layer(x)) < 1e-6
+    handle.remove()
+    assert ops.count == 0
+    with pytest.raises(ValueError):  # as the original: it unpacks three sizes
+        fused(x[0])
+
+    other = copy.deepcopy(layer)
+    other.router.__class__ = type("TopKRouter", (type(layer.router),), {})
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(other).fusedrc_plan
+    assert "is not JetMoE's top-k gating" in dict(plan.skipped)[""]
+    other = copy.deepcopy(layer)
+    other.activation = nn.Tanh()
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(other).fusedrc_plan
+    assert "activation Tanh has no fused form" in dict(plan.skipped)[""]
 
 
 def test_converted_mixtral_compiles_without_graph_breaks():
