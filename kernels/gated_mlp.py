@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _INSPECT_ARCH, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _column_halves,
-    _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
+    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family,
+    _column_halves, _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
     check_activation, dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
     operand_class, plain_gemm, uses_aten_gemm, wanted,
 )
@@ -63,9 +63,8 @@ _WHOLE = {
     ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
     ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
 }
-# The dense entry the dual tiles derive from where it is not the dense table's own: sm_90's 16-bit
-# large entry is 256x128, one accumulator of 128 registers a thread; two of them do not fit.
-_DUAL_BASE = {("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 4, 4)}
+# Where the dense table's entry is wide (sm_90's 16-bit large: 256x128, one accumulator of 128 registers
+# a thread; two of them do not fit), the dual tiles derive from its narrow stand-in, _common._NARROW.
 
 
 def gated_config(cfg, key=None):
@@ -84,7 +83,7 @@ def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False):
     if capability is None:
         return gated_config(gemm_config(M, N, K, dtype, precision, capability))
     key = (_arch_family(capability), operand_class(dtype, precision), _shape_bucket(M, N, K))
-    return gated_config(_DUAL_BASE.get(key) or _TABLE[key], None if dropout else key)
+    return gated_config(_NARROW.get(key) or _TABLE[key], None if dropout else key)
 
 
 def _launch_split(cfg, persistent):
@@ -490,7 +489,7 @@ def inspect_specs():
                 continue
             # as _gated_table_config chooses: whole where _WHOLE says, except with dropout
             entry_key = (family, opclass, bucket)
-            cfg = gated_config(_DUAL_BASE.get(entry_key) or entry, None if dropout else entry_key)
+            cfg = gated_config(_NARROW.get(entry_key) or entry, None if dropout else entry_key)
             split = _launch_split(cfg, persistent)
             key = (name, arch, dtype, precision, cfg, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"

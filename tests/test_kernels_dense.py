@@ -402,6 +402,13 @@ def test_tile_table_rules():
         for cls in ("16bit", "tf32", "fp32"):
             for bucket in ("small", "medium", "large"):
                 assert (family, cls, bucket) in _common._TABLE
+    # a wide entry's narrow stand-in (launches with dropout, the gated kernels) is the 128x128 it replaced
+    for key, c in _common._NARROW.items():
+        assert _common._wide_tile(_common._TABLE[key]) and not _common._wide_tile(c), key
+    assert _common.gemm_config(8192, 16384, 4096, torch.bfloat16, "ieee", (9, 0), narrow=True) == \
+        _common._NARROW[("sm90", "16bit", "large")]
+    assert _common.gemm_config(512, 512, 512, torch.bfloat16, "ieee", (9, 0), narrow=True) == \
+        _common._TABLE[("sm90", "16bit", "medium")]
     # a pure function: forward and recompute read the same entry
     a = _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
     assert a == _common.gemm_config(4096, 4096, 1024, torch.float16, "ieee", (9, 0))
@@ -466,6 +473,29 @@ def test_wide_tile_forward_epilogue_split(device, monkeypatch):
         _common.gemm_act(x, w.t(), b, "gelu", config=cfg)
         _common.gemm_act_grad(x, w.t(), b, g, "gelu", config=cfg)
         assert [kw["PERSISTENT"] for _, kw in launches] == [persistent, persistent]
+
+
+def test_dropout_launches_ask_the_narrow_tile(device, monkeypatch):
+    """Every dense launch of an FFN with dropout (its forward and its recompute alike) asks the table for
+    the narrow tile, every launch without dropout for the table's own."""
+    asked = []
+    real = _common.gemm_config
+
+    def spy(*args, **kwargs):
+        asked.append(args[6] if len(args) > 6 else kwargs.get("narrow", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_common, "gemm_config", spy)
+    monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")
+    x, w1, b1, w2, b2, g = _mlp_inputs(20, 12, 24, 10, torch.float32, device, True)
+    seed = torch.tensor([7], dtype=torch.int64, device=device)
+    for p in (0.2, 0.0):
+        asked.clear()
+        fused_mlp.fused_mlp_forward(x, w1, b1, w2, b2, "gelu", p, seed)
+        fused_mlp.fused_mlp_backward(x, w1, b1, w2, b2, g, "gelu", p, seed)
+        assert asked and (True in asked) == (p > 0)
+        if p:  # the activation's two launches (forward, recompute) with dropout; plain GEMMs without
+            assert asked.count(True) == 2
 
 
 # --------------------------------------------------------------------------- TMA loads
