@@ -1895,10 +1895,15 @@ def _affine_act(mod):
     scale, bias = mod._parameters.get("scale"), mod._parameters.get("bias")
     if scale is None or bias is None or scale.numel() != 1 or bias.numel() != 1:
         return None
-    lines = _source_lines(mod)
-    if lines is None or lines[1:] != ["return self.scale * self.relu(x) ** 2 + self.bias"] or _forward_arg(lines) != "x":
-        return None
-    return "relu2", scale, bias
+    cls = type(mod)
+    if cls not in _AFFINE_CODE:  # its source read once a class: this runs at every call of a fused FFN
+        lines = _source_lines(mod)
+        _AFFINE_CODE[cls] = lines is not None and _forward_arg(lines) == "x" and lines[1:] == [
+            "return self.scale * self.relu(x) ** 2 + self.bias"]
+    return ("relu2", scale, bias) if _AFFINE_CODE[cls] else None
+
+
+_AFFINE_CODE = {}  # activation class -> whether its forward is StarReLU's
 
 
 def _fold_affine(w2, b2, scale, bias):
