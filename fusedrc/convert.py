@@ -2585,8 +2585,9 @@ class FusedGateUpMLP(Wrapper):
         site, gu, d, act_mod = self.sites.get("gated_ffn"), getattr(self, gu_name), getattr(self, d_name), \
             self.activation_fn
         if (x is None or site is None or not site.enabled or not _nohooks(self, gu, d, act_mod)
-                or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d) or rank not in (None, x.dim())
-                or gu.out_features != 2 * d.in_features or not _dense_runtime_ok(x, gu, d)):
+                or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d)
+                or gu.out_features != 2 * d.in_features or not _dense_runtime_ok(x, gu, d)
+                or rank not in (None, x.dim())):
             return self.plain(*args, **kwargs)
         act, n = self.__dict__["_fusedrc_act"], d.in_features
         w, b = gu.weight, gu.bias
@@ -2847,6 +2848,9 @@ _JETMOE_LINES = ["bsz, length, emb_size = layer_input.size()", "layer_input = la
                  "layer_output = layer_output.view(bsz, length, self.input_size)",
                  "layer_output = layer_output + self.bias", "return layer_output"]
 _JETMOE_ROUTER_LINES = ["top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)  # [num_tokens, top_k]",
+                        "gates = zeros.scatter(1, top_k_indices, 1)  # [num_tokens, num_experts]",
+                        "expert_size = gates.long().sum(0)  # [num_experts,]",
+                        "expert_size = expert_size.tolist()",
                         "top_k_experts = top_k_indices.flatten()  # [num_tokens * top_k]",
                         "_, index_sorted_experts = top_k_experts.sort(0)  # [num_tokens * top_k]",
                         "batch_index = index_sorted_experts.div(self.top_k, rounding_mode=\"trunc\")  # [num_tokens * top_k]",
@@ -2861,7 +2865,8 @@ def _jetmoe_reason(m):
     if not (_is_parallel_experts(up) and _is_parallel_experts(down)) or up.weight.shape[0] != down.weight.shape[0] \
             or up.weight.shape[1] != 2 * down.weight.shape[2] or down.weight.shape[1] != up.weight.shape[2]:
         return "input_linear/output_linear are not JetMoeParallelExperts of matching expert and hidden sizes"
-    if type(router).__name__ != "JetMoeTopKGating" or not isinstance(getattr(router, "top_k", None), int):
+    if type(router).__name__ != "JetMoeTopKGating" or not isinstance(getattr(router, "top_k", None), int) \
+            or getattr(router, "num_experts", None) != up.weight.shape[0]:
         return f"the router {type(router).__name__} is not JetMoE's top-k gating"
     if not isinstance(m._parameters.get("bias"), nn.Parameter):
         return "no output bias parameter"
