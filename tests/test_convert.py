@@ -788,6 +788,19 @@ def test_stand_ins_pair_per_thread():
     assert not errors and len(outs) == 600 and max(outs) <= TOL
 
 
+def _gated_unit_step(mlp, backend, dev):
+    """``mlp`` converted into one fused gated FFN unit and a step of both on ``backend``: outputs and
+    gradients equal, the op and its backward (the backend's twin) ran. Returns (converted, x, xa, xb)."""
+    conv = fusedrc.convert(mlp)
+    assert conv.fusedrc_plan.fused == [""] and conv.fusedrc_plan.units[0].kind == "gated_ffn"
+    x = torch.randn(2, 5, 32, device=dev)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        xa, xb = _assert_same_step(mlp, conv, x)
+    twin = "_triton" if backend == "triton" else ""
+    assert log.ops == [f"gated_mlp{twin}", f"gated_mlp_backward{twin}"]
+    return conv, x, xa, xb
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_phi3_gate_up_mlp(backend):
     """Phi-3's MLP (gate and up projections in one Linear, split by chunk): one fused gated FFN on the two
@@ -799,13 +812,7 @@ def test_phi3_gate_up_mlp(backend):
                         num_attention_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
     dev = backend_device(backend)
     mlp = tr.models.phi3.modeling_phi3.Phi3MLP(cfg).to(dev)
-    conv = fusedrc.convert(mlp)
-    assert conv.fusedrc_plan.fused == [""] and conv.fusedrc_plan.units[0].kind == "gated_ffn"
-    x = torch.randn(2, 5, 32, device=dev)
-    with fusedrc.use_backend(backend), FusedOpLog() as log:
-        xa, xb = _assert_same_step(mlp, conv, x)
-    twin = "_triton" if backend == "triton" else ""
-    assert log.ops == [f"gated_mlp{twin}", f"gated_mlp_backward{twin}"]
+    conv, x, xa, xb = _gated_unit_step(mlp, backend, dev)
     assert rel_err(xb.grad, xa.grad) <= TOL
     assert conv.gate_up_proj.weight.grad.shape == (96, 32)
 
@@ -836,13 +843,7 @@ def test_moshi_gating_mlp(backend):
     cfg = _moshi_config(tr, hidden_act="gelu")
     dev = backend_device(backend)
     mlp = gating(cfg).to(dev)
-    conv = fusedrc.convert(mlp)
-    assert conv.fusedrc_plan.fused == [""] and conv.fusedrc_plan.units[0].kind == "gated_ffn"
-    x = torch.randn(2, 5, 32, device=dev)
-    with fusedrc.use_backend(backend), FusedOpLog() as log:
-        xa, xb = _assert_same_step(mlp, conv, x)
-    twin = "_triton" if backend == "triton" else ""
-    assert log.ops == [f"gated_mlp{twin}", f"gated_mlp_backward{twin}"]
+    conv, x, xa, xb = _gated_unit_step(mlp, backend, dev)
     assert rel_err(xb.grad, xa.grad) <= TOL and conv.fc1.weight.grad.shape == (96, 32)
     with FusedOpLog() as log:
         assert torch.equal(conv(x, layer_idx=None), mlp(x, layer_idx=None))  # two arguments: the module's own

@@ -465,10 +465,9 @@ class _OpCount:
         functional.ops.pick = self._orig
 
 
-def test_convert_mixtral_on_the_triton_backend():
-    """A converted Mixtral's experts through the Triton kernels (the interpreter on the CPU): loss and
-    every gradient as the original's."""
-    model, _ = _moe_model("mixtral")
+def _triton_step(model):
+    """``model`` converted, one training step of both on the Triton backend (the interpreter on the CPU):
+    two fused experts calls, loss and every gradient as the original's. Returns (converted, device)."""
     model.train()
     device = backend_device("triton")
     model.to(device)
@@ -485,6 +484,13 @@ def test_convert_mixtral_on_the_triton_backend():
     for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
         if p.grad is not None:
             assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+    return conv, device
+
+
+def test_convert_mixtral_on_the_triton_backend():
+    """A converted Mixtral's experts through the Triton kernels (the interpreter on the CPU): loss and
+    every gradient as the original's."""
+    _triton_step(_moe_model("mixtral")[0])
 
 
 def test_convert_jetmoe_moe_layer():
@@ -492,23 +498,8 @@ def test_convert_jetmoe_moe_layer():
     router's choices laid back out per token, loss and every gradient (the router's and the output bias's
     too) as the original's; a layer with a hook, or with 2-D input, runs its own forward; a router of
     another kind and an activation with no fused form are reported."""
-    model, units = _moe_model("jetmoe")
-    model.train()
-    device = backend_device("triton")
-    model.to(device)
-    ids = torch.randint(0, 64, (2, 8), device=device)
-    conv = fusedrc.convert(model)
-    la = model(ids, labels=ids).loss
-    with fusedrc.use_backend("triton"), _OpCount() as ops:
-        lb = conv(ids, labels=ids).loss
-    assert ops.count == 2
-    la.backward()
-    with fusedrc.use_backend("triton"):
-        lb.backward()
-    assert abs(la.item() - lb.item()) < 1e-5
-    for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
-        if p.grad is not None:
-            assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+    model, _ = _moe_model("jetmoe")
+    conv, device = _triton_step(model)
     layer, fused = model.model.layers[0].mlp, conv.model.layers[0].mlp
     x = torch.randn(2, 5, 32, device=device)
     handle = fused.register_forward_hook(lambda *a: None)
