@@ -56,9 +56,9 @@ __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
 # In halves the recompute took 2.45 and 1.47 ms, but spills on sm_90, so quarters it is.
 # Not for launches with dropout on the product (an argument of the op: its forward and recompute agree):
 # its mask's epilogue spills there whatever the split (8-128 bytes); they take the halved entry.
-# Persistent launches (``_common.GEMM_PERSISTENT``) keep the tile and split their epilogues in eighths
-# (the tile loop's registers: 72 bytes of spill in quarters, none in eighths): the split changes no
-# value, so a switch flipped between a forward and its backward changes no bit.
+# Persistent launches (``_common.GEMM_PERSISTENT``) keep the tile, split their epilogues in eighths and
+# pipeline 2 stages (the tile loop's registers: 72 bytes of spill in quarters; in eighths, 64 bytes
+# under Triton 3.6 with 3 stages; see _launch_config).
 _WHOLE = {
     ("sm90", "16bit", "medium"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
     ("sm90", "16bit", "large"): GemmConfig(128, 128, 64, 8, 8, 3, 4),
@@ -86,10 +86,14 @@ def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False):
     return gated_config(_NARROW.get(key) or _TABLE[key], None if dropout else key)
 
 
-def _launch_split(cfg, persistent):
-    """The epilogue split of a launch of ``cfg``: the entry's, in eighths when a split tile is launched
-    persistent (values only: any split gives the same bits)."""
-    return min(8, cfg.BLOCK_N // 16) if persistent and cfg.EPILOGUE_SPLIT > 1 else cfg.EPILOGUE_SPLIT
+def _launch_config(cfg, persistent):
+    """``cfg`` as launched: a split (whole) tile launched persistent splits its epilogue in eighths and
+    pipelines at most 2 stages. Its tile loop holds two 128x128 accumulators; with 3 stages the grad
+    kernel spilled 64 bytes under Triton 3.6 (none with 2, under 3.6 and 3.9). Neither changes a value:
+    same tile, same K order, so a switch flipped between a forward and its backward changes no bit."""
+    if not (persistent and cfg.EPILOGUE_SPLIT > 1):
+        return cfg
+    return cfg._replace(EPILOGUE_SPLIT=min(8, cfg.BLOCK_N // 16), num_stages=min(2, cfg.num_stages))
 
 
 @triton.jit
@@ -348,14 +352,14 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     else:
         b_gate = b_up = a
     has_dropout, seed, threshold, scale = dropout_args(dropout, a)
+    grid, persistent = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
+    run = _launch_config(cfg, persistent)
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=run.num_stages, PERSISTENT=persistent, EPILOGUE_SPLIT=run.EPILOGUE_SPLIT,
     )
     scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
-    grid, meta["PERSISTENT"] = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
-    meta["EPILOGUE_SPLIT"] = _launch_split(cfg, meta["PERSISTENT"])
     return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid
 
 
@@ -489,8 +493,9 @@ def inspect_specs():
                 continue
             # as _gated_table_config chooses: whole where _WHOLE says, except with dropout
             entry_key = (family, opclass, bucket)
-            cfg = gated_config(_NARROW.get(entry_key) or entry, None if dropout else entry_key)
-            split = _launch_split(cfg, persistent)
+            cfg = _launch_config(gated_config(_NARROW.get(entry_key) or entry, None if dropout else entry_key),
+                                 persistent)
+            split = cfg.EPILOGUE_SPLIT
             key = (name, arch, dtype, precision, cfg, dropout, persistent)
             label = f"{family}/{opclass}/{bucket}"
             if key in seen:

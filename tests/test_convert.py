@@ -2794,6 +2794,32 @@ def test_timm_metaformer_star_relu():
     with FusedOpLog() as log:
         _assert_same_step(lone, conv, torch.randn(3, 8))
     assert log.ops == ["linear_act", "linear_act_backward"]
+
+
+@pytest.mark.parametrize("form", ["ffn", "lone"])
+def test_star_relu_under_autocast_and_in_bf16(form):
+    """StarReLU's scale and bias (fp32 parameters) folded under bf16 autocast, and in a bf16 model: the
+    output's dtype is the original's (StarReLU's fp32 scalars promote a lone unit's output to fp32 under
+    autocast) and it and every gradient agree to bf16's rounding."""
+    _timm()
+    from timm.models.metaformer import StarReLU
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 48), StarReLU(scale_value=0.8, bias_value=0.3)]
+    model = nn.Sequential(*layers, nn.Linear(48, 16)) if form == "ffn" else nn.Sequential(*layers)
+    conv = fusedrc.convert(model)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["ffn" if form == "ffn" else "linear_act"]
+    x = torch.randn(5, 16)
+    for ref, new, cast in ((model, conv, True), (copy.deepcopy(model).bfloat16(), copy.deepcopy(conv).bfloat16(), False)):
+        xa = x.to(next(ref.parameters()).dtype).detach().requires_grad_()
+        xb = xa.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            ya, yb = ref(xa), new(xb)
+        assert yb.dtype == ya.dtype and rel_err(yb, ya) < 2e-2
+        ya.float().square().sum().backward()
+        yb.float().square().sum().backward()
+        assert rel_err(xb.grad, xa.grad) < 3e-2
+        for (n, p), q in zip(ref.named_parameters(), new.parameters()):
+            assert q.grad.dtype == p.grad.dtype and rel_err(q.grad, p.grad) < 3e-2, n
     dropped = nn.Sequential(nn.Linear(8, 12), StarReLU(), nn.Dropout(0.1), nn.Linear(12, 8))
     with pytest.warns(UserWarning, match="bias does not fold through the dropout"):
         plan = fusedrc.convert(dropped).fusedrc_plan

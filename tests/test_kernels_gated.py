@@ -153,13 +153,16 @@ def test_gated_grad_epilogue_split(device):
 def test_gated_table_choice():
     """The table's dual tile on sm_90 (a pure function of shape, dtype and dropout, so a forward and its
     recompute agree): 16-bit medium/large shapes take 128x128 whole with the epilogue in quarters (eighths
-    when launched persistent: the split changes no value), with dropout the halved tile; sm_80 and fp32
+    and 2 stages when launched persistent: neither changes a value), with dropout the halved tile; sm_80 and fp32
     the halved one."""
     whole = gated_mlp._gated_table_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0))
     assert (whole.BLOCK_M, whole.BLOCK_N, whole.EPILOGUE_SPLIT) == (128, 128, 4)
-    assert gated_mlp._launch_split(whole, False) == 4 and gated_mlp._launch_split(whole, True) == 8
+    assert gated_mlp._launch_config(whole, False) == whole
+    launched = gated_mlp._launch_config(whole, True)  # the tile and its K order are the table's
+    assert (launched.EPILOGUE_SPLIT, launched.num_stages) == (8, 2)
+    assert launched._replace(EPILOGUE_SPLIT=4, num_stages=3) == whole
     dropped = gated_mlp._gated_table_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0), dropout=True)
-    assert (dropped.BLOCK_N, dropped.EPILOGUE_SPLIT) == (64, 1) and gated_mlp._launch_split(dropped, True) == 1
+    assert (dropped.BLOCK_N, dropped.EPILOGUE_SPLIT) == (64, 1) and gated_mlp._launch_config(dropped, True) == dropped
     # not the dense table's wide 256-row large entry: two accumulators of that size would not fit
     assert _common._wide_tile(_common.gemm_config(8192, 11008, 4096, torch.bfloat16, "ieee", (9, 0)))
     assert dropped.BLOCK_M == 128

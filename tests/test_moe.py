@@ -522,6 +522,33 @@ def test_convert_jetmoe_moe_layer():
     assert "activation Tanh has no fused form" in dict(plan.skipped)[""]
 
 
+def test_jetmoe_top1_and_under_autocast():
+    """A top-1 JetMoE layer (one expert a token) converted: output and every gradient the original's in
+    fp32; under bf16 autocast the output's dtype is the original's and agrees to bf16's rounding."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    cfg = tr.JetMoeConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+                          num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=1,
+                          max_position_embeddings=64, use_cache=False)
+    layer = tr.JetMoeForCausalLM(cfg).model.layers[0].mlp
+    nn.init.normal_(layer.bias, std=0.1)
+    conv = fusedrc.convert(layer)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
+    x = torch.randn(2, 7, 32)
+    for cast, tol in ((False, 1e-5), (True, 2e-2)):
+        for m in (layer, conv):
+            m.zero_grad()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast), _OpCount() as ops:
+            ya, yb = layer(xa), conv(xb)
+        assert ops.count == 1 and yb.dtype == ya.dtype and rel_err(yb, ya) < tol
+        ya.float().square().sum().backward()
+        yb.float().square().sum().backward()
+        assert rel_err(xb.grad, xa.grad) < 2 * tol
+        for (n, p), q in zip(layer.named_parameters(), conv.parameters()):
+            assert rel_err(q.grad, p.grad) < 2 * tol, n
+
+
 def test_converted_mixtral_compiles_without_graph_breaks():
     """torch.compile over a converted Mixtral: no graph break (the experts op opaque, its fake
     implementation giving the layout), the same loss and gradients as the converted model in eager."""
