@@ -45,7 +45,7 @@ How patterns are found
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
-   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE`` by name); timm's MLPs of 1x1
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE`` and Llama 4's ``Llama4TextExperts`` by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``: a fused FFN over each pixel's channels; with
    MetaFormer's StarReLU, ``_affine_act``, folded into the second layer, as in fx's FFNs).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
@@ -231,9 +231,9 @@ def _experts_flops(module, args, kwargs):
 def _measure_flops(model, example_inputs):
     flops, handles = {}, []
     for m in model.modules():
-        if isinstance(m, FusedExperts):
+        if hasattr(type(m), "_fusedrc_flops"):  # experts: their FLOPs depend on the routing
             def hook(mod, args, kwargs, out):
-                whole, rerun = _experts_flops(mod, args, kwargs)
+                whole, rerun = mod._fusedrc_flops(args, kwargs)
                 key = id(mod.__dict__["_fusedrc_recompute"])
                 flops[id(mod)], flops[key] = flops.get(id(mod), 0) + whole, flops.get(key, 0) + rerun
             handles.append(m.register_forward_hook(hook, with_kwargs=True))
@@ -2704,6 +2704,9 @@ class FusedExperts(Wrapper):
             attr = _inspect.getattr_static(original, name)
             return attr.__get__(self, original) if hasattr(attr, "__get__") else attr
 
+    def _fusedrc_flops(self, args, kwargs):
+        return _experts_flops(self, args, kwargs)
+
     def forward(self, *args, **kwargs):
         try:
             hs, idx, w = _experts_args(*args, **kwargs)
@@ -2891,6 +2894,83 @@ def _jetmoe_moe(ctx, name, m):
         reason = _jetmoe_reason(m)
     return _wrapped_unit(ctx, name, m, reason, FusedJetMoeMoE, act, "experts", "moe_experts",
                          (m.input_linear,) if reason is None else ())
+
+
+class FusedLlama4TextExperts(Wrapper):
+    """Llama 4's ``Llama4TextExperts``: every expert's gated FFN on its own equal share of the rows
+    (the MoE layer repeats each token once per expert, scaled by its router score), ``gate_up_proj``
+    (E, hidden, 2I) and ``down_proj`` (E, I, hidden) applied by ``bmm``, as one
+    :func:`fusedrc.functional.moe_experts` call routing row ``r`` to expert ``r // rows_per_expert``
+    with weight 1. Only the call's input is kept, not the (E, rows, 2I) projection and its products."""
+
+    def _fusedrc_flops(self, args, kwargs):
+        x = _only_input(self, args, kwargs)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            return 0, 0
+        hidden, inter2 = self.gate_up_proj.shape[1:]
+        rerun = 2 * x.shape[0] * hidden * inter2
+        return rerun + 2 * x.shape[0] * self.down_proj.shape[1] * self.down_proj.shape[2], rerun
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        site, gate_up, down = self.sites.get("experts"), self.gate_up_proj, self.down_proj
+        if (x is None or site is None or not site.enabled or inside_region() or not _nohooks(self, self.act_fn)
+                or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or _llama4_experts_reason(self) is not None
+                or not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point()
+                or x.shape[1] != gate_up.shape[1] or x.shape[0] % gate_up.shape[0] or x.device != gate_up.device
+                or not (x.dtype == gate_up.dtype == down.dtype or torch.is_autocast_enabled(x.device.type))):
+            return self.plain(*args, **kwargs)
+        experts, act = gate_up.shape[0], self.__dict__["_fusedrc_act"]
+
+        def fused(h):
+            rows = torch.arange(h.shape[0], device=h.device) // (h.shape[0] // experts)
+            ones = torch.ones(h.shape[0], 1, dtype=torch.float32, device=h.device)
+            # bmm's output dtype: the autocast dtype under autocast, as moe_experts' own
+            return F.moe_experts(h, rows[:, None], ones, gate_up.transpose(1, 2), down.transpose(1, 2), act)
+
+        return _run_site(site, fused, self.plain, x)
+
+
+# Llama4TextExperts.forward's lines (transformers 4.51 to 5.x; its docstring aside)
+_LLAMA4_EXPERTS_LINES = [
+    "hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)",
+    "gate_up = torch.bmm(hidden_states, self.gate_up_proj)",
+    "gate, up = gate_up.chunk(2, dim=-1)  # not supported for DTensors",
+    "next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)",
+    "next_states = next_states.view(-1, self.hidden_size)", "return next_states"]
+
+
+def _llama4_experts_reason(m):
+    """Why Llama 4's experts module ``m`` cannot be one fused experts call now (its weights), or None."""
+    gate_up, down = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+            and gate_up.shape[2] % 2 == 0 and down.shape[:2] == (gate_up.shape[0], gate_up.shape[2] // 2)
+            and gate_up.shape[1] == down.shape[2] == getattr(m, "hidden_size", None)):
+        return "gate_up_proj/down_proj are not (E, hidden, 2I) / (E, I, hidden) parameters"
+    return None
+
+
+@register_rule("Llama4TextExperts")
+def _llama4_text_experts(ctx, name, m):
+    """Llama 4's experts (``Llama4TextExperts``, its forward checked line by line)."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    act = _act_name(getattr(m, "act_fn", None))
+    if not lines[0].startswith("def forward(self, hidden_states") or not _contains_run(lines, _LLAMA4_EXPERTS_LINES):
+        reason = f"{_class_of(m).__name__}.forward is not Llama 4's bmm experts"
+    elif act is None:
+        reason = f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused form"
+    elif not _nohooks(m, m.act_fn):
+        reason = "hooks registered on the modules"
+    else:
+        reason = _llama4_experts_reason(m)
+    key = _RecomputeKey()
+    new = _wrapped_unit(ctx, name, m, reason, FusedLlama4TextExperts, act, "experts", "moe_experts", (key,))
+    if reason is None:
+        new.__dict__["_fusedrc_recompute"] = key
+        new.__dict__["_fusedrc_arg"] = "hidden_states"
+    return new
 
 
 def _contains_run(lines, run):

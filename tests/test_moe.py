@@ -297,6 +297,16 @@ def _moe_model(family):
             if type(m).__name__ == "JetMoeMoE":
                 torch.nn.init.normal_(m.bias, std=0.1)
         return model, [f"model.layers.{i}.mlp" for i in range(2)]
+    if family == "llama4":  # every expert on every token (bmm; the router's scores scale the rows) and a shared MLP
+        cfg = tr.Llama4TextConfig(head_dim=8, intermediate_size=24, intermediate_size_mlp=40, num_local_experts=4,
+                                  num_experts_per_tok=1, interleave_moe_layer_step=1, **common)
+        model = tr.Llama4ForCausalLM(cfg)
+        for m in model.modules():  # its gate_up_proj starts at zero: make the experts count
+            if type(m).__name__ == "Llama4TextExperts":
+                nn.init.normal_(m.gate_up_proj, std=0.2)
+                nn.init.normal_(m.down_proj, std=0.2)
+        return model, [f"model.layers.{i}.feed_forward.experts" for i in range(2)] + \
+            [f"model.layers.{i}.feed_forward.shared_expert.gate_proj" for i in range(2)]
     # Aria's experts keep their weights transposed (is_transposed): fused on the transposed views
     cfg = tr.AriaTextConfig(intermediate_size=24, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **common)
     shared = [f"model.layers.{i}.mlp.shared_experts" for i in range(2)]
@@ -307,7 +317,7 @@ def _moe_model(family):
     return model, [u for pair in zip(experts, shared) for u in pair]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe", "llama4"])
 def test_convert_moe_models(family):
     """Every experts module becomes one fused unit (found by what transformers' experts decorator
     sets, not by class name); the state_dict keys stay; loss and every gradient match the original;
@@ -340,6 +350,9 @@ def test_convert_moe_models(family):
         assert [u.cost for u in budget.units if u.kind != "norm"] == [2 * S * two_i * K] * 2
         # a layer's block reruns the experts' 3 GEMMs (and the attention's)
         assert all(b.cost > 2 * S * two_i * K + 2 * S * K * two_i // 2 for b in budget.blocks)
+    if family == "llama4":  # every expert sees every token: the gate and up bmm of E * tokens rows
+        E, K, two_i = model.model.layers[0].feed_forward.experts.gate_up_proj.shape
+        assert [u.cost for u in budget.units if u.kind == "moe_experts"] == [2 * E * ids.numel() * K * two_i] * 2
 
 
 def test_convert_ungated_experts_module():
@@ -520,6 +533,40 @@ def test_convert_jetmoe_moe_layer():
     with pytest.warns(UserWarning, match="no pattern found"):
         plan = fusedrc.convert(other).fusedrc_plan
     assert "activation Tanh has no fused form" in dict(plan.skipped)[""]
+
+
+def test_convert_llama4_experts():
+    """Llama 4's bmm experts on the Triton backend (the interpreter on the CPU): one experts call a layer,
+    loss and every gradient as the original's; under bf16 autocast the output's dtype is the original's
+    (bmm's) and agrees to bf16's rounding; a hook, or rows that do not split evenly over the experts,
+    run the original forward; another forward or an activation with no fused form is reported."""
+    model, _ = _moe_model("llama4")
+    conv, device = _triton_step(model)
+    experts, fused = model.model.layers[0].feed_forward.experts, conv.model.layers[0].feed_forward.experts
+    assert type(fused).__name__ == "FusedLlama4TextExperts"
+    x = torch.randn(4 * 5, 32, device=device)
+    for cast, tol in ((False, 1e-5), (True, 2e-2)):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cast), _OpCount() as ops:
+            ya, yb = experts(x), fused(x)
+        assert ops.count == 1 and yb.dtype == ya.dtype and rel_err(yb, ya) < tol
+    handle = fused.register_forward_hook(lambda *a: None)
+    with _OpCount() as ops:
+        assert rel_err(fused(x), experts(x)) < 1e-6
+    handle.remove()
+    assert ops.count == 0
+    with pytest.raises(RuntimeError):  # as the original: 21 rows do not view as (4, -1, 32)
+        fused(torch.randn(21, 32, device=device))
+
+    other = copy.deepcopy(experts)
+    other.act_fn = nn.Tanh()
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(other).fusedrc_plan
+    assert "activation Tanh has no fused form" in dict(plan.skipped)[""]
+    other = copy.deepcopy(experts)
+    other.__class__ = type("Llama4TextExperts", (nn.Module,), {"forward": lambda self, h: h})
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(other).fusedrc_plan
+    assert "forward is not Llama 4's bmm experts" in dict(plan.skipped)[""]
 
 
 def test_jetmoe_top1_and_under_autocast():
