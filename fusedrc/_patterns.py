@@ -107,18 +107,52 @@ def _plain_linear(m, x):
 
 
 def _conv_padding(conv):
+    """``conv``'s symmetric zero padding per spatial dimension, or None where it pads one side more
+    (a 'same' padding of an even kernel extent, timm's ``Conv2dSame``)."""
+    if is_conv_same(conv):
+        return None
     if isinstance(conv.padding, str):
         if conv.padding == "valid":
             return [0, 0]
         if conv.stride != (1, 1) or any((d * (k - 1)) % 2 for k, d in zip(conv.kernel_size, conv.dilation)):
-            return None  # asymmetric 'same' padding: not modelled
+            return None  # asymmetric 'same' padding
         return [d * (k - 1) // 2 for k, d in zip(conv.kernel_size, conv.dilation)]
     return list(conv.padding)
 
 
-def _plain_conv(m, x):
+def is_conv_same(m):
+    """timm's ``Conv2dSame``: an ``nn.Conv2d`` (padding 0) whose forward pads its input the way
+    TensorFlow's 'SAME' does, by the input's size (EfficientNet's and MobileNetV3's ``tf_`` models)."""
+    t = type(m)
+    return (t.__name__ == "Conv2dSame" and t.__module__.startswith("timm.") and isinstance(m, nn.Conv2d)
+            and "forward" not in m.__dict__ and tuple(m.padding) == (0, 0))
+
+
+def _conv_pads(conv, size):
+    """(before, after) zero rows / columns ``conv`` pads an input of spatial ``size`` with, per dimension."""
+    if is_conv_same(conv):
+        pads = []
+        for n, k, s, d in zip(size, conv.kernel_size, conv.stride, conv.dilation):
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    if isinstance(conv.padding, str) and conv.padding == "same":  # stride 1: aten pads the odd one at the end
+        return [(d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for k, d in zip(conv.kernel_size, conv.dilation)]
+    return [(p, p) for p in _conv_padding(conv)]
+
+
+def conv_call_padding(conv, x):
+    """``conv``'s padding of ``x`` as the fused conv-BN op takes it: ``[h, w]``, or ``[left, right, top,
+    bottom]`` where one side is padded wider."""
+    (top, bottom), (left, right) = _conv_pads(conv, x.shape[-2:])
+    return [top, left] if (top, left) == (bottom, right) else [left, right, top, bottom]
+
+
+def _plain_conv(m, x, asymmetric=False):
+    """``asymmetric``: a padding that pads one side more is modelled too (the conv-BN op's own)."""
     return (
-        type(m) is nn.Conv2d and m.padding_mode == "zeros" and _conv_padding(m) is not None
+        (type(m) is nn.Conv2d or asymmetric and is_conv_same(m)) and m.padding_mode == "zeros"
+        and (asymmetric or _conv_padding(m) is not None)
         and _dtype_ok(m, x) and m.weight.device == x.device and x.dim() == 4
     )
 
@@ -276,7 +310,7 @@ def match(block, args, kwargs):
         fc1, act, fc2 = mods[0], activation_name(mods[1]), mods[-1]
         return lambda: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act, dropout_p=p)
     if (
-        len(mods) in (2, 3) and _plain_conv(mods[0], x) and _plain_bn(mods[1], mods[0].out_channels)
+        len(mods) in (2, 3) and _plain_conv(mods[0], x, asymmetric=True) and _plain_bn(mods[1], mods[0].out_channels)
         and (len(mods) == 2 or activation_name(mods[2]))
     ):
         conv, bn, act = mods[0], mods[1], (activation_name(mods[2]) if len(mods) == 3 else None)
@@ -296,11 +330,12 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
     None: no activation."""
     from . import functional as F
 
+    padding = conv_call_padding(conv, x)
     training, factor, rm, rv, counted = _bn_call(bn)
     try:
         return F.conv_bn_act(
             x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
-            stride=list(conv.stride), padding=_conv_padding(conv), dilation=list(conv.dilation),
+            stride=list(conv.stride), padding=padding, dilation=list(conv.dilation),
             bias=conv.bias, residual=residual, activation=activation, groups=conv.groups,
         )
     except Exception:

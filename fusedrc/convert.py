@@ -3,7 +3,9 @@
 ``convert(model)`` finds, without changing what the model computes,
 
 * every ``Conv2d -> BatchNorm2d -> act`` chain (act: ReLU, or SiLU, GELU, ... as for the
-  FFN; EfficientNet's and YOLO's Conv-BN-SiLU) and every
+  FFN; EfficientNet's and YOLO's Conv-BN-SiLU; a conv padding one side wider, 'same' of an
+  even kernel or timm's ``Conv2dSame``, included; timm's deep stem's last conv with the
+  ``bn1``/``act1`` after it) and every
   ``Conv2d -> BatchNorm2d -> (+ identity) -> ReLU`` residual tail (torchvision
   ``BasicBlock``/``Bottleneck`` and the ResNet stem): they run
   :func:`fusedrc.functional.conv_bn_act` (``residual=`` for the tail);
@@ -130,8 +132,8 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
-                        bn_act_conv_call, conv_bn_act_call, fused_dropout_p, global_hooks, is_linear, norm_call_args,
-                        norm_kind, same_attributes)
+                        bn_act_conv_call, conv_bn_act_call, fused_dropout_p, global_hooks, is_conv_same, is_linear,
+                        norm_call_args, norm_kind, same_attributes)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
@@ -365,13 +367,21 @@ def _run_site(site, fused, plain, *args):
     return fused(*args)
 
 
-def _static_conv_ok(conv):
-    return type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and _conv_padding(conv) is not None
+def _is_conv2d(m):
+    """An ``nn.Conv2d`` or timm's ``Conv2dSame`` (a Conv-BN chain's conv: its asymmetric padding modelled)."""
+    return type(m) is nn.Conv2d or is_conv_same(m)
+
+
+def _static_conv_ok(conv, asymmetric=False):
+    """``asymmetric``: a padding that pads one side more ('same' of an even kernel, timm's Conv2dSame) is
+    modelled too (the fused Conv-BN op pads a transient copy of the input wider on that side)."""
+    return (_is_conv2d(conv) if asymmetric else type(conv) is nn.Conv2d) and conv.padding_mode == "zeros" \
+        and (asymmetric or _conv_padding(conv) is not None)
 
 
 def _static_cbr(conv, bn, act):
-    if not _static_conv_ok(conv):
-        return "the Conv2d is not a plain zero-padded convolution (or has asymmetric 'same' padding)"
+    if not _static_conv_ok(conv, asymmetric=True):
+        return "the Conv2d is not a plain zero-padded convolution"
     if isinstance(bn, nn.SyncBatchNorm):
         return "SyncBatchNorm is not fused (its batch statistics span processes); left as it is"
     if not (type(bn) is nn.BatchNorm2d or _is_bn_act(bn)) or bn.num_features != conv.out_channels:
@@ -412,7 +422,7 @@ def _cbr_kind(act, residual=False):
 def _runtime_cbr_ok(conv, bn, act, x):
     # the static checks again: a module put in the unit's place after convert (a wrapper around
     # the conv, another norm, an activation with no fused form) runs the modules as they now are
-    return _conv_input_ok(x, conv) and _static_cbr(conv, bn, act) is None and _nohooks(conv, bn, act)
+    return _static_cbr(conv, bn, act) is None and _conv_input_ok(x, conv) and _nohooks(conv, bn, act)
 
 
 def _conv_input_ok(x, conv):
@@ -478,7 +488,8 @@ def _static_bac(bn, act, conv):
     elif type(bn) is not nn.BatchNorm2d or act is None:
         return "not an nn.BatchNorm2d over a plain zero-padded Conv2d's input channels"
     if not _static_conv_ok(conv) or bn.num_features != conv.in_channels:
-        return "not an nn.BatchNorm2d over a plain zero-padded Conv2d's input channels"
+        # (a padding wider on one side: the padded input would be normalized too)
+        return "not an nn.BatchNorm2d over a plain zero-padded Conv2d's input channels (symmetric padding)"
     if act is not None and _act_name(act) is None:
         return f"activation {type(act).__name__} has no fused form"
     return None
@@ -578,6 +589,8 @@ def _run_chain(site, kind, act, chain, x, packed=None):
         return _bac(site, chain[0], chain[1] if len(chain) == 3 else None, chain[-1], x)
     if kind in _CBR_KINDS:
         conv, bn = chain[0], chain[1]
+        if isinstance(conv, _FusedSequential):  # its last module is the conv (a deep stem's): the others first
+            x, conv = conv.run_until(x, len(conv) - 1), conv[-1]
         act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
         if any(type(m) is not nn.Identity for m in chain[2:-1]):  # a module put in an Identity's place
             for m in chain:
@@ -1395,11 +1408,15 @@ class _FusedSequential(nn.Sequential):
         return super().__getitem__(idx)
 
     def forward(self, x):
-        mods = list(self._modules.values())
+        return self.run_until(x, len(self._modules))
+
+    def run_until(self, x, stop):
+        """The modules before index ``stop`` on ``x`` (their groups fused)."""
+        mods = list(self._modules.values())[:stop]
         i = 0
         while i < len(mods):
             g = self.groups.get(i)
-            if g is not None and self.groups.in_place(self, i, g[3]):
+            if g is not None and i + len(g[3]) <= len(mods) and self.groups.in_place(self, i, g[3]):
                 # a group runs fused, or module by module when its call is not modelled
                 kind, site, act, placed = g
                 chain = mods[i:i + len(placed)]
@@ -3160,7 +3177,7 @@ def _seq_groups(seq, prefix, ctx):
     groups, i = [], 0
     while i < len(mods):
         m = mods[i]
-        if type(m) is nn.Conv2d and i + 1 < len(mods) and type(mods[i + 1]) in (nn.BatchNorm2d, nn.SyncBatchNorm):
+        if _is_conv2d(m) and i + 1 < len(mods) and type(mods[i + 1]) in (nn.BatchNorm2d, nn.SyncBatchNorm):
             # Conv-BN and the activation after it when it has a fused form (else it runs on its own)
             nxt = mods[i + 2] if i + 2 < len(mods) else None
             act = nxt if nxt is not None and _act_name(nxt) is not None else None
@@ -3360,7 +3377,7 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
             # a norm the fused FFN models (timm's LayerNorm, Hugging Face's RMSNorms) too: traced through, it
             # would be an F.layer_norm call the chain before an FFN cannot join, and no norm unit
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _affine_act(m) is not None
-                    or _own_hooks(m) or is_linear(m)
+                    or _own_hooks(m) or is_linear(m) or is_conv_same(m)
                     or _is_bn_act(m) or (id(m) in leaves or _hf_layer(m)) and m is not model  # blocks: marked later
                     or m is not model and norm_kind(m) is not None
                     or "forward" in m.__dict__
@@ -3514,6 +3531,17 @@ def _graph_ops(gm, specialized=False, required=()):
         else:
             ops.append((n.op, str(n.target), repr(n.args), repr(n.kwargs)))
     return ops
+
+
+def _sequential_tail_conv(m):
+    """The last module of fused Sequential ``m`` when it is a Conv2d in none of its groups (timm's deep
+    stem ends so; the model's ``bn1`` and ``act1`` follow it), else None."""
+    if not isinstance(m, _FusedSequential) or not len(m):
+        return None
+    last = len(m) - 1
+    if any(start <= last < start + len(g[3]) for start, g in m.groups.items()):
+        return None
+    return m[last] if _static_conv_ok(m[last], asymmetric=True) else None
 
 
 def _fx_chains(gm, prefix, skip):
@@ -3728,11 +3756,12 @@ def _fx_chains(gm, prefix, skip):
                     report_bn(node, reason)
                 else:
                     chain, kind, modules, act = [node, n1], _bac_kind(m.act), [m, mod(n1)], _bn_act_name(m)
-        elif type(m) is nn.Conv2d and _static_conv_ok(m):
+        elif (cv := m if _static_conv_ok(m, asymmetric=True) else _sequential_tail_conv(m)) is not None:
+            # (cv: the conv; m a fused Sequential ending in it, timm's deep stem, whose bn1 and act1 follow)
             n1 = single(node)
-            if n1 and _is_bn_act(mod(n1)) and mod(n1).num_features == m.out_channels:
+            if n1 and _is_bn_act(mod(n1)) and mod(n1).num_features == cv.out_channels:
                 bn = mod(n1)
-                reason = _static_cbr(m, bn, None)
+                reason = _static_cbr(cv, bn, None)
                 if reason is not None:
                     report(node, reason)
                 else:  # timm's BatchNorm + act in one module
@@ -3740,8 +3769,8 @@ def _fx_chains(gm, prefix, skip):
                     kind = "conv_bn" if act is None else _cbr_kind(bn.act)
                     chain, modules = [node, n1], [m, bn]
             elif n1 and isinstance(mod(n1), nn.SyncBatchNorm):
-                report(node, _static_cbr(m, mod(n1), None))
-            elif n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == m.out_channels:
+                report(node, _static_cbr(cv, mod(n1), None))
+            elif n1 and type(mod(n1)) is nn.BatchNorm2d and mod(n1).num_features == cv.out_channels:
                 ids, n2 = [], single(n1)
                 while n2 and type(mod(n2)) is nn.Identity:  # timm's drop_block placeholders
                     ids.append(n2)
@@ -3851,10 +3880,12 @@ def _fx_pass(ctx, model, prefix="", leaves=frozenset()):
         if normed:
             ctx.joined_norms.add(id(modules[0]))
         # an FFN's unit is named by its fc1 (a gated one's by its gate), whose FLOPs it reruns, with the up Linear's
-        recomputed = modules[normed:normed + 1]
+        recomputed, name = modules[normed:normed + 1], _join(prefix, chain[normed].target)
         if "gated" in kind and packed is None:
             recomputed.append([x for x in modules[normed:] if is_linear(x)][1])
-        ctx.unit(_join(prefix, chain[normed].target), kind, *_site_switches(fused_by_key[key][0].site), tuple(recomputed))
+        if isinstance(modules[0], _FusedSequential):  # its last conv's unit
+            recomputed, name = [modules[0][-1]], f"{name}.{list(modules[0]._modules)[-1]}"
+        ctx.unit(name, kind, *_site_switches(fused_by_key[key][0].site), tuple(recomputed))
         if kind in ("ffn", "gated_ffn") and prefix and all(any(c[0] == key and _only_input_user(gm, c[2]) for c in chains[mode])
                                             for mode, gm in graphs.items()):
             # the module's input feeds this FFN alone: a norm before the module can run inside it
@@ -3908,7 +3939,7 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
         (not prefix or u.name == prefix or u.name.startswith(prefix + ".")) and _held_inline(module, prefix, u.name)
         for u in ctx.units)
     # a Sequential below the root had its runs found by the Sequential pass
-    if not claimed and any(is_linear(m) or type(m) is nn.Conv2d for m in module.modules()) \
+    if not claimed and any(is_linear(m) or _is_conv2d(m) for m in module.modules()) \
             and not isinstance(module, (nn.ModuleList, nn.ModuleDict, _FusedSequential)) \
             and not (prefix and type(module) is nn.Sequential):
         reason = _fx_pass(ctx, module, prefix, leaves)

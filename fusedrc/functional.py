@@ -5,6 +5,8 @@ batch statistics) for backward and recomputes the rest inside the backward op.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -460,15 +462,42 @@ def _check_conv_weight(x, weight, bias, stride, padding, dilation, groups, same_
         kh, kw = weight.shape[2:]
         raise ValueError(
             f"weight's kernel ({kh}, {kw}) (dilation {tuple(dilation)}) is larger than input's padded spatial "
-            f"size ({x.shape[2] + 2 * padding[0]}, {x.shape[3] + 2 * padding[1]}); expected kernel extent "
-            "<= padded input size"
+            f"size {tuple(ops.conv_padded_size(x, padding))}; expected kernel extent <= padded input size"
         )
     return expected
 
 
-def _check_conv_geometry(stride, padding, dilation, groups):
-    return (pair(stride, "stride", min_value=1), pair(padding, "padding", min_value=0),
-            pair(dilation, "dilation", min_value=1), check_int(groups, "groups", min_value=1))
+def _check_conv_geometry(stride, padding, dilation, groups, weight=None):
+    """The conv arguments as lists. With ``weight`` (conv_bn_act's), ``padding`` may also be ``"same"``
+    / ``"valid"`` or 4 ints ``(left, right, top, bottom)``: a padding wider on one side comes back as
+    those 4 (``ops.conv_pads``), any other as ``[h, w]``."""
+    stride, dilation = pair(stride, "stride", min_value=1), pair(dilation, "dilation", min_value=1)
+    groups = check_int(groups, "groups", min_value=1)
+    four = isinstance(padding, (tuple, list)) and len(padding) == 4
+    if weight is None or not (isinstance(padding, str) or four):
+        if weight is not None and not (isinstance(padding, numbers.Integral) or isinstance(padding, (tuple, list))
+                                       and len(padding) == 2):
+            raise TypeError("padding must be an int, a pair of ints, 4 ints (left, right, top, bottom), 'same' or "
+                            f"'valid', got {padding!r}")
+        return stride, pair(padding, "padding", min_value=0), dilation, groups
+    if padding == "valid":
+        return stride, [0, 0], dilation, groups
+    if padding == "same":
+        if stride != [1, 1]:
+            raise ValueError(f"padding='same' is not supported for strided convolutions, got stride={tuple(stride)}")
+        (th, tw) = (d * (k - 1) for d, k in zip(dilation, weight.shape[2:]))
+        sides = [tw // 2, tw - tw // 2, th // 2, th - th // 2]  # the odd one at the far side, as aten pads
+    elif isinstance(padding, str):
+        raise ValueError(f"padding must be 'same' or 'valid' as a string, got {padding!r}")
+    else:
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in padding):
+            raise TypeError(
+                f"padding must be an int, a pair of ints or 4 ints (left, right, top, bottom), got {padding!r}")
+        sides = [int(i) for i in padding]
+        if min(sides) < 0:
+            raise ValueError(f"padding must be non-negative, got {padding!r}")
+    left, right, top, bottom = sides
+    return stride, ([top, left] if (left, top) == (right, bottom) else sides), dilation, groups
 
 
 def _check_one_value(use_batch_stats, n, c, h, w):
@@ -515,7 +544,12 @@ def conv_bn_act(
         bn_weight, bn_bias, running_mean, running_var: ``(C_out,)`` or None.
         training: normalize with the batch statistics (and update the running ones).
         momentum, eps: as in ``F.batch_norm`` (``eps`` must be positive with batch statistics).
-        stride, padding, dilation: ints or pairs of ints, as in ``F.conv2d`` (zero padding).
+        stride, padding, dilation: ints or pairs of ints, as in ``F.conv2d`` (zero padding);
+            ``padding`` may also be ``"same"`` (stride 1; an even kernel extent pads the far side one
+            more, as ``F.conv2d``), ``"valid"``, or 4 ints ``(left, right, top, bottom)`` in ``F.pad``'s
+            order (TensorFlow's 'SAME' with a stride, timm's ``Conv2dSame``). The side padded wider
+            is padded on a transient copy of ``x`` (in forward and in backward's recompute); only ``x``
+            is kept.
         residual: added after BatchNorm, before the activation; the conv output's shape. Under
             autocast it is cast with the conv's operands and the output is in their dtype, as
             torchvision's blocks get it (``out += identity`` in place keeps the half dtype).
@@ -545,7 +579,7 @@ def conv_bn_act(
         check_tensor(x, "input", ndim=4)
         _check_params(x, (weight, "weight", 4, False), (bias, "bias", 1, True), (residual, "residual", 4, True))
         activation = reference.NO_ACTIVATION if activation is None else check_activation(activation)
-        stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups)
+        stride, padding, dilation, groups = _check_conv_geometry(stride, padding, dilation, groups, weight)
         eps = check_number(eps, "eps", min_value=0)
         momentum = check_number(momentum, "momentum")
         _check_training(training)
@@ -570,9 +604,11 @@ def conv_bn_act(
         # an empty batch (eager BatchNorm returns an empty output and leaves the statistics alone),
         # a transform the op has no rule for, or inside a recompute region (_state.inside_region):
         # the plain composition, running statistics included
+        extra, symmetric = ops.conv_pads(padding)
+        padded = x if extra is None else torch.nn.functional.pad(x, extra)
         y = torch.nn.functional.batch_norm(
-            torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups), running_mean, running_var,
-            bn_weight, bn_bias, use_batch_stats, momentum, eps)
+            torch.nn.functional.conv2d(padded, weight, bias, stride, symmetric, dilation, groups), running_mean,
+            running_var, bn_weight, bn_bias, use_batch_stats, momentum, eps)
         return reference.activation_forward(y if residual is None else y + residual, activation)
     _check_one_value(use_batch_stats, x.shape[0], c, *expected[2:])
     backend = resolve_backend(x, "conv_bn_act", "conv_bn_act_forward")

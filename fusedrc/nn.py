@@ -418,11 +418,11 @@ class ConvBNReLU(nn.Module):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, bias, device,
-            dtype, groups: as in ``nn.Conv2d`` (zero padding; ``padding="same"`` needs an odd
-            kernel extent). Grouped convs with a multiple of 16 output channels per group run
-            fused Triton kernels too (a GEMM per group); other groupings, depthwise convs among
-            them, the op's reference implementation (a direct-conv kernel is opt-in:
-            ``kernels.conv_bn_act.DIRECT_MAX_GROUP_CHANNELS``).
+            dtype, groups: as in ``nn.Conv2d`` (zero padding; ``padding="same"`` of an even kernel
+            extent pads the far side one more, as ``nn.Conv2d`` does). Grouped convs with a
+            multiple of 16 output channels per group run fused Triton kernels too (a GEMM per
+            group); other groupings, depthwise convs among them, the op's reference implementation
+            (a direct-conv kernel is opt-in: ``kernels.conv_bn_act.DIRECT_MAX_GROUP_CHANNELS``).
         eps, momentum: as in ``nn.BatchNorm2d``.
         activation: ``"relu"`` (default), ``"relu2"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``,
             ``"relu6"``, ``"hardswish"``, ``"quick_gelu"`` or ``"leaky_relu"`` (``"leaky_relu:0.1"``: negative
@@ -442,7 +442,7 @@ class ConvBNReLU(nn.Module):
         super().__init__()
         self.activation = activation
         self.conv = _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum,
-                                  bias, device, dtype, activation, groups)
+                                  bias, device, dtype, activation, groups, asymmetric=True)
         self.bn = nn.BatchNorm2d(out_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
 
     @classmethod
@@ -451,7 +451,7 @@ class ConvBNReLU(nn.Module):
         and an activation module or name (None: no activation)."""
         check_module(conv, "conv", nn.Conv2d, exact=True)
         check_module(bn, "bn", nn.BatchNorm2d, exact=True)
-        _check_conv(conv, "conv.padding")
+        _check_conv(conv, "conv.padding", asymmetric=True)
         if bn.num_features != conv.out_channels:
             raise ValueError(f"bn.num_features ({bn.num_features}) must equal conv.out_channels ({conv.out_channels})")
         name = None if act is None else _act_name(act)
@@ -550,8 +550,9 @@ def _unfused_conv_bn(module, x) -> bool:
 
 
 def _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, eps, momentum, bias, device,
-                  dtype, activation, groups):
-    """The ``nn.Conv2d`` of a conv-BN module, its arguments checked (the BatchNorm's too)."""
+                  dtype, activation, groups, asymmetric=False):
+    """The ``nn.Conv2d`` of a conv-BN module, its arguments checked (the BatchNorm's too); ``asymmetric``:
+    a 'same' padding wider on the far side is allowed (a Conv-BN's input is padded as aten pads it)."""
     check_int(in_channels, "in_channels")
     check_int(out_channels, "out_channels")
     pair(kernel_size, "kernel_size", min_value=1)
@@ -570,14 +571,14 @@ def _checked_conv(in_channels, out_channels, kernel_size, stride, padding, dilat
             raise ValueError(f"{name} ({channels}) must be divisible by groups ({groups})")
     conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups=groups,
                      bias=bias, device=device, dtype=dtype)
-    _check_conv(conv, "padding")
+    _check_conv(conv, "padding", asymmetric)
     return conv
 
 
-def _check_conv(conv, name):
+def _check_conv(conv, name, asymmetric=False):
     if conv.padding_mode != "zeros":
         raise ValueError(f"conv.padding_mode must be 'zeros', got {conv.padding_mode!r}")
-    if _conv_padding(conv) is None:
+    if not asymmetric and _conv_padding(conv) is None:
         raise ValueError(
             f"{name}='same' needs an odd kernel extent dilation*(kernel_size-1)+1 (symmetric padding), got "
             f"kernel_size={tuple(conv.kernel_size)}, dilation={tuple(conv.dilation)}"

@@ -465,14 +465,33 @@ _NO_TRITON_TWIN = {"moe_experts", "moe_experts_backward"}
 
 
 # --------------------------------------------------------------------------- Conv + BN + act
+def conv_pads(padding):
+    """A conv-BN op's ``padding``, ``[h, w]`` (symmetric) or ``[left, right, top, bottom]`` (F.pad's
+    order: wider on one side, as a 'same' padding of an even kernel or TensorFlow's 'SAME' with a
+    stride), as ``(extra, symmetric)``: what ``F.pad`` adds to the input first (None: nothing), then
+    the symmetric ``[h, w]`` the conv applies (as aten runs an asymmetric 'same' convolution)."""
+    if len(padding) == 2:
+        return None, padding
+    left, right, top, bottom = padding
+    h, w = min(top, bottom), min(left, right)
+    return [left - w, right - w, top - h, bottom - h], [h, w]
+
+
+def _padded_input(x, padding):
+    # a transient copy in forward and in backward's recompute: the op keeps x as it came
+    extra, symmetric = conv_pads(padding)
+    return (x if extra is None else torch.nn.functional.pad(x, extra)), symmetric, extra
+
+
 def _conv_bn_act_impl(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
     running_mean: Optional[Tensor], running_var: Optional[Tensor], residual: Optional[Tensor],
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
     activation: str, backend: str, groups: int = 1,
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    padded, padding, _ = _padded_input(x, padding)
     y, mean, rstd = get_impl(backend, "conv_bn_act", "conv_bn_act_forward")(
-        x, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
+        padded, weight, bias, bn_weight, bn_bias, running_mean, running_var, residual,
         training, eps, stride, padding, dilation, activation, groups,
     )
     return _conv_stats_outputs(x, y, mean, rstd, training)
@@ -496,11 +515,18 @@ def _fake_conv_stats_outputs(x, shape, channels, dtype):
 conv_bn_act_op = _custom_op("conv_bn_act", _conv_bn_act_impl)
 
 
+def conv_padded_size(x, padding):
+    """``x``'s spatial size once padded by a conv-BN op's ``padding`` (see ``conv_pads``)."""
+    if len(padding) == 2:
+        return x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1]
+    return x.shape[2] + padding[2] + padding[3], x.shape[3] + padding[0] + padding[1]
+
+
 def _conv_out_shape(x, weight, stride, padding, dilation):
-    n, _, h, w = x.shape
-    cout, _, kh, kw = weight.shape
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    n, cout, kh, kw = x.shape[0], weight.shape[0], weight.shape[2], weight.shape[3]
+    h, w = conv_padded_size(x, padding)
+    oh = (h - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     return n, cout, oh, ow
 
 
@@ -517,10 +543,13 @@ def _conv_bn_act_backward_impl(
     training: bool, eps: float, stride: List[int], padding: List[int], dilation: List[int],
     activation: str, backend: str, output_mask: Optional[List[bool]] = None, groups: int = 1,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    padded, padding, extra = _padded_input(x, padding)
     grads = get_impl(backend, "conv_bn_act", "conv_bn_act_backward")(
-        x, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
+        padded, weight, bias, bn_weight, bn_bias, mean, rstd, residual, grad_out,
         training, eps, stride, padding, dilation, activation, output_mask, groups,
     )
+    if extra is not None and grads[0] is not None:  # the padded input's gradient, cropped to x
+        grads = (grads[0][:, :, extra[2]:extra[2] + x.shape[2], extra[0]:extra[0] + x.shape[3]], *grads[1:])
     cl = _channels_last(x)
     return tuple(_laid_like(g, weight) if i == 1 and g is not None else _laid_out(_or_empty(g, x), cl and i in (0, 5))
                  for i, g in enumerate(grads))

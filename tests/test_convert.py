@@ -7,6 +7,7 @@ statistics are compared with a relative error (norm of the difference over the
 norm of the reference) of at most 1e-4 in float32; transformer FFNs are bitwise
 equal in practice, still held to the same bound.
 """
+import collections
 import copy
 import functools
 import math
@@ -2281,6 +2282,123 @@ def test_conv_bn_other_activations_sequential_and_fx():
         assert plan.final_bytes < plan.baseline_bytes
 
 
+def _wider_far_side_chains():
+    """Conv-BN chains whose padding is wider on the far side: ``padding="same"`` of even kernel extents
+    (aten pads the odd row / column at the end), and timm's Conv2dSame (TensorFlow's 'SAME', by the input's
+    size: stride 2 on an even side pads the far side alone) where timm is installed."""
+    chains = [nn.Conv2d(3, 6, 4, padding="same", bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+              nn.Conv2d(6, 4, (2, 3), padding="same", bias=False), nn.BatchNorm2d(4), nn.SiLU()]
+    kinds = ["conv_bn_relu", "conv_bn_act"]
+    try:
+        _import_torchvision_quiet()
+        from timm.layers import Conv2dSame
+    except ImportError:
+        return chains, kinds
+    chains += [Conv2dSame(4, 5, 3, stride=2, bias=False), nn.BatchNorm2d(5), nn.ReLU()]
+    return chains, kinds + ["conv_bn_relu"]
+
+
+class _WiderFarSideNet(nn.Module):
+    def __init__(self, mods):
+        super().__init__()
+        self.mods = nn.ModuleList(mods)
+
+    def forward(self, x):
+        for m in self.mods:
+            x = m(x)
+        return x
+
+
+def test_conv_bn_with_padding_wider_on_the_far_side():
+    """Conv-BN chains whose padding is wider on the far side (``_wider_far_side_chains``) are fused, in
+    a Sequential and through fx: the input padded at its far side, the rest in the op; output, gradients
+    and running statistics the original's over two steps, on odd and even sizes; on the Triton backend
+    (the interpreter on the CPU) too. BN -> ReLU -> such a Conv stays as it is, reported (the padded
+    input would be normalized too). ``fusedrc.nn.ConvBNReLU(padding="same")`` of an even kernel matches
+    nn.Conv2d's."""
+    torch.manual_seed(0)
+    mods, kinds = _wider_far_side_chains()
+    seq = nn.Sequential(*mods).train()
+    fx = _WiderFarSideNet(copy.deepcopy(mods)).train()
+    names = [str(i) for i in range(0, len(mods), 3)]
+    for model, prefix in ((seq, ""), (fx, "mods.")):
+        x = torch.randn(2, 3, 7, 8)
+        conv = fusedrc.convert(model, example_inputs=(x,))
+        plan = conv.fusedrc_plan
+        assert [(u.name, u.kind) for u in plan.units] == [(prefix + n, k) for n, k in zip(names, kinds)]
+        # x kept as it came (the wider side is padded on a transient copy): checkpoint's bytes at most, and
+        # the per-channel fp32 mean and rstd
+        stats = 2 * 4 * sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+        assert not plan.skipped and plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + stats < plan.baseline_bytes
+        ops = []
+        with FusedOpLog(ops):
+            copy.deepcopy(conv)(x)
+        assert ops == ["conv_bn_act"] * len(kinds)
+        for size in ((7, 8), (8, 9)):
+            model.zero_grad(), conv.zero_grad()
+            _assert_same_step(model, conv, torch.randn(2, 3, *size))
+
+    dev = backend_device("triton")
+    model = copy.deepcopy(seq).to(dev)
+    conv = fusedrc.convert(model)
+    x = torch.randn(2, 3, 6, 9, device=dev)
+    with fusedrc.use_backend("triton"), FusedOpLog() as log:
+        _assert_same_step(model, conv, x)
+    assert log.ops.count("conv_bn_act_triton") == len(kinds)
+
+    pre = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 4, 2, padding="same"))
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(pre).fusedrc_plan
+    assert "(symmetric padding)" in dict(plan.skipped)["0"]
+
+    ours = fusedrc.nn.ConvBNReLU(3, 4, 4, padding="same").train()
+    plain = nn.Sequential(collections.OrderedDict(conv=copy.deepcopy(ours.conv), bn=copy.deepcopy(ours.bn),
+                                                  act=nn.ReLU())).train()
+    _assert_same_step(plain, ours, torch.randn(2, 3, 5, 6))
+
+
+class _DeepStemNet(nn.Module):
+    """timm's deep stem: a Sequential ending in a conv whose BatchNorm and activation are the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+                                   nn.Conv2d(6, 8, 3, stride=2, padding=1, bias=False))
+        self.bn1, self.act1 = nn.BatchNorm2d(8), nn.ReLU()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.act1(self.bn1(self.conv1(x))).mean((2, 3)))
+
+
+def test_sequential_tail_conv_fused_with_the_norm_after_it():
+    """The last conv of a Sequential (in none of its fused groups) and the model's BatchNorm and ReLU after
+    it are one unit (named by the conv), found through fx: two fused ops, output, gradients and running
+    statistics the original's. A module put in the conv's place after convert runs as it is (a conv still
+    fused), as in the original with the same change."""
+    torch.manual_seed(0)
+    model = _DeepStemNet().train()
+    conv = fusedrc.convert(model)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("conv1.0", "conv_bn_relu"),
+                                                                    ("conv1.3", "conv_bn_relu")]
+    x = torch.randn(2, 3, 9, 8)
+    ops = []
+    with FusedOpLog(ops):
+        copy.deepcopy(conv)(x)
+    assert ops == ["conv_bn_act"] * 2
+    for _ in range(2):
+        model.zero_grad(), conv.zero_grad()
+        _assert_same_step(model, conv, x)
+    for new, fused in ((nn.Conv2d(6, 8, 1, bias=False), 2), (nn.Sequential(nn.Conv2d(6, 8, 1), nn.Tanh()), 1)):
+        model.conv1[3], conv.conv1[3] = new, copy.deepcopy(new)
+        ops = []
+        with FusedOpLog(ops):
+            copy.deepcopy(conv)(x)
+        assert ops == ["conv_bn_act"] * fused
+        model.zero_grad(), conv.zero_grad()
+        _assert_same_step(model, conv, x)
+
+
 class _LeakyNet(nn.Module):
     """LeakyReLU written the ways models write it: positional and keyword slopes, in place, the
     default, and a slope the graph computes (no fused form: the chain is Conv-BN, then the call)."""
@@ -2597,6 +2715,11 @@ def _timm():
     ("efficientnet_b0", {}, {"conv_bn_act": 33, "conv_bn": 16}, 16),
     # nn.Identity placeholders (drop_block, aa) between BN and the activation
     ("resnet18", {}, {"conv_bn_relu": 9, "conv_bn": 11}, 8),
+    # timm's deep stem: a Sequential of three convs, the last in no group of it, then the model's bn1 and act1
+    ("resnet10t", {}, {"conv_bn_relu": 7, "conv_bn": 7}, 4),
+    # timm's Conv2dSame (TensorFlow's 'SAME', padded by the input's size) in the stem and the stride-2
+    # depthwise convs: the far side padded before the op
+    ("tf_mobilenetv3_small_075", {}, {"conv_bn_act": 18, "conv_bn_relu": 5, "conv_bn": 11}, 11),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block, with the block's norm2
     # before it (self.mlp(self.norm2(x))) inside the op
     # the attention's norm1 and the final norm: outputs not kept

@@ -26,6 +26,9 @@ PATTERNS = {
         nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Dropout(0.0), nn.Linear(48, 16)), (6, 16)),
     "conv_bn_relu": lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()), (2, 3, 6, 6)),
     "conv_bn_silu": lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU()), (2, 3, 6, 6)),
+    # 'same' of an even kernel: one more row and column of padding at the far side (padded before the op)
+    "conv_bn_relu_same_even": lambda: (
+        nn.Sequential(nn.Conv2d(3, 8, 4, padding="same"), nn.BatchNorm2d(8), nn.ReLU()), (2, 3, 7, 6)),
     # no conv bias: before BatchNorm with nothing after it, its gradient is pure rounding noise
     "conv_bn": lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)), (2, 3, 6, 6)),
 }

@@ -175,8 +175,9 @@ def _conv_block(cin, cout, k, stride, padding, bias, device, channels_last=False
         (5, 7, 1, 1, 0, False, 7, 1, False),    # 1x1, batch 1, 7x7
         (3, 5, 7, 2, 3, False, 9, 2, True),     # the ResNet stem shape, channels_last
         (4, 9, 3, 1, 1, False, 15, 1, True),    # 3x3 stride 1, 15x15, channels_last
+        (3, 6, 4, 1, "same", False, 7, 2, True),  # 'same' of an even kernel: the far side padded wider
     ],
-    ids=["3x3s2-bias", "1x1-batch1", "7x7s2p3-cl", "3x3s1-cl"],
+    ids=["3x3s2-bias", "1x1-batch1", "7x7s2p3-cl", "3x3s1-cl", "4x4same-cl"],
 )
 def test_recompute_conv_bn_relu_runs_the_kernels(cin, cout, k, stride, padding, bias, hw, batch, channels_last,
                                                   device, strictly_fused_conv):
@@ -204,6 +205,48 @@ def test_recompute_grouped_conv_runs_the_kernels(conv, act, channels_last, devic
         block[1].bias.uniform_(-0.3, 0.3)
     block = block.to(device=device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     _three_steps_like_eager(block, 2, 7, channels_last, device)
+
+
+def test_recompute_timm_conv2d_same_runs_the_kernels(device, strictly_fused_conv):
+    """timm's Conv2dSame (TensorFlow's 'SAME', by the input's size: stride 2 on an even side pads its far
+    side alone) the same way: x kept as it came, the padded copy transient."""
+    from fusedrc.convert import _import_torchvision
+
+    _import_torchvision()  # timm imports torchvision
+    layers = pytest.importorskip("timm.layers", reason="timm is not installed (test extra)")
+    torch.manual_seed(3)
+    block = nn.Sequential(layers.Conv2dSame(3, 6, 3, stride=2, bias=False), nn.BatchNorm2d(6), nn.SiLU()).to(device)
+    _three_steps_like_eager(block, 2, 8, False, device)
+
+
+@pytest.mark.parametrize("padding,k,channels_last", [("same", 4, False), ((2, 0, 1, 3), 3, True)],
+                         ids=["same-4x4", "ltrb-3x3-cl"])
+def test_functional_conv_bn_act_padding_wider_on_one_side(padding, k, channels_last, device, strictly_fused_conv):
+    """``conv_bn_act(padding="same" | (left, right, top, bottom))``, either side the wider: output and
+    every gradient (the residual's too) against the float64 composition of F.pad, conv, batch norm and
+    SiLU; only the inputs (x as it came) and the per-channel vectors kept; no aten conv."""
+    torch.manual_seed(4)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, 3, 7, 6).to(memory_format=fmt)
+    w, gamma, beta = torch.randn(5, 3, k, k) / 5, torch.rand(5) + 0.5, torch.randn(5)
+    sides = (1, 2, 1, 2) if padding == "same" else padding  # (left, right, top, bottom)
+    out = (7 + sides[2] + sides[3] - k + 1, 6 + sides[0] + sides[1] - k + 1)
+    res, g = torch.randn(2, 5, *out), torch.randn(2, 5, *out)
+    ours = [t.to(device).requires_grad_() for t in (x, w, gamma, beta, res)]
+    rm, rv = torch.zeros(5, device=device), torch.ones(5, device=device)
+    with SavedBytes() as saved, GemmCounter() as c:
+        y = fusedrc.functional.conv_bn_act(ours[0], ours[1], ours[2], ours[3], rm, rv, padding=padding,
+                                           residual=ours[4], activation="silu")
+        grads = torch.autograd.grad(y, ours, g.to(device))
+    # the inputs (x as it came, not its padded copy) and the per-channel mean and rstd
+    assert saved.bytes == (sum(t.numel() for t in (x, w, gamma, beta, res)) + 2 * 5) * 4 and _conv_ops(c) == []
+    ref64 = [t.double().requires_grad_() for t in (x, w, gamma, beta, res)]
+    z = nn.functional.conv2d(nn.functional.pad(ref64[0], sides), ref64[1])
+    ref = nn.functional.silu(nn.functional.batch_norm(z, None, None, ref64[2], ref64[3], True) + ref64[4])
+    assert y.shape == ref.shape and rel_err(y, ref) < 1e-5
+    assert rel_err(rm, 0.1 * z.detach().mean((0, 2, 3))) < 1e-5
+    for name, got, want in zip(["dx", "dw", "dgamma", "dbeta", "dres"], grads, torch.autograd.grad(ref, ref64, g.double())):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-5, name
 
 
 def _three_steps_like_eager(block, batch, hw, channels_last, device):
