@@ -128,6 +128,26 @@ def is_conv_same(m):
             and "forward" not in m.__dict__ and tuple(m.padding) == (0, 0))
 
 
+def is_mixed_conv(m):
+    """timm's ``MixedConv2d`` (MixNet): the input's channels split among convolutions of different kernel
+    sizes (plain or ``Conv2dSame``, padding zeros), their outputs concatenated. A BatchNorm after it is
+    per channel, so each split's Conv-BN runs on its own share of the norm's channels."""
+    t = type(m)
+    if not (t.__name__ == "MixedConv2d" and t.__module__.startswith("timm.") and isinstance(m, nn.ModuleDict)
+            and "forward" not in m.__dict__ and len(m)):
+        return False
+    convs = list(m.values())
+    return (all((type(c) is nn.Conv2d or is_conv_same(c)) and c.padding_mode == "zeros" and c.stride == convs[0].stride
+                for c in convs)
+            and list(getattr(m, "splits", ())) == [c.in_channels for c in convs]
+            and getattr(m, "out_channels", None) == sum(c.out_channels for c in convs))
+
+
+def conv_weight(conv):
+    """The weight of a conv-BN chain's conv (a MixedConv2d's first split's: they share device and dtype)."""
+    return next(iter(conv.values())).weight if is_mixed_conv(conv) else conv.weight
+
+
 def _conv_pads(conv, size):
     """(before, after) zero rows / columns ``conv`` pads an input of spatial ``size`` with, per dimension."""
     if is_conv_same(conv):
@@ -149,7 +169,12 @@ def conv_call_padding(conv, x):
 
 
 def _plain_conv(m, x, asymmetric=False):
-    """``asymmetric``: a padding that pads one side more is modelled too (the conv-BN op's own)."""
+    """``asymmetric``: a padding that pads one side more is modelled too (the conv-BN op's own), and
+    MixNet's MixedConv2d (one op per split)."""
+    if asymmetric and is_mixed_conv(m):
+        w = conv_weight(m)
+        return (w.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)) and w.device == x.device \
+            and x.dim() == 4
     return (
         (type(m) is nn.Conv2d or asymmetric and is_conv_same(m)) and m.padding_mode == "zeros"
         and (asymmetric or _conv_padding(m) is not None)
@@ -330,14 +355,28 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
     None: no activation."""
     from . import functional as F
 
-    padding = conv_call_padding(conv, x)
     training, factor, rm, rv, counted = _bn_call(bn)
-    try:
+
+    def call(conv, x, part=lambda t: t):
         return F.conv_bn_act(
-            x, conv.weight, bn.weight, bn.bias, rm, rv, training=training, momentum=factor, eps=bn.eps,
-            stride=list(conv.stride), padding=padding, dilation=list(conv.dilation),
-            bias=conv.bias, residual=residual, activation=activation, groups=conv.groups,
+            x, conv.weight, part(bn.weight), part(bn.bias), part(rm), part(rv), training=training, momentum=factor,
+            eps=bn.eps, stride=list(conv.stride), padding=conv_call_padding(conv, x), dilation=list(conv.dilation),
+            bias=conv.bias, residual=None if residual is None else part(residual), activation=activation,
+            groups=conv.groups,
         )
+
+    try:
+        if not is_mixed_conv(conv):
+            return call(conv, x)
+        # MixNet's: one op per split on its channels of the norm (views: the running statistics of each
+        # slice updated in place), bookkeeping once; each op keeps its split of x, a view
+        outs, start = [], 0
+        for c, xs in zip(conv.values(), torch.split(x, conv.splits, 1)):
+            stop = start + c.out_channels
+            outs.append(call(c, xs, lambda t, a=start, b=stop: None if t is None else t[a:b] if t.dim() == 1
+                             else t[:, a:b]))
+            start = stop
+        return torch.cat(outs, 1)
     except Exception:
         _uncount(bn, counted)
         raise

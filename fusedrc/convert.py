@@ -4,8 +4,8 @@
 
 * every ``Conv2d -> BatchNorm2d -> act`` chain (act: ReLU, or SiLU, GELU, ... as for the
   FFN; EfficientNet's and YOLO's Conv-BN-SiLU; a conv padding one side wider, 'same' of an
-  even kernel or timm's ``Conv2dSame``, included; timm's deep stem's last conv with the
-  ``bn1``/``act1`` after it) and every
+  even kernel or timm's ``Conv2dSame``, included; timm's ``MixedConv2d`` as one op per split;
+  timm's deep stem's last conv with the ``bn1``/``act1`` after it) and every
   ``Conv2d -> BatchNorm2d -> (+ identity) -> ReLU`` residual tail (torchvision
   ``BasicBlock``/``Bottleneck`` and the ResNet stem): they run
   :func:`fusedrc.functional.conv_bn_act` (``residual=`` for the tail);
@@ -132,8 +132,8 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
-                        bn_act_conv_call, conv_bn_act_call, fused_dropout_p, global_hooks, is_conv_same, is_linear,
-                        norm_call_args, norm_kind, same_attributes)
+                        bn_act_conv_call, conv_bn_act_call, conv_weight, fused_dropout_p, global_hooks, is_conv_same,
+                        is_linear, is_mixed_conv, norm_call_args, norm_kind, same_attributes)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
@@ -368,13 +368,17 @@ def _run_site(site, fused, plain, *args):
 
 
 def _is_conv2d(m):
-    """An ``nn.Conv2d`` or timm's ``Conv2dSame`` (a Conv-BN chain's conv: its asymmetric padding modelled)."""
-    return type(m) is nn.Conv2d or is_conv_same(m)
+    """An ``nn.Conv2d``, timm's ``Conv2dSame`` (a Conv-BN chain's conv: its asymmetric padding modelled) or
+    timm's ``MixedConv2d`` (one Conv-BN per split)."""
+    return type(m) is nn.Conv2d or is_conv_same(m) or is_mixed_conv(m)
 
 
 def _static_conv_ok(conv, asymmetric=False):
     """``asymmetric``: a padding that pads one side more ('same' of an even kernel, timm's Conv2dSame) is
-    modelled too (the fused Conv-BN op pads a transient copy of the input wider on that side)."""
+    modelled too (the fused Conv-BN op pads a transient copy of the input wider on that side), and
+    MixNet's MixedConv2d (``is_mixed_conv`` checks its splits)."""
+    if asymmetric and is_mixed_conv(conv):
+        return True
     return (_is_conv2d(conv) if asymmetric else type(conv) is nn.Conv2d) and conv.padding_mode == "zeros" \
         and (asymmetric or _conv_padding(conv) is not None)
 
@@ -422,14 +426,15 @@ def _cbr_kind(act, residual=False):
 def _runtime_cbr_ok(conv, bn, act, x):
     # the static checks again: a module put in the unit's place after convert (a wrapper around
     # the conv, another norm, an activation with no fused form) runs the modules as they now are
-    return _static_cbr(conv, bn, act) is None and _conv_input_ok(x, conv) and _nohooks(conv, bn, act)
+    return _static_cbr(conv, bn, act) is None and _conv_input_ok(x, conv) and _nohooks(conv, bn, act) \
+        and (not is_mixed_conv(conv) or _nohooks(*conv.values()))
 
 
 def _conv_input_ok(x, conv):
     """Whether the fused conv ops model ``x`` as ``conv``'s input (the dtype: or autocast casts it)."""
     return (
-        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and x.device == conv.weight.device
-        and (x.dtype == conv.weight.dtype or torch.is_autocast_enabled(x.device.type))
+        isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and x.device == conv_weight(conv).device
+        and (x.dtype == conv_weight(conv).dtype or torch.is_autocast_enabled(x.device.type))
     )
 
 
@@ -1640,7 +1645,9 @@ class _Context:
         self.joined_norms = set()  # ids of the norm modules a Sequential's or an fx graph's norm_ffn unit runs
 
     def unit(self, name, kind, enable, disable, recompute_modules=()):
-        self.units.append(_Unit(name, kind, enable, disable, tuple(recompute_modules)))
+        # a MixedConv2d's FLOPs are its splits'
+        recompute_modules = tuple(p for m in recompute_modules for p in (m.values() if is_mixed_conv(m) else (m,)))
+        self.units.append(_Unit(name, kind, enable, disable, recompute_modules))
 
     def block(self, name, module, when=None):
         self.blocks.append(_Block(name, module, when))
@@ -3377,7 +3384,7 @@ def _symbolic_trace(model, concrete_args=None, flipped=False, leaves=frozenset()
             # a norm the fused FFN models (timm's LayerNorm, Hugging Face's RMSNorms) too: traced through, it
             # would be an F.layer_norm call the chain before an FFN cannot join, and no norm unit
             return (super().is_leaf_module(m, qualname) or _is_act_module(m) or _affine_act(m) is not None
-                    or _own_hooks(m) or is_linear(m) or is_conv_same(m)
+                    or _own_hooks(m) or is_linear(m) or is_conv_same(m) or is_mixed_conv(m)
                     or _is_bn_act(m) or (id(m) in leaves or _hf_layer(m)) and m is not model  # blocks: marked later
                     or m is not model and norm_kind(m) is not None
                     or "forward" in m.__dict__

@@ -7,6 +7,7 @@ input and parameter gradients, and buffers (BatchNorm running statistics).
 CPU runs use the reference backend with ``aot_eager`` (inductor on CPU costs
 ~20 s a compile here: one test); the CUDA test runs the Triton backend under inductor.
 """
+import copy
 import importlib
 import json
 import os
@@ -191,6 +192,13 @@ def _layout_cases(device, backend, ops_by_name):
                 op("bn_act_conv"), xc, bg, bb, brm, brv, wc, None, training, *geometry)
             yield op("bn_act_conv_backward"), (xc, bg, bb, wc, None, mean, rstd, torch.randn_like(y),
                                                training, *geometry)
+    # a padding wider on one side, (left, right, top, bottom): the output 7x6, dx cropped to x's 5x5
+    xc = t(2, 4, 5, 5).to(memory_format=torch.channels_last)
+    wc, gamma, beta = t(6, 4, 3, 3), t(6), t(6)
+    wider = (1e-5, [1, 1], [0, 3, 1, 3], [1, 1], "relu", backend)
+    y, mean, rstd = _fake_matches_real(op("conv_bn_act"), xc, wc, None, gamma, beta, None, None, None, True, *wider)
+    assert y.shape == (2, 6, 7, 6)
+    yield op("conv_bn_act_backward"), (xc, wc, None, gamma, beta, mean, rstd, None, torch.randn_like(y), True, *wider)
 
 
 def test_fake_implementations_match_real_layouts():
@@ -339,6 +347,27 @@ def test_conv_bn_cumulative_momentum(reference):
 
 def test_converted_model(reference):
     _compare(lambda: fusedrc.convert(_net()), (2, 3, 6, 6), expect_ops=_FUSED_NET_OPS, steps=3)
+
+
+def test_converted_padding_wider_on_one_side(reference):
+    """Conv-BN whose conv pads one side wider, converted: timm's Conv2dSame (padded by the input's size,
+    read in the graph) and a MixedConv2d of an odd and an even 'same' kernel (one op per split). One
+    graph, as eager over training steps; with dynamic sizes too (the padding follows the input)."""
+    _import_torchvision()  # timm imports torchvision
+    layers = pytest.importorskip("timm.layers", reason="timm is not installed (test extra)")
+
+    def make():
+        return fusedrc.convert(nn.Sequential(
+            layers.Conv2dSame(3, 6, 3, stride=2, bias=False), nn.BatchNorm2d(6), nn.SiLU(),
+            layers.MixedConv2d(6, 8, [3, 4], padding="same"), nn.BatchNorm2d(8), nn.ReLU()))
+
+    _compare(make, (2, 3, 9, 8), expect_ops=("conv_bn_act",))
+    torch.manual_seed(0)
+    eager = make()
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True, dynamic=True)
+    for hw in ((9, 8), (12, 11)):
+        x = torch.randn(2, 3, *hw)
+        torch.testing.assert_close(compiled(x), eager(x), atol=1e-5, rtol=1e-5)
 
 
 def test_converted_densenet(reference):

@@ -219,6 +219,22 @@ def test_recompute_timm_conv2d_same_runs_the_kernels(device, strictly_fused_conv
     _three_steps_like_eager(block, 2, 8, False, device)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
+def test_recompute_timm_mixed_conv_runs_the_kernels(channels_last, device, strictly_fused_conv):
+    """timm's MixedConv2d (MixNet: the channels split among kernel sizes, 'same' padding of an even one
+    wider on the far side) before a BatchNorm: one fused op per split on its share of the norm's
+    channels and running statistics; x (the splits are views of it) and the vectors kept."""
+    from fusedrc.convert import _import_torchvision
+
+    _import_torchvision()
+    layers = pytest.importorskip("timm.layers", reason="timm is not installed (test extra)")
+    torch.manual_seed(5)
+    mixed = layers.MixedConv2d(5, 7, [3, 4, 5], padding="same", bias=False)
+    block = nn.Sequential(mixed, nn.BatchNorm2d(7), nn.ReLU()).to(device)
+    assert [c.kernel_size for c in mixed.values()] == [(3, 3), (4, 4), (5, 5)]
+    _three_steps_like_eager(block, 2, 7, channels_last, device)
+
+
 @pytest.mark.parametrize("padding,k,channels_last", [("same", 4, False), ((2, 0, 1, 3), 3, True)],
                          ids=["same-4x4", "ltrb-3x3-cl"])
 def test_functional_conv_bn_act_padding_wider_on_one_side(padding, k, channels_last, device, strictly_fused_conv):
