@@ -1749,6 +1749,7 @@ _TIMM_BLOCKS = {
     "MixerBlock": ("timm.models.mlp_mixer",), "SwinTransformerBlock": ("timm.models.swin_transformer",),
     "EvaBlock": ("timm.models.eva",), "EvaBlockPostNorm": ("timm.models.eva",),
     "ConvNeXtBlock": ("timm.models.convnext",),
+    "RepMixerBlock": ("timm.models.fastvit",), "AttentionBlock": ("timm.models.fastvit",),
     # pre-activation: BatchNormAct2d -> Conv units inside (timm's DenseNet layers, ResNetV2's blocks)
     "DenseLayer": ("timm.models.densenet",),
     "PreActBottleneck": ("timm.models.resnetv2",), "PreActBasic": ("timm.models.resnetv2",),
@@ -1869,23 +1870,31 @@ _LIBRARY_RULES = (_basic_block, _bottleneck, _resnet, _torchvision_block, _dense
 class FusedConvMlp(Wrapper):
     """timm's MLPs of 1x1 convolutions, ``Mlp(use_conv=True)`` (``fc1 -> act -> drop1 -> norm -> fc2 ->
     drop2``: the MLP of timm's small ConvNeXts, ``conv_mlp=True``, and of MetaFormer/PoolFormer-style
-    models) and ``ConvMlp`` (``fc1 -> norm -> act -> drop -> fc2``), ``norm`` an ``nn.Identity``: one
-    fused FFN over the channels of each pixel (:func:`_conv_ffn`)."""
+    models) and ``ConvMlp`` (``fc1 -> norm -> act -> drop -> fc2``), ``norm`` an ``nn.Identity``, and
+    FastViT's ``ConvMlp`` (``conv -> fc1 -> act -> drop -> fc2 -> drop``, its depthwise Conv-BN run as
+    it is, before): one fused FFN over the channels of each pixel (:func:`_conv_ffn`)."""
 
     def forward(self, x):
         site, fc1, fc2 = self.sites.get("ffn"), self.fc1, self.fc2
-        _, mid, after = _CONV_MLP_FORMS[_class_of(self).__name__]
+        form = self.__dict__["_fusedrc_form"]
+        mid, after = form.mid, form.after
+        if form.before is not None:
+            # (its own fused units inside); the rest, unfused, is the checked lines written out
+            x = getattr(self, form.before)(x)
+            plain = lambda x: getattr(self, after)(fc2(getattr(self, mid)(self.act(fc1(x)))))  # noqa: E731
+        else:
+            plain = self.plain
         act = self.__dict__["_fusedrc_act"]
         p = fused_dropout_p(getattr(self, mid))
         affine = _affine_act(self.act)
         # inside a recomputed region (a block) the convolutions themselves: the region keeps its inputs
-        if (site is None or not site.enabled or p is None or _conv_mlp_reason(self, mid) is not None
+        if (site is None or not site.enabled or p is None or _conv_mlp_reason(self, form) is not None
                 or inside_region() or (affine[0] if affine else _act_name(self.act)) != act
                 or affine and p != 0  # dropout(s * act + b): b no longer a constant through fc2
-                or not _nohooks(self, *self.children())
+                or not _nohooks(self, *(c for k, c in self._modules.items() if k != form.before))  # it ran as is
                 or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
                 or not _dense_runtime_ok(x, fc1, fc2)):
-            return self.plain(x)
+            return plain(x)
         y = _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p, affine),
                       lambda x: fc2(getattr(self, mid)(self.act(fc1(x)))), x)
         return getattr(self, after)(y) if after else y
@@ -1938,12 +1947,24 @@ def _fold_affine(w2, b2, scale, bias):
     return w, b if b2 is None else b2 + b
 
 
-# class name -> (its forward's lines after the def, the dropout between act and fc2, the module after fc2)
+@dataclass(frozen=True)
+class _ConvMlpForm:
+    lines: tuple  # its forward's lines after the def
+    mid: str  # the dropout between act and fc2
+    after: str = None  # the module after fc2
+    before: str = None  # the module before fc1 (run as it is)
+    norm: str = "norm"  # the norm between the layers (must be an nn.Identity)
+
+
+# class name -> the forwards of that name the rule fuses
 _CONV_MLP_FORMS = {
-    "Mlp": (["x = self.fc1(x)", "x = self.act(x)", "x = self.drop1(x)", "x = self.norm(x)", "x = self.fc2(x)",
-             "x = self.drop2(x)", "return x"], "drop1", "drop2"),
-    "ConvMlp": (["x = self.fc1(x)", "x = self.norm(x)", "x = self.act(x)", "x = self.drop(x)", "x = self.fc2(x)",
-                 "return x"], "drop", None),
+    "Mlp": [_ConvMlpForm(("x = self.fc1(x)", "x = self.act(x)", "x = self.drop1(x)", "x = self.norm(x)",
+                          "x = self.fc2(x)", "x = self.drop2(x)", "return x"), "drop1", "drop2")],
+    "ConvMlp": [_ConvMlpForm(("x = self.fc1(x)", "x = self.norm(x)", "x = self.act(x)", "x = self.drop(x)",
+                              "x = self.fc2(x)", "return x"), "drop"),
+                # FastViT's: its depthwise Conv-BN first, one Dropout module after act and after fc2
+                _ConvMlpForm(("x = self.conv(x)", "x = self.fc1(x)", "x = self.act(x)", "x = self.drop(x)",
+                              "x = self.fc2(x)", "x = self.drop(x)", "return x"), "drop", "drop", "conv", None)],
 }
 
 
@@ -1952,29 +1973,30 @@ def _is_pointwise(conv):
             and conv.groups == 1 and _conv_padding(conv) == [0, 0])
 
 
-def _conv_mlp_reason(m, mid):
+def _conv_mlp_reason(m, form):
     if not (_is_pointwise(m.fc1) and _is_pointwise(m.fc2)) or m.fc2.in_channels != m.fc1.out_channels:
         return "fc1/fc2 are not plain 1x1 convolutions (stride 1, no padding, groups 1) of matching channels"
-    if type(m.norm) is not nn.Identity:
-        return f"a {type(m.norm).__name__} inside the MLP has no fused form"
-    if fused_dropout_p(getattr(m, mid), training=True) is None:
-        return f"{type(getattr(m, mid)).__name__} between the activation and fc2 has no fused form"
+    if form.norm is not None and type(getattr(m, form.norm)) is not nn.Identity:
+        return f"a {type(getattr(m, form.norm)).__name__} inside the MLP has no fused form"
+    if fused_dropout_p(getattr(m, form.mid), training=True) is None:
+        return f"{type(getattr(m, form.mid)).__name__} between the activation and fc2 has no fused form"
     return None
 
 
 @register_rule(*_CONV_MLP_FORMS)
 def _conv_mlp(ctx, name, m):
     """timm's ``Mlp`` with 1x1 convolutions and ``ConvMlp`` (timm.layers.mlp, or a copy in a timm model
-    file), their forwards checked line by line; a Linear ``Mlp`` is left to the fx pass."""
+    file; FastViT's), their forwards checked line by line; a Linear ``Mlp`` is left to the fx pass."""
     cls = _class_of(m)
     # timm.layers.mlp's, and copies in timm's model files (inception_next's ConvMlp): the lines decide
     if not cls.__module__.startswith("timm.") or type(getattr(m, "fc1", None)) is not nn.Conv2d:
         return m
-    body, mid, _ = _CONV_MLP_FORMS[cls.__name__]
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
-    reason = _conv_mlp_reason(m, mid) if lines[1:] == body else f"{cls.__name__}.forward is not timm's"
+    form = next((f for f in _CONV_MLP_FORMS[cls.__name__] if tuple(lines[1:]) == f.lines), None)
+    reason = f"{cls.__name__}.forward is not timm's" if form is None else _conv_mlp_reason(m, form)
+    mid = None if form is None else form.mid
     # read only once the lines matched: another ConvMlp (timm's VGG's: act1, act2) has no .act
     affine = _affine_act(m.act) if reason is None else None
     act = (affine[0] if affine else _act_name(m.act)) if reason is None else None
@@ -1982,9 +2004,14 @@ def _conv_mlp(ctx, name, m):
         reason = f"activation {type(m.act).__name__} has no fused form"
     if affine and fused_dropout_p(getattr(m, mid), training=True) != 0:
         reason = f"{type(m.act).__name__}'s bias does not fold through the dropout before fc2"
-    if reason is None and not _nohooks(*m.children()):
+    if reason is None and not _nohooks(*(c for k, c in m._modules.items() if k != form.before)):
         reason = "hooks registered on the modules"
-    return _wrapped_unit(ctx, name, m, reason, FusedConvMlp, act, "ffn", "conv_ffn", (m.fc1,))
+    new = _wrapped_unit(ctx, name, m, reason, FusedConvMlp, act, "ffn", "conv_ffn", (m.fc1,))
+    if reason is None:
+        new.__dict__["_fusedrc_form"] = form
+        if form.before is not None:
+            new.__dict__["_fusedrc_fx_children"] = (form.before,)
+    return new
 
 
 def _wrapped_unit(ctx, name, m, reason, wrapper, act, key, kind, recompute_modules):
@@ -3955,8 +3982,9 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
             # other children, a module kept a call for its hooks): each traced on its own
             for name in ctx.fx_called:
                 child = module.get_submodule(name)
-                if not _skip_in_fx_tree(child) and not _is_act_module(child) and not _is_bn_act(child):
-                    _fx_tree(ctx, child, _join(prefix, name), leaves)
+                if not _is_act_module(child) and not _is_bn_act(child):
+                    for sub, path in _fx_visits(child, _join(prefix, name)):
+                        _fx_tree(ctx, sub, path, leaves)
             return None
     else:
         reason = None
@@ -3964,9 +3992,18 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
         # torch's own modules are fx leaves, its containers are not
         # a Wrapper: converted already (by a rule, or an earlier convert); a fused Sequential's
         # ungrouped children (torchvision's Conv2dNormActivation beside a grouped Conv-BN) may trace
-        if not _skip_in_fx_tree(child):
-            _fx_tree(ctx, child, _join(prefix, key), leaves)
+        for sub, path in _fx_visits(child, _join(prefix, key)):
+            _fx_tree(ctx, sub, path, leaves)
     return reason
+
+
+def _fx_visits(child, name):
+    """``(module, name)`` pairs the fx pass looks into for ``child``: ``child`` unless skipped; for a rule's
+    Wrapper, the children its forward runs as they are (``_fusedrc_fx_children``: FastViT's ConvMlp's
+    depthwise Conv-BN before the fused FFN)."""
+    if isinstance(child, Wrapper) and not _is_marked(child):
+        return [(child._modules[k], _join(name, k)) for k in child.__dict__.get("_fusedrc_fx_children", ())]
+    return [] if _skip_in_fx_tree(child) else [(child, name)]
 
 
 def _skip_in_fx_tree(child):

@@ -2759,6 +2759,8 @@ def _timm():
     # MixNet's MixedConv2d (its channels split among kernel sizes, Conv2dSame among them) before a BatchNormAct2d:
     # one fused op per split
     ("tf_mixnet_s", {}, {"conv_bn_act": 26, "conv_bn_relu": 7, "conv_bn": 16}, 16),
+    # FastViT's ConvMlp (depthwise Conv-BN, then the 1x1-conv FFN): both fused; RepMixerBlocks as blocks
+    ("fastvit_t8", {}, {"conv_ffn": 10, "conv_bn": 46}, 10),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block, with the block's norm2
     # before it (self.mlp(self.norm2(x))) inside the op
     # the attention's norm1 and the final norm: outputs not kept
@@ -2915,6 +2917,29 @@ def test_timm_conv_mlps():
     with pytest.warns(UserWarning, match="a BatchNorm2d inside the MLP has no fused form"):
         plan = fusedrc.convert(nn.Sequential(normed)).fusedrc_plan
     assert [(u.name, u.kind) for u in plan.units] == [("0.fc1", "conv_bn_relu")]
+
+
+def test_timm_fastvit_conv_mlp():
+    """FastViT's ConvMlp (its depthwise Conv-BN, then fc1 -> GELU -> Dropout -> fc2 -> the same Dropout): the
+    Conv-BN (found by fx inside the rule's wrapper) and the FFN each a fused unit; training steps the
+    original's. A hook on fc1 runs the FFN's modules as they are, the Conv-BN still fused."""
+    _timm()
+    from timm.models.fastvit import ConvMlp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvMlp(8, 24)).train()
+    conv = fusedrc.convert(model)
+    assert sorted((u.name, u.kind) for u in conv.fusedrc_plan.units) == [("0", "conv_ffn"), ("0.conv.conv", "conv_bn")]
+    x = torch.randn(2, 8, 7, 6)
+    for fused in (["conv_bn_act", "fused_mlp"], ["conv_bn_act"]):
+        ops = []
+        with FusedOpLog(ops):
+            copy.deepcopy(conv)(x)
+        assert ops == fused
+        model.zero_grad(), conv.zero_grad()
+        _assert_same_step(model, conv, x)
+        model[0].fc1.register_forward_hook(lambda *args: None)
+        conv[0].fc1.register_forward_hook(lambda *args: None)
 
 
 def test_timm_metaformer_star_relu():
