@@ -48,9 +48,11 @@ How patterns are found
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE`` and Llama 4's ``Llama4TextExperts`` by name); timm's MLPs of 1x1
-   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``: a fused FFN over each pixel's channels; with
-   MetaFormer's StarReLU, ``_affine_act``, folded into the second layer, as in fx's FFNs).
-2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model.
+   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN: a fused FFN
+   over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
+   as in fx's FFNs).
+2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model (and
+   ``1x1 conv -> act -> [Dropout] -> 1x1 conv``, RDNet's, as the same fused FFN over channels).
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
    MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> act and
@@ -604,7 +606,30 @@ def _run_chain(site, kind, act, chain, x, packed=None):
         return _cbr(site, conv, bn, act_mod, x)
     if kind in ("norm_ffn", "norm_gated_ffn"):
         return _run_dense(site, kind[5:], act, chain[1:], x, norm=chain[0], packed=packed)
+    if kind == "conv_ffn":
+        return _run_conv_ffn(site, act, chain, x)
     return _run_dense(site, kind, act, chain, x, packed=packed)
+
+
+def _run_conv_ffn(site, act, mods, x):
+    """A ``1x1 conv -> act -> [Dropout...] -> 1x1 conv`` group: one fused FFN over each pixel's channels
+    (:func:`_conv_ffn`) where ``site`` is on and the call is modelled, else module by module."""
+    fc1, fc2 = mods[0], mods[-1]
+
+    def plain(x):
+        for m in mods:
+            x = m(x)
+        return x
+
+    p = _chain_dropout_p(mods[2:-1])
+    # inside a recomputed region (a block) the convolutions themselves: the region keeps its inputs
+    if (site is None or not site.enabled or p is None or inside_region() or _act_name(mods[1]) != act
+            or not (_is_pointwise(fc1) and _is_pointwise(fc2)) or fc2.in_channels != fc1.out_channels
+            or not _nohooks(*mods)
+            or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
+            or not _dense_runtime_ok(x, fc1, fc2)):
+        return plain(x)
+    return _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p), plain, x)
 
 
 def _gated_parts(mods, packed):
@@ -1745,7 +1770,9 @@ _TIMM_BLOCKS = {
     "DarkBlock": ("timm.models.byobnet", "timm.models.cspnet"), "EdgeBlock": ("timm.models.byobnet", "timm.models.cspnet"),
     "DepthwiseSeparableConv": ("timm.models._efficientnet_blocks",),
     "InvertedResidual": ("timm.models._efficientnet_blocks",), "EdgeResidual": ("timm.models._efficientnet_blocks",),
-    "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins"),
+    "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins",
+              "timm.models.rdnet"),
+    "BlockESE": ("timm.models.rdnet",),
     "MixerBlock": ("timm.models.mlp_mixer",), "SwinTransformerBlock": ("timm.models.swin_transformer",),
     "EvaBlock": ("timm.models.eva",), "EvaBlockPostNorm": ("timm.models.eva",),
     "ConvNeXtBlock": ("timm.models.convnext",),
@@ -3233,6 +3260,22 @@ def _seq_groups(seq, prefix, ctx):
             # a Conv just before it, in no group, tried this BN and reported why not
             if i == 0 or type(mods[i - 1]) is not nn.Conv2d or (groups and groups[-1][1] == i):
                 ctx.skip(_join(prefix, keys[i]), reason)
+        if _is_pointwise(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
+            # 1x1 conv -> act -> [Dropout] -> 1x1 conv (RDNet's, a ConvNeXt written with convs): an FFN over
+            # each pixel's channels
+            act, j = _act_name(mods[i + 1]), i + 2
+            while j < len(mods) and isinstance(mods[j], nn.Dropout):
+                j += 1
+            if j < len(mods) and _is_pointwise(mods[j]) and mods[j].in_channels == m.out_channels:
+                if act is None:
+                    ctx.skip(_join(prefix, keys[i]), f"activation {type(mods[i + 1]).__name__} has no fused form")
+                elif not _static_dropouts_ok(mods[i + 2:j]):
+                    ctx.skip(_join(prefix, keys[i]), "dropouts between the FFN's convs other than one "
+                                                     "nn.Dropout: no fused form")
+                else:
+                    groups.append((i, j + 1, "conv_ffn", act, (m,)))
+                    i = j + 1
+                    continue
         if is_linear(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
             act = _act_name(mods[i + 1])
             j = i + 2

@@ -2761,6 +2761,8 @@ def _timm():
     ("tf_mixnet_s", {}, {"conv_bn_act": 26, "conv_bn_relu": 7, "conv_bn": 16}, 16),
     # FastViT's ConvMlp (depthwise Conv-BN, then the 1x1-conv FFN): both fused; RepMixerBlocks as blocks
     ("fastvit_t8", {}, {"conv_ffn": 10, "conv_bn": 46}, 10),
+    # RDNet's blocks: Sequentials of a depthwise conv, timm's LayerNorm2d, then 1x1 conv -> GELU -> 1x1 conv
+    ("rdnet_tiny", {}, {"conv_ffn": 21, "norm": 29}, 21),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block, with the block's norm2
     # before it (self.mlp(self.norm2(x))) inside the op
     # the attention's norm1 and the final norm: outputs not kept
@@ -2940,6 +2942,30 @@ def test_timm_fastvit_conv_mlp():
         _assert_same_step(model, conv, x)
         model[0].fc1.register_forward_hook(lambda *args: None)
         conv[0].fc1.register_forward_hook(lambda *args: None)
+
+
+def test_sequential_pointwise_conv_ffn():
+    """``nn.Sequential(1x1 conv, act, [Dropout], 1x1 conv)`` (RDNet's blocks, a ConvNeXt written with convs): one
+    fused FFN over each pixel's channels (kind conv_ffn), keeping x alone; training steps the original's, NCHW
+    and channels_last. An activation with no fused form is reported; a 3x3 conv after the act is no FFN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 32, 1), nn.GELU(), nn.Dropout(0.0), nn.Conv2d(32, 8, 1)).train()
+    conv = fusedrc.convert(model)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("0", "conv_ffn")]
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(2, 8, 5, 7).contiguous(memory_format=fmt)
+        ops = []
+        with FusedOpLog(ops), SavedBytes() as kept:
+            conv(x.clone().requires_grad_())
+        assert ops == ["fused_mlp"] and kept.bytes == x.numel() * 4
+        model.zero_grad(), conv.zero_grad()
+        _assert_same_step(model, conv, x)
+    with pytest.warns(UserWarning, match="activation ELU has no fused form"):
+        plan = fusedrc.convert(nn.Sequential(nn.Conv2d(8, 32, 1), nn.ELU(), nn.Conv2d(32, 8, 1))).fusedrc_plan
+    assert plan.units == [] and plan.skipped == [("0", "activation ELU has no fused form")]
+    with pytest.warns(UserWarning, match="no pattern"):
+        plan = fusedrc.convert(nn.Sequential(nn.Conv2d(8, 32, 1), nn.ReLU(), nn.Conv2d(32, 8, 3))).fusedrc_plan
+    assert plan.units == []
 
 
 def test_timm_metaformer_star_relu():
