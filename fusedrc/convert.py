@@ -48,15 +48,17 @@ How patterns are found
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE`` and Llama 4's ``Llama4TextExperts`` by name); timm's MLPs of 1x1
-   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN: a fused FFN
+   convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
+   SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
    as in fx's FFNs).
 2. **Plain ``nn.Sequential``** runs of the patterns above, anywhere in the model (and
    ``1x1 conv -> act -> [Dropout] -> 1x1 conv``, RDNet's, as the same fused FFN over channels).
 3. **torch.fx**, on the outermost modules with no rule's or Sequential's find inside
    that trace (the model itself when it does; Hugging Face models mostly do not, their
-   MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> act and
-   Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act), and gated FFNs (two Linears
+   MLP modules do): ``call_module`` chains Conv2d -> BatchNorm2d -> act,
+   Linear -> act -> [Dropout] -> Linear (or a lone Linear -> act) and its 1x1-conv twin
+   (SwiftFormer's ``ConvEncoder``), and gated FFNs (two Linears
    of one input, or one Linear's chunked halves, one through act times the other, then the down
    Linear: timm's SwiGLU and GluMlp) become one call of a parameter-free fused module. An
    activation may be a module, a function, or written out as elementwise ops (``_WrittenAct``:
@@ -1771,7 +1773,8 @@ _TIMM_BLOCKS = {
     "DepthwiseSeparableConv": ("timm.models._efficientnet_blocks",),
     "InvertedResidual": ("timm.models._efficientnet_blocks",), "EdgeResidual": ("timm.models._efficientnet_blocks",),
     "Block": ("timm.models.vision_transformer", "timm.models.beit", "timm.models.pvt_v2", "timm.models.twins",
-              "timm.models.rdnet"),
+              "timm.models.rdnet", "timm.models.swiftformer"),
+    "ConvEncoder": ("timm.models.swiftformer",),
     "BlockESE": ("timm.models.rdnet",),
     "MixerBlock": ("timm.models.mlp_mixer",), "SwinTransformerBlock": ("timm.models.swin_transformer",),
     "EvaBlock": ("timm.models.eva",), "EvaBlockPostNorm": ("timm.models.eva",),
@@ -1898,8 +1901,9 @@ class FusedConvMlp(Wrapper):
     """timm's MLPs of 1x1 convolutions, ``Mlp(use_conv=True)`` (``fc1 -> act -> drop1 -> norm -> fc2 ->
     drop2``: the MLP of timm's small ConvNeXts, ``conv_mlp=True``, and of MetaFormer/PoolFormer-style
     models) and ``ConvMlp`` (``fc1 -> norm -> act -> drop -> fc2``), ``norm`` an ``nn.Identity``, and
-    FastViT's ``ConvMlp`` (``conv -> fc1 -> act -> drop -> fc2 -> drop``, its depthwise Conv-BN run as
-    it is, before): one fused FFN over the channels of each pixel (:func:`_conv_ffn`)."""
+    FastViT's ``ConvMlp`` and SwiftFormer's ``Mlp`` (``conv`` / ``norm1 -> fc1 -> act -> drop -> fc2 ->
+    drop``, the depthwise Conv-BN / the BatchNorm2d run as it is, before): one fused FFN over the
+    channels of each pixel (:func:`_conv_ffn`)."""
 
     def forward(self, x):
         site, fc1, fc2 = self.sites.get("ffn"), self.fc1, self.fc2
@@ -1986,7 +1990,10 @@ class _ConvMlpForm:
 # class name -> the forwards of that name the rule fuses
 _CONV_MLP_FORMS = {
     "Mlp": [_ConvMlpForm(("x = self.fc1(x)", "x = self.act(x)", "x = self.drop1(x)", "x = self.norm(x)",
-                          "x = self.fc2(x)", "x = self.drop2(x)", "return x"), "drop1", "drop2")],
+                          "x = self.fc2(x)", "x = self.drop2(x)", "return x"), "drop1", "drop2"),
+            # SwiftFormer's: its BatchNorm2d first, one Dropout module after act and after fc2
+            _ConvMlpForm(("x = self.norm1(x)", "x = self.fc1(x)", "x = self.act(x)", "x = self.drop(x)",
+                          "x = self.fc2(x)", "x = self.drop(x)", "return x"), "drop", "drop", "norm1", None)],
     "ConvMlp": [_ConvMlpForm(("x = self.fc1(x)", "x = self.norm(x)", "x = self.act(x)", "x = self.drop(x)",
                               "x = self.fc2(x)", "return x"), "drop"),
                 # FastViT's: its depthwise Conv-BN first, one Dropout module after act and after fc2
@@ -1998,6 +2005,12 @@ _CONV_MLP_FORMS = {
 def _is_pointwise(conv):
     return (type(conv) is nn.Conv2d and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
             and conv.groups == 1 and _conv_padding(conv) == [0, 0])
+
+
+def _pointwise_ffn(fc1, fc2):
+    """Whether 1x1 convs ``fc1 -> act -> fc2`` found in a Sequential or a graph are an FFN over channels: ``fc1``
+    widens (a squeeze-excitation's narrowing MLP runs on the pooled 1x1 map: nothing worth fusing there)."""
+    return _is_pointwise(fc2) and fc2.in_channels == fc1.out_channels and fc1.out_channels >= fc1.in_channels
 
 
 def _conv_mlp_reason(m, form):
@@ -2013,7 +2026,8 @@ def _conv_mlp_reason(m, form):
 @register_rule(*_CONV_MLP_FORMS)
 def _conv_mlp(ctx, name, m):
     """timm's ``Mlp`` with 1x1 convolutions and ``ConvMlp`` (timm.layers.mlp, or a copy in a timm model
-    file; FastViT's), their forwards checked line by line; a Linear ``Mlp`` is left to the fx pass."""
+    file; FastViT's, SwiftFormer's), their forwards checked line by line; a Linear ``Mlp`` is left to the
+    fx pass."""
     cls = _class_of(m)
     # timm.layers.mlp's, and copies in timm's model files (inception_next's ConvMlp): the lines decide
     if not cls.__module__.startswith("timm.") or type(getattr(m, "fc1", None)) is not nn.Conv2d:
@@ -3260,13 +3274,13 @@ def _seq_groups(seq, prefix, ctx):
             # a Conv just before it, in no group, tried this BN and reported why not
             if i == 0 or type(mods[i - 1]) is not nn.Conv2d or (groups and groups[-1][1] == i):
                 ctx.skip(_join(prefix, keys[i]), reason)
-        if _is_pointwise(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
+        if _is_pointwise(m) and m.out_channels >= m.in_channels and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
             # 1x1 conv -> act -> [Dropout] -> 1x1 conv (RDNet's, a ConvNeXt written with convs): an FFN over
             # each pixel's channels
             act, j = _act_name(mods[i + 1]), i + 2
             while j < len(mods) and isinstance(mods[j], nn.Dropout):
                 j += 1
-            if j < len(mods) and _is_pointwise(mods[j]) and mods[j].in_channels == m.out_channels:
+            if j < len(mods) and _pointwise_ffn(m, mods[j]):
                 if act is None:
                     ctx.skip(_join(prefix, keys[i]), f"activation {type(mods[i + 1]).__name__} has no fused form")
                 elif not _static_dropouts_ok(mods[i + 2:j]):
@@ -3862,6 +3876,17 @@ def _fx_chains(gm, prefix, skip):
                     chain, kind, modules = [node, n1, *ids, n2], _cbr_kind(a), [m, mod(n1), *map(mod, ids), a]
                 else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
+            elif _is_pointwise(m) and m.out_channels >= m.in_channels and n1 and (a := act_of(n1))[0] is not None:
+                # 1x1 conv -> act -> [Dropout] -> 1x1 conv (SwiftFormer's ConvEncoder): an FFN over each pixel's
+                # channels, as the Sequential pass finds it
+                drops, nxt = drops_after(n1)
+                if nxt and _pointwise_ffn(m, mod(nxt)):
+                    if not _static_dropouts_ok([mod(d) for d in drops]):
+                        skip(_join(prefix, node.target), "dropouts between the FFN's convs other than one "
+                                                         "nn.Dropout: no fused form")
+                    else:
+                        act, a = a
+                        chain, kind, modules = [node, n1, *drops, nxt], "conv_ffn", [m, a, *map(mod, drops), mod(nxt)]
         elif is_linear(m) and (g := gated(node)) is not None:
             chain, modules, act, packed = g
             kind, readers = "gated_ffn", {c for c, x in zip(chain[:-1], modules) if is_linear(x)}  # gate (and up)

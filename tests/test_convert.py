@@ -2763,6 +2763,8 @@ def _timm():
     ("fastvit_t8", {}, {"conv_ffn": 10, "conv_bn": 46}, 10),
     # RDNet's blocks: Sequentials of a depthwise conv, timm's LayerNorm2d, then 1x1 conv -> GELU -> 1x1 conv
     ("rdnet_tiny", {}, {"conv_ffn": 21, "norm": 29}, 21),
+    # SwiftFormer: its ConvEncoder's pwconv1 -> GELU -> pwconv2 found by fx, its Mlp (BatchNorm2d first) by the rule
+    ("swiftformer_xs", {}, {"conv_bn_relu": 2, "conv_ffn": 20, "conv_bn": 19}, 16),
     # timm's Mlp: fc1 -> GELU -> Dropout -> Identity (norm) -> fc2, one per block, with the block's norm2
     # before it (self.mlp(self.norm2(x))) inside the op
     # the attention's norm1 and the final norm: outputs not kept
@@ -2800,8 +2802,8 @@ def test_timm_models(name, kwargs, kinds, blocks):
         found[u.kind] = found.get(u.kind, 0) + 1
     assert found == kinds and not conv.fusedrc_plan.skipped
     assert list(conv.state_dict()) == list(model.state_dict())
-    # tf_mixnet_s's last stage is 1x1 at 32 px: BatchNorm over 2 values per channel amplifies float noise
-    hw = 64 if name == "tf_mixnet_s" else 32
+    # these end 1x1 at 32 px: BatchNorm over 2 values per channel amplifies float noise
+    hw = 64 if name in ("tf_mixnet_s", "swiftformer_xs") else 32
     x = torch.randn(2, 3, hw, hw)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = model(xa), conv(xb)
@@ -2947,7 +2949,8 @@ def test_timm_fastvit_conv_mlp():
 def test_sequential_pointwise_conv_ffn():
     """``nn.Sequential(1x1 conv, act, [Dropout], 1x1 conv)`` (RDNet's blocks, a ConvNeXt written with convs): one
     fused FFN over each pixel's channels (kind conv_ffn), keeping x alone; training steps the original's, NCHW
-    and channels_last. An activation with no fused form is reported; a 3x3 conv after the act is no FFN."""
+    and channels_last; the same chain found by fx in a module's forward. An activation with no fused form is
+    reported; a 3x3 conv after the act is no FFN, nor is a squeeze-excitation's narrowing MLP."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(8, 32, 1), nn.GELU(), nn.Dropout(0.0), nn.Conv2d(32, 8, 1)).train()
     conv = fusedrc.convert(model)
@@ -2960,12 +2963,31 @@ def test_sequential_pointwise_conv_ffn():
         assert ops == ["fused_mlp"] and kept.bytes == x.numel() * 4
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
+    # found by fx too: attributes, a functional GELU, a Dropout; the residual reads the input
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pw1, self.drop, self.pw2 = nn.Conv2d(8, 32, 1), nn.Dropout(0.0), nn.Conv2d(32, 8, 1)
+
+        def forward(self, x):
+            return x + self.pw2(self.drop(nn.functional.gelu(self.pw1(x))))
+
+    model = Encoder().train()
+    conv = fusedrc.convert(model)
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("pw1", "conv_ffn")]
+    x = torch.randn(2, 8, 5, 7)
+    ops = []
+    with FusedOpLog(ops):
+        conv(x)
+    assert ops == ["fused_mlp"]
+    _assert_same_step(model, conv, x)
     with pytest.warns(UserWarning, match="activation ELU has no fused form"):
         plan = fusedrc.convert(nn.Sequential(nn.Conv2d(8, 32, 1), nn.ELU(), nn.Conv2d(32, 8, 1))).fusedrc_plan
     assert plan.units == [] and plan.skipped == [("0", "activation ELU has no fused form")]
-    with pytest.warns(UserWarning, match="no pattern"):
-        plan = fusedrc.convert(nn.Sequential(nn.Conv2d(8, 32, 1), nn.ReLU(), nn.Conv2d(32, 8, 3))).fusedrc_plan
-    assert plan.units == []
+    for seq in (nn.Sequential(nn.Conv2d(8, 32, 1), nn.ReLU(), nn.Conv2d(32, 8, 3)),
+                nn.Sequential(nn.Conv2d(8, 2, 1), nn.ReLU(), nn.Conv2d(2, 8, 1))):  # squeeze-excitation's: narrows
+        with pytest.warns(UserWarning, match="no pattern"):
+            assert fusedrc.convert(seq).fusedrc_plan.units == []
 
 
 def test_timm_metaformer_star_relu():
