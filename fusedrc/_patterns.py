@@ -312,7 +312,7 @@ def match(block, args, kwargs):
     if type(block) is not nn.Sequential or _has_hooks(block):
         return None
     mods = [m for m in block if not _is_noop_dropout(m)]
-    if any(_has_hooks(m) for m in block):
+    if any(_has_hooks(m) for m in block) or any(_has_hooks(c) for m in block if is_mixed_conv(m) for c in m.values()):
         return None
     # a norm first, then an FFN or a gated FFN (the norm runs inside the fused op)
     norm = norm_call_args(mods[0], x) if len(mods) in (4, 5) else None
@@ -369,7 +369,8 @@ def conv_bn_act_call(conv, bn, x, residual=None, activation="relu"):
         if not is_mixed_conv(conv):
             return call(conv, x)
         # MixNet's: one op per split on its channels of the norm (views: the running statistics of each
-        # slice updated in place), bookkeeping once; each op keeps its split of x, a view
+        # slice updated in place), bookkeeping once; each op keeps its split of x, a view. (A split whose op
+        # raises leaves the earlier slices updated: splits of mixed dtypes or devices, which raise unfused too.)
         outs, start = [], 0
         for c, xs in zip(conv.values(), torch.split(x, conv.splits, 1)):
             stop = start + c.out_channels

@@ -599,6 +599,10 @@ def _run_chain(site, kind, act, chain, x, packed=None):
     if kind in _CBR_KINDS:
         conv, bn = chain[0], chain[1]
         if isinstance(conv, _FusedSequential):  # its last module is the conv (a deep stem's): the others first
+            if _has_hooks(conv) or any(type(m) is not nn.Identity for m in chain[2:-1]):
+                for m in chain:  # the Sequential's own call (its hooks), or a module put in an Identity's place
+                    x = m(x)
+                return x
             x, conv = conv.run_until(x, len(conv) - 1), conv[-1]
         act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
         if any(type(m) is not nn.Identity for m in chain[2:-1]):  # a module put in an Identity's place

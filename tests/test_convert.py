@@ -2364,18 +2364,19 @@ class _DeepStemNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
                                    nn.Conv2d(6, 8, 3, stride=2, padding=1, bias=False))
-        self.bn1, self.act1 = nn.BatchNorm2d(8), nn.ReLU()
+        self.bn1, self.drop, self.act1 = nn.BatchNorm2d(8), nn.Identity(), nn.ReLU()  # timm's drop_block placeholder
         self.fc = nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.fc(self.act1(self.bn1(self.conv1(x))).mean((2, 3)))
+        return self.fc(self.act1(self.drop(self.bn1(self.conv1(x)))).mean((2, 3)))
 
 
 def test_sequential_tail_conv_fused_with_the_norm_after_it():
     """The last conv of a Sequential (in none of its fused groups) and the model's BatchNorm and ReLU after
     it are one unit (named by the conv), found through fx: two fused ops, output, gradients and running
     statistics the original's. A module put in the conv's place after convert runs as it is (a conv still
-    fused), as in the original with the same change."""
+    fused), as in the original with the same change; so do a hook on the stem (it fires) and a module put in
+    the drop_block placeholder's place."""
     torch.manual_seed(0)
     model = _DeepStemNet().train()
     conv = fusedrc.convert(model)
@@ -2397,6 +2398,25 @@ def test_sequential_tail_conv_fused_with_the_norm_after_it():
         assert ops == ["conv_bn_act"] * fused
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
+    # a hook on the stem: the Sequential is called as it is (its own group fused), the hook sees its output;
+    # then a module in the placeholder's place: the chain's modules as they are
+    torch.manual_seed(0)
+    model = _DeepStemNet().train()
+    conv = fusedrc.convert(model)
+    for swap, fused in ((False, 1), (True, 1)):
+        calls = []
+        if swap:
+            model.drop, conv.drop = nn.Dropout(0.0), nn.Dropout(0.0)
+        else:
+            for m in (model, conv):
+                m.conv1.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
+        ops = []
+        with FusedOpLog(ops):
+            copy.deepcopy(conv)(x)
+        assert ops == ["conv_bn_act"] * fused
+        model.zero_grad(), conv.zero_grad()
+        _assert_same_step(model, conv, x)
+        assert calls == [(2, 8, 5, 4)] * 3
 
 
 def test_timm_mixed_conv_then_batch_norm_one_op_per_split():
@@ -2425,12 +2445,14 @@ def test_timm_mixed_conv_then_batch_norm_one_op_per_split():
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
     assert conv[1].num_batches_tracked.item() == model[1].num_batches_tracked.item()
-    conv[0]["1"].register_forward_hook(lambda *args: None)
-    model[0]["1"].register_forward_hook(lambda *args: None)
+    calls = []
+    conv[0]["1"].register_forward_hook(lambda *args: calls.append("convert"))
+    model[0]["1"].register_forward_hook(lambda *args: calls.append("original"))
     ops = []
     with FusedOpLog(ops):
         copy.deepcopy(conv)(x)
-    assert ops == []
+        fusedrc.recompute(copy.deepcopy(model), x)  # recompute's pattern match sees the splits' hooks too
+    assert ops == [] and calls == ["convert", "original"]
     model.zero_grad(), conv.zero_grad()
     _assert_same_step(model, conv, x)
 
