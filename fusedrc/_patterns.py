@@ -143,9 +143,14 @@ def is_mixed_conv(m):
             and getattr(m, "out_channels", None) == sum(c.out_channels for c in convs))
 
 
+def conv_parts(conv):
+    """The convolutions a conv-BN chain's conv runs: a MixedConv2d's splits, else the conv itself."""
+    return tuple(conv.values()) if is_mixed_conv(conv) else (conv,)
+
+
 def conv_weight(conv):
     """The weight of a conv-BN chain's conv (a MixedConv2d's first split's: they share device and dtype)."""
-    return next(iter(conv.values())).weight if is_mixed_conv(conv) else conv.weight
+    return conv_parts(conv)[0].weight
 
 
 def _conv_pads(conv, size):
@@ -172,14 +177,13 @@ def _plain_conv(m, x, asymmetric=False):
     """``asymmetric``: a padding that pads one side more is modelled too (the conv-BN op's own), and
     MixNet's MixedConv2d (one op per split)."""
     if asymmetric and is_mixed_conv(m):
-        w = conv_weight(m)
-        return (w.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)) and w.device == x.device \
-            and x.dim() == 4
-    return (
-        (type(m) is nn.Conv2d or asymmetric and is_conv_same(m)) and m.padding_mode == "zeros"
-        and (asymmetric or _conv_padding(m) is not None)
-        and _dtype_ok(m, x) and m.weight.device == x.device and x.dim() == 4
-    )
+        ok = True  # is_mixed_conv checked its splits
+    else:
+        ok = ((type(m) is nn.Conv2d or asymmetric and is_conv_same(m)) and m.padding_mode == "zeros"
+              and (asymmetric or _conv_padding(m) is not None))
+    w = conv_weight(m) if ok else None
+    return ok and (w.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)) and w.device == x.device \
+        and x.dim() == 4
 
 
 def bn_call_args(bn):
@@ -312,7 +316,7 @@ def match(block, args, kwargs):
     if type(block) is not nn.Sequential or _has_hooks(block):
         return None
     mods = [m for m in block if not _is_noop_dropout(m)]
-    if any(_has_hooks(m) for m in block) or any(_has_hooks(c) for m in block if is_mixed_conv(m) for c in m.values()):
+    if any(_has_hooks(c) for m in block for c in (m, *conv_parts(m))):  # a MixedConv2d's splits too
         return None
     # a norm first, then an FFN or a gated FFN (the norm runs inside the fused op)
     norm = norm_call_args(mods[0], x) if len(mods) in (4, 5) else None

@@ -136,8 +136,8 @@ from torch import nn
 
 from . import functional as F
 from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
-                        bn_act_conv_call, conv_bn_act_call, conv_weight, fused_dropout_p, global_hooks, is_conv_same,
-                        is_linear, is_mixed_conv, norm_call_args, norm_kind, same_attributes)
+                        bn_act_conv_call, conv_bn_act_call, conv_parts, conv_weight, fused_dropout_p, global_hooks,
+                        is_conv_same, is_linear, is_mixed_conv, norm_call_args, norm_kind, same_attributes)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
@@ -430,8 +430,7 @@ def _cbr_kind(act, residual=False):
 def _runtime_cbr_ok(conv, bn, act, x):
     # the static checks again: a module put in the unit's place after convert (a wrapper around
     # the conv, another norm, an activation with no fused form) runs the modules as they now are
-    return _static_cbr(conv, bn, act) is None and _conv_input_ok(x, conv) and _nohooks(conv, bn, act) \
-        and (not is_mixed_conv(conv) or _nohooks(*conv.values()))
+    return _static_cbr(conv, bn, act) is None and _conv_input_ok(x, conv) and _nohooks(conv, *conv_parts(conv), bn, act)
 
 
 def _conv_input_ok(x, conv):
@@ -598,17 +597,15 @@ def _run_chain(site, kind, act, chain, x, packed=None):
         return _bac(site, chain[0], chain[1] if len(chain) == 3 else None, chain[-1], x)
     if kind in _CBR_KINDS:
         conv, bn = chain[0], chain[1]
-        if isinstance(conv, _FusedSequential):  # its last module is the conv (a deep stem's): the others first
-            if _has_hooks(conv) or any(type(m) is not nn.Identity for m in chain[2:-1]):
-                for m in chain:  # the Sequential's own call (its hooks), or a module put in an Identity's place
-                    x = m(x)
-                return x
-            x, conv = conv.run_until(x, len(conv) - 1), conv[-1]
-        act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
-        if any(type(m) is not nn.Identity for m in chain[2:-1]):  # a module put in an Identity's place
+        stem = isinstance(conv, _FusedSequential)  # its last module is the conv (a deep stem's)
+        # a module put in an Identity's place, or a stem with hooks of its own (called as it is): the modules
+        if any(type(m) is not nn.Identity for m in chain[2:-1]) or stem and _has_hooks(conv):
             for m in chain:
                 x = m(x)
             return x
+        if stem:  # the stem's other modules first
+            x, conv = conv.run_until(x, len(conv) - 1), conv[-1]
+        act_mod = chain[-1] if kind != "conv_bn" and len(chain) > 2 else None
         return _cbr(site, conv, bn, act_mod, x)
     if kind in ("norm_ffn", "norm_gated_ffn"):
         return _run_dense(site, kind[5:], act, chain[1:], x, norm=chain[0], packed=packed)
@@ -630,8 +627,7 @@ def _run_conv_ffn(site, act, mods, x):
     p = _chain_dropout_p(mods[2:-1])
     # inside a recomputed region (a block) the convolutions themselves: the region keeps its inputs
     if (site is None or not site.enabled or p is None or inside_region() or _act_name(mods[1]) != act
-            or not (_is_pointwise(fc1) and _is_pointwise(fc2)) or fc2.in_channels != fc1.out_channels
-            or not _nohooks(*mods)
+            or not _pointwise_ffn(fc1, fc2) or not _nohooks(*mods)
             or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
             or not _dense_runtime_ok(x, fc1, fc2)):
         return plain(x)
@@ -1677,7 +1673,7 @@ class _Context:
 
     def unit(self, name, kind, enable, disable, recompute_modules=()):
         # a MixedConv2d's FLOPs are its splits'
-        recompute_modules = tuple(p for m in recompute_modules for p in (m.values() if is_mixed_conv(m) else (m,)))
+        recompute_modules = tuple(p for m in recompute_modules for p in conv_parts(m))
         self.units.append(_Unit(name, kind, enable, disable, recompute_modules))
 
     def block(self, name, module, when=None):
@@ -1913,10 +1909,14 @@ class FusedConvMlp(Wrapper):
         site, fc1, fc2 = self.sites.get("ffn"), self.fc1, self.fc2
         form = self.__dict__["_fusedrc_form"]
         mid, after = form.mid, form.after
+
+        def layers(x):  # fc1 -> act -> dropout -> fc2, unfused
+            return fc2(getattr(self, mid)(self.act(fc1(x))))
+
         if form.before is not None:
             # (its own fused units inside); the rest, unfused, is the checked lines written out
             x = getattr(self, form.before)(x)
-            plain = lambda x: getattr(self, after)(fc2(getattr(self, mid)(self.act(fc1(x)))))  # noqa: E731
+            plain = lambda x: getattr(self, after)(layers(x))  # noqa: E731
         else:
             plain = self.plain
         act = self.__dict__["_fusedrc_act"]
@@ -1930,9 +1930,13 @@ class FusedConvMlp(Wrapper):
                 or not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == fc1.in_channels)
                 or not _dense_runtime_ok(x, fc1, fc2)):
             return plain(x)
-        y = _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p, affine),
-                      lambda x: fc2(getattr(self, mid)(self.act(fc1(x)))), x)
+        y = _run_site(site, lambda x: _conv_ffn(x, fc1, fc2, act, p, affine), layers, x)
         return getattr(self, after)(y) if after else y
+
+    def _fusedrc_fx_children(self):
+        """The children the fx pass still looks into: the module its forward runs as it is before fc1."""
+        before = self.__dict__["_fusedrc_form"].before
+        return () if before is None else (before,)
 
 
 def _conv_ffn(x, fc1, fc2, act, p, affine=None):
@@ -2011,10 +2015,15 @@ def _is_pointwise(conv):
             and conv.groups == 1 and _conv_padding(conv) == [0, 0])
 
 
+def _widening_pointwise(conv):
+    """A 1x1 conv that widens: an FFN's first layer (a squeeze-excitation's narrowing MLP runs on the pooled
+    1x1 map: nothing worth fusing there)."""
+    return _is_pointwise(conv) and conv.out_channels >= conv.in_channels
+
+
 def _pointwise_ffn(fc1, fc2):
-    """Whether 1x1 convs ``fc1 -> act -> fc2`` found in a Sequential or a graph are an FFN over channels: ``fc1``
-    widens (a squeeze-excitation's narrowing MLP runs on the pooled 1x1 map: nothing worth fusing there)."""
-    return _is_pointwise(fc2) and fc2.in_channels == fc1.out_channels and fc1.out_channels >= fc1.in_channels
+    """Whether 1x1 convs ``fc1 -> act -> fc2`` found in a Sequential or a graph are an FFN over channels."""
+    return _widening_pointwise(fc1) and _is_pointwise(fc2) and fc2.in_channels == fc1.out_channels
 
 
 def _conv_mlp_reason(m, form):
@@ -2041,21 +2050,18 @@ def _conv_mlp(ctx, name, m):
         return m
     form = next((f for f in _CONV_MLP_FORMS[cls.__name__] if tuple(lines[1:]) == f.lines), None)
     reason = f"{cls.__name__}.forward is not timm's" if form is None else _conv_mlp_reason(m, form)
-    mid = None if form is None else form.mid
     # read only once the lines matched: another ConvMlp (timm's VGG's: act1, act2) has no .act
     affine = _affine_act(m.act) if reason is None else None
     act = (affine[0] if affine else _act_name(m.act)) if reason is None else None
     if reason is None and act is None:
         reason = f"activation {type(m.act).__name__} has no fused form"
-    if affine and fused_dropout_p(getattr(m, mid), training=True) != 0:
+    if affine and fused_dropout_p(getattr(m, form.mid), training=True) != 0:
         reason = f"{type(m.act).__name__}'s bias does not fold through the dropout before fc2"
     if reason is None and not _nohooks(*(c for k, c in m._modules.items() if k != form.before)):
         reason = "hooks registered on the modules"
     new = _wrapped_unit(ctx, name, m, reason, FusedConvMlp, act, "ffn", "conv_ffn", (m.fc1,))
     if reason is None:
         new.__dict__["_fusedrc_form"] = form
-        if form.before is not None:
-            new.__dict__["_fusedrc_fx_children"] = (form.before,)
     return new
 
 
@@ -3278,7 +3284,7 @@ def _seq_groups(seq, prefix, ctx):
             # a Conv just before it, in no group, tried this BN and reported why not
             if i == 0 or type(mods[i - 1]) is not nn.Conv2d or (groups and groups[-1][1] == i):
                 ctx.skip(_join(prefix, keys[i]), reason)
-        if _is_pointwise(m) and m.out_channels >= m.in_channels and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
+        if _widening_pointwise(m) and i + 1 < len(mods) and _is_act_module(mods[i + 1]):
             # 1x1 conv -> act -> [Dropout] -> 1x1 conv (RDNet's, a ConvNeXt written with convs): an FFN over
             # each pixel's channels
             act, j = _act_name(mods[i + 1]), i + 2
@@ -3880,7 +3886,7 @@ def _fx_chains(gm, prefix, skip):
                     chain, kind, modules = [node, n1, *ids, n2], _cbr_kind(a), [m, mod(n1), *map(mod, ids), a]
                 else:  # Conv-BN; what follows (an activation with no fused form, an add, ...) runs as is
                     chain, kind, modules = [node, n1], "conv_bn", [m, mod(n1)]
-            elif _is_pointwise(m) and m.out_channels >= m.in_channels and n1 and (a := act_of(n1))[0] is not None:
+            elif _widening_pointwise(m) and n1 and (a := act_of(n1))[0] is not None:
                 # 1x1 conv -> act -> [Dropout] -> 1x1 conv (SwiftFormer's ConvEncoder): an FFN over each pixel's
                 # channels, as the Sequential pass finds it
                 drops, nxt = drops_after(n1)
@@ -4071,10 +4077,11 @@ def _fx_tree(ctx, module, prefix="", leaves=None):
 
 def _fx_visits(child, name):
     """``(module, name)`` pairs the fx pass looks into for ``child``: ``child`` unless skipped; for a rule's
-    Wrapper, the children its forward runs as they are (``_fusedrc_fx_children``: FastViT's ConvMlp's
+    Wrapper, the children its forward runs as they are (its ``_fusedrc_fx_children()``: FastViT's ConvMlp's
     depthwise Conv-BN before the fused FFN)."""
     if isinstance(child, Wrapper) and not _is_marked(child):
-        return [(child._modules[k], _join(name, k)) for k in child.__dict__.get("_fusedrc_fx_children", ())]
+        keys = child._fusedrc_fx_children() if hasattr(type(child), "_fusedrc_fx_children") else ()
+        return [(child._modules[k], _join(name, k)) for k in keys]
     return [] if _skip_in_fx_tree(child) else [(child, name)]
 
 

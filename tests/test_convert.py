@@ -80,6 +80,15 @@ def _assert_same_step(ref, conv, x, loss=lambda y: y.square().sum()):
     return xa, xb
 
 
+def _copy_forward_ops(model, x):
+    """The fusedrc ops of a forward on ``x``, run on a copy of ``model`` (a training forward updates the running
+    statistics)."""
+    ops = []
+    with FusedOpLog(ops):
+        copy.deepcopy(model)(x)
+    return ops
+
+
 def _checkpoint_bytes(converted, example):
     """Saved bytes with torch.utils.checkpoint on the very units that convert fused."""
     ck = _set_impl(copy.deepcopy(converted), "checkpoint")
@@ -2330,10 +2339,7 @@ def test_conv_bn_with_padding_wider_on_the_far_side():
         # the per-channel fp32 mean and rstd
         stats = 2 * 4 * sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
         assert not plan.skipped and plan.final_bytes <= _checkpoint_bytes(conv, (x,)) + stats < plan.baseline_bytes
-        ops = []
-        with FusedOpLog(ops):
-            copy.deepcopy(conv)(x)
-        assert ops == ["conv_bn_act"] * len(kinds)
+        assert _copy_forward_ops(conv, x) == ["conv_bn_act"] * len(kinds)
         for size in ((7, 8), (8, 9)):
             model.zero_grad(), conv.zero_grad()
             _assert_same_step(model, conv, torch.randn(2, 3, *size))
@@ -2383,19 +2389,13 @@ def test_sequential_tail_conv_fused_with_the_norm_after_it():
     assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("conv1.0", "conv_bn_relu"),
                                                                     ("conv1.3", "conv_bn_relu")]
     x = torch.randn(2, 3, 9, 8)
-    ops = []
-    with FusedOpLog(ops):
-        copy.deepcopy(conv)(x)
-    assert ops == ["conv_bn_act"] * 2
+    assert _copy_forward_ops(conv, x) == ["conv_bn_act"] * 2
     for _ in range(2):
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
     for new, fused in ((nn.Conv2d(6, 8, 1, bias=False), 2), (nn.Sequential(nn.Conv2d(6, 8, 1), nn.Tanh()), 1)):
         model.conv1[3], conv.conv1[3] = new, copy.deepcopy(new)
-        ops = []
-        with FusedOpLog(ops):
-            copy.deepcopy(conv)(x)
-        assert ops == ["conv_bn_act"] * fused
+        assert _copy_forward_ops(conv, x) == ["conv_bn_act"] * fused
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
     # a hook on the stem: the Sequential is called as it is (its own group fused), the hook sees its output;
@@ -2410,10 +2410,7 @@ def test_sequential_tail_conv_fused_with_the_norm_after_it():
         else:
             for m in (model, conv):
                 m.conv1.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
-        ops = []
-        with FusedOpLog(ops):
-            copy.deepcopy(conv)(x)
-        assert ops == ["conv_bn_act"] * fused
+        assert _copy_forward_ops(conv, x) == ["conv_bn_act"] * fused
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
         assert calls == [(2, 8, 5, 4)] * 3
@@ -2437,10 +2434,7 @@ def test_timm_mixed_conv_then_batch_norm_one_op_per_split():
     # out 5x4 ('same' with stride 2 on 9x8); per split 2 * its output's size * cin * k * k
     assert unit.kind == "conv_bn_relu" and unit.cost == sum(
         2 * (2 * c.out_channels * 5 * 4) * c.in_channels * c.kernel_size[0] ** 2 for c in splits)
-    ops = []
-    with FusedOpLog(ops):
-        copy.deepcopy(conv)(x)
-    assert ops == ["conv_bn_act"] * 3
+    assert _copy_forward_ops(conv, x) == ["conv_bn_act"] * 3
     for _ in range(2):
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
@@ -2958,10 +2952,7 @@ def test_timm_fastvit_conv_mlp():
     assert sorted((u.name, u.kind) for u in conv.fusedrc_plan.units) == [("0", "conv_ffn"), ("0.conv.conv", "conv_bn")]
     x = torch.randn(2, 8, 7, 6)
     for fused in (["conv_bn_act", "fused_mlp"], ["conv_bn_act"]):
-        ops = []
-        with FusedOpLog(ops):
-            copy.deepcopy(conv)(x)
-        assert ops == fused
+        assert _copy_forward_ops(conv, x) == fused
         model.zero_grad(), conv.zero_grad()
         _assert_same_step(model, conv, x)
         model[0].fc1.register_forward_hook(lambda *args: None)
