@@ -47,7 +47,8 @@ How patterns are found
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
-   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE`` and Llama 4's ``Llama4TextExperts`` by name); timm's MLPs of 1x1
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts`` and
+   LongCat-Flash's ``LongcatFlashExperts`` (identity experts) by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -2847,13 +2848,7 @@ def _experts_weights(m):
 
 
 def _experts_runtime_ok(m, hs, idx, w):
-    gate_up = _experts_weights(m)[0]
-    return (isinstance(hs, torch.Tensor) and hs.dim() == 2 and hs.is_floating_point()
-            and isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dim() == 2
-            and idx.shape[0] == hs.shape[0] and isinstance(w, torch.Tensor) and w.shape == idx.shape
-            and w.is_floating_point() and idx.device == w.device == hs.device
-            and (hs.dtype == gate_up.dtype or torch.is_autocast_enabled(hs.device.type))
-            and hs.device == gate_up.device and m.down_proj.dtype == gate_up.dtype)
+    return _routing_ok(hs, idx, w, _experts_weights(m)[0], m.down_proj)
 
 
 def _looks_experts(m):
@@ -3072,6 +3067,114 @@ def _llama4_text_experts(ctx, name, m):
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
         new.__dict__["_fusedrc_arg"] = "hidden_states"
+    return new
+
+
+class FusedLongcatFlashExperts(Wrapper):
+    """LongCat-Flash's experts (``LongcatFlashExperts``): routed gated experts, and identity ("zero")
+    experts numbered after them whose output is the token scaled by its routing weight. The routed choices
+    are one :func:`fusedrc.functional.moe_experts` call with ``skip_out_of_range=True`` on the first
+    ``num_routed_experts`` entries of ``gate_up_proj`` (the class allocates entries for the zero experts
+    too and never reads them); the zero experts' choices add ``x`` times their weights' sum. Only the call's
+    inputs are kept, and a zero expert costs no GEMM."""
+
+    def _fusedrc_flops(self, args, kwargs):
+        try:
+            idx = _experts_args(*args, **kwargs)[1]
+        except TypeError:
+            return 0, 0
+        if not isinstance(idx, torch.Tensor):
+            return 0, 0
+        routed = int((idx < self.num_routed_experts).sum())  # convert's planning pass: a sync is fine there
+        rerun = 2 * routed * self.gate_up_proj.shape[1] * self.gate_up_proj.shape[2]
+        return rerun + 2 * routed * self.down_proj.shape[1] * self.down_proj.shape[2], rerun
+
+    def forward(self, *args, **kwargs):
+        try:
+            hs, idx, w = _experts_args(*args, **kwargs)
+        except TypeError:
+            return self.plain(*args, **kwargs)
+        site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
+        if (site is None or not site.enabled or inside_region() or _longcat_experts_reason(self) is not None
+                or not _nohooks(self, self.act_fn, self.identity_expert) or _act_name(self.act_fn) != act
+                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)):
+            return self.plain(*args, **kwargs)
+        routed = self.num_routed_experts
+
+        def fused(h, i, r):
+            y = F.moe_experts(h, i, r, self.gate_up_proj[:routed], self.down_proj, act, skip_out_of_range=True)
+            zero = (r * (i >= routed)).sum(1, keepdim=True)  # the zero experts' weights, summed per token
+            return (y + h * zero).to(h.dtype)
+
+        return _run_site(site, fused, self.plain, hs, idx, w)
+
+
+# LongcatFlashExperts.forward's lines (transformers 5.x)
+_LONGCAT_EXPERTS_LINES = [
+    "final_hidden_states = torch.zeros_like(hidden_states)",
+    "if top_k_index.numel() == 0:", "return final_hidden_states",
+    "expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.total_experts).permute(2, 1, 0)",
+    "expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)",
+    "for expert_idx_tensor in expert_hit:", "expert_idx = int(expert_idx_tensor.item())",
+    "selection_idx, token_idx = torch.where(expert_mask[expert_idx].squeeze(0))",
+    "if token_idx.numel() == 0:", "continue", "current_state = hidden_states[token_idx]",
+    "if expert_idx >= self.num_routed_experts or self.gate_up_proj is None:",
+    "current_hidden_states = self.identity_expert(current_state)", "else:",
+    "gate, up = F.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
+    "current_hidden_states = self.act_fn(gate) * up",
+    "current_hidden_states = F.linear(current_hidden_states, self.down_proj[expert_idx])",
+    "current_hidden_states = current_hidden_states * top_k_weights[token_idx, selection_idx, None]",
+    "final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(hidden_states.dtype))",
+    "return final_hidden_states"]
+
+
+def _longcat_experts_reason(m):
+    """Why LongCat-Flash's experts module ``m`` cannot be one fused experts call now (its weights and
+    counts), or None."""
+    gate_up, down = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
+    routed, total = getattr(m, "num_routed_experts", None), getattr(m, "total_experts", None)
+    if not (isinstance(routed, int) and isinstance(total, int) and 0 < routed <= total):
+        return "no routed experts (num_routed_experts, total_experts)"
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+            and gate_up.shape[0] == total and down.shape[0] == routed and gate_up.shape[1] == 2 * down.shape[2]
+            and gate_up.shape[2] == down.shape[1]):
+        return "gate_up_proj/down_proj are not (total_experts, 2I, hidden) / (num_routed_experts, hidden, I) parameters"
+    if not isinstance(m._modules.get("identity_expert"), nn.Identity):
+        return "its identity_expert is not an nn.Identity"
+    return None
+
+
+def _routing_ok(hs, idx, w, gate_up, down):
+    """Whether an experts call's arguments are what the fused op takes: (tokens, hidden) floating states,
+    (tokens, k) integer choices and floating weights on their device, in the weights' dtype or under autocast."""
+    return (isinstance(hs, torch.Tensor) and hs.dim() == 2 and hs.is_floating_point()
+            and isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dim() == 2
+            and idx.shape[0] == hs.shape[0] and isinstance(w, torch.Tensor) and w.shape == idx.shape
+            and w.is_floating_point() and idx.device == w.device == hs.device
+            and (hs.dtype == gate_up.dtype or torch.is_autocast_enabled(hs.device.type))
+            and hs.device == gate_up.device and down.dtype == gate_up.dtype)
+
+
+@register_rule("LongcatFlashExperts")
+def _longcat_flash_experts(ctx, name, m):
+    """LongCat-Flash's experts with identity experts (``LongcatFlashExperts``, its forward checked line by line)."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    act = _act_name(getattr(m, "act_fn", None))
+    if lines[0] != "def forward(self, hidden_states, top_k_index, top_k_weights):" \
+            or not _contains_run(lines, _LONGCAT_EXPERTS_LINES):
+        reason = f"{_class_of(m).__name__}.forward is not LongCat-Flash's experts loop"
+    elif act is None:
+        reason = f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused form"
+    elif not _nohooks(m, m.act_fn, *m._modules.values()):
+        reason = "hooks registered on the modules"
+    else:
+        reason = _longcat_experts_reason(m)
+    key = _RecomputeKey()
+    new = _wrapped_unit(ctx, name, m, reason, FusedLongcatFlashExperts, act, "experts", "moe_experts", (key,))
+    if reason is None:
+        new.__dict__["_fusedrc_recompute"] = key
     return new
 
 

@@ -308,7 +308,7 @@ for _fn in (fused_mlp, gated_mlp):
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _check_routing(x, top_k_index, top_k_weights, num_experts):
+def _check_routing(x, top_k_index, top_k_weights, num_experts, skip_out_of_range=False):
     if not isinstance(top_k_index, Tensor):
         raise TypeError(f"top_k_index must be a torch.Tensor, got {type(top_k_index).__name__}")
     if top_k_index.dtype not in _INDEX_DTYPES:
@@ -322,11 +322,16 @@ def _check_routing(x, top_k_index, top_k_weights, num_experts):
         raise ValueError(f"top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
                          f"got {tuple(top_k_weights.shape)}")
     check_device(x, "hidden_states", top_k_weights, "top_k_weights")
-    if top_k_index.numel() and not torch.compiler.is_compiling() and top_k_index.device.type != "meta":
+    if not isinstance(skip_out_of_range, bool):
+        raise TypeError(f"skip_out_of_range must be a bool, got {type(skip_out_of_range).__name__} "
+                        f"{skip_out_of_range!r}")
+    if (top_k_index.numel() and not skip_out_of_range and not torch.compiler.is_compiling()
+            and top_k_index.device.type != "meta"):
         lo, hi = torch.stack(torch.aminmax(top_k_index)).tolist()  # one host sync (routing syncs anyway)
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"top_k_index must hold expert numbers in [0, {num_experts}), got values in [{lo}, {hi}]"
-                             " (expert-parallel sentinels are not supported)")
+                             " (pass skip_out_of_range=True to skip the choices outside it: expert-parallel sentinels,"
+                             " identity experts)")
 
 
 def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
@@ -341,13 +346,14 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
             y = reference.expert_forward(x[tokens[start:start + n]], *weights, activation)
             outs.append(y.to(acc) * w[start:start + n, None])
             start += n
-    slots = torch.cat(outs) if outs else x.new_zeros((0, down.shape[1]), dtype=acc)
+    outs.append(x.new_zeros((order.numel() - start, down.shape[1]), dtype=acc))  # the skipped slots
+    slots = torch.cat(outs)
     return reference.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
 
 def moe_experts(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-    activation: str = "silu", *, gated: bool = True,
+    activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -368,6 +374,11 @@ def moe_experts(
         activation: as in :func:`linear_act`; ``"silu"`` by default.
         gated: False for ungated experts ``act(x Wu_eᵀ) Wd_eᵀ`` (Nemotron-H's): ``gate_up_proj`` then
             holds the up projections alone, ``(num_experts, intermediate, hidden)``.
+        skip_out_of_range: True: a choice whose index is outside ``[0, num_experts)`` adds nothing
+            and its weight's gradient is 0, at no expert's cost (an expert-parallel sentinel for another
+            rank's expert; LongCat-Flash's identity "zero" experts, whose ``weight * x`` the caller adds).
+            False (the default): such an index raises (one host sync checks the range; under
+            ``torch.compile`` the check is not made and such choices are skipped).
 
     Returns:
         ``(tokens, out_features)`` in ``hidden_states``' dtype (the sum over the ``k`` choices in fp32).
@@ -397,7 +408,7 @@ def moe_experts(
     if down_proj.shape[0] != E or down_proj.shape[2] != inter:
         raise ValueError(f"down_proj must have shape ({E}, out_features, {inter}) to match gate_up_proj's "
                          f"experts and intermediate size, got {tuple(down_proj.shape)}")
-    _check_routing(hidden_states, top_k_index, top_k_weights, E)
+    _check_routing(hidden_states, top_k_index, top_k_weights, E, skip_out_of_range)
     x, gate_up_proj, down_proj = _autocast(hidden_states, gate_up_proj, down_proj)
     check_same(x, "hidden_states", gate_up_proj, "gate_up_proj")
     check_same(x, "hidden_states", down_proj, "down_proj")

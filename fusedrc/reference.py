@@ -354,10 +354,14 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
 # ``moe_backward_with``) is shared by both backends; each passes its per-expert computation.
 def route(top_k_index, num_experts):
     """(order, tokens, counts) of a (T, k) expert choice: the T*k slots sorted by expert (stable),
-    each sorted slot's token, and the number of slots of each expert (a list: one host sync)."""
+    each sorted slot's token, and the number of slots of each expert (a list: one host sync). A slot
+    whose index is outside ``[0, num_experts)`` (skipped: an expert-parallel sentinel, an identity
+    expert handled by the caller) sorts after every expert's and is in no count: its rows are the
+    tail past ``sum(counts)``, which the callers fill with zeros."""
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1).tolist()[:num_experts]
     return order, torch.div(order, top_k_index.shape[1], rounding_mode="floor"), counts
 
 
@@ -394,6 +398,7 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
             y = expert_forward(xs[rows], *expert_weights(gate_up, down, e, gated), activation)
             torch.mul(y, w[rows, None], out=slots[rows])
             start += n
+    slots[start:].zero_()  # the skipped slots
     return unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
 
@@ -433,6 +438,9 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
             if where is not None and res is not where:
                 dst()[i].copy_(res)
         start += n
+    for t in (dx_slots, dw_slots):  # the skipped slots: no input gradient, a routing weight's gradient of 0
+        if t is not None:
+            t[start:].zero_()
     dx = unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
     dw = unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
     return dx, dw, dgu, dd

@@ -46,9 +46,11 @@ def _oracle(x, idx, w, gate_up, down, act, gated=True):
     I = down.shape[2]
     rows = []
     for t in range(x.shape[0]):
-        y = 0
+        y = x.new_zeros(down.shape[1])
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
+            if not 0 <= e < gate_up.shape[0]:  # a skipped choice
+                continue
             if gated:
                 h = R.activation_forward(x[t] @ gate_up[e, :I].T, act) * (x[t] @ gate_up[e, I:].T)
             else:
@@ -58,10 +60,13 @@ def _oracle(x, idx, w, gate_up, down, act, gated=True):
     return torch.stack(rows)
 
 
-def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated=True):
+def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated=True, sentinels=()):
+    """``sentinels``: out-of-range indices put in place of some choices, run with ``skip_out_of_range``."""
     device = backend_device(backend)
     x = torch.randn(T, K, dtype=torch.float64)
     idx, w = _routing(T, k, E, skip=skip, repeat=repeat)
+    for i, s in enumerate(sentinels):  # token 0's every choice first (a token no expert runs), then one a token
+        idx[(0, i) if i < k else (i - k + 1, 0)] = s
     gate_up, down = _weights(E, K, I, N, gated)
     g = torch.randn(T, N, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
@@ -71,7 +76,8 @@ def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated
     ours = [t.to(device, torch.float64 if dtype == torch.float64 else torch.float32 if t is w else dtype)
             .requires_grad_() for t in (x, w, gate_up, down)]
     with fusedrc.use_backend(backend):
-        y = F.moe_experts(ours[0], idx.to(device), *ours[1:], activation=act, gated=gated)
+        y = F.moe_experts(ours[0], idx.to(device), *ours[1:], activation=act, gated=gated,
+                          skip_out_of_range=bool(sentinels))
         grads = torch.autograd.grad(y, ours, g.to(device, dtype))
     assert y.dtype == dtype and y.shape == (T, N)
     assert rel_err(y, ref) < TOL[dtype], "out"
@@ -102,6 +108,28 @@ def test_moe_experts_activations_top1_and_repeats(act):
     _check("reference", torch.float64, T=1, K=8, I=4, N=8, E=4, k=2, act=act)
     for backend in BACKENDS:
         _check(backend, torch.float32, T=7, K=8, I=12, N=8, E=3, k=3, act=act, repeat=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skipped_choices(backend):
+    """``skip_out_of_range=True``: choices outside [0, E) (an expert-parallel sentinel E, indices past it,
+    -1) add nothing and their weights' gradients are 0; a token whose every choice is skipped gets zeros;
+    gated and ungated; the plain composition (torch.func) skips them too; without the flag they raise."""
+    E = 4
+    _check(backend, torch.float32, T=9, K=16, I=12, N=8, E=E, k=2, act="silu", sentinels=(E, E + 3, -1, E, E))
+    _check(backend, torch.float32, T=6, K=16, I=12, N=8, E=E, k=3, act="relu2", gated=False, sentinels=(E,) * 4)
+    x, (gate_up, down) = torch.randn(5, 8), (t.float() for t in _weights(E, 8, 6, 8))
+    idx, w = _routing(5, 2, E)
+    idx[1, 0], idx[3] = E, -1
+    y = F.moe_experts(x, idx, w.float(), gate_up, down, skip_out_of_range=True)
+    assert torch.equal(y[3], torch.zeros(8))
+    jvp = torch.func.jvp(lambda x: F.moe_experts(x, idx, w.float(), gate_up, down, skip_out_of_range=True),
+                         (x,), (torch.ones_like(x),))
+    assert torch.allclose(jvp[0], y, rtol=1e-6, atol=1e-6) and torch.equal(jvp[1][3], torch.zeros(8))
+    with pytest.raises(ValueError, match="skip_out_of_range=True"):
+        F.moe_experts(x, idx, w.float(), gate_up, down)
+    with pytest.raises(TypeError, match="skip_out_of_range must be a bool"):
+        F.moe_experts(x, idx, w.float(), gate_up, down, skip_out_of_range=1)
 
 
 def test_routing_scale_kernel_matches_reference():
@@ -307,6 +335,13 @@ def _moe_model(family):
                 nn.init.normal_(m.down_proj, std=0.2)
         return model, [f"model.layers.{i}.feed_forward.experts" for i in range(2)] + \
             [f"model.layers.{i}.feed_forward.shared_expert.gate_proj" for i in range(2)]
+    if family == "longcat":  # identity ("zero") experts numbered after the 4 routed ones; two dense MLPs a layer
+        cfg = tr.LongcatFlashConfig(num_layers=2, ffn_hidden_size=40, expert_ffn_hidden_size=24, n_routed_experts=4,
+                                    zero_expert_num=2, moe_topk=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                    qk_nope_head_dim=8, v_head_dim=8, head_dim=8,
+                                    **{k: v for k, v in common.items() if k not in ("num_hidden_layers", "num_key_value_heads")})
+        return tr.LongcatFlashForCausalLM(cfg), [u for i in range(2) for u in (
+            experts[i], f"model.layers.{i}.mlps.0", f"model.layers.{i}.mlps.1")]
     # Aria's experts keep their weights transposed (is_transposed): fused on the transposed views
     cfg = tr.AriaTextConfig(intermediate_size=24, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **common)
     shared = [f"model.layers.{i}.mlp.shared_experts" for i in range(2)]
@@ -317,7 +352,7 @@ def _moe_model(family):
     return model, [u for pair in zip(experts, shared) for u in pair]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe", "llama4"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe", "llama4", "longcat"])
 def test_convert_moe_models(family):
     """Every experts module becomes one fused unit (found by what transformers' experts decorator
     sets, not by class name); the state_dict keys stay; loss and every gradient match the original;
@@ -567,6 +602,59 @@ def test_convert_llama4_experts():
     with pytest.warns(UserWarning, match="no pattern found"):
         plan = fusedrc.convert(other).fusedrc_plan
     assert "forward is not Llama 4's bmm experts" in dict(plan.skipped)[""]
+
+
+def test_convert_longcat_flash_experts():
+    """LongCat-Flash's experts with identity ("zero") experts on the Triton backend (the interpreter on the
+    CPU): one experts call a layer, the zero experts' choices skipped by the op and added as weight * x (a
+    token routed to zero experts alone too); output and every gradient the original's; FLOPs of the routed
+    choices alone; bf16 autocast as the original; a hook on its identity expert runs the original forward;
+    another forward, an activation with no fused form or no routed experts are reported."""
+    model, _ = _moe_model("longcat")
+    conv, device = _triton_step(model)
+    experts, fused = model.model.layers[0].mlp.experts, conv.model.layers[0].mlp.experts
+    assert type(fused).__name__ == "FusedLongcatFlashExperts"
+    x = torch.randn(6, 32, device=device)
+    idx = torch.tensor([[0, 4], [5, 4], [3, 1], [5, 2], [1, 0], [4, 3]], device=device)  # token 1: zero experts only
+    w = torch.rand(6, 2, device=device)
+    inputs = [(x.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+    with fusedrc.use_backend("triton"), _OpCount() as ops:
+        ya, yb = experts(inputs[0][0], idx, inputs[0][1]), fused(inputs[1][0], idx, inputs[1][1])
+    assert ops.count == 1 and rel_err(yb, ya) < 1e-6
+    assert torch.allclose(yb[1], x[1] * w[1].sum())
+    for m in (experts, fused):
+        m.zero_grad()
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    with fusedrc.use_backend("triton"):
+        yb.backward(g)
+    for a, b, name in ((*(t.grad for t, _ in inputs), "x"), (*(t.grad for _, t in inputs), "weights"),
+                       (experts.gate_up_proj.grad, fused.gate_up_proj.grad, "gate_up_proj"),
+                       (experts.down_proj.grad, fused.down_proj.grad, "down_proj")):
+        assert rel_err(b, a) < 1e-5, name
+    assert not fused.gate_up_proj.grad[4:].any()  # the zero experts' unused entries
+    # the unit's cost: the gate and up projections of the 7 routed choices
+    two_i, K = fused.gate_up_proj.shape[1:]
+    assert fused._fusedrc_flops((x, idx, w), {})[1] == 2 * 7 * two_i * K
+    with torch.autocast(device.type, dtype=torch.bfloat16), _OpCount() as ops:
+        ya, yb = experts(x, idx, w), fused(x, idx, w)
+    assert ops.count == 1 and yb.dtype == ya.dtype and rel_err(yb, ya) < 2e-2
+    assert fused(x[:0], idx[:0], w[:0]).shape == (0, 32)
+    handle = fused.identity_expert.register_forward_hook(lambda *a: None)
+    with _OpCount() as ops:
+        assert rel_err(fused(x, idx, w), experts(x, idx, w)) < 1e-6
+    handle.remove()
+    assert ops.count == 0
+
+    for change, reason in ((lambda m: setattr(m, "act_fn", nn.Tanh()), "activation Tanh has no fused form"),
+                           (lambda m: setattr(m, "num_routed_experts", 0), "no routed experts"),
+                           (lambda m: setattr(m, "__class__", type("LongcatFlashExperts", (nn.Module,), {
+                               "forward": lambda self, h, i, w: h})), "is not LongCat-Flash's experts loop")):
+        other = copy.deepcopy(experts)
+        change(other)
+        with pytest.warns(UserWarning, match="no pattern found"):
+            plan = fusedrc.convert(other).fusedrc_plan
+        assert reason in dict(plan.skipped)[""]
 
 
 def test_jetmoe_top1_and_under_autocast():
