@@ -47,8 +47,8 @@ How patterns are found
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
-   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts`` and
-   LongCat-Flash's ``LongcatFlashExperts`` (identity experts) by name); timm's MLPs of 1x1
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts``,
+   LongCat-Flash's ``LongcatFlashExperts`` (identity experts) and DBRX's ``DbrxExperts`` by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -3173,6 +3173,100 @@ def _longcat_flash_experts(ctx, name, m):
         reason = _longcat_experts_reason(m)
     key = _RecomputeKey()
     new = _wrapped_unit(ctx, name, m, reason, FusedLongcatFlashExperts, act, "experts", "moe_experts", (key,))
+    if reason is None:
+        new.__dict__["_fusedrc_recompute"] = key
+    return new
+
+
+class FusedDbrxExperts(Wrapper):
+    """DBRX's experts (``DbrxExperts``; its ``mlp``, a ``DbrxExpertGLU``, holds every expert's gate ``w1``,
+    up ``v1`` and down ``w2`` projections as (num_experts * ffn_hidden_size, hidden) stacks) as one
+    :func:`fusedrc.functional.moe_experts` call on views of them (``up_proj`` apart, ``w2`` transposed per
+    expert): no copy of a weight, only the call's inputs kept."""
+
+    def _fusedrc_flops(self, args, kwargs):
+        try:
+            idx = _experts_args(*args, **kwargs)[1]
+        except TypeError:
+            return 0, 0
+        if not isinstance(idx, torch.Tensor):
+            return 0, 0
+        rerun = 2 * idx.numel() * 2 * self.ffn_hidden_size * self.hidden_size
+        return rerun + 2 * idx.numel() * self.hidden_size * self.ffn_hidden_size, rerun
+
+    def forward(self, *args, **kwargs):
+        try:
+            hs, idx, w = _experts_args(*args, **kwargs)
+        except TypeError:
+            return self.plain(*args, **kwargs)
+        site, act, mlp = self.sites.get("experts"), self.__dict__["_fusedrc_act"], self.mlp
+        if (site is None or not site.enabled or inside_region() or _dbrx_experts_reason(self) is not None
+                or not _nohooks(self, mlp, mlp.activation_fn) or _act_name(mlp.activation_fn) != act
+                or not (isinstance(hs, torch.Tensor) and hs.dim() >= 2 and hs.shape[-1] == self.hidden_size)
+                or not _routing_ok(hs.reshape(-1, self.hidden_size), idx, w, mlp.w1, mlp.w2)):
+            return self.plain(*args, **kwargs)
+        split = (-1, self.ffn_hidden_size, self.hidden_size)
+
+        def fused(h, i, r):
+            y = F.moe_experts(h.reshape(-1, self.hidden_size), i, r, mlp.w1.view(split),
+                              mlp.w2.view(split).transpose(1, 2), act, up_proj=mlp.v1.view(split))
+            return y.to(h.dtype).view(h.shape[0], -1, self.hidden_size)
+
+        return _run_site(site, fused, self.plain, hs, idx, w)
+
+
+# DbrxExperts.forward's lines and its DbrxExpertGLU's (transformers 5.x)
+_DBRX_EXPERTS_LINES = [
+    "batch_size = hidden_states.shape[0]", "hidden_states = hidden_states.reshape(-1, self.hidden_size)",
+    "next_states = torch.zeros_like(hidden_states, dtype=hidden_states.dtype, device=hidden_states.device)",
+    "with torch.no_grad():",
+    "expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)",
+    "expert_mask = expert_mask.permute(2, 1, 0)",
+    "expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()",
+    "split_expert_shape = (-1, self.ffn_hidden_size, self.hidden_size)", "for expert_idx in expert_hit:",
+    "expert_idx = expert_idx[0]", "with torch.no_grad():", "idx, token_idx = torch.where(expert_mask[expert_idx])",
+    "v1 = self.mlp.v1.view(split_expert_shape)[expert_idx]", "w1 = self.mlp.w1.view(split_expert_shape)[expert_idx]",
+    "w2 = self.mlp.w2.view(split_expert_shape)[expert_idx]",
+    "states = self.mlp(hidden_states[token_idx], w1, v1, w2)",
+    "states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]",
+    "next_states.index_add_(0, token_idx, states)", "next_states = next_states.view(batch_size, -1, self.hidden_size)",
+    "return next_states"]
+_DBRX_GLU_LINES = ["gate_proj = x.matmul(expert_w1.T)", "up_proj = x.matmul(expert_v1.T)",
+                   "gate_proj = self.activation_fn(gate_proj)", "intermediate_states = gate_proj * up_proj",
+                   "down_proj = intermediate_states.matmul(expert_w2)", "return down_proj"]
+
+
+def _dbrx_experts_reason(m):
+    """Why DBRX's experts module ``m`` cannot be one fused experts call now (its sizes and stacks), or None."""
+    mlp, sizes = m._modules.get("mlp"), [getattr(m, k, None) for k in ("num_experts", "ffn_hidden_size", "hidden_size")]
+    if not all(isinstance(v, int) and v > 0 for v in sizes):
+        return "no num_experts / ffn_hidden_size / hidden_size"
+    stacks = [getattr(mlp, k, None) for k in ("w1", "v1", "w2")]
+    if not all(isinstance(t, nn.Parameter) and tuple(t.shape) == (sizes[0] * sizes[1], sizes[2]) for t in stacks):
+        return "mlp.w1/v1/w2 are not (num_experts * ffn_hidden_size, hidden_size) parameters"
+    return None
+
+
+@register_rule("DbrxExperts")
+def _dbrx_experts(ctx, name, m):
+    """DBRX's experts (``DbrxExperts`` and its ``DbrxExpertGLU``, both forwards checked line by line)."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    mlp = m._modules.get("mlp")
+    glu, act = _source_lines(mlp), _act_name(getattr(mlp, "activation_fn", None))
+    if lines[0] != "def forward(" or not _contains_run(lines, _DBRX_EXPERTS_LINES):
+        reason = f"{_class_of(m).__name__}.forward is not DBRX's experts loop"
+    elif glu is None or not _contains_run(glu, _DBRX_GLU_LINES):
+        reason = f"its mlp's forward ({type(mlp).__name__}) is not DBRX's gated expert"
+    elif act is None:
+        reason = f"activation {type(getattr(mlp, 'activation_fn', None)).__name__} has no fused form"
+    elif not _nohooks(m, mlp, mlp.activation_fn):
+        reason = "hooks registered on the modules"
+    else:
+        reason = _dbrx_experts_reason(m)
+    key = _RecomputeKey()
+    new = _wrapped_unit(ctx, name, m, reason, FusedDbrxExperts, act, "experts", "moe_experts", (key,))
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
     return new

@@ -334,7 +334,7 @@ def _check_routing(x, top_k_index, top_k_weights, num_experts, skip_out_of_range
                              " identity experts)")
 
 
-def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
+def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
     """The experts as plain torch ops (autograd, forward AD and torch.func see through them)."""
     order, tokens, counts = reference.route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -342,7 +342,7 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            weights = reference.expert_weights(gate_up, down, e, gated)
+            weights = reference.expert_weights(gate_up, down, e, gated, up)
             y = reference.expert_forward(x[tokens[start:start + n]], *weights, activation)
             outs.append(y.to(acc) * w[start:start + n, None])
             start += n
@@ -353,7 +353,7 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
 
 def moe_experts(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
-    activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False,
+    activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False, up_proj: Tensor | None = None,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -379,6 +379,9 @@ def moe_experts(
             rank's expert; LongCat-Flash's identity "zero" experts, whose ``weight * x`` the caller adds).
             False (the default): such an index raises (one host sync checks the range; under
             ``torch.compile`` the check is not made and such choices are skipped).
+        up_proj: the up projections ``(num_experts, intermediate, hidden)`` where they are stored apart from
+            the gate projections (DBRX's ``v1`` beside ``w1``): ``gate_up_proj`` then holds the gate
+            projections alone, ``(num_experts, intermediate, hidden)``; no copy of either is made.
 
     Returns:
         ``(tokens, out_features)`` in ``hidden_states``' dtype (the sum over the ``k`` choices in fp32).
@@ -399,24 +402,35 @@ def moe_experts(
     check_activation(activation)
     if not isinstance(gated, bool):
         raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
+    apart = up_proj is not None
+    if apart:
+        _check_params(hidden_states, (up_proj, "up_proj", 3, False), name_x="hidden_states")
+        if not gated:
+            raise ValueError("up_proj is for gated experts (gate and up projections stored apart); ungated experts "
+                             "hold their up projections in gate_up_proj")
+        if up_proj.shape != gate_up_proj.shape:
+            raise ValueError(f"up_proj must have gate_up_proj's shape {tuple(gate_up_proj.shape)} (the gate "
+                             f"projections, with up_proj apart), got {tuple(up_proj.shape)}")
     E, rows, k_in = gate_up_proj.shape
-    if (gated and rows % 2) or k_in != hidden_states.shape[1]:
-        what = "2 * intermediate" if gated else "intermediate"
+    if (gated and not apart and rows % 2) or k_in != hidden_states.shape[1]:
+        what = "2 * intermediate" if gated and not apart else "intermediate"
         raise ValueError(f"gate_up_proj must have shape (num_experts, {what}, {hidden_states.shape[1]}) "
                          f"to match hidden_states' last dimension, got {tuple(gate_up_proj.shape)}")
-    inter = rows // 2 if gated else rows
+    inter = rows // 2 if gated and not apart else rows
     if down_proj.shape[0] != E or down_proj.shape[2] != inter:
         raise ValueError(f"down_proj must have shape ({E}, out_features, {inter}) to match gate_up_proj's "
                          f"experts and intermediate size, got {tuple(down_proj.shape)}")
     _check_routing(hidden_states, top_k_index, top_k_weights, E, skip_out_of_range)
-    x, gate_up_proj, down_proj = _autocast(hidden_states, gate_up_proj, down_proj)
+    x, gate_up_proj, down_proj, up_proj = _autocast(hidden_states, gate_up_proj, down_proj, up_proj)
     check_same(x, "hidden_states", gate_up_proj, "gate_up_proj")
     check_same(x, "hidden_states", down_proj, "down_proj")
+    if apart:
+        check_same(x, "hidden_states", up_proj, "up_proj")
     args = (x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-    if needs_unfused(x, top_k_weights, gate_up_proj, down_proj) or inside_region():
-        return _moe_plain(*args, gated)
+    if needs_unfused(x, top_k_weights, gate_up_proj, down_proj, up_proj) or inside_region():
+        return _moe_plain(*args, gated, up_proj)
     backend = resolve_backend(x, "moe_experts", "moe_experts_forward")
-    return ops.pick("moe_experts", x, backend)(*args, backend, gated)
+    return ops.pick("moe_experts", x, backend)(*args, backend, gated, up_proj)
 
 
 def _check_training(training):

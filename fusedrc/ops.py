@@ -105,8 +105,10 @@ def _no_double_backward(name):
 
 def _output_mask(ctx, positions) -> List[bool]:
     """Which of the op's inputs at ``positions`` autograd wants a gradient for: the backward
-    ops skip the work of the others (a frozen weight's GEMM, a first layer's dX)."""
-    return [bool(ctx.needs_input_grad[i]) for i in positions]
+    ops skip the work of the others (a frozen weight's GEMM, a first layer's dX). A custom op's call
+    drops trailing arguments left at their defaults: a position past them wants none."""
+    need = ctx.needs_input_grad
+    return [i < len(need) and bool(need[i]) for i in positions]
 
 
 def _wanted_grads(grads, inputs, mask):
@@ -412,52 +414,58 @@ _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
 # custom ops under torch.compile, no triton_op twin (its body would be traced as the fake one).
 def _moe_experts_impl(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, activation: str,
-    backend: str, gated: bool = True,
+    backend: str, gated: bool = True, up: Optional[Tensor] = None,
 ) -> Tensor:
     return _laid_out(get_impl(backend, "moe_experts", "moe_experts_forward")(
-        x, top_k_index, top_k_weights, gate_up, down, activation, gated))
+        x, top_k_index, top_k_weights, gate_up, down, activation, gated, up))
 
 
 moe_experts_op = _custom_op("moe_experts", _moe_experts_impl)
 
 
 @moe_experts_op.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend, gated=True):
+def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend, gated=True, up=None):
     return _empty((x.shape[0], down.shape[1]), x)
 
 
 def _moe_experts_backward_impl(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, grad_out: Tensor,
     activation: str, backend: str, output_mask: Optional[List[bool]] = None, gated: bool = True,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    up: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "moe_experts", "moe_experts_backward")(
-        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask, gated)
-    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
+        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask, gated, up)
+    # dup last (an empty tensor without up)
+    return tuple(_laid_out(_or_empty(g, x)) for g in (*grads[:4], grads[4] if up is not None else None))
 
 
 moe_experts_backward_op = _custom_op("moe_experts_backward", _moe_experts_backward_impl)
 
 
 @moe_experts_backward_op.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backend, output_mask=None, gated=True):
-    return _fake_grads((x, top_k_weights, gate_up, down), output_mask, x)
+def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backend, output_mask=None, gated=True,
+      up=None):
+    mask = None if output_mask is None else [*output_mask, output_mask[2]]
+    return _fake_grads((x, top_k_weights, gate_up, down, up), mask, x)
 
 
 def _moe_experts_setup(ctx, inputs, output):
-    *tensors, activation, backend, gated = inputs
-    ctx.save_for_backward(*tensors)
+    *tensors, activation, backend, gated, up = inputs
+    ctx.save_for_backward(*tensors, up)
     ctx.activation, ctx.backend, ctx.gated = activation, backend, gated
 
 
 def _moe_experts_backward(ctx, grad_out):
     _no_double_backward("moe_experts")
-    x, top_k_index, top_k_weights, gate_up, down = ctx.saved_tensors
-    mask = _output_mask(ctx, (0, 2, 3, 4))
+    x, top_k_index, top_k_weights, gate_up, down, up = ctx.saved_tensors
+    mask = _output_mask(ctx, (0, 2, 3, 4, 8))
+    # up's gradient comes with gate_up's (one flag: the kernels emit both)
+    need = [*mask[:2], mask[2] or mask[4], mask[3]]
     grads = pick("moe_experts_backward", x, ctx.backend)(
-        x, top_k_index, top_k_weights, gate_up, down, grad_out.contiguous(), ctx.activation, ctx.backend, mask,
-        ctx.gated)
-    dx, dw, dgu, dd = _wanted_grads(grads, (x, top_k_weights, gate_up, down), mask)
-    return dx, None, dw, dgu, dd, None, None, None
+        x, top_k_index, top_k_weights, gate_up, down, grad_out.contiguous(), ctx.activation, ctx.backend, need,
+        ctx.gated, up)
+    dx, dw, dgu, dd, dup = _wanted_grads(grads, (x, top_k_weights, gate_up, down, up), mask)
+    return dx, None, dw, dgu, dd, None, None, None, dup
 
 
 _AUTOGRAD["moe_experts"] = (_moe_experts_backward, _moe_experts_setup)

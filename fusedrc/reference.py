@@ -365,11 +365,14 @@ def route(top_k_index, num_experts):
     return order, torch.div(order, top_k_index.shape[1], rounding_mode="floor"), counts
 
 
-def expert_weights(gate_up, down, e, gated=True):
+def expert_weights(gate_up, down, e, gated=True, up=None):
     """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights (or of their stacked
     gradients); w_gate None for ungated experts (``gate_up`` then holds the up projections alone),
-    w_down None without ``down``."""
+    w_down None without ``down``; with ``up`` (up projections stored apart, DBRX's) ``gate_up`` holds the
+    gate projections alone."""
     w_down = None if down is None else down[e]
+    if up is not None:
+        return gate_up[e], up[e], w_down
     if not gated:
         return None, gate_up[e], w_down
     hidden = gate_up.shape[1] // 2
@@ -383,7 +386,7 @@ def unroute(slots, order, top_k_index):
     return slots[inverse].view(*top_k_index.shape, *slots.shape[1:])
 
 
-def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
+def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
     if x.device.type == "meta":  # shapes only (bincount has no meta kernel)
         return x.new_empty((x.shape[0], down.shape[1]))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
@@ -395,7 +398,7 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
     for e, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            y = expert_forward(xs[rows], *expert_weights(gate_up, down, e, gated), activation)
+            y = expert_forward(xs[rows], *expert_weights(gate_up, down, e, gated, up), activation)
             torch.mul(y, w[rows, None], out=slots[rows])
             start += n
     slots[start:].zero_()  # the skipped slots
@@ -403,11 +406,14 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
 
 
 def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                      output_mask=None, gated=True):
+                      output_mask=None, gated=True, up=None):
+    """(dx, dtop_k_weights, dgate_up, ddown), and dup after them with ``up``: its gradient wanted with
+    gate_up's (``output_mask``'s third flag)."""
     need_dx, need_dw, need_dgu, need_dd = wanted(output_mask, 4)
     if x.device.type == "meta":
         return tuple(t.new_empty(t.shape) if need else None
-                     for t, need in zip((x, top_k_weights, gate_up, down), (need_dx, need_dw, need_dgu, need_dd)))
+                     for t, need in zip((x, top_k_weights, gate_up, down, *(() if up is None else (up,))),
+                                        (need_dx, need_dw, need_dgu, need_dd, need_dgu)))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
     S = order.numel()
@@ -415,6 +421,7 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
     dw_slots = torch.empty(S, device=x.device, dtype=acc) if need_dw else None
     # dense (not zeros_like: a transposed view's strides would cost the op a copy of each)
     dgu = torch.zeros(gate_up.shape, device=x.device, dtype=gate_up.dtype) if need_dgu else None
+    dup = torch.zeros(up.shape, device=x.device, dtype=up.dtype) if need_dgu and up is not None else None
     dd = torch.zeros(down.shape, device=x.device, dtype=down.dtype) if need_dd else None
     w = top_k_weights.reshape(-1)[order]
     xs, gs = x[tokens], grad_out[tokens]  # one gather each, sliced per expert
@@ -427,10 +434,10 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
         # weight-sized gradient per expert; a result that could not be written there is copied
         def dst():
             return (dx_slots[rows] if need_dx else None,
-                    *(expert_weights(dgu, None, e, gated)[:2] if need_dgu else (None, None)),
+                    *(expert_weights(dgu, None, e, gated, dup)[:2] if need_dgu else (None, None)),
                     dd[e] if need_dd else None, dw_slots[rows] if need_dw else None)
         views = dst()
-        got = expert_backward(xs[rows], *expert_weights(gate_up, down, e, gated), gs[rows], w[rows], activation,
+        got = expert_backward(xs[rows], *expert_weights(gate_up, down, e, gated, up), gs[rows], w[rows], activation,
                               (need_dx, need_dw, need_dgu, need_dd), views)
         # fresh views for the copies: under autograd (a direct, differentiated call) the first copy
         # makes the buffers require grad, and a view taken before that cannot be written then
@@ -443,7 +450,7 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
             t[start:].zero_()
     dx = unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
     dw = unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
-    return dx, dw, dgu, dd
+    return (dx, dw, dgu, dd) if up is None else (dx, dw, dgu, dd, dup)
 
 
 def expert_forward(x, w_gate, w_up, w_down, activation):
@@ -498,19 +505,19 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
     return dx, dw_gate, dw_up, dw_down, dscale
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
     """Routed experts: x (T, K), top_k_index/top_k_weights (T, k), gate_up (E, 2I, K) (ungated: the up
-    projections, (E, I, K)), down (E, N, I); returns (T, N) in x's dtype (the weighted sum over the
-    k choices in fp32)."""
-    return moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated)
+    projections, (E, I, K); with ``up`` (E, I, K): the gate projections, (E, I, K)), down (E, N, I);
+    returns (T, N) in x's dtype (the weighted sum over the k choices in fp32)."""
+    return moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated, up)
 
 
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
-                         gated=True):
-    """(dx, dtop_k_weights, dgate_up, ddown); each expert's gate and up projections recomputed from x,
-    its down projection not (the routing weight's gradient is a . (grad Wd))."""
+                         gated=True, up=None):
+    """(dx, dtop_k_weights, dgate_up, ddown) (and dup, with ``up``); each expert's gate and up projections
+    recomputed from x, its down projection not (the routing weight's gradient is a . (grad Wd))."""
     return moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                             output_mask, gated)
+                             output_mask, gated, up)
 
 
 # --------------------------------------------------------------------------- Conv + BN + act

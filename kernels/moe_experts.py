@@ -70,16 +70,16 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
     return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[1:3]), dw_down, dscale)
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True):
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
     """Same contract as ``fusedrc.reference.moe_experts_forward``."""
     check_activation(activation)
     return _reference().moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
-                                         gated)
+                                         gated, up)
 
 
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
-                         gated=True):
+                         gated=True, up=None):
     """Same contract as ``fusedrc.reference.moe_experts_backward``."""
     check_activation(activation)
     return _reference().moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out,
-                                          activation, output_mask, gated)
+                                          activation, output_mask, gated, up)

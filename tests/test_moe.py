@@ -111,6 +111,53 @@ def test_moe_experts_activations_top1_and_repeats(act):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_up_projections_stored_apart(backend):
+    """``up_proj`` (DBRX's layout: gate and up projections in two stacks): the same results and gradients
+    as the halves of one ``gate_up_proj``, each stack's gradient its own; a frozen gate or up stack gets
+    no gradient; a shape or an ungated call that does not fit raises."""
+    device = backend_device(backend)
+    T, K, I, N, E = 11, 16, 12, 8, 4
+    x = torch.randn(T, K, device=device)
+    idx, w = _routing(T, 2, E, skip=2, device=device)
+    w = w.float()
+    gate_up, down = (t.float().to(device) for t in _weights(E, K, I, N))
+    g = torch.randn(T, N, device=device)
+    one = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
+    two = [t.clone().requires_grad_() for t in (x, w, gate_up[:, :I], down, gate_up[:, I:])]
+    with fusedrc.use_backend(backend):
+        y1 = F.moe_experts(one[0], idx, *one[1:])
+        y2 = F.moe_experts(*two[:1], idx, *two[1:4], up_proj=two[4])
+        g1 = torch.autograd.grad(y1, one, g)
+        g2 = torch.autograd.grad(y2, two, g)
+    assert rel_err(y2, y1) < 1e-6
+    for a, b, name in ((g2[0], g1[0], "dx"), (g2[1], g1[1], "dweights"), (g2[2], g1[2][:, :I], "dgate"),
+                       (g2[4], g1[2][:, I:], "dup"), (g2[3], g1[3], "ddown")):
+        assert b.shape == a.shape and rel_err(a, b) < 1e-5, name
+    for frozen in (2, 4):  # the gate stack, the up stack
+        leaves = [t.detach().requires_grad_(i != frozen) for i, t in enumerate(two)]
+        with fusedrc.use_backend(backend):
+            y = F.moe_experts(leaves[0], idx, *leaves[1:4], up_proj=leaves[4])
+            y.backward(g)
+        assert leaves[frozen].grad is None and rel_err(leaves[6 - frozen].grad, g2[6 - frozen]) < 1e-6
+    if backend == "reference":  # the op's optional tensor under torch.compile, and the plain composition (jvp)
+        def fn(x, w, gate, down, up):
+            return F.moe_experts(x, idx, w, gate, down, up_proj=up).square().sum()
+
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(fn, backend="aot_eager", fullgraph=True)(*two), two)
+        assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, torch.autograd.grad(fn(*two), two)))
+        _, tangent = torch.func.jvp(lambda up: F.moe_experts(x, idx, w, two[2].detach(), down, up_proj=up),
+                                    (two[4].detach(),), (torch.ones_like(two[4]),))
+        _, want = torch.func.jvp(lambda gu: F.moe_experts(x, idx, w, gu, down),
+                                 (gate_up,), (torch.cat([torch.zeros_like(two[2]), torch.ones_like(two[4])], 1),))
+        assert rel_err(tangent, want) < 1e-5
+    with pytest.raises(ValueError, match="up_proj must have gate_up_proj's shape"):
+        F.moe_experts(x, idx, w, gate_up[:, :I], down, up_proj=gate_up[:, :I - 1])
+    with pytest.raises(ValueError, match="up_proj is for gated experts"):
+        F.moe_experts(x, idx, w, gate_up[:, :I], down, gated=False, up_proj=gate_up[:, I:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_skipped_choices(backend):
     """``skip_out_of_range=True``: choices outside [0, E) (an expert-parallel sentinel E, indices past it,
     -1) add nothing and their weights' gradients are 0; a token whose every choice is skipped gets zeros;
@@ -162,16 +209,19 @@ def test_keeps_only_the_inputs_and_runs_11_gemms_an_expert():
     idx, w = _routing(T, k, E)
     w = w.float().requires_grad_()
     gate_up, down = (torch.nn.Parameter(t.float()) for t in _weights(E, K, I, N))
-    with fusedrc.use_backend("reference"):
-        with SavedBytes() as saved:
-            y = F.moe_experts(x, idx, w, gate_up, down)
-        assert saved.bytes == sum(t.numel() * t.element_size() for t in (x, idx, w))
-        hit = idx.unique().numel()
-        with GemmCounter() as fwd:
-            y = F.moe_experts(x, idx, w, gate_up, down)
-        with GemmCounter() as bwd:
-            y.sum().backward()
-    assert (fwd.gemms, bwd.gemms) == (3 * hit, 8 * hit)
+    gate, up = torch.nn.Parameter(gate_up[:, :I].detach().clone()), torch.nn.Parameter(gate_up[:, I:].detach().clone())
+    hit = idx.unique().numel()
+    for weights in ({"gate_up_proj": gate_up}, {"gate_up_proj": gate, "up_proj": up}):  # up projections apart too
+        with fusedrc.use_backend("reference"):
+            with SavedBytes() as saved:
+                y = F.moe_experts(x, idx, w, down_proj=down, **weights)
+            assert saved.bytes == sum(t.numel() * t.element_size() for t in (x, idx, w))
+            with GemmCounter() as fwd:
+                y = F.moe_experts(x, idx, w, down_proj=down, **weights)
+            with GemmCounter() as bwd:
+                y.sum().backward()
+        assert (fwd.gemms, bwd.gemms) == (3 * hit, 8 * hit)
+        assert all(p.grad is not None for p in weights.values())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -342,6 +392,11 @@ def _moe_model(family):
                                     **{k: v for k, v in common.items() if k not in ("num_hidden_layers", "num_key_value_heads")})
         return tr.LongcatFlashForCausalLM(cfg), [u for i in range(2) for u in (
             experts[i], f"model.layers.{i}.mlps.0", f"model.layers.{i}.mlps.1")]
+    if family == "dbrx":  # gate w1, up v1 and down w2 as (E * F, hidden) stacks (up_proj apart, w2 transposed)
+        cfg = tr.DbrxConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=64, use_cache=False,
+                            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                            ffn_config=dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2))
+        return tr.DbrxForCausalLM(cfg), [f"transformer.blocks.{i}.ffn.experts" for i in range(2)]
     # Aria's experts keep their weights transposed (is_transposed): fused on the transposed views
     cfg = tr.AriaTextConfig(intermediate_size=24, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **common)
     shared = [f"model.layers.{i}.mlp.shared_experts" for i in range(2)]
@@ -352,7 +407,7 @@ def _moe_model(family):
     return model, [u for pair in zip(experts, shared) for u in pair]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe", "llama4", "longcat"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "aria", "jetmoe", "llama4", "longcat", "dbrx"])
 def test_convert_moe_models(family):
     """Every experts module becomes one fused unit (found by what transformers' experts decorator
     sets, not by class name); the state_dict keys stay; loss and every gradient match the original;
@@ -650,6 +705,43 @@ def test_convert_longcat_flash_experts():
                            (lambda m: setattr(m, "num_routed_experts", 0), "no routed experts"),
                            (lambda m: setattr(m, "__class__", type("LongcatFlashExperts", (nn.Module,), {
                                "forward": lambda self, h, i, w: h})), "is not LongCat-Flash's experts loop")):
+        other = copy.deepcopy(experts)
+        change(other)
+        with pytest.warns(UserWarning, match="no pattern found"):
+            plan = fusedrc.convert(other).fusedrc_plan
+        assert reason in dict(plan.skipped)[""]
+
+
+def test_convert_dbrx_experts():
+    """DBRX's experts on the Triton backend (the interpreter on the CPU): one experts call a layer on views of
+    its w1/v1/w2 stacks, loss and every gradient as the original's; an index past the experts raises, as in the
+    original; FLOPs of the gate and up GEMMs; bf16 autocast as the original;
+    a hook on its mlp runs the original forward; another expert forward or activation is reported."""
+    model, _ = _moe_model("dbrx")
+    conv, device = _triton_step(model)
+    experts, fused = model.transformer.blocks[0].ffn.experts, conv.transformer.blocks[0].ffn.experts
+    assert type(fused).__name__ == "FusedDbrxExperts"
+    x = torch.randn(2, 3, 32, device=device)
+    idx = torch.tensor([[0, 1], [2, 1], [3, 0], [1, 2], [0, 3], [2, 3]], device=device)
+    w = torch.rand(6, 2, device=device)
+    with fusedrc.use_backend("triton"), _OpCount() as ops:
+        ya, yb = experts(x, idx, w), fused(x, idx, w)
+    assert ops.count == 1 and yb.shape == ya.shape == (2, 3, 32) and rel_err(yb, ya) < 1e-6
+    for m, error in ((experts, IndexError), (fused, ValueError)):
+        with pytest.raises(error):
+            m(x, torch.where(idx == 3, 4, idx), w)
+    assert fused._fusedrc_flops((x, idx, w), {})[1] == 2 * 12 * 2 * 24 * 32
+    with torch.autocast(device.type, dtype=torch.bfloat16), _OpCount() as ops:
+        ya, yb = experts(x, idx, w), fused(x, idx, w)
+    assert ops.count == 1 and yb.dtype == ya.dtype and rel_err(yb, ya) < 2e-2
+    handle = fused.mlp.register_forward_hook(lambda *a: None)
+    with _OpCount() as ops:
+        assert rel_err(fused(x, idx, w), experts(x, idx, w)) < 1e-6
+    handle.remove()
+    assert ops.count == 0
+    for change, reason in ((lambda m: setattr(m.mlp, "activation_fn", nn.Tanh()), "activation Tanh has no fused form"),
+                           (lambda m: setattr(m.mlp, "__class__", type("DbrxExpertGLU", (nn.Module,), {
+                               "forward": lambda self, x, w1, v1, w2: x})), "is not DBRX's gated expert")):
         other = copy.deepcopy(experts)
         change(other)
         with pytest.warns(UserWarning, match="no pattern found"):
