@@ -48,7 +48,8 @@ How patterns are found
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts``,
-   LongCat-Flash's ``LongcatFlashExperts`` (identity experts) and DBRX's ``DbrxExperts`` by name); timm's MLPs of 1x1
+   LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
+   ``Step3p7Experts`` (its SwiGLU clamp off) by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -2521,7 +2522,8 @@ class FusedGatedMLP(Wrapper):
     Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP, RecurrentGemma and the other Hugging Face
     classes with that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`); also
     with an ``nn.Dropout`` of the gated product (T5Gemma, GTE: the op's own dropout, its mask drawn
-    from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it)."""
+    from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it); Step-3.7's
+    clamped SwiGLU while its limit is +inf (checked at each call)."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
@@ -2533,8 +2535,9 @@ class FusedGatedMLP(Wrapper):
     def _fusedrc_fusable(self, x):
         site, g, u, d, dropout = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj, \
             self._fusedrc_dropout()
+        kind, attr = self.__dict__["_fusedrc_form"]
         return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, dropout)
-                and fused_dropout_p(dropout) is not None
+                and fused_dropout_p(dropout) is not None and (kind != "clamped" or _no_clamp(self, attr))
                 and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
 
     def forward(self, *args, **kwargs):
@@ -2623,6 +2626,10 @@ def _inlined_return(lines):
 # F.dropout(down_proj(P), p=self.<attr>, training=self.training) (Seed-OSS: after the op, as written).
 _OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down_proj\({core}\), " \
                r"p=self\.(\w+), training=self\.training\)"
+# "clamped": Step-3.7's SwiGLU clamp, down_proj(act_fn(gate_proj(v)).clamp(max=L) * up_proj(v).clamp(min=-L, max=L))
+# with L = self.<attr>; the plain form while L is infinite (its config's "no clamp", most layers), else left.
+_CLAMPED = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\)\.clamp\(max=self\.(\w+)\) \* " \
+           r"self\.up_proj\({v}\)\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)\)"
 
 
 def _gated_mlp_body(lines):
@@ -2635,10 +2642,19 @@ def _gated_mlp_body(lines):
     core = f"self.act_fn(self.gate_proj({v})) * self.up_proj({v})"
     if expr == f"self.down_proj({core})":
         return v, "plain", None
+    clamped = _re.fullmatch(_CLAMPED.format(v=_re.escape(v)), expr)
+    if clamped is not None and clamped.group(1) == clamped.group(2) == clamped.group(3):
+        return v, "clamped", clamped.group(1)
     if expr == f"self.down_proj(self.dropout({core}))":
         return v, "dropout", None
     out = _re.fullmatch(_OUT_DROPOUT.format(core=_re.escape(core)), expr)
     return (v, "out_dropout", out.group(1)) if out is not None else None
+
+
+def _no_clamp(m, attr):
+    """Whether a clamped SwiGLU's limit ``m.<attr>`` is +inf: it clamps nothing."""
+    limit = getattr(m, attr, None)
+    return isinstance(limit, numbers.Real) and limit == math.inf
 
 
 def _looks_gated_mlp(m):
@@ -2665,6 +2681,9 @@ def _gated_mlp(ctx, name, m):
         return m
     if kind == "out_dropout" and not isinstance(getattr(m, p_attr, None), numbers.Real):
         ctx.skip(name, f"the output dropout's p, self.{p_attr}, is not a number")
+        return m
+    if kind == "clamped" and not _no_clamp(m, p_attr):
+        ctx.skip(name, f"it clamps its SwiGLU at self.{p_attr} = {getattr(m, p_attr, None)!r}: no fused form")
         return m
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
@@ -3173,6 +3192,88 @@ def _longcat_flash_experts(ctx, name, m):
         reason = _longcat_experts_reason(m)
     key = _RecomputeKey()
     new = _wrapped_unit(ctx, name, m, reason, FusedLongcatFlashExperts, act, "experts", "moe_experts", (key,))
+    if reason is None:
+        new.__dict__["_fusedrc_recompute"] = key
+    return new
+
+
+class FusedStep3p7Experts(Wrapper):
+    """Step-3.7's experts (``Step3p7Experts``: transformers' stacked ``gate_up_proj``/``down_proj`` layout, its
+    own loop, a SwiGLU clamped at ``self.limit``) as one :func:`fusedrc.functional.moe_experts` call while the
+    limit is infinite (its config's "no clamp": every layer but two in Step-3.7-Flash); a finite limit runs the
+    module's own forward."""
+
+    def _fusedrc_flops(self, args, kwargs):
+        try:
+            idx = _experts_args(*args, **kwargs)[1]
+        except TypeError:
+            return 0, 0
+        if not isinstance(idx, torch.Tensor):
+            return 0, 0
+        rerun = 2 * idx.numel() * self.gate_up_proj.shape[1] * self.gate_up_proj.shape[2]
+        return rerun + 2 * idx.numel() * self.down_proj.shape[1] * self.down_proj.shape[2], rerun
+
+    def forward(self, *args, **kwargs):
+        try:
+            hs, idx, w = _experts_args(*args, **kwargs)
+        except TypeError:
+            return self.plain(*args, **kwargs)
+        site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
+        if (site is None or not site.enabled or inside_region() or _step3p7_experts_reason(self) is not None
+                or not _nohooks(self, self.act_fn) or _act_name(self.act_fn) != act
+                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)):
+            return self.plain(*args, **kwargs)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        # index num_experts, the expert-parallel sentinel, is skipped as the module's own loop skips it
+        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act,
+                                                               skip_out_of_range=True).to(h.dtype),
+                         self.plain, hs, idx, w)
+
+
+_STEP3P7_EXPERTS_LINES = [
+    "final = torch.zeros_like(hidden_states)", "with torch.no_grad():",
+    "mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)",
+    "hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()", "for expert_idx in hit:",
+    "expert_idx = expert_idx[0]", "if expert_idx == self.num_experts:", "continue",
+    "top_k_pos, token_idx = torch.where(mask[expert_idx])",
+    "current = self._apply_gate(F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]))",
+    "current = F.linear(current, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]",
+    "final.index_add_(0, token_idx, current.to(final.dtype))", "return final"]
+_STEP3P7_GATE_LINES = ["gate, up = gate_up.chunk(2, dim=-1)", "gate = self.act_fn(gate).clamp(max=self.limit)",
+                       "up = up.clamp(min=-self.limit, max=self.limit)", "return gate * up"]
+
+
+def _step3p7_experts_reason(m):
+    """Why Step-3.7's experts module ``m`` cannot be one fused experts call now, or None."""
+    if not _no_clamp(m, "limit"):
+        return f"it clamps its SwiGLU at self.limit = {getattr(m, 'limit', None)!r}: no fused form"
+    gate_up, down, E = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj"), getattr(m, "num_experts", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+            and gate_up.shape[0] == down.shape[0] == E and gate_up.shape[1] == 2 * down.shape[2]
+            and gate_up.shape[2] == down.shape[1]):
+        return "gate_up_proj/down_proj are not (num_experts, 2I, hidden) / (num_experts, hidden, I) parameters"
+    return None
+
+
+@register_rule("Step3p7Experts")
+def _step3p7_experts(ctx, name, m):
+    """Step-3.7's experts (``Step3p7Experts``, its forward and ``_apply_gate`` checked line by line)."""
+    lines, gate = _forward_lines(ctx, name, m), _source_lines(m, "_apply_gate")
+    if lines is None:
+        return m
+    act = _act_name(getattr(m, "act_fn", None))
+    if lines[0] != "def forward(" or not _contains_run(lines, _STEP3P7_EXPERTS_LINES):
+        reason = f"{_class_of(m).__name__}.forward is not Step-3.7's experts loop"
+    elif gate is None or gate[1:] != _STEP3P7_GATE_LINES:
+        reason = f"{_class_of(m).__name__}._apply_gate is not Step-3.7's clamped SwiGLU"
+    elif act is None:
+        reason = f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused form"
+    elif not _nohooks(m, m.act_fn):
+        reason = "hooks registered on the modules"
+    else:
+        reason = _step3p7_experts_reason(m)
+    key = _RecomputeKey()
+    new = _wrapped_unit(ctx, name, m, reason, FusedStep3p7Experts, act, "experts", "moe_experts", (key,))
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
     return new

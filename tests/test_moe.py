@@ -6,6 +6,7 @@ Qwen2-MoE with its shared expert, OLMoE, Aria's transposed weights).
 Triton kernels run under Triton's interpreter on the CPU (tests/conftest.py).
 """
 import copy
+import math
 import sys
 
 import pytest
@@ -747,6 +748,50 @@ def test_convert_dbrx_experts():
         with pytest.warns(UserWarning, match="no pattern found"):
             plan = fusedrc.convert(other).fusedrc_plan
         assert reason in dict(plan.skipped)[""]
+
+
+def test_convert_step3p7_clamped_swiglu():
+    """Step-3.7 (its text model: a dense layer, then MoE layers with a shared expert): experts and MLPs whose SwiGLU
+    clamp is off (limit +inf, its config's 0) are fused (the experts one experts call, the MLPs gated FFNs), the
+    layer with a finite limit is reported and left; loss and every gradient as the original's; a limit set finite
+    after convert runs the module's own forward, clamp included."""
+    tr = _transformers()
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+    torch.manual_seed(0)
+    cfg = tr.Step3p7TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=24,
+                               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                               mlp_layer_types=["dense", "sparse", "sparse"], share_expert_dim=40,
+                               swiglu_limits=[0, 0, 0.05], swiglu_limits_shared=[0, 0, 0.05], use_cache=False)
+    model = Step3p7TextModel(cfg).train()
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units if u.kind != "norm"] == [
+        ("layers.0.mlp", "norm_gated_ffn"), ("layers.1.mlp.experts", "moe_experts"),
+        ("layers.1.mlp.shared_experts", "gated_ffn"), ("layers.2.mlp.shared_experts.gate_proj", "linear_act")]
+    assert dict(plan.skipped) == {f"layers.2.mlp.{m}": "it clamps its SwiGLU at self.limit = 0.05: no fused form"
+                                  for m in ("experts", "shared_experts")}
+    ids = torch.randint(0, 64, (2, 12))
+    with _OpCount() as ops:
+        yb = conv(ids).last_hidden_state
+    ya = model(ids).last_hidden_state
+    assert ops.count == 1 and rel_err(yb, ya) < 1e-5
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
+        if p.grad is not None:
+            assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+    for layer in (model, conv):  # a clamp that bites, set after convert
+        layer.layers[1].mlp.experts.limit = layer.layers[1].mlp.shared_experts.limit = 0.05
+    with _OpCount() as ops, torch.no_grad():
+        yb, ya = conv(ids).last_hidden_state, model(ids).last_hidden_state
+    assert ops.count == 0 and rel_err(yb, ya) < 1e-5
+    other = copy.deepcopy(model.layers[1].mlp.experts)
+    other.limit = math.inf
+    other.act_fn = nn.Tanh()
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert "activation Tanh has no fused form" in dict(fusedrc.convert(other).fusedrc_plan.skipped)[""]
 
 
 def test_jetmoe_top1_and_under_autocast():
