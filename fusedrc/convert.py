@@ -49,7 +49,8 @@ How patterns are found
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts``,
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
-   ``Step3p7Experts`` (its SwiGLU clamp off) by name); timm's MLPs of 1x1
+   ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's and HY-V4's clamped
+   ``_apply_gate`` under the interface); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -2522,8 +2523,9 @@ class FusedGatedMLP(Wrapper):
     Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP, RecurrentGemma and the other Hugging Face
     classes with that forward), as one fused gated FFN (:func:`fusedrc.functional.gated_mlp`); also
     with an ``nn.Dropout`` of the gated product (T5Gemma, GTE: the op's own dropout, its mask drawn
-    from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it); Step-3.7's
-    clamped SwiGLU while its limit is +inf (checked at each call)."""
+    from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it); a SwiGLU
+    clamped at ``self.<attr>`` before the activation (DeepSeek-V4, GLM-5-Next) or after it (Step-3.7): the op's
+    ``swiglu_limit``, read at each call."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
@@ -2537,7 +2539,7 @@ class FusedGatedMLP(Wrapper):
             self._fusedrc_dropout()
         kind, attr = self.__dict__["_fusedrc_form"]
         return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, dropout)
-                and fused_dropout_p(dropout) is not None and (kind != "clamped" or _no_clamp(self, attr))
+                and fused_dropout_p(dropout) is not None and (kind not in _CLAMP_FORMS or _clamp_limit(self, attr))
                 and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
 
     def forward(self, *args, **kwargs):
@@ -2549,6 +2551,9 @@ class FusedGatedMLP(Wrapper):
 
         def fused(x, **norm):
             p = fused_dropout_p(self._fusedrc_dropout())
+            if kind in _CLAMP_FORMS:  # the clamp's limit as it is now (checked by _fusedrc_fusable)
+                limit = _clamp_limit(self, p_attr)
+                norm.update(swiglu_limit=None if limit is True else limit, limit_after_act=_CLAMP_FORMS[kind])
             out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm)
             if kind == "out_dropout":  # after the op, as the module's forward applies it
                 out = torch.nn.functional.dropout(out, p=getattr(self, p_attr), training=self.training)
@@ -2626,10 +2631,14 @@ def _inlined_return(lines):
 # F.dropout(down_proj(P), p=self.<attr>, training=self.training) (Seed-OSS: after the op, as written).
 _OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down_proj\({core}\), " \
                r"p=self\.(\w+), training=self\.training\)"
-# "clamped": Step-3.7's SwiGLU clamp, down_proj(act_fn(gate_proj(v)).clamp(max=L) * up_proj(v).clamp(min=-L, max=L))
-# with L = self.<attr>; the plain form while L is infinite (its config's "no clamp", most layers), else left.
+# SwiGLU clamps at L = self.<attr>, the op's swiglu_limit (none while L is +inf): "clamped" Step-3.7's,
+# down_proj(act_fn(gate_proj(v)).clamp(max=L) * up_proj(v).clamp(min=-L, max=L)) (limit_after_act), "clamped_pre"
+# DeepSeek-V4's, GLM-5-Next's, down_proj(act_fn(gate_proj(v).clamp([min=None, ]max=L)) * up_proj(v).clamp(min=-L, max=L)).
+_CLAMP_FORMS = {"clamped": True, "clamped_pre": False}
 _CLAMPED = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\)\.clamp\(max=self\.(\w+)\) \* " \
            r"self\.up_proj\({v}\)\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)\)"
+_CLAMPED_PRE = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\.clamp\((?:min=None, )?max=self\.(\w+)\)\) \* " \
+               r"self\.up_proj\({v}\)\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)\)"
 
 
 def _gated_mlp_body(lines):
@@ -2642,19 +2651,23 @@ def _gated_mlp_body(lines):
     core = f"self.act_fn(self.gate_proj({v})) * self.up_proj({v})"
     if expr == f"self.down_proj({core})":
         return v, "plain", None
-    clamped = _re.fullmatch(_CLAMPED.format(v=_re.escape(v)), expr)
-    if clamped is not None and clamped.group(1) == clamped.group(2) == clamped.group(3):
-        return v, "clamped", clamped.group(1)
+    for kind, pattern in (("clamped", _CLAMPED), ("clamped_pre", _CLAMPED_PRE)):
+        clamped = _re.fullmatch(pattern.format(v=_re.escape(v)), expr)
+        if clamped is not None and clamped.group(1) == clamped.group(2) == clamped.group(3):
+            return v, kind, clamped.group(1)
     if expr == f"self.down_proj(self.dropout({core}))":
         return v, "dropout", None
     out = _re.fullmatch(_OUT_DROPOUT.format(core=_re.escape(core)), expr)
     return (v, "out_dropout", out.group(1)) if out is not None else None
 
 
-def _no_clamp(m, attr):
-    """Whether a clamped SwiGLU's limit ``m.<attr>`` is +inf: it clamps nothing."""
+def _clamp_limit(m, attr):
+    """A clamped SwiGLU's limit ``m.<attr>`` as the op takes it: True for +inf (it clamps nothing), the float
+    for a finite one > 0, False for anything else (the module's forward runs)."""
     limit = getattr(m, attr, None)
-    return isinstance(limit, numbers.Real) and limit == math.inf
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not limit > 0:
+        return False
+    return True if limit == math.inf else float(limit)
 
 
 def _looks_gated_mlp(m):
@@ -2682,8 +2695,8 @@ def _gated_mlp(ctx, name, m):
     if kind == "out_dropout" and not isinstance(getattr(m, p_attr, None), numbers.Real):
         ctx.skip(name, f"the output dropout's p, self.{p_attr}, is not a number")
         return m
-    if kind == "clamped" and not _no_clamp(m, p_attr):
-        ctx.skip(name, f"it clamps its SwiGLU at self.{p_attr} = {getattr(m, p_attr, None)!r}: no fused form")
+    if kind in _CLAMP_FORMS and not _clamp_limit(m, p_attr):
+        ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")
         return m
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
@@ -2837,14 +2850,19 @@ class FusedExperts(Wrapper):
         site = self.sites.get("experts")
         # inside a recomputed region (a block) the original implementation: the region keeps only its
         # inputs already, and transformers' grouped_mm beats a plain per-expert loop
-        if (site is None or not site.enabled or not _nohooks(self, self.act_fn) or inside_region()
+        clamp = self.__dict__.get("_fusedrc_clamp")  # (limit attribute, fixed activation or None)
+        limit = _clamp_limit(self, clamp[0]) if clamp is not None else True
+        act_fn = self._modules.get("act_fn")  # GLM-5-Next's and HY-V4's experts gate with F.silu: none
+        if (site is None or not site.enabled or not _nohooks(self, act_fn) or inside_region()
                 or self.__dict__.get("_is_expert_parallel", False)  # an instance flag (transformers 5.24; 5.17 has none)
-                or _act_name(self.act_fn) != self.__dict__["_fusedrc_act"] or not _experts_runtime_ok(self, hs, idx, w)):
+                or not (clamp is not None and clamp[1]) and _act_name(act_fn) != self.__dict__["_fusedrc_act"]
+                or limit is False or not _experts_runtime_ok(self, hs, idx, w)):
             return self.plain(*args, **kwargs)
         gate_up, down = _experts_weights(self)
-        act, gated = self.__dict__["_fusedrc_act"], self.has_gate
+        act, gated, limit = self.__dict__["_fusedrc_act"], self.has_gate, None if limit is True else limit
         # transformers' implementations return hidden_states' dtype, also under autocast
-        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act, gated=gated).to(h.dtype),
+        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act, gated=gated,
+                                                               swiglu_limit=limit).to(h.dtype),
                          self.plain, hs, idx, w)
 
 
@@ -2882,6 +2900,7 @@ def _looks_experts(m):
 def _experts(ctx, name, m):
     cls = _class_of(m)
     gate = _inspect.getattr_static(cls, "_apply_gate", None)
+    clamp = _experts_clamp(m) if m.has_gate and getattr(gate, "__name__", None) != "_default_apply_gate" else None
     act = getattr(m, "act_fn", None)  # gpt-oss's experts have none: they gate inline
     own = _inspect.signature(cls.forward.__wrapped__).parameters
     if list(own) != ["self", *_EXPERTS_SIGNATURE.parameters]:
@@ -2890,9 +2909,12 @@ def _experts(ctx, name, m):
         reason = "experts with biases have no fused form yet"
     elif m.__dict__.get("has_post_expert_norm", False):
         reason = "a norm after each expert has no fused form"
-    elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"):
+    elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"
+                         and clamp is None):
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
-    elif not isinstance(act, nn.Module) or _act_name(act) is None:
+    elif clamp is not None and not _clamp_limit(m, clamp[0]):
+        reason = f"its SwiGLU limit self.{clamp[0]} = {getattr(m, clamp[0], None)!r} is not a number > 0"
+    elif not (clamp is not None and clamp[1]) and (not isinstance(act, nn.Module) or _act_name(act) is None):
         reason = f"activation {type(act).__name__} has no fused form"
     elif not _nohooks(m, act):
         reason = "hooks registered on the modules"
@@ -2906,11 +2928,31 @@ def _experts(ctx, name, m):
             reason = f"{'/'.join(names)} are not 3-D parameters of matching expert and intermediate sizes"
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
     key = _RecomputeKey()
-    new = _wrapped_unit(ctx, name, m, reason, FusedExperts, _act_name(act) if reason is None else None, "experts",
-                        "moe_experts", (key,))
+    act = (clamp[1] if clamp is not None and clamp[1] else _act_name(act)) if reason is None else None
+    new = _wrapped_unit(ctx, name, m, reason, FusedExperts, act, "experts", "moe_experts", (key,))
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
+        new.__dict__["_fusedrc_clamp"] = clamp
     return new
+
+
+def _experts_clamp(m):
+    """``(limit attribute, fixed activation or None)`` of experts whose ``_apply_gate`` is a SwiGLU clamped before
+    its activation on the halves of gate_up_proj, ``act(gate.clamp(max=L)) * up.clamp(-L, L)`` (DeepSeek-V4's with
+    ``self.act_fn``, GLM-5-Next's and HY-V4's with ``F.silu``: the fixed activation "silu"), else None."""
+    lines = _source_lines(m, "_apply_gate")
+    if lines is None or len(lines) != 5 or lines[1] != "gate, up = gate_up.chunk(2, dim=-1)":
+        return None
+    g = _re.fullmatch(r"gate = gate\.clamp\((?:min=None, )?max=self\.(\w+)\)", lines[2])
+    u = _re.fullmatch(r"up = up\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)", lines[3])
+    a = _re.fullmatch(r"return (self\.act_fn|F\.silu)\(gate\) \* up", lines[4])
+    if not (g and u and a and g.group(1) == u.group(1) == u.group(2)):
+        return None
+    if a.group(1) == "F.silu":  # the module's F must be torch's functional
+        if getattr(_sys.modules.get(_class_of(m).__module__), "F", None) is not torch.nn.functional:
+            return None
+        return g.group(1), "silu"
+    return g.group(1), None
 
 
 class FusedJetMoeMoE(Wrapper):
@@ -3116,7 +3158,8 @@ class FusedLongcatFlashExperts(Wrapper):
         site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
         if (site is None or not site.enabled or inside_region() or _longcat_experts_reason(self) is not None
                 or not _nohooks(self, self.act_fn, self.identity_expert) or _act_name(self.act_fn) != act
-                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)):
+                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
+                or not _indices_below(idx, self.total_experts)):  # else the original raises (its one_hot)
             return self.plain(*args, **kwargs)
         routed = self.num_routed_experts
 
@@ -3126,6 +3169,14 @@ class FusedLongcatFlashExperts(Wrapper):
             return (y + h * zero).to(h.dtype)
 
         return _run_site(site, fused, self.plain, hs, idx, w)
+
+
+def _indices_below(idx, n):
+    """Whether every expert index is in [0, n) (one host sync; not checked under torch.compile)."""
+    if idx.numel() == 0 or torch.compiler.is_compiling() or idx.device.type == "meta":
+        return True
+    lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+    return lo >= 0 and hi < n
 
 
 # LongcatFlashExperts.forward's lines (transformers 5.x)
@@ -3199,9 +3250,8 @@ def _longcat_flash_experts(ctx, name, m):
 
 class FusedStep3p7Experts(Wrapper):
     """Step-3.7's experts (``Step3p7Experts``: transformers' stacked ``gate_up_proj``/``down_proj`` layout, its
-    own loop, a SwiGLU clamped at ``self.limit``) as one :func:`fusedrc.functional.moe_experts` call while the
-    limit is infinite (its config's "no clamp": every layer but two in Step-3.7-Flash); a finite limit runs the
-    module's own forward."""
+    own loop, a SwiGLU clamped after its activation at ``self.limit``, +inf for "no clamp") as one
+    :func:`fusedrc.functional.moe_experts` call (``swiglu_limit``, ``limit_after_act``)."""
 
     def _fusedrc_flops(self, args, kwargs):
         try:
@@ -3223,11 +3273,11 @@ class FusedStep3p7Experts(Wrapper):
                 or not _nohooks(self, self.act_fn) or _act_name(self.act_fn) != act
                 or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)):
             return self.plain(*args, **kwargs)
-        gate_up, down = self.gate_up_proj, self.down_proj
+        gate_up, down, limit = self.gate_up_proj, self.down_proj, _clamp_limit(self, "limit")
         # index num_experts, the expert-parallel sentinel, is skipped as the module's own loop skips it
-        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act,
-                                                               skip_out_of_range=True).to(h.dtype),
-                         self.plain, hs, idx, w)
+        return _run_site(site, lambda h, i, r: F.moe_experts(
+            h, i, r, gate_up, down, act, skip_out_of_range=True, swiglu_limit=None if limit is True else limit,
+            limit_after_act=True).to(h.dtype), self.plain, hs, idx, w)
 
 
 _STEP3P7_EXPERTS_LINES = [
@@ -3245,8 +3295,8 @@ _STEP3P7_GATE_LINES = ["gate, up = gate_up.chunk(2, dim=-1)", "gate = self.act_f
 
 def _step3p7_experts_reason(m):
     """Why Step-3.7's experts module ``m`` cannot be one fused experts call now, or None."""
-    if not _no_clamp(m, "limit"):
-        return f"it clamps its SwiGLU at self.limit = {getattr(m, 'limit', None)!r}: no fused form"
+    if not _clamp_limit(m, "limit"):
+        return f"its SwiGLU limit self.limit = {getattr(m, 'limit', None)!r} is not a number > 0"
     gate_up, down, E = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj"), getattr(m, "num_experts", None)
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
             and gate_up.shape[0] == down.shape[0] == E and gate_up.shape[1] == 2 * down.shape[2]
@@ -3304,7 +3354,8 @@ class FusedDbrxExperts(Wrapper):
         if (site is None or not site.enabled or inside_region() or _dbrx_experts_reason(self) is not None
                 or not _nohooks(self, mlp, mlp.activation_fn) or _act_name(mlp.activation_fn) != act
                 or not (isinstance(hs, torch.Tensor) and hs.dim() >= 2 and hs.shape[-1] == self.hidden_size)
-                or not _routing_ok(hs.reshape(-1, self.hidden_size), idx, w, mlp.w1, mlp.w2)):
+                or not _routing_ok(hs.reshape(-1, self.hidden_size), idx, w, mlp.w1, mlp.w2)
+                or (mlp.v1.dtype, mlp.v1.device) != (mlp.w1.dtype, mlp.w1.device)):
             return self.plain(*args, **kwargs)
         split = (-1, self.ffn_hidden_size, self.hidden_size)
 

@@ -5,6 +5,7 @@ batch statistics) for backward and recomputes the rest inside the backward op.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -236,6 +237,7 @@ def gated_mlp(
     x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
     b_down: Tensor | None, activation: str = "silu", dropout_p: float = 0.0, *, norm: str | None = None,
     norm_weight: Tensor | None = None, norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
+    swiglu_limit: float | None = None, limit_after_act: bool = False,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -254,6 +256,7 @@ def gated_mlp(
         dropout_p: dropout on the gated product before the down projection (T5 v1.1's), in
             ``[0, 1]``; its mask is never stored, as :func:`fused_mlp`'s.
         {norm}
+        {limit}
 
     Returns:
         ``(*, out_features)``, in the weights' dtype (x's, outside autocast).
@@ -271,7 +274,7 @@ def gated_mlp(
     _check_params(x, (w_gate, "w_gate", 2, False), (b_gate, "b_gate", 1, True), (w_up, "w_up", 2, False),
                   (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True),
                   (norm_weight, "norm_weight", 1, True), (norm_bias, "norm_bias", 1, True))
-    check_activation(activation)
+    activation = _gated_activation(activation, swiglu_limit, limit_after_act)
     dropout_p = check_probability(dropout_p, "dropout_p")
     norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
     (x, w_gate, b_gate, w_up, b_up, w_down, b_down), x_ffn = _ffn_autocast(
@@ -284,8 +287,8 @@ def gated_mlp(
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
     def plain(x):
         x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
-        a = reference.activation_forward(torch.nn.functional.linear(x, w_gate, b_gate), activation) \
-            * torch.nn.functional.linear(x, w_up, b_up)
+        a = reference.gated_product(torch.nn.functional.linear(x, w_gate, b_gate),
+                                    torch.nn.functional.linear(x, w_up, b_up), activation)
         return torch.nn.functional.linear(torch.nn.functional.dropout(a, dropout_p), w_down, b_down)
 
     if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias):
@@ -301,9 +304,30 @@ def gated_mlp(
 
 
 
+_LIMIT_DOC = """swiglu_limit: a clamp of the gated product's operands at this finite limit > 0, or None (no
+            clamp): ``act(min(h_g, L)) * clamp(h_u, -L, L)`` (DeepSeek-V4's, GLM-5-Next's, HY-V4's
+            SwiGLU limit), in the kernels' epilogues, recomputed in backward like the rest; a clamped
+            element passes no gradient, as through ``torch.clamp``.
+        limit_after_act: clamp ``act(h_g)`` rather than ``h_g``: ``min(act(h_g), L) * clamp(h_u, -L, L)``
+            (Step-3.7's)."""
+
+
+def _gated_activation(activation, swiglu_limit, limit_after_act):
+    """The gated ops' activation string (``reference.gated_name``) of a public call's arguments, checked."""
+    check_activation(activation)
+    if not isinstance(limit_after_act, bool):
+        raise TypeError(f"limit_after_act must be a bool, got {type(limit_after_act).__name__} {limit_after_act!r}")
+    if swiglu_limit is None:
+        return activation
+    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, numbers.Real) \
+            or not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
+        raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")
+    return reference.gated_name(activation, float(swiglu_limit), limit_after_act)
+
+
 for _fn in (fused_mlp, gated_mlp):
     if _fn.__doc__:  # None under python -OO
-        _fn.__doc__ = _fn.__doc__.replace("{norm}", _NORM_DOC)
+        _fn.__doc__ = _fn.__doc__.replace("{norm}", _NORM_DOC).replace("{limit}", _LIMIT_DOC)
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -354,6 +378,7 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
 def moe_experts(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False, up_proj: Tensor | None = None,
+    swiglu_limit: float | None = None, limit_after_act: bool = False,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -382,6 +407,7 @@ def moe_experts(
         up_proj: the up projections ``(num_experts, intermediate, hidden)`` where they are stored apart from
             the gate projections (DBRX's ``v1`` beside ``w1``): ``gate_up_proj`` then holds the gate
             projections alone, ``(num_experts, intermediate, hidden)``; no copy of either is made.
+        {limit}
 
     Returns:
         ``(tokens, out_features)`` in ``hidden_states``' dtype (the sum over the ``k`` choices in fp32).
@@ -399,9 +425,11 @@ def moe_experts(
     check_tensor(hidden_states, "hidden_states", ndim=2)
     _check_params(hidden_states, (gate_up_proj, "gate_up_proj", 3, False), (down_proj, "down_proj", 3, False),
                   name_x="hidden_states")
-    check_activation(activation)
+    activation = _gated_activation(activation, swiglu_limit, limit_after_act)
     if not isinstance(gated, bool):
         raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
+    if swiglu_limit is not None and not gated:
+        raise ValueError("swiglu_limit clamps a gated product; ungated experts have none")
     apart = up_proj is not None
     if apart:
         _check_params(hidden_states, (up_proj, "up_proj", 3, False), name_x="hidden_states")
@@ -730,3 +758,7 @@ def _update_running_stats(running_mean, running_var, mean, rstd, eps, momentum, 
     # eager: as BatchNorm's kernel, without bumping the buffers' version counters (a graph that
     # saved them stays valid); the Triton backend does it in one launch
     get_impl(backend, "conv_bn_act", "update_running_stats_")(running_mean, running_var, mean, rstd, eps, momentum, n)
+
+
+if moe_experts.__doc__:
+    moe_experts.__doc__ = moe_experts.__doc__.replace("{limit}", _LIMIT_DOC)

@@ -100,6 +100,65 @@ def check_activation(activation, name="activation") -> str:
     return activation
 
 
+# A gated FFN's activation may carry a clamp of its SwiGLU (the gated ops only): "<act>|limit=<L>" computes
+# act(min(h_g, L)) * clamp(h_u, -L, L) (DeepSeek-V4, GLM-5-Next, HY-V4), "<act>|limit_after=<L>"
+# min(act(h_g), L) * clamp(h_u, -L, L) (Step-3.7); L finite and > 0. ``gated_name`` writes them.
+_LIMIT_KINDS = {"limit": False, "limit_after": True}
+
+
+def split_gated(activation, name="activation"):
+    """``(act, limit, after)`` of a gated FFN's activation: its activation name, the clamp's limit (None
+    without one) and whether the clamp follows the activation. A ``ValueError`` naming ``name`` otherwise."""
+    act, sep, clamp = activation.partition("|") if isinstance(activation, str) else (activation, "", "")
+    split_activation(act, name)
+    if not sep:
+        return act, None, False
+    kind, eq, value = clamp.partition("=")
+    try:
+        limit = float(value) if eq and kind in _LIMIT_KINDS else math.nan
+    except ValueError:
+        limit = math.nan
+    if not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"{name}: a gated activation's clamp is '|limit=<L>' or '|limit_after=<L>' with a finite "
+                         f"L > 0, got {activation!r}")
+    return act, limit, _LIMIT_KINDS[kind]
+
+
+def gated_name(activation, limit=None, after=False) -> str:
+    """The gated ops' activation string of ``activation`` with a SwiGLU clamp at ``limit`` (None: none),
+    after the activation where ``after``."""
+    if limit is None:
+        return activation
+    return f"{activation}|{'limit_after' if after else 'limit'}={float(limit)!r}"
+
+
+def gated_product(hg, hu, activation):
+    """The gated product ``act(h_g) * h_u``, clamped as the activation string says (torch ops: differentiable)."""
+    act, limit, after = split_gated(activation)
+    if limit is None:
+        return activation_forward(hg, act) * hu
+    hu = hu.clamp(-limit, limit)
+    if after:
+        return activation_forward(hg, act).clamp(max=limit) * hu
+    return activation_forward(hg.clamp(max=limit), act) * hu
+
+
+def gated_product_backward(grad_a, hg, hu, activation):
+    """``(grad_hg, grad_hu)`` of ``gated_product``, as autograd through its ops gives them (a clamped
+    element, and a NaN one, passes no gradient through its clamp)."""
+    act, limit, after = split_gated(activation)
+    if limit is None:
+        return activation_backward(grad_a * hu, hg, act), grad_a * activation_forward(hg, act)
+    hu_c, keep_u = hu.clamp(-limit, limit), (hu >= -limit) & (hu <= limit)
+    if after:
+        a = activation_forward(hg, act)
+        grad_hg = activation_backward(torch.where(a <= limit, grad_a * hu_c, 0.0), hg, act)
+        return grad_hg, torch.where(keep_u, grad_a * a.clamp(max=limit), 0.0)
+    hg_c = hg.clamp(max=limit)
+    grad_hg = torch.where(hg <= limit, activation_backward(grad_a * hu_c, hg_c, act), 0.0)
+    return grad_hg, torch.where(keep_u, grad_a * activation_forward(hg_c, act), 0.0)
+
+
 # "none": the conv+BN op without an activation (a projection or downsample Conv-BN); not a public
 # activation of the other ops (check_activation does not take it)
 NO_ACTIVATION = "none"
@@ -308,7 +367,7 @@ def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, s
 def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
     """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu, T5 v1.1's
     with its dropout); x is (M, K)."""
-    a = activation_forward(F.linear(x, w_gate, b_gate), activation) * F.linear(x, w_up, b_up)
+    a = gated_product(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation)
     return F.linear(_dropped(a, dropout_p, seed), w_down, b_down)
 
 
@@ -320,10 +379,9 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     need_gh = need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)
     hg = F.linear(x, w_gate, b_gate)
     hu = F.linear(x, w_up, b_up)
-    act = activation_forward(hg, activation)
     factor = dropout_factor(seed, hg.shape, dropout_p, hg) if dropout_p != 0 else None
     if need_dwd:
-        a = act * hu
+        a = gated_product(hg, hu, activation)
         dw_down = grad_out.t().mm(a if factor is None else a.mul_(factor))
         del a
     else:
@@ -335,9 +393,7 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     if factor is not None:
         grad_a.mul_(factor)
         del factor
-    grad_hu = grad_a * act
-    del act
-    grad_hg = activation_backward(grad_a * hu, hg, activation)
+    grad_hg, grad_hu = gated_product_backward(grad_a, hg, hu, activation)
     del hg, hu, grad_a
     dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up)) if need_dx else None
     dw_gate = grad_hg.t().mm(x) if need_dwg else None
@@ -358,7 +414,7 @@ def route(top_k_index, num_experts):
     whose index is outside ``[0, num_experts)`` (skipped: an expert-parallel sentinel, an identity
     expert handled by the caller) sorts after every expert's and is in no count: its rows are the
     tail past ``sum(counts)``, which the callers fill with zeros."""
-    flat = top_k_index.reshape(-1)
+    flat = top_k_index.reshape(-1).long()  # int64: num_experts itself may not fit an int8/uint8 index
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=num_experts + 1).tolist()[:num_experts]
@@ -481,8 +537,7 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
         a = activation_forward(hu, activation)
     else:
         hg = F.linear(x, w_gate)
-        act = activation_forward(hg, activation)
-        a = act * hu
+        a = gated_product(hg, hu, activation)
     grad_y = grad_out.mm(w_down)  # unscaled
     acc = torch.promote_types(x.dtype, torch.float32)
     dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
@@ -492,8 +547,7 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
     if w_gate is None:
         grad_hu, grad_hg, dw_gate = activation_backward(grad_a, hu, activation), None, None
     else:
-        grad_hu = grad_a * act
-        grad_hg = activation_backward(grad_a * hu, hg, activation)
+        grad_hg, grad_hu = gated_product_backward(grad_a, hg, hu, activation)
         dw_gate = _mm(grad_hg.t(), x, out[1]) if need_dgu else None
     if need_dx and grad_hg is not None:
         dx = _mm(grad_hg, w_gate, out[0]).addmm_(grad_hu, w_up)

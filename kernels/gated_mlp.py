@@ -38,9 +38,10 @@ import triton.language as tl
 from ._common import (
     _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family,
     _column_halves, _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
-    check_activation, dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
+    dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
     operand_class, plain_gemm, uses_aten_gemm, wanted,
 )
+from fusedrc.reference import split_gated
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
 
@@ -65,6 +66,13 @@ _WHOLE = {
 }
 # Where the dense table's entry is wide (sm_90's 16-bit large: 256x128, one accumulator of 128 registers
 # a thread; two of them do not fit), the dual tiles derive from its narrow stand-in, _common._NARROW.
+
+
+def gated_meta(activation: str) -> dict:
+    """The dual kernels' activation constexprs: ``act_meta``'s, and the SwiGLU clamp's LIMIT (0.0: none; one
+    compile per limit) and LIMIT_AFTER of a gated activation string (``reference.split_gated``)."""
+    act, limit, after = split_gated(activation)
+    return dict(act_meta(act), LIMIT=0.0 if limit is None else limit, LIMIT_AFTER=after)
 
 
 def gated_config(cfg, key=None):
@@ -94,6 +102,13 @@ def _launch_config(cfg, persistent):
     if not (persistent and cfg.EPILOGUE_SPLIT > 1):
         return cfg
     return cfg._replace(EPILOGUE_SPLIT=min(8, cfg.BLOCK_N // 16), num_stages=min(2, cfg.num_stages))
+
+
+def _clamp_split(split, block_n, limit):
+    """The grad kernel's epilogue split with a SwiGLU clamp: a split (whole) tile's in eighths, for the clamp's
+    masks (in quarters, the clamp after the activation spilled 24 bytes on sm_90 under Triton 3.9). The split is
+    elementwise: no value changes."""
+    return min(8, block_n // 16) if limit and split > 1 else split
 
 
 @triton.jit
@@ -163,7 +178,8 @@ def _gated_act_tile(
     tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
+    LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -171,12 +187,45 @@ def _gated_act_tile(
         tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
-                        drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+                        drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, BLOCK_N,
+                        EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _clamp_max(v, LIMIT: tl.constexpr):
+    # torch.clamp(max=LIMIT): a NaN stays NaN (a comparison with NaN is false)
+    return tl.where(v > LIMIT, LIMIT, v)
+
+
+@triton.jit
+def _clamped_operands(hg, hu, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
+                      LIMIT_AFTER: tl.constexpr):
+    """(act, h_u, keep_g, keep_u, h_g) of the gated product act * h_u: a SwiGLU clamp at LIMIT (0.0: none)
+    of the gate, before its activation or (LIMIT_AFTER) after it, and of h_u to [-LIMIT, LIMIT]; keep_g,
+    keep_u where the clamps pass a gradient (torch's clamp_backward: inside the bounds, not NaN); h_g the
+    value the activation's derivative reads."""
+    if LIMIT > 0.0:
+        keep_u = (hu >= -LIMIT) & (hu <= LIMIT)
+        hu = tl.where(hu < -LIMIT, -LIMIT, _clamp_max(hu, LIMIT))
+        if LIMIT_AFTER:
+            act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+            keep_g = act <= LIMIT
+            act = _clamp_max(act, LIMIT)
+        else:
+            keep_g = hg <= LIMIT
+            hg = _clamp_max(hg, LIMIT)
+            act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+    else:
+        act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+        keep_g = act == act  # unused without a clamp
+        keep_u = keep_g
+    return act, hu, keep_g, keep_u, hg
 
 
 @triton.jit
 def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                        ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+                        ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
+                        LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr,
                         BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The product act(h_g) * h_u on columns [c0, c0 + WIDTH) of the tile, dropped out and stored, in SPLIT
     column slices one after the other (as the grad kernel's epilogue)."""
@@ -184,11 +233,13 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         _gated_fwd_epilogue(hg0, hu0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                            ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _gated_fwd_epilogue(hg1, hu1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold,
-                            drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                            drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, WIDTH // 2,
+                            SPLIT // 2)
     else:
-        y = _act_fwd(hg, ACTIVATION, NEG_SLOPE) * hu
+        act, hu, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER)
+        y = act * hu
         offs_m = tl.arange(0, BLOCK_M)
         if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
             y = y * _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
@@ -202,7 +253,8 @@ def _gated_act_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
+    LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -213,13 +265,13 @@ def _gated_act_kernel(
                              flatten=True):
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                            HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                            EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                            HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                        HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                        HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -227,6 +279,7 @@ def _gated_grad_epilogue(
     hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
     seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (hg, hu hold them), in SPLIT
@@ -238,12 +291,12 @@ def _gated_grad_epilogue(
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         dot0 = _gated_grad_epilogue(
             hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
-            col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
-            ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT,
+            LIMIT_AFTER, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         dot1 = _gated_grad_epilogue(
             hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-            DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            LIMIT, LIMIT_AFTER, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
@@ -251,7 +304,8 @@ def _gated_grad_epilogue(
     mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
     offs = base + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+    # act and hu as the product reads them (clamped, with LIMIT); hg as the activation's derivative reads it
+    act, hu, keep_g, keep_u, hg = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER)
     dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if ROW_SCALE:  # a routed expert's output scaled per row by r: g is the unscaled g_out Wd
         # d r = a . (g_out Wd): this slice's share of the row dot
@@ -265,7 +319,14 @@ def _gated_grad_epilogue(
     elif STORE_ACT:
         tl.store(act_ptr + offs, (act * hu).to(act_ptr.dtype.element_ty), mask=mask)
     ghu = g * act
-    ghg = _act_grad(hg, g * hu, ACTIVATION, NEG_SLOPE)
+    if LIMIT > 0.0:  # the clamps pass no gradient outside their bounds (torch's order: see reference)
+        ghu = tl.where(keep_u, ghu, 0.0)
+        if LIMIT_AFTER:
+            ghg = _act_grad(hg, tl.where(keep_g, g * hu, 0.0), ACTIVATION, NEG_SLOPE)
+        else:
+            ghg = tl.where(keep_g, _act_grad(hg, g * hu, ACTIVATION, NEG_SLOPE), 0.0)
+    else:
+        ghg = _act_grad(hg, g * hu, ACTIVATION, NEG_SLOPE)
     tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
     tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -282,7 +343,7 @@ def _gated_act_grad_tile(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -296,7 +357,7 @@ def _gated_act_grad_tile(
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
         pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-        DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        LIMIT, LIMIT_AFTER, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
@@ -308,7 +369,7 @@ def _gated_act_grad_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -320,14 +381,14 @@ def _gated_act_grad_kernel(
             _gated_act_grad_tile(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT,
+                ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT,
+            ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -372,7 +433,7 @@ def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=No
         return out
     _, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     with _device_guard(x):
-        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, *scalars, **act_meta(activation), **meta)
+        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, *scalars, **gated_meta(activation), **meta)
     return out
 
 
@@ -406,12 +467,14 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     dscale = torch.empty((cdiv(H, cfg.BLOCK_N), M), device=x.device, dtype=torch.float32) if routed else None
     grad_a = grad_a.contiguous()
     fill = operands[0]  # an unused pointer argument is an input, never an output (see launcher)
+    act_args = gated_meta(activation)
+    meta["EPILOGUE_SPLIT"] = _clamp_split(meta["EPILOGUE_SPLIT"], cfg.BLOCK_N, act_args["LIMIT"])
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
             row_scale.contiguous() if routed else fill, dscale if routed else fill,
-            *scalars, STORE_ACT=store_act, ROW_SCALE=routed, **act_meta(activation), **meta,
+            *scalars, STORE_ACT=store_act, ROW_SCALE=routed, **act_args, **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows (cdiv(H, BLOCK_N) for dscale): deterministic
     out = ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
@@ -422,7 +485,7 @@ def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
     """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd; x (M, K), Wg/Wu (H, K), Wd (N, H);
     ``seed`` a 1-element int64 tensor when ``dropout_p > 0``."""
     assert x.dim() == 2, "gated_mlp_forward expects a 2-D x"
-    check_activation(activation)
+    split_gated(activation)
     a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed))
     return plain_gemm(a, w_down.t(), bias=b_down)   # never rerun: cuBLAS on CUDA
 
@@ -434,7 +497,7 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     needs is skipped: a frozen W_down drops dW_down and the store of a; when nothing left of
     the gate and up layers needs a gradient, the forward's kernel rebuilds a alone."""
     assert x.dim() == 2, "gated_mlp_backward expects a 2-D x"
-    check_activation(activation)
+    split_gated(activation)
     need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
     db_down = grad_out.sum(0, dtype=torch.float32).to(b_down.dtype) if b_down is not None and need_dbd else None
     if not (need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)):
@@ -518,7 +581,7 @@ def inspect_specs():
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
             constexprs = {
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
-                "DROPOUT": dropout,
+                "LIMIT": 0.0, "LIMIT_AFTER": False, "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "PERSISTENT": persistent,
             }
@@ -553,4 +616,17 @@ def inspect_specs():
               "config": {**base["config"], "row_scale": True},
               "aligned": [a for a in base["aligned"] if a not in ("scale_ptr", "M")]}
     specs.insert(0, routed)
+    # DeepSeek-V4's SwiGLU clamp: its experts (the routed variant) and its shared MLP (the widest forward and grad
+    # entries), the clamp before the activation and, for the grad, after it (Step-3.7's)
+    fwd = max((sp for sp in specs if sp["kernel"] == "_gated_act_kernel" and sp["arch"] == "sm_90"
+               and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"]
+               and not sp["constexprs"]["PERSISTENT"]), key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
+    for i, (spec, after) in enumerate(((routed, False), (base, False), (base, True), (fwd, False))):
+        split = spec["constexprs"]["EPILOGUE_SPLIT"]
+        if spec is not fwd:  # as gated_act_grad launches it
+            split = _clamp_split(split, spec["constexprs"]["BLOCK_N"], 10.0)
+        specs.insert(1 + i, {**spec, "constexprs": {**spec["constexprs"], "LIMIT": 10.0, "LIMIT_AFTER": after,
+                                                    "EPILOGUE_SPLIT": split},
+                             "config": {**spec["config"], "limit": 10.0, "EPILOGUE_SPLIT": split,
+                                        **({"limit_after": True} if after else {})}})
     return specs

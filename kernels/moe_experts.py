@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import _reference, check_activation, gemm_act_grad, plain_gemm
+from ._common import _reference, gemm_act_grad, plain_gemm
+from fusedrc.reference import split_gated
 from .fused_mlp import fused_mlp_forward
 from .gated_mlp import gated_act_grad, gated_mlp_forward, input_grads
 
@@ -72,7 +73,7 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
     """Same contract as ``fusedrc.reference.moe_experts_forward``."""
-    check_activation(activation)
+    split_gated(activation)
     return _reference().moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
                                          gated, up)
 
@@ -80,6 +81,6 @@ def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
                          gated=True, up=None):
     """Same contract as ``fusedrc.reference.moe_experts_backward``."""
-    check_activation(activation)
+    split_gated(activation)
     return _reference().moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out,
                                           activation, output_mask, gated, up)

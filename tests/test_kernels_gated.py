@@ -138,8 +138,10 @@ def test_gated_grad_epilogue_split(device):
         plain = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, "gelu", config=cfg)
         dropped = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, "gelu", config=cfg, dropout=(0.3, seed))
         routed = gated_mlp.gated_act_grad(x, wg, wu, None, None, ga, "silu", config=cfg, row_scale=scale)
+        # a SwiGLU clamp after the activation (its launches split a split tile's epilogue further: _clamp_split)
+        clamped = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, R.gated_name("silu", 0.3, True), config=cfg)
         assert torch.equal(gated_mlp.gated_act(x, wg, wu, bg, bu, "gelu", config=cfg, dropout=(0.3, seed)), dropped[2])
-        runs[split] = plain, dropped, routed
+        runs[split] = plain, dropped, routed, clamped
     for split in (2, 4):
         for got, want in zip(runs[split], runs[1]):
             for i in range(3):  # g_hg, g_hu, the product
@@ -148,6 +150,8 @@ def test_gated_grad_epilogue_split(device):
             assert rel_err(runs[split][0][i], runs[1][0][i]) < 1e-6
         assert rel_err(runs[split][2][5], runs[1][2][5]) < 1e-6  # d row_scale
     assert (runs[4][1][2] == 0).float().mean() > 0.2  # the mask really dropped
+    assert (gated_mlp._clamp_split(4, 128, 10.0), gated_mlp._clamp_split(4, 128, 0.0),
+            gated_mlp._clamp_split(1, 128, 10.0), gated_mlp._clamp_split(2, 64, 10.0)) == (8, 4, 1, 4)
 
 
 def test_gated_table_choice():
@@ -178,6 +182,61 @@ def test_gated_mlp_nan_propagates(device):
         out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act)
         ref = R.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act)
         assert torch.isnan(ref[3]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+def _clamped_torch(x, wg, bg, wu, bu, wd, bd, limit, after):
+    """The clamped SwiGLU as the models write it, in torch ops (autograd gives the oracle's gradients)."""
+    hg, hu = TF.linear(x, wg, bg), TF.linear(x, wu, bu).clamp(min=-limit, max=limit)
+    gate = TF.silu(hg).clamp(max=limit) if after else TF.silu(hg.clamp(max=limit))
+    return TF.linear(gate * hu, wd, bd)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before_act", "after_act"])
+def test_swiglu_clamp(after, device):
+    """A SwiGLU clamp at a limit that bites (DeepSeek-V4's before the activation, Step-3.7's after it): the
+    reference against torch's clamps through autograd in float64, the kernels against the reference in fp32
+    and fp16, the recomputed product equal to the forward's bit for bit, NaN propagated as in torch."""
+    act = R.gated_name("silu", 0.4, after)
+    args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
+    leaves = [t.clone().requires_grad_() for t in args[:7]]
+    want = _clamped_torch(*leaves, 0.4, after)
+    grads = torch.autograd.grad(want, leaves, args[7])
+    got = [R.gated_mlp_forward(*args[:7], act), *R.gated_mlp_backward(*args, act)]
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, [want, *grads]))
+    hu = TF.linear(args[0], args[3], args[4])
+    assert 0.2 < (hu.abs() > 0.4).double().mean() < 0.8  # the clamp bites
+    for dtype in (torch.float32, torch.float16):
+        _check_gated(*_inputs(37, 33, 50, 20, dtype, device), act, dtype)
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(40, 24, 36, 8, torch.float32, device)
+    a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
+    assert torch.equal(gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), act)[2], a)
+    x[3, 5] = float("nan")
+    out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act)
+    ref = _clamped_torch(x, wg, bg, wu, bu, wd, bd, 0.4, after)
+    assert torch.isnan(ref[3]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+def test_swiglu_clamp_through_the_op(device):
+    """``fusedrc.functional.gated_mlp(swiglu_limit=..., limit_after_act=...)`` on the Triton and reference
+    backends against torch's clamps; bad limits are named."""
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(21, 16, 24, 8, torch.float32, device)
+    for after in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
+        want = _clamped_torch(*leaves, 0.5, after)
+        grads = torch.autograd.grad(want, leaves, g)
+        for backend in ("triton", "reference"):
+            ours = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
+            with fusedrc.use_backend(backend):
+                y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=0.5, limit_after_act=after)
+                got = torch.autograd.grad(y, ours, g)
+            assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "7"):
+        with pytest.raises(ValueError, match="swiglu_limit"):
+            fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, swiglu_limit=bad)
+    with pytest.raises(TypeError, match="limit_after_act"):
+        fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, swiglu_limit=1.0, limit_after_act=1)
+    with pytest.raises(ValueError, match="activation"):
+        fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, activation="silu|limit=1.0")
 
 
 def test_gated_mlp_kernel_launches(device, monkeypatch):

@@ -42,8 +42,9 @@ def _weights(E, K, I, N, gated=True):
     return torch.randn(E, rows, K, dtype=torch.float64) * K ** -0.5, torch.randn(E, N, I, dtype=torch.float64) * I ** -0.5
 
 
-def _oracle(x, idx, w, gate_up, down, act, gated=True):
-    """Token by token, in float64, through autograd: out[t] = sum_j w[t, j] expert_idx[t, j](x[t])."""
+def _oracle(x, idx, w, gate_up, down, act, gated=True, limit=None, after=False):
+    """Token by token, in float64, through autograd: out[t] = sum_j w[t, j] expert_idx[t, j](x[t]) (with
+    ``limit``, the SwiGLU clamp as the models write it)."""
     I = down.shape[2]
     rows = []
     for t in range(x.shape[0]):
@@ -52,7 +53,11 @@ def _oracle(x, idx, w, gate_up, down, act, gated=True):
             e = int(idx[t, j])
             if not 0 <= e < gate_up.shape[0]:  # a skipped choice
                 continue
-            if gated:
+            if limit is not None:
+                g, u = x[t] @ gate_up[e, :I].T, (x[t] @ gate_up[e, I:].T).clamp(-limit, limit)
+                g = R.activation_forward(g, act).clamp(max=limit) if after else R.activation_forward(g.clamp(max=limit), act)
+                h = g * u
+            elif gated:
                 h = R.activation_forward(x[t] @ gate_up[e, :I].T, act) * (x[t] @ gate_up[e, I:].T)
             else:
                 h = R.activation_forward(x[t] @ gate_up[e].T, act)
@@ -61,7 +66,8 @@ def _oracle(x, idx, w, gate_up, down, act, gated=True):
     return torch.stack(rows)
 
 
-def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated=True, sentinels=()):
+def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated=True, sentinels=(), limit=None,
+           after=False):
     """``sentinels``: out-of-range indices put in place of some choices, run with ``skip_out_of_range``."""
     device = backend_device(backend)
     x = torch.randn(T, K, dtype=torch.float64)
@@ -71,14 +77,14 @@ def _check(backend, dtype, T, K, I, N, E, k, act, skip=None, repeat=False, gated
     gate_up, down = _weights(E, K, I, N, gated)
     g = torch.randn(T, N, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
-    ref = _oracle(leaves[0], idx, *leaves[1:], act, gated)
+    ref = _oracle(leaves[0], idx, *leaves[1:], act, gated, limit, after)
     ref_grads = torch.autograd.grad(ref, leaves, g)
     # the routing weights stay fp32 beside half activations (as a router's softmax gives them)
     ours = [t.to(device, torch.float64 if dtype == torch.float64 else torch.float32 if t is w else dtype)
             .requires_grad_() for t in (x, w, gate_up, down)]
     with fusedrc.use_backend(backend):
         y = F.moe_experts(ours[0], idx.to(device), *ours[1:], activation=act, gated=gated,
-                          skip_out_of_range=bool(sentinels))
+                          skip_out_of_range=bool(sentinels), swiglu_limit=limit, limit_after_act=after)
         grads = torch.autograd.grad(y, ours, g.to(device, dtype))
     assert y.dtype == dtype and y.shape == (T, N)
     assert rel_err(y, ref) < TOL[dtype], "out"
@@ -156,6 +162,31 @@ def test_up_projections_stored_apart(backend):
         F.moe_experts(x, idx, w, gate_up[:, :I], down, up_proj=gate_up[:, :I - 1])
     with pytest.raises(ValueError, match="up_proj is for gated experts"):
         F.moe_experts(x, idx, w, gate_up[:, :I], down, gated=False, up_proj=gate_up[:, I:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_swiglu_clamped_experts(backend):
+    """A SwiGLU clamp that bites (DeepSeek-V4's before the activation, Step-3.7's after it) on every expert:
+    output, input, routing-weight and weight gradients against the float64 oracle; ungated experts refuse it."""
+    for after in (False, True):
+        _check(backend, torch.float32, T=13, K=24, I=20, N=17, E=4, k=2, act="silu", skip=1, limit=0.3, after=after)
+    x, (up, down) = torch.randn(5, 8), (t.float() for t in _weights(4, 8, 6, 8, gated=False))
+    idx, w = _routing(5, 2, 4)
+    with pytest.raises(ValueError, match="ungated experts"):
+        F.moe_experts(x, idx, w.float(), up, down, gated=False, swiglu_limit=1.0)
+
+
+def test_narrow_index_dtypes():
+    """int8 / uint8 expert indices with as many experts as the dtype holds values (the sentinel num_experts
+    itself does not fit it)."""
+    x = torch.randn(6, 4)
+    for dtype, E in ((torch.int8, 128), (torch.uint8, 256)):
+        gate_up, down = (t.float() for t in _weights(E, 4, 2, 4))
+        idx = torch.tensor([[0, E - 1], [5, 7], [E - 1, 3], [1, 2], [E - 2, 0], [4, 6]])
+        w = torch.rand(6, 2)
+        want = F._moe_plain(x, idx, w, gate_up, down, "silu")
+        for skip in (False, True):
+            assert rel_err(F.moe_experts(x, idx.to(dtype), w, gate_up, down, skip_out_of_range=skip), want) < 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -398,6 +429,13 @@ def _moe_model(family):
                             attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                             ffn_config=dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2))
         return tr.DbrxForCausalLM(cfg), [f"transformer.blocks.{i}.ffn.experts" for i in range(2)]
+    if family == "deepseek_v4":  # its experts' and shared experts' SwiGLU clamped before the activation, biting
+        cfg = tr.DeepseekV4Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                  max_position_embeddings=64, swiglu_limit=0.05, mlp_layer_types=["moe", "moe"],
+                                  use_cache=False)
+        return tr.DeepseekV4ForCausalLM(cfg), [u for i in range(2) for u in (
+            experts[i], f"model.layers.{i}.mlp.shared_experts")]
     # Aria's experts keep their weights transposed (is_transposed): fused on the transposed views
     cfg = tr.AriaTextConfig(intermediate_size=24, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **common)
     shared = [f"model.layers.{i}.mlp.shared_experts" for i in range(2)]
@@ -696,6 +734,11 @@ def test_convert_longcat_flash_experts():
         ya, yb = experts(x, idx, w), fused(x, idx, w)
     assert ops.count == 1 and yb.dtype == ya.dtype and rel_err(yb, ya) < 2e-2
     assert fused(x[:0], idx[:0], w[:0]).shape == (0, 32)
+    for bad in (6, -1):  # past the zero experts, negative: the original's one_hot raises, so does the module's
+        with pytest.raises(RuntimeError):
+            experts(x, torch.where(idx == 2, bad, idx), w)
+        with pytest.raises(RuntimeError):
+            fused(x, torch.where(idx == 2, bad, idx), w)
     handle = fused.identity_expert.register_forward_hook(lambda *a: None)
     with _OpCount() as ops:
         assert rel_err(fused(x, idx, w), experts(x, idx, w)) < 1e-6
@@ -751,10 +794,10 @@ def test_convert_dbrx_experts():
 
 
 def test_convert_step3p7_clamped_swiglu():
-    """Step-3.7 (its text model: a dense layer, then MoE layers with a shared expert): experts and MLPs whose SwiGLU
-    clamp is off (limit +inf, its config's 0) are fused (the experts one experts call, the MLPs gated FFNs), the
-    layer with a finite limit is reported and left; loss and every gradient as the original's; a limit set finite
-    after convert runs the module's own forward, clamp included."""
+    """Step-3.7 (its text model: a dense layer, then MoE layers with a shared expert): its SwiGLU clamp after the
+    activation, off (limit +inf, its config's 0) or on (a limit that bites), runs in the fused ops
+    (``limit_after_act``): loss and every gradient as the original's; a limit changed after convert is read at each
+    call; a limit that is no number > 0 runs the module's own forward."""
     tr = _transformers()
     from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
@@ -769,29 +812,98 @@ def test_convert_step3p7_clamped_swiglu():
     plan = conv.fusedrc_plan
     assert [(u.name, u.kind) for u in plan.units if u.kind != "norm"] == [
         ("layers.0.mlp", "norm_gated_ffn"), ("layers.1.mlp.experts", "moe_experts"),
-        ("layers.1.mlp.shared_experts", "gated_ffn"), ("layers.2.mlp.shared_experts.gate_proj", "linear_act")]
-    assert dict(plan.skipped) == {f"layers.2.mlp.{m}": "it clamps its SwiGLU at self.limit = 0.05: no fused form"
-                                  for m in ("experts", "shared_experts")}
+        ("layers.1.mlp.shared_experts", "gated_ffn"), ("layers.2.mlp.experts", "moe_experts"),
+        ("layers.2.mlp.shared_experts", "gated_ffn")] and not plan.skipped
     ids = torch.randint(0, 64, (2, 12))
-    with _OpCount() as ops:
-        yb = conv(ids).last_hidden_state
-    ya = model(ids).last_hidden_state
-    assert ops.count == 1 and rel_err(yb, ya) < 1e-5
-    ya.square().sum().backward()
-    yb.square().sum().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
-        if p.grad is not None:
-            assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
-    for layer in (model, conv):  # a clamp that bites, set after convert
-        layer.layers[1].mlp.experts.limit = layer.layers[1].mlp.shared_experts.limit = 0.05
+    for step in range(2):  # the second with the limits of layer 1 changed after convert (one that bites)
+        with _OpCount() as ops:
+            yb = conv(ids).last_hidden_state
+        ya = model(ids).last_hidden_state
+        assert ops.count == 2 and rel_err(yb, ya) < 1e-5
+        model.zero_grad(), conv.zero_grad()
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
+            if p.grad is not None:
+                assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+        for layer in (model, conv):
+            layer.layers[1].mlp.experts.limit = layer.layers[1].mlp.shared_experts.limit = 0.02
+    for layer in (model, conv):  # no number > 0: the modules as they are
+        layer.layers[1].mlp.experts.limit = 0
     with _OpCount() as ops, torch.no_grad():
         yb, ya = conv(ids).last_hidden_state, model(ids).last_hidden_state
-    assert ops.count == 0 and rel_err(yb, ya) < 1e-5
+    assert ops.count == 1 and rel_err(yb, ya) < 1e-5
     other = copy.deepcopy(model.layers[1].mlp.experts)
-    other.limit = math.inf
     other.act_fn = nn.Tanh()
     with pytest.warns(UserWarning, match="no pattern found"):
         assert "activation Tanh has no fused form" in dict(fusedrc.convert(other).fusedrc_plan.skipped)[""]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "hy_v4"])
+def test_convert_swiglu_clamped_before_the_activation(family):
+    """DeepSeek-V4's and HY-V4's SwiGLU clamps before the activation (experts under transformers' experts interface
+    with their own ``_apply_gate``: ``self.act_fn`` or ``F.silu``; DeepSeek-V4's shared MLP; a limit that bites)
+    run in the fused ops: loss and every gradient as the original's, bytes no more than checkpoint's on the same
+    units; a limit changed after convert is read at each call."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+                  num_experts_per_tok=2, max_position_embeddings=64, swiglu_limit=0.05, use_cache=False)
+    if family == "deepseek_v4":
+        model = tr.DeepseekV4ForCausalLM(tr.DeepseekV4Config(num_local_experts=4, mlp_layer_types=["moe", "moe"],
+                                                             **common))
+        units = [u for i in range(2) for u in (f"model.layers.{i}.mlp.experts", f"model.layers.{i}.mlp.shared_experts")]
+    else:  # a dense first layer (its MLP unclamped), then experts gating with F.silu and a shared MLP
+        model = tr.HYV4ForCausalLM(tr.HYV4Config(moe_intermediate_size=16, num_experts=4, pad_token_id=0, **common))
+        units = ["model.layers.0.mlp", "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_experts"]
+    model.train()
+    ids = torch.randint(0, 64, (2, 12))
+    conv = fusedrc.convert(model, example_inputs=(ids,))
+    plan = conv.fusedrc_plan
+    assert fused_without_norms(plan) == units and not plan.skipped
+    assert plan.final_bytes <= saved_bytes(_set_impl(copy.deepcopy(conv), "checkpoint"), (ids,))
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    for step in range(2):  # the second with the experts' limits changed after convert
+        model.zero_grad(), conv.zero_grad()
+        with _OpCount() as ops:
+            lb = conv(ids, labels=ids).loss
+        la = model(ids, labels=ids).loss
+        assert ops.count == len(experts) and abs(la.item() - lb.item()) < 1e-5
+        la.backward()
+        lb.backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), conv.named_parameters()):
+            if p.grad is not None:
+                assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm() + 1e-7, name
+        for m in [*experts, *(m for m in conv.modules() if type(m).__name__ == "FusedExperts")]:
+            setattr(m, "limit" if family == "deepseek_v4" else "swiglu_limit", 0.02)
+
+
+def test_convert_glm5_next_clamped_mlp_and_experts():
+    """GLM-5-Next's MLP (``gate.clamp(min=None, max=L)`` through local variables) and experts (``F.silu``), each
+    converted alone: one fused op each, output and every gradient as the original's with a limit that bites."""
+    _transformers()
+    from transformers.models.glm5_next import modeling_glm5_next as M
+
+    torch.manual_seed(0)
+    cfg = M.Glm5NextTextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                               n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4,
+                               swiglu_limit=0.3, pad_token_id=0)
+    mlp, experts = M.Glm5NextTextMLP(cfg), M.Glm5NextTextExperts(cfg)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.2)
+    x = torch.randn(10, 32)
+    idx, w = _routing(10, 2, 4)
+    for module, args, kind in ((mlp, (x,), "gated_ffn"), (experts, (x, idx, w.float()), "moe_experts")):
+        conv = fusedrc.convert(module)
+        assert [u.kind for u in conv.fusedrc_plan.units] == [kind]
+        leaves = [[a.clone().requires_grad_() if a.is_floating_point() else a for a in args] for _ in range(2)]
+        ya, yb = module(*leaves[0]), conv(*leaves[1])
+        assert rel_err(yb, ya) < 1e-5
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        assert rel_err(leaves[1][0].grad, leaves[0][0].grad) < 1e-5
+        for (name, p), q in zip(module.named_parameters(), conv.parameters()):
+            assert rel_err(q.grad, p.grad) < 1e-5, name
 
 
 def test_jetmoe_top1_and_under_autocast():
