@@ -2948,8 +2948,9 @@ def _experts_clamp(m):
     a = _re.fullmatch(r"return (self\.act_fn|F\.silu)\(gate\) \* up", lines[4])
     if not (g and u and a and g.group(1) == u.group(1) == u.group(2)):
         return None
-    if a.group(1) == "F.silu":  # the module's F must be torch's functional
-        if getattr(_sys.modules.get(_class_of(m).__module__), "F", None) is not torch.nn.functional:
+    if a.group(1) == "F.silu":  # the F the method reads must be torch's functional (its own module's globals)
+        fn = _inspect.getattr_static(_class_of(m), "_apply_gate", None)
+        if getattr(fn, "__globals__", {}).get("F") is not torch.nn.functional:
             return None
         return g.group(1), "silu"
     return g.group(1), None
@@ -3271,7 +3272,8 @@ class FusedStep3p7Experts(Wrapper):
         site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
         if (site is None or not site.enabled or inside_region() or _step3p7_experts_reason(self) is not None
                 or not _nohooks(self, self.act_fn) or _act_name(self.act_fn) != act
-                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)):
+                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
+                or not _indices_below(idx, self.num_experts + 1)):  # else the original's one_hot raises
             return self.plain(*args, **kwargs)
         gate_up, down, limit = self.gate_up_proj, self.down_proj, _clamp_limit(self, "limit")
         # index num_experts, the expert-parallel sentinel, is skipped as the module's own loop skips it

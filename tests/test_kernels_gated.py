@@ -216,6 +216,28 @@ def test_swiglu_clamp(after, device):
     assert torch.isnan(ref[3]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_act", "after_act"])
+def test_swiglu_clamp_bounds(after, device):
+    """Gate and up pre-activations at the clamp's bounds exactly, just inside and outside them, at +-inf, 0 and NaN
+    (every pair; the biases set them: x and the weights are zero): the product and both pre-activations'
+    gradients as torch's clamps give them through autograd (bounds inclusive, a NaN passes none)."""
+    values = torch.tensor([-float("inf"), -5.0, -0.5, -0.4999, 0.0, 0.4999, 0.5, 0.5001, 5.0, float("inf"),
+                           float("nan")])
+    hg0, hu0 = torch.cartesian_prod(values, values).t()
+    H = hg0.numel()
+    x, w = torch.zeros(2, 8, device=device), torch.zeros(H, 8, device=device)
+    act = R.gated_name("silu", 0.5, after)
+    a = gated_mlp.gated_act(x, w, w, hg0.to(device), hu0.to(device), act)
+    ghg, ghu, a_bwd, _, _ = gated_mlp.gated_act_grad(x, w, w, hg0.to(device), hu0.to(device), torch.ones_like(a), act)
+    hg, hu = hg0.clone().requires_grad_(), hu0.clone().requires_grad_()
+    gate = TF.silu(hg).clamp(max=0.5) if after else TF.silu(hg.clamp(max=0.5))
+    want = gate * hu.clamp(min=-0.5, max=0.5)
+    want_hg, want_hu = torch.autograd.grad(want, (hg, hu), torch.ones_like(want))
+    for got, ref, name in ((a[0], want, "product"), (a_bwd[0], want, "recomputed product"), (ghg[0], want_hg, "g_hg"),
+                           (ghu[0], want_hu, "g_hu")):
+        assert torch.allclose(got.cpu(), ref.detach(), rtol=1e-6, atol=1e-7, equal_nan=True), name
+
+
 def test_swiglu_clamp_through_the_op(device):
     """``fusedrc.functional.gated_mlp(swiglu_limit=..., limit_after_act=...)`` on the Triton and reference
     backends against torch's clamps; bad limits are named."""

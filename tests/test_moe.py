@@ -55,7 +55,8 @@ def _oracle(x, idx, w, gate_up, down, act, gated=True, limit=None, after=False):
                 continue
             if limit is not None:
                 g, u = x[t] @ gate_up[e, :I].T, (x[t] @ gate_up[e, I:].T).clamp(-limit, limit)
-                g = R.activation_forward(g, act).clamp(max=limit) if after else R.activation_forward(g.clamp(max=limit), act)
+                g = (R.activation_forward(g, act).clamp(max=limit) if after
+                     else R.activation_forward(g.clamp(max=limit), act))
                 h = g * u
             elif gated:
                 h = R.activation_forward(x[t] @ gate_up[e, :I].T, act) * (x[t] @ gate_up[e, I:].T)
@@ -421,7 +422,8 @@ def _moe_model(family):
         cfg = tr.LongcatFlashConfig(num_layers=2, ffn_hidden_size=40, expert_ffn_hidden_size=24, n_routed_experts=4,
                                     zero_expert_num=2, moe_topk=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                                     qk_nope_head_dim=8, v_head_dim=8, head_dim=8,
-                                    **{k: v for k, v in common.items() if k not in ("num_hidden_layers", "num_key_value_heads")})
+                                    **{k: v for k, v in common.items()
+                                       if k not in ("num_hidden_layers", "num_key_value_heads")})
         return tr.LongcatFlashForCausalLM(cfg), [u for i in range(2) for u in (
             experts[i], f"model.layers.{i}.mlps.0", f"model.layers.{i}.mlps.1")]
     if family == "dbrx":  # gate w1, up v1 and down w2 as (E * F, hidden) stacks (up_proj apart, w2 transposed)
@@ -804,7 +806,7 @@ def test_convert_step3p7_clamped_swiglu():
     torch.manual_seed(0)
     cfg = tr.Step3p7TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=24,
-                               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                               n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
                                mlp_layer_types=["dense", "sparse", "sparse"], share_expert_dim=40,
                                swiglu_limits=[0, 0, 0.05], swiglu_limits_shared=[0, 0, 0.05], use_cache=False)
     model = Step3p7TextModel(cfg).train()
@@ -833,6 +835,12 @@ def test_convert_step3p7_clamped_swiglu():
     with _OpCount() as ops, torch.no_grad():
         yb, ya = conv(ids).last_hidden_state, model(ids).last_hidden_state
     assert ops.count == 1 and rel_err(yb, ya) < 1e-5
+    h, w = torch.randn(5, 32), torch.rand(5, 2)
+    for index in (-1, 5):  # the original's one_hot(num_classes=E + 1) raises; so does the converted module
+        idx = torch.tensor([[0, 1], [2, index], [3, 0], [1, 4], [2, 3]])
+        for m in (model.layers[2].mlp.experts, conv.layers[2].mlp.experts):
+            with pytest.raises(RuntimeError):
+                m(h, idx, w)
     other = copy.deepcopy(model.layers[1].mlp.experts)
     other.act_fn = nn.Tanh()
     with pytest.warns(UserWarning, match="no pattern found"):
@@ -854,7 +862,8 @@ def test_convert_swiglu_clamped_before_the_activation(family):
                                                              **common))
         units = [u for i in range(2) for u in (f"model.layers.{i}.mlp.experts", f"model.layers.{i}.mlp.shared_experts")]
     else:  # a dense first layer (its MLP unclamped), then experts gating with F.silu and a shared MLP
-        model = tr.HYV4ForCausalLM(tr.HYV4Config(moe_intermediate_size=16, num_experts=4, pad_token_id=0, **common))
+        model = tr.HYV4ForCausalLM(tr.HYV4Config(moe_intermediate_size=16, n_routed_experts=4, pad_token_id=0,
+                                                 **common))
         units = ["model.layers.0.mlp", "model.layers.1.mlp.experts", "model.layers.1.mlp.shared_experts"]
     model.train()
     ids = torch.randint(0, 64, (2, 12))
