@@ -67,7 +67,9 @@
 #            on); where the eager step's host time goes, function by function; the conv pattern's host
 #            enqueue time (the profile step, 120 s, and conv_grouped, 150 s, in a later call)
 #   session 2: test_convert (cut at 125 of 164 on 2026-11-27; its two fixes for transformers 5.17 were
-#            checked on the CPU only) with the default settings
+#            checked on the CPU only) with the default settings, and test_moe.py (session 34: the experts op's
+#            skipped choices, up projections apart and SwiGLU limits, and the gated kernels' LIMIT epilogues
+#            in test_kernels_gated.py's clamp tests, never run on a GPU)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
