@@ -226,15 +226,23 @@ def _is_conv1d(module):
 
 def _experts_flops(module, args, kwargs):
     """(the experts' forward, the gate and up projections a fused unit reruns in backward) in FLOPs."""
+    gate_up, down = _experts_weights(module)
+    return _routed_flops(args, kwargs, gate_up.shape[1:], down.shape[1:])
+
+
+def _routed_flops(args, kwargs, gate_up, down, count=None):
+    """(forward, rerun) FLOPs of an experts call ``(hidden_states, top_k_index, top_k_weights)``: each routed choice
+    (``count(top_k_index)`` of them; every choice by default) runs its gate and up GEMMs, ``gate_up`` (2I, K) an
+    expert (rerun in backward), and its down GEMM, ``down`` (N, I); (0, 0) for a call of another shape."""
     try:
         idx = _experts_args(*args, **kwargs)[1]
     except TypeError:
         return 0, 0
     if not isinstance(idx, torch.Tensor):
         return 0, 0
-    gate_up, down = _experts_weights(module)
-    rerun = 2 * idx.numel() * gate_up.shape[1] * gate_up.shape[2]
-    return rerun + 2 * idx.numel() * down.shape[1] * down.shape[2], rerun
+    n = idx.numel() if count is None else count(idx)
+    rerun = 2 * n * gate_up[0] * gate_up[1]
+    return rerun + 2 * n * down[0] * down[1], rerun
 
 
 def _measure_flops(model, example_inputs):
@@ -2927,12 +2935,20 @@ def _experts(ctx, name, m):
                 or down.shape[2] * (2 if m.has_gate else 1) != gate_up.shape[1]:
             reason = f"{'/'.join(names)} are not 3-D parameters of matching expert and intermediate sizes"
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
-    key = _RecomputeKey()
     act = (clamp[1] if clamp is not None and clamp[1] else _act_name(act)) if reason is None else None
-    new = _wrapped_unit(ctx, name, m, reason, FusedExperts, act, "experts", "moe_experts", (key,))
+    new = _experts_unit(ctx, name, m, reason, FusedExperts, act)
+    if reason is None:
+        new.__dict__["_fusedrc_clamp"] = clamp
+    return new
+
+
+def _experts_unit(ctx, name, m, reason, wrapper, act):
+    """``m`` as ``wrapper``, one fused experts unit whose recompute cost depends on the routing (the wrapper's
+    ``_fusedrc_flops``, measured per call); or, with a ``reason``, ``m`` itself and the reason in the plan."""
+    key = _RecomputeKey()
+    new = _wrapped_unit(ctx, name, m, reason, wrapper, act, "experts", "moe_experts", (key,))
     if reason is None:
         new.__dict__["_fusedrc_recompute"] = key
-        new.__dict__["_fusedrc_clamp"] = clamp
     return new
 
 
@@ -3115,19 +3131,13 @@ def _llama4_text_experts(ctx, name, m):
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
-    act = _act_name(getattr(m, "act_fn", None))
-    if not lines[0].startswith("def forward(self, hidden_states") or not _contains_run(lines, _LLAMA4_EXPERTS_LINES):
-        reason = f"{_class_of(m).__name__}.forward is not Llama 4's bmm experts"
-    elif act is None:
-        reason = f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused form"
-    elif not _nohooks(m, m.act_fn):
-        reason = "hooks registered on the modules"
-    else:
-        reason = _llama4_experts_reason(m)
-    key = _RecomputeKey()
-    new = _wrapped_unit(ctx, name, m, reason, FusedLlama4TextExperts, act, "experts", "moe_experts", (key,))
+    act = getattr(m, "act_fn", None)
+    reason = _rule_reason(
+        [(lines[0].startswith("def forward(self, hidden_states") and _contains_run(lines, _LLAMA4_EXPERTS_LINES),
+          f"{_class_of(m).__name__}.forward is not Llama 4's bmm experts")],
+        act, (m, act), lambda: _llama4_experts_reason(m))
+    new = _experts_unit(ctx, name, m, reason, FusedLlama4TextExperts, _act_name(act))
     if reason is None:
-        new.__dict__["_fusedrc_recompute"] = key
         new.__dict__["_fusedrc_arg"] = "hidden_states"
     return new
 
@@ -3141,15 +3151,9 @@ class FusedLongcatFlashExperts(Wrapper):
     inputs are kept, and a zero expert costs no GEMM."""
 
     def _fusedrc_flops(self, args, kwargs):
-        try:
-            idx = _experts_args(*args, **kwargs)[1]
-        except TypeError:
-            return 0, 0
-        if not isinstance(idx, torch.Tensor):
-            return 0, 0
-        routed = int((idx < self.num_routed_experts).sum())  # convert's planning pass: a sync is fine there
-        rerun = 2 * routed * self.gate_up_proj.shape[1] * self.gate_up_proj.shape[2]
-        return rerun + 2 * routed * self.down_proj.shape[1] * self.down_proj.shape[2], rerun
+        # the routed choices only (convert's planning pass: a sync is fine there)
+        return _routed_flops(args, kwargs, self.gate_up_proj.shape[1:], self.down_proj.shape[1:],
+                             lambda idx: int((idx < self.num_routed_experts).sum()))
 
     def forward(self, *args, **kwargs):
         try:
@@ -3232,21 +3236,13 @@ def _longcat_flash_experts(ctx, name, m):
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
-    act = _act_name(getattr(m, "act_fn", None))
-    if lines[0] != "def forward(self, hidden_states, top_k_index, top_k_weights):" \
-            or not _contains_run(lines, _LONGCAT_EXPERTS_LINES):
-        reason = f"{_class_of(m).__name__}.forward is not LongCat-Flash's experts loop"
-    elif act is None:
-        reason = f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused form"
-    elif not _nohooks(m, m.act_fn, *m._modules.values()):
-        reason = "hooks registered on the modules"
-    else:
-        reason = _longcat_experts_reason(m)
-    key = _RecomputeKey()
-    new = _wrapped_unit(ctx, name, m, reason, FusedLongcatFlashExperts, act, "experts", "moe_experts", (key,))
-    if reason is None:
-        new.__dict__["_fusedrc_recompute"] = key
-    return new
+    act = getattr(m, "act_fn", None)
+    reason = _rule_reason(
+        [(lines[0] == "def forward(self, hidden_states, top_k_index, top_k_weights):"
+          and _contains_run(lines, _LONGCAT_EXPERTS_LINES),
+          f"{_class_of(m).__name__}.forward is not LongCat-Flash's experts loop")],
+        act, (m, *m._modules.values()), lambda: _longcat_experts_reason(m))
+    return _experts_unit(ctx, name, m, reason, FusedLongcatFlashExperts, _act_name(act))
 
 
 class FusedStep3p7Experts(Wrapper):
@@ -3255,14 +3251,7 @@ class FusedStep3p7Experts(Wrapper):
     :func:`fusedrc.functional.moe_experts` call (``swiglu_limit``, ``limit_after_act``)."""
 
     def _fusedrc_flops(self, args, kwargs):
-        try:
-            idx = _experts_args(*args, **kwargs)[1]
-        except TypeError:
-            return 0, 0
-        if not isinstance(idx, torch.Tensor):
-            return 0, 0
-        rerun = 2 * idx.numel() * self.gate_up_proj.shape[1] * self.gate_up_proj.shape[2]
-        return rerun + 2 * idx.numel() * self.down_proj.shape[1] * self.down_proj.shape[2], rerun
+        return _routed_flops(args, kwargs, self.gate_up_proj.shape[1:], self.down_proj.shape[1:])
 
     def forward(self, *args, **kwargs):
         try:
@@ -3313,22 +3302,13 @@ def _step3p7_experts(ctx, name, m):
     lines, gate = _forward_lines(ctx, name, m), _source_lines(m, "_apply_gate")
     if lines is None:
         return m
-    act = _act_name(getattr(m, "act_fn", None))
-    if lines[0] != "def forward(" or not _contains_run(lines, _STEP3P7_EXPERTS_LINES):
-        reason = f"{_class_of(m).__name__}.forward is not Step-3.7's experts loop"
-    elif gate is None or gate[1:] != _STEP3P7_GATE_LINES:
-        reason = f"{_class_of(m).__name__}._apply_gate is not Step-3.7's clamped SwiGLU"
-    elif act is None:
-        reason = f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused form"
-    elif not _nohooks(m, m.act_fn):
-        reason = "hooks registered on the modules"
-    else:
-        reason = _step3p7_experts_reason(m)
-    key = _RecomputeKey()
-    new = _wrapped_unit(ctx, name, m, reason, FusedStep3p7Experts, act, "experts", "moe_experts", (key,))
-    if reason is None:
-        new.__dict__["_fusedrc_recompute"] = key
-    return new
+    act, cls = getattr(m, "act_fn", None), _class_of(m).__name__
+    reason = _rule_reason(
+        [(lines[0] == "def forward(" and _contains_run(lines, _STEP3P7_EXPERTS_LINES),
+          f"{cls}.forward is not Step-3.7's experts loop"),
+         (gate is not None and gate[1:] == _STEP3P7_GATE_LINES, f"{cls}._apply_gate is not Step-3.7's clamped SwiGLU")],
+        act, (m, act), lambda: _step3p7_experts_reason(m))
+    return _experts_unit(ctx, name, m, reason, FusedStep3p7Experts, _act_name(act))
 
 
 class FusedDbrxExperts(Wrapper):
@@ -3338,14 +3318,8 @@ class FusedDbrxExperts(Wrapper):
     expert): no copy of a weight, only the call's inputs kept."""
 
     def _fusedrc_flops(self, args, kwargs):
-        try:
-            idx = _experts_args(*args, **kwargs)[1]
-        except TypeError:
-            return 0, 0
-        if not isinstance(idx, torch.Tensor):
-            return 0, 0
-        rerun = 2 * idx.numel() * 2 * self.ffn_hidden_size * self.hidden_size
-        return rerun + 2 * idx.numel() * self.hidden_size * self.ffn_hidden_size, rerun
+        inter, hidden = self.ffn_hidden_size, self.hidden_size
+        return _routed_flops(args, kwargs, (2 * inter, hidden), (hidden, inter))
 
     def forward(self, *args, **kwargs):
         try:
@@ -3408,22 +3382,28 @@ def _dbrx_experts(ctx, name, m):
     if lines is None:
         return m
     mlp = m._modules.get("mlp")
-    glu, act = _source_lines(mlp), _act_name(getattr(mlp, "activation_fn", None))
-    if lines[0] != "def forward(" or not _contains_run(lines, _DBRX_EXPERTS_LINES):
-        reason = f"{_class_of(m).__name__}.forward is not DBRX's experts loop"
-    elif glu is None or not _contains_run(glu, _DBRX_GLU_LINES):
-        reason = f"its mlp's forward ({type(mlp).__name__}) is not DBRX's gated expert"
-    elif act is None:
-        reason = f"activation {type(getattr(mlp, 'activation_fn', None)).__name__} has no fused form"
-    elif not _nohooks(m, mlp, mlp.activation_fn):
-        reason = "hooks registered on the modules"
-    else:
-        reason = _dbrx_experts_reason(m)
-    key = _RecomputeKey()
-    new = _wrapped_unit(ctx, name, m, reason, FusedDbrxExperts, act, "experts", "moe_experts", (key,))
-    if reason is None:
-        new.__dict__["_fusedrc_recompute"] = key
-    return new
+    glu, act = _source_lines(mlp), getattr(mlp, "activation_fn", None)
+    reason = _rule_reason(
+        [(lines[0] == "def forward(" and _contains_run(lines, _DBRX_EXPERTS_LINES),
+          f"{_class_of(m).__name__}.forward is not DBRX's experts loop"),
+         (glu is not None and _contains_run(glu, _DBRX_GLU_LINES),
+          f"its mlp's forward ({type(mlp).__name__}) is not DBRX's gated expert")],
+        act, (m, mlp, act), lambda: _dbrx_experts_reason(m))
+    return _experts_unit(ctx, name, m, reason, FusedDbrxExperts, _act_name(act))
+
+
+def _rule_reason(code_checks, act, hooked, weights_reason):
+    """Why a rule that reads its module's code cannot fuse it, or None: the first failing ``(ok, reason)`` of
+    ``code_checks``, then an activation module ``act`` with no fused form, hooks on ``hooked``, then
+    ``weights_reason()`` (its parameters and sizes)."""
+    for ok, reason in code_checks:
+        if not ok:
+            return reason
+    if _act_name(act) is None:
+        return f"activation {type(act).__name__} has no fused form"
+    if not _nohooks(*hooked):
+        return "hooks registered on the modules"
+    return weights_reason()
 
 
 def _contains_run(lines, run):

@@ -700,6 +700,15 @@ def test_convert_llama4_experts():
     assert "forward is not Llama 4's bmm experts" in dict(plan.skipped)[""]
 
 
+def _assert_reported(module, change, reason):
+    """A copy of ``module`` that ``change`` alters converts to nothing, with ``reason`` in the plan."""
+    other = copy.deepcopy(module)
+    change(other)
+    with pytest.warns(UserWarning, match="no pattern found"):
+        plan = fusedrc.convert(other).fusedrc_plan
+    assert reason in dict(plan.skipped)[""]
+
+
 def test_convert_longcat_flash_experts():
     """LongCat-Flash's experts with identity ("zero") experts on the Triton backend (the interpreter on the
     CPU): one experts call a layer, the zero experts' choices skipped by the op and added as weight * x (a
@@ -751,11 +760,7 @@ def test_convert_longcat_flash_experts():
                            (lambda m: setattr(m, "num_routed_experts", 0), "no routed experts"),
                            (lambda m: setattr(m, "__class__", type("LongcatFlashExperts", (nn.Module,), {
                                "forward": lambda self, h, i, w: h})), "is not LongCat-Flash's experts loop")):
-        other = copy.deepcopy(experts)
-        change(other)
-        with pytest.warns(UserWarning, match="no pattern found"):
-            plan = fusedrc.convert(other).fusedrc_plan
-        assert reason in dict(plan.skipped)[""]
+        _assert_reported(experts, change, reason)
 
 
 def test_convert_dbrx_experts():
@@ -788,11 +793,7 @@ def test_convert_dbrx_experts():
     for change, reason in ((lambda m: setattr(m.mlp, "activation_fn", nn.Tanh()), "activation Tanh has no fused form"),
                            (lambda m: setattr(m.mlp, "__class__", type("DbrxExpertGLU", (nn.Module,), {
                                "forward": lambda self, x, w1, v1, w2: x})), "is not DBRX's gated expert")):
-        other = copy.deepcopy(experts)
-        change(other)
-        with pytest.warns(UserWarning, match="no pattern found"):
-            plan = fusedrc.convert(other).fusedrc_plan
-        assert reason in dict(plan.skipped)[""]
+        _assert_reported(experts, change, reason)
 
 
 def test_convert_step3p7_clamped_swiglu():
