@@ -49,8 +49,8 @@ How patterns are found
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts``,
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
-   ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's and HY-V4's clamped
-   ``_apply_gate`` under the interface); timm's MLPs of 1x1
+   ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's, HY-V4's and MiniMax-M3's
+   clamped ``_apply_gate`` under the interface; MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -133,6 +133,7 @@ import types
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -2641,7 +2642,8 @@ _OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down
                r"p=self\.(\w+), training=self\.training\)"
 # SwiGLU clamps at L = self.<attr>, the op's swiglu_limit (none while L is +inf): "clamped" Step-3.7's,
 # down_proj(act_fn(gate_proj(v)).clamp(max=L) * up_proj(v).clamp(min=-L, max=L)) (limit_after_act), "clamped_pre"
-# DeepSeek-V4's, GLM-5-Next's, down_proj(act_fn(gate_proj(v).clamp([min=None, ]max=L)) * up_proj(v).clamp(min=-L, max=L)).
+# DeepSeek-V4's, GLM-5-Next's,
+# down_proj(act_fn(gate_proj(v).clamp([min=None, ]max=L)) * up_proj(v).clamp(min=-L, max=L)).
 _CLAMP_FORMS = {"clamped": True, "clamped_pre": False}
 _CLAMPED = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\)\.clamp\(max=self\.(\w+)\) \* " \
            r"self\.up_proj\({v}\)\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)\)"
@@ -2828,6 +2830,60 @@ def _gate_up_mlp(ctx, name, m):
     return new
 
 
+class FusedClampedGluMLP(Wrapper):
+    """MiniMax-M3's dense MLP (``MiniMaxM3VLDenseMLP``): ``gate, up = gate_up_proj(x).chunk(2)``, both clamped at
+    ``swiglu_limit``, then ``down_proj((up + 1.0) * (gate * sigmoid(gate * swiglu_alpha)))``, as one fused gated
+    FFN on the row halves of ``gate_up_proj``'s weight (views), its limit and alpha read at each call."""
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        site, gu, d = self.sites.get("gated_ffn"), self.gate_up_proj, self.down_proj
+        gate_kwargs = _gate_kwargs(self, _MINIMAX_DENSE_GATE)
+        if (x is None or site is None or not site.enabled or not _nohooks(self, gu, d) or gate_kwargs is None
+                or not (is_linear(gu) and is_linear(d)) or gu.out_features != 2 * d.in_features
+                or not _dense_runtime_ok(x, gu, d)):
+            return self.plain(*args, **kwargs)
+        n, w, b = d.in_features, gu.weight, gu.bias
+        return _run_site(
+            site, lambda x: F.gated_mlp(x, w[:n], None if b is None else b[:n], w[n:], None if b is None else b[n:],
+                                        d.weight, d.bias, "silu", **gate_kwargs),
+            self.plain, x)
+
+
+_MINIMAX_DENSE_LINES = [
+    "gate_up = self.gate_up_proj(hidden_states)", "gate, up = gate_up.chunk(2, dim=-1)",
+    "gate = gate.clamp(max=self.swiglu_limit)", "up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)",
+    "glu = gate * torch.sigmoid(gate * self.swiglu_alpha)", "return self.down_proj((up + 1.0) * glu)"]
+
+
+@register_rule("MiniMaxM3VLDenseMLP")
+def _minimax_dense_mlp(ctx, name, m):
+    """MiniMax-M3's dense MLP (its forward checked line by line)."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    gu, d = m._modules.get("gate_up_proj"), m._modules.get("down_proj")
+    reads = getattr(_inspect.getattr_static(_class_of(m), "forward"), "__globals__", {})
+    if lines[0] != "def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:" \
+            or lines[1:] != _MINIMAX_DENSE_LINES or reads.get("torch") is not torch:
+        reason = f"{_class_of(m).__name__}.forward is not MiniMax-M3's dense MLP"
+    elif not (is_linear(gu) and is_linear(d)) or gu.out_features != 2 * d.in_features:
+        reason = "gate_up_proj/down_proj are not plain nn.Linear of matching shapes"
+    elif _gate_kwargs(m, _MINIMAX_DENSE_GATE) is None:
+        reason = "its swiglu_limit or swiglu_alpha is not a number > 0"
+    elif not _nohooks(m, gu, d):
+        reason = "hooks registered on the modules"
+    else:
+        reason = None
+    if reason is not None:
+        ctx.skip(name, reason)
+        return m
+    new = FusedClampedGluMLP.wrap(m)
+    new.__dict__["_fusedrc_act"], new.__dict__["_fusedrc_arg"] = "silu", "hidden_states"
+    _site_unit(ctx, new, name, "gated_ffn", "gated_ffn", (gu,))
+    return new
+
+
 class FusedExperts(Wrapper):
     """A Mixture-of-Experts layer's experts under transformers' experts interface
     (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE and the
@@ -2858,19 +2914,20 @@ class FusedExperts(Wrapper):
         site = self.sites.get("experts")
         # inside a recomputed region (a block) the original implementation: the region keeps only its
         # inputs already, and transformers' grouped_mm beats a plain per-expert loop
-        clamp = self.__dict__.get("_fusedrc_clamp")  # (limit attribute, fixed activation or None)
-        limit = _clamp_limit(self, clamp[0]) if clamp is not None else True
-        act_fn = self._modules.get("act_fn")  # GLM-5-Next's and HY-V4's experts gate with F.silu: none
+        form = self.__dict__.get("_fusedrc_clamp")  # a _GateForm: a clamped _apply_gate's
+        gate_kwargs = _gate_kwargs(self, form)  # its limit and alpha as they are now
+        act_fn = self._modules.get("act_fn")  # GLM-5-Next's, HY-V4's and MiniMax-M3's gate without it: none
         if (site is None or not site.enabled or not _nohooks(self, act_fn) or inside_region()
-                or self.__dict__.get("_is_expert_parallel", False)  # an instance flag (transformers 5.24; 5.17 has none)
-                or not (clamp is not None and clamp[1]) and _act_name(act_fn) != self.__dict__["_fusedrc_act"]
-                or limit is False or not _experts_runtime_ok(self, hs, idx, w)):
+                # an instance flag (transformers 5.24; 5.17 has none)
+                or self.__dict__.get("_is_expert_parallel", False)
+                or not (form is not None and form.act) and _act_name(act_fn) != self.__dict__["_fusedrc_act"]
+                or gate_kwargs is None or not _experts_runtime_ok(self, hs, idx, w)):
             return self.plain(*args, **kwargs)
         gate_up, down = _experts_weights(self)
-        act, gated, limit = self.__dict__["_fusedrc_act"], self.has_gate, None if limit is True else limit
+        act, gated = self.__dict__["_fusedrc_act"], self.has_gate
         # transformers' implementations return hidden_states' dtype, also under autocast
         return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act, gated=gated,
-                                                               swiglu_limit=limit).to(h.dtype),
+                                                               **gate_kwargs).to(h.dtype),
                          self.plain, hs, idx, w)
 
 
@@ -2920,9 +2977,10 @@ def _experts(ctx, name, m):
     elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"
                          and clamp is None):
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
-    elif clamp is not None and not _clamp_limit(m, clamp[0]):
-        reason = f"its SwiGLU limit self.{clamp[0]} = {getattr(m, clamp[0], None)!r} is not a number > 0"
-    elif not (clamp is not None and clamp[1]) and (not isinstance(act, nn.Module) or _act_name(act) is None):
+    elif clamp is not None and _gate_kwargs(m, clamp) is None:
+        reason = (f"its SwiGLU limit self.{clamp.limit} = {getattr(m, clamp.limit, None)!r} or alpha is not a number"
+                  " > 0")
+    elif not (clamp is not None and clamp.act) and (not isinstance(act, nn.Module) or _act_name(act) is None):
         reason = f"activation {type(act).__name__} has no fused form"
     elif not _nohooks(m, act):
         reason = "hooks registered on the modules"
@@ -2935,7 +2993,7 @@ def _experts(ctx, name, m):
                 or down.shape[2] * (2 if m.has_gate else 1) != gate_up.shape[1]:
             reason = f"{'/'.join(names)} are not 3-D parameters of matching expert and intermediate sizes"
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
-    act = (clamp[1] if clamp is not None and clamp[1] else _act_name(act)) if reason is None else None
+    act = (clamp.act if clamp is not None and clamp.act else _act_name(act)) if reason is None else None
     new = _experts_unit(ctx, name, m, reason, FusedExperts, act)
     if reason is None:
         new.__dict__["_fusedrc_clamp"] = clamp
@@ -2952,24 +3010,56 @@ def _experts_unit(ctx, name, m, reason, wrapper, act):
     return new
 
 
+class _GateForm(NamedTuple):
+    """A clamped SwiGLU ``_apply_gate`` of experts: its limit attribute, the activation it fixes (None:
+    ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``; None: none) and its up offset."""
+    limit: str
+    act: str | None = None
+    alpha: str | None = None
+    offset: float = 0.0
+
+
+_MINIMAX_DENSE_GATE = _GateForm("swiglu_limit", "silu", "swiglu_alpha", 1.0)
+
+
 def _experts_clamp(m):
-    """``(limit attribute, fixed activation or None)`` of experts whose ``_apply_gate`` is a SwiGLU clamped before
-    its activation on the halves of gate_up_proj, ``act(gate.clamp(max=L)) * up.clamp(-L, L)`` (DeepSeek-V4's with
-    ``self.act_fn``, GLM-5-Next's and HY-V4's with ``F.silu``: the fixed activation "silu"), else None."""
+    """The ``_GateForm`` of experts whose ``_apply_gate`` clamps a SwiGLU before its activation on the halves of
+    gate_up_proj, ``act(gate.clamp(max=L)) * up.clamp(-L, L)`` (DeepSeek-V4's with ``self.act_fn``, GLM-5-Next's
+    and HY-V4's with ``F.silu``), or ``(up + c) * (gate * torch.sigmoid(gate * self.<alpha>))`` on the clamped
+    halves (MiniMax-M3's); else None."""
     lines = _source_lines(m, "_apply_gate")
-    if lines is None or len(lines) != 5 or lines[1] != "gate, up = gate_up.chunk(2, dim=-1)":
+    if lines is None or len(lines) not in (5, 6) or lines[1] != "gate, up = gate_up.chunk(2, dim=-1)":
         return None
     g = _re.fullmatch(r"gate = gate\.clamp\((?:min=None, )?max=self\.(\w+)\)", lines[2])
     u = _re.fullmatch(r"up = up\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)", lines[3])
-    a = _re.fullmatch(r"return (self\.act_fn|F\.silu)\(gate\) \* up", lines[4])
-    if not (g and u and a and g.group(1) == u.group(1) == u.group(2)):
+    if not (g and u and g.group(1) == u.group(1) == u.group(2)):
         return None
-    if a.group(1) == "F.silu":  # the F the method reads must be torch's functional (its own module's globals)
-        fn = _inspect.getattr_static(_class_of(m), "_apply_gate", None)
-        if getattr(fn, "__globals__", {}).get("F") is not torch.nn.functional:
+    fn = _inspect.getattr_static(_class_of(m), "_apply_gate", None)
+    names = getattr(fn, "__globals__", {})  # the F or torch the method reads must be torch's
+    if len(lines) == 6:
+        glu = _re.fullmatch(r"glu = gate \* torch\.sigmoid\(gate \* self\.(\w+)\)", lines[4])
+        out = _re.fullmatch(r"return \(up \+ (\d+\.\d*)\) \* glu", lines[5])
+        if not (glu and out) or names.get("torch") is not torch:
             return None
-        return g.group(1), "silu"
-    return g.group(1), None
+        return _GateForm(g.group(1), "silu", glu.group(1), float(out.group(1)))
+    a = _re.fullmatch(r"return (self\.act_fn|F\.silu)\(gate\) \* up", lines[4])
+    if a is None or a.group(1) == "F.silu" and names.get("F") is not torch.nn.functional:
+        return None
+    return _GateForm(g.group(1), "silu" if a.group(1) == "F.silu" else None)
+
+
+def _gate_kwargs(m, form):
+    """``moe_experts``' keyword arguments for experts gating with ``form`` (None: none), their limit and alpha read
+    from ``m`` now; None where one is no number > 0 (the module's own forward runs)."""
+    if form is None:
+        return {}
+    limit = _clamp_limit(m, form.limit)
+    alpha = getattr(m, form.alpha, None) if form.alpha else None
+    if limit is False or form.alpha and not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)
+                                             and math.isfinite(alpha) and alpha > 0):
+        return None
+    return dict(swiglu_limit=None if limit is True else limit, swiglu_alpha=None if alpha is None else float(alpha),
+                up_offset=form.offset)
 
 
 class FusedJetMoeMoE(Wrapper):

@@ -237,7 +237,8 @@ def gated_mlp(
     x: Tensor, w_gate: Tensor, b_gate: Tensor | None, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
     b_down: Tensor | None, activation: str = "silu", dropout_p: float = 0.0, *, norm: str | None = None,
     norm_weight: Tensor | None = None, norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
-    swiglu_limit: float | None = None, limit_after_act: bool = False,
+    swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
+    up_offset: float = 0.0,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -274,7 +275,7 @@ def gated_mlp(
     _check_params(x, (w_gate, "w_gate", 2, False), (b_gate, "b_gate", 1, True), (w_up, "w_up", 2, False),
                   (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True),
                   (norm_weight, "norm_weight", 1, True), (norm_bias, "norm_bias", 1, True))
-    activation = _gated_activation(activation, swiglu_limit, limit_after_act)
+    activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset)
     dropout_p = check_probability(dropout_p, "dropout_p")
     norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
     (x, w_gate, b_gate, w_up, b_up, w_down, b_down), x_ffn = _ffn_autocast(
@@ -309,20 +310,33 @@ _LIMIT_DOC = """swiglu_limit: a clamp of the gated product's operands at this fi
             SwiGLU limit), in the kernels' epilogues, recomputed in backward like the rest; a clamped
             element passes no gradient, as through ``torch.clamp``.
         limit_after_act: clamp ``act(h_g)`` rather than ``h_g``: ``min(act(h_g), L) * clamp(h_u, -L, L)``
-            (Step-3.7's)."""
+            (Step-3.7's).
+        swiglu_alpha: with ``activation="silu"``, the gate's activation ``h * sigmoid(alpha h)`` (a finite
+            alpha > 0; MiniMax-M3's and gpt-oss's glu, alpha 1.702); None: ``activation`` itself.
+        up_offset: a number added to the (clamped) up projection, ``(clamp(h_u, -L, L) + c)`` (MiniMax-M3's
+            and gpt-oss's ``up + 1``)."""
 
 
-def _gated_activation(activation, swiglu_limit, limit_after_act):
+def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=None, up_offset=0.0):
     """The gated ops' activation string (``reference.gated_name``) of a public call's arguments, checked."""
     check_activation(activation)
     if not isinstance(limit_after_act, bool):
         raise TypeError(f"limit_after_act must be a bool, got {type(limit_after_act).__name__} {limit_after_act!r}")
-    if swiglu_limit is None:
-        return activation
-    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, numbers.Real) \
-            or not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
-        raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")
-    return reference.gated_name(activation, float(swiglu_limit), limit_after_act)
+
+    def real(v, name, what, ok):
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"{name} must be {what}, got {v!r}")
+        return float(v)
+
+    limit = real(swiglu_limit, "swiglu_limit", "a finite number > 0 or None", lambda v: v > 0)
+    alpha = real(swiglu_alpha, "swiglu_alpha", "a finite number > 0 or None", lambda v: v > 0)
+    offset = real(up_offset, "up_offset", "a finite number", lambda v: True)
+    if alpha is not None and activation != "silu":
+        raise ValueError(f"swiglu_alpha sets the slope of silu's sigmoid (h * sigmoid(alpha h)): it needs "
+                         f"activation='silu', got {activation!r}")
+    return reference.gated_name(activation, limit, limit_after_act, alpha, offset or 0.0)
 
 
 for _fn in (fused_mlp, gated_mlp):
@@ -378,7 +392,8 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
 def moe_experts(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False, up_proj: Tensor | None = None,
-    swiglu_limit: float | None = None, limit_after_act: bool = False,
+    swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
+    up_offset: float = 0.0,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -425,11 +440,11 @@ def moe_experts(
     check_tensor(hidden_states, "hidden_states", ndim=2)
     _check_params(hidden_states, (gate_up_proj, "gate_up_proj", 3, False), (down_proj, "down_proj", 3, False),
                   name_x="hidden_states")
-    activation = _gated_activation(activation, swiglu_limit, limit_after_act)
+    activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset)
     if not isinstance(gated, bool):
         raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
-    if swiglu_limit is not None and not gated:
-        raise ValueError("swiglu_limit clamps a gated product; ungated experts have none")
+    if (swiglu_limit is not None or swiglu_alpha is not None or up_offset) and not gated:
+        raise ValueError("swiglu_limit, swiglu_alpha and up_offset shape a gated product; ungated experts have none")
     apart = up_proj is not None
     if apart:
         _check_params(hidden_states, (up_proj, "up_proj", 3, False), name_x="hidden_states")

@@ -16,6 +16,7 @@ model's first layer). None means all.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,63 +101,103 @@ def check_activation(activation, name="activation") -> str:
     return activation
 
 
-# A gated FFN's activation may carry a clamp of its SwiGLU (the gated ops only): "<act>|limit=<L>" computes
-# act(min(h_g, L)) * clamp(h_u, -L, L) (DeepSeek-V4, GLM-5-Next, HY-V4), "<act>|limit_after=<L>"
-# min(act(h_g), L) * clamp(h_u, -L, L) (Step-3.7); L finite and > 0. ``gated_name`` writes them.
-_LIMIT_KINDS = {"limit": False, "limit_after": True}
+# A gated FFN's activation may carry options of its gated product, the gated ops only, each "|<key>=<value>":
+#   limit=<L>        act(min(h_g, L)) * clamp(h_u, -L, L) (DeepSeek-V4, GLM-5-Next, HY-V4)
+#   limit_after=<L>  min(act(h_g), L) * clamp(h_u, -L, L) (Step-3.7)
+#   alpha=<a>        the gate's activation h * sigmoid(a h), "silu" with a slope (MiniMax-M3's, gpt-oss's glu)
+#   up_offset=<c>    (h_u + c) after its clamp (MiniMax-M3's, gpt-oss's up + 1)
+# L and a finite and > 0, c finite. ``gated_name`` writes them.
+class GatedSpec(NamedTuple):
+    act: str
+    limit: float | None = None
+    after: bool = False
+    alpha: float | None = None
+    offset: float = 0.0
 
 
-def split_gated(activation, name="activation"):
-    """``(act, limit, after)`` of a gated FFN's activation: its activation name, the clamp's limit (None
-    without one) and whether the clamp follows the activation. A ``ValueError`` naming ``name`` otherwise."""
-    act, sep, clamp = activation.partition("|") if isinstance(activation, str) else (activation, "", "")
+def split_gated(activation, name="activation") -> GatedSpec:
+    """The ``GatedSpec`` of a gated FFN's activation string; a ``ValueError`` naming ``name`` otherwise."""
+    act, *options = activation.split("|") if isinstance(activation, str) else (activation,)
     split_activation(act, name)
-    if not sep:
-        return act, None, False
-    kind, eq, value = clamp.partition("=")
-    try:
-        limit = float(value) if eq and kind in _LIMIT_KINDS else math.nan
-    except ValueError:
-        limit = math.nan
-    if not (math.isfinite(limit) and limit > 0):
-        raise ValueError(f"{name}: a gated activation's clamp is '|limit=<L>' or '|limit_after=<L>' with a finite "
-                         f"L > 0, got {activation!r}")
-    return act, limit, _LIMIT_KINDS[kind]
+    spec = GatedSpec(act)
+    for option in options:
+        key, eq, value = option.partition("=")
+        try:
+            number = float(value) if eq else math.nan
+        except ValueError:
+            number = math.nan
+        positive = math.isfinite(number) and number > 0
+        if key in ("limit", "limit_after") and positive and spec.limit is None:
+            spec = spec._replace(limit=number, after=key == "limit_after")
+        elif key == "alpha" and positive and act == "silu" and spec.alpha is None:
+            spec = spec._replace(alpha=number)
+        elif key == "up_offset" and math.isfinite(number) and not spec.offset:
+            spec = spec._replace(offset=number)
+        else:
+            raise ValueError(f"{name}: a gated activation's options are '|limit=<L>' or '|limit_after=<L>', "
+                             f"'|alpha=<a>' (silu) and '|up_offset=<c>', L and a finite > 0, c finite, each once; "
+                             f"got {activation!r}")
+    return spec
 
 
-def gated_name(activation, limit=None, after=False) -> str:
-    """The gated ops' activation string of ``activation`` with a SwiGLU clamp at ``limit`` (None: none),
-    after the activation where ``after``."""
-    if limit is None:
-        return activation
-    return f"{activation}|{'limit_after' if after else 'limit'}={float(limit)!r}"
+def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0) -> str:
+    """The gated ops' activation string of ``activation`` with a SwiGLU clamp at ``limit`` (None: none), after
+    the activation where ``after``, the gate's activation ``h * sigmoid(alpha h)`` (None: ``activation``'s) and
+    ``offset`` added to the (clamped) up projection."""
+    parts = [activation]
+    if limit is not None:
+        parts.append(f"{'limit_after' if after else 'limit'}={float(limit)!r}")
+    if alpha is not None:
+        parts.append(f"alpha={float(alpha)!r}")
+    if offset:
+        parts.append(f"up_offset={float(offset)!r}")
+    return "|".join(parts)
+
+
+def _gate_forward(h, spec):
+    return h * torch.sigmoid(h * spec.alpha) if spec.alpha is not None else activation_forward(h, spec.act)
+
+
+def _gate_backward(grad, h, spec):
+    if spec.alpha is None:
+        return activation_backward(grad, h, spec.act)
+    s = torch.sigmoid(h * spec.alpha)  # autograd of h * sigmoid(h * alpha)
+    return grad * s + aten.sigmoid_backward(grad * h, s) * spec.alpha
 
 
 def gated_product(hg, hu, activation):
-    """The gated product ``act(h_g) * h_u``, clamped as the activation string says (torch ops: differentiable)."""
-    act, limit, after = split_gated(activation)
+    """The gated product ``act(h_g) * h_u`` with the activation string's options (torch ops: differentiable)."""
+    spec = split_gated(activation)
+    limit = spec.limit
+    if limit is not None:
+        hu = hu.clamp(-limit, limit)
+    if spec.offset:
+        hu = hu + spec.offset
     if limit is None:
-        return activation_forward(hg, act) * hu
-    hu = hu.clamp(-limit, limit)
-    if after:
-        return activation_forward(hg, act).clamp(max=limit) * hu
-    return activation_forward(hg.clamp(max=limit), act) * hu
+        return _gate_forward(hg, spec) * hu
+    if spec.after:
+        return _gate_forward(hg, spec).clamp(max=limit) * hu
+    return _gate_forward(hg.clamp(max=limit), spec) * hu
 
 
 def gated_product_backward(grad_a, hg, hu, activation):
     """``(grad_hg, grad_hu)`` of ``gated_product``, as autograd through its ops gives them (a clamped
     element, and a NaN one, passes no gradient through its clamp)."""
-    act, limit, after = split_gated(activation)
+    spec = split_gated(activation)
+    limit = spec.limit
+    hu_c = hu if limit is None else hu.clamp(-limit, limit)
+    if spec.offset:
+        hu_c = hu_c + spec.offset
     if limit is None:
-        return activation_backward(grad_a * hu, hg, act), grad_a * activation_forward(hg, act)
-    hu_c, keep_u = hu.clamp(-limit, limit), (hu >= -limit) & (hu <= limit)
-    if after:
-        a = activation_forward(hg, act)
-        grad_hg = activation_backward(torch.where(a <= limit, grad_a * hu_c, 0.0), hg, act)
+        return _gate_backward(grad_a * hu_c, hg, spec), grad_a * _gate_forward(hg, spec)
+    keep_u = (hu >= -limit) & (hu <= limit)
+    if spec.after:
+        a = _gate_forward(hg, spec)
+        grad_hg = _gate_backward(torch.where(a <= limit, grad_a * hu_c, 0.0), hg, spec)
         return grad_hg, torch.where(keep_u, grad_a * a.clamp(max=limit), 0.0)
     hg_c = hg.clamp(max=limit)
-    grad_hg = torch.where(hg <= limit, activation_backward(grad_a * hu_c, hg_c, act), 0.0)
-    return grad_hg, torch.where(keep_u, grad_a * activation_forward(hg_c, act), 0.0)
+    grad_hg = torch.where(hg <= limit, _gate_backward(grad_a * hu_c, hg_c, spec), 0.0)
+    return grad_hg, torch.where(keep_u, grad_a * _gate_forward(hg_c, spec), 0.0)
 
 
 # "none": the conv+BN op without an activation (a projection or downsample Conv-BN); not a public

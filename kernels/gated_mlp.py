@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family,
+    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _sigmoid,
     _column_halves, _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
     dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
     operand_class, plain_gemm, uses_aten_gemm, wanted,
@@ -69,10 +69,12 @@ _WHOLE = {
 
 
 def gated_meta(activation: str) -> dict:
-    """The dual kernels' activation constexprs: ``act_meta``'s, and the SwiGLU clamp's LIMIT (0.0: none; one
-    compile per limit) and LIMIT_AFTER of a gated activation string (``reference.split_gated``)."""
-    act, limit, after = split_gated(activation)
-    return dict(act_meta(act), LIMIT=0.0 if limit is None else limit, LIMIT_AFTER=after)
+    """The dual kernels' activation constexprs: ``act_meta``'s, and the gated product's options of a gated
+    activation string (``reference.split_gated``): the SwiGLU clamp's LIMIT (0.0: none; one compile per limit)
+    and LIMIT_AFTER, the gate's ALPHA (0.0: none) and UP_OFFSET."""
+    spec = split_gated(activation)
+    return dict(act_meta(spec.act), LIMIT=0.0 if spec.limit is None else spec.limit, LIMIT_AFTER=spec.after,
+                ALPHA=0.0 if spec.alpha is None else spec.alpha, UP_OFFSET=spec.offset)
 
 
 def gated_config(cfg, key=None):
@@ -179,7 +181,7 @@ def _gated_act_tile(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-    LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr,
+    LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -187,7 +189,8 @@ def _gated_act_tile(
         tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
-                        drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, BLOCK_N,
+                        drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                        BLOCK_N,
                         EPILOGUE_SPLIT)
 
 
@@ -198,34 +201,56 @@ def _clamp_max(v, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _gate_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr):
+    """The gate's activation: ``h * sigmoid(h * ALPHA)`` with ALPHA (MiniMax-M3's and gpt-oss's glu), else act(h)."""
+    if ALPHA > 0.0:
+        y = h * _sigmoid(h * ALPHA)
+    else:
+        y = _act_fwd(h, ACTIVATION, NEG_SLOPE)
+    return y
+
+
+@triton.jit
+def _gate_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr):
+    if ALPHA > 0.0:  # autograd of h * sigmoid(h * ALPHA): g s + ALPHA (g h) s (1 - s)
+        s = _sigmoid(h * ALPHA)
+        gh = g * s + ((g * h) * (s * (1.0 - s))) * ALPHA
+    else:
+        gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
+    return gh
+
+
+@triton.jit
 def _clamped_operands(hg, hu, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-                      LIMIT_AFTER: tl.constexpr):
+                      LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr):
     """(act, h_u, keep_g, keep_u, h_g) of the gated product act * h_u: a SwiGLU clamp at LIMIT (0.0: none)
-    of the gate, before its activation or (LIMIT_AFTER) after it, and of h_u to [-LIMIT, LIMIT]; keep_g,
-    keep_u where the clamps pass a gradient (torch's clamp_backward: inside the bounds, not NaN); h_g the
-    value the activation's derivative reads."""
+    of the gate, before its activation or (LIMIT_AFTER) after it, and of h_u to [-LIMIT, LIMIT], then h_u
+    + UP_OFFSET; keep_g, keep_u where the clamps pass a gradient (torch's clamp_backward: inside the bounds,
+    not NaN); h_g the value the activation's derivative reads."""
     if LIMIT > 0.0:
         keep_u = (hu >= -LIMIT) & (hu <= LIMIT)
         hu = tl.where(hu < -LIMIT, -LIMIT, _clamp_max(hu, LIMIT))
         if LIMIT_AFTER:
-            act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+            act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA)
             keep_g = act <= LIMIT
             act = _clamp_max(act, LIMIT)
         else:
             keep_g = hg <= LIMIT
             hg = _clamp_max(hg, LIMIT)
-            act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+            act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA)
     else:
-        act = _act_fwd(hg, ACTIVATION, NEG_SLOPE)
+        act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA)
         keep_g = act == act  # unused without a clamp
         keep_u = keep_g
+    if UP_OFFSET != 0.0:
+        hu = hu + UP_OFFSET
     return act, hu, keep_g, keep_u, hg
 
 
 @triton.jit
 def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
                         ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-                        LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr,
+                        LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
                         BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The product act(h_g) * h_u on columns [c0, c0 + WIDTH) of the tile, dropped out and stored, in SPLIT
     column slices one after the other (as the grad kernel's epilogue)."""
@@ -233,12 +258,14 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         _gated_fwd_epilogue(hg0, hu0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                            WIDTH // 2, SPLIT // 2)
         _gated_fwd_epilogue(hg1, hu1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold,
-                            drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, WIDTH // 2,
+                            drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT,
+                            BLOCK_M, WIDTH // 2,
                             SPLIT // 2)
     else:
-        act, hu, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER)
+        act, hu, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET)
         y = act * hu
         offs_m = tl.arange(0, BLOCK_M)
         if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
@@ -254,7 +281,7 @@ def _gated_act_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-    LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr,
+    LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -265,12 +292,14 @@ def _gated_act_kernel(
                              flatten=True):
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                            HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K,
+                            HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                            BLOCK_N, BLOCK_K,
                             GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                        HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K,
+                        HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                        BLOCK_N, BLOCK_K,
                         GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
@@ -279,7 +308,7 @@ def _gated_grad_epilogue(
     hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
     seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr,
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (hg, hu hold them), in SPLIT
@@ -292,11 +321,11 @@ def _gated_grad_epilogue(
         dot0 = _gated_grad_epilogue(
             hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT,
-            LIMIT_AFTER, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         dot1 = _gated_grad_epilogue(
             hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-            LIMIT, LIMIT_AFTER, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
@@ -305,7 +334,7 @@ def _gated_grad_epilogue(
     offs = base + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # act and hu as the product reads them (clamped, with LIMIT); hg as the activation's derivative reads it
-    act, hu, keep_g, keep_u, hg = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER)
+    act, hu, keep_g, keep_u, hg = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET)
     dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if ROW_SCALE:  # a routed expert's output scaled per row by r: g is the unscaled g_out Wd
         # d r = a . (g_out Wd): this slice's share of the row dot
@@ -322,11 +351,11 @@ def _gated_grad_epilogue(
     if LIMIT > 0.0:  # the clamps pass no gradient outside their bounds (torch's order: see reference)
         ghu = tl.where(keep_u, ghu, 0.0)
         if LIMIT_AFTER:
-            ghg = _act_grad(hg, tl.where(keep_g, g * hu, 0.0), ACTIVATION, NEG_SLOPE)
+            ghg = _gate_grad(hg, tl.where(keep_g, g * hu, 0.0), ACTIVATION, NEG_SLOPE, ALPHA)
         else:
-            ghg = tl.where(keep_g, _act_grad(hg, g * hu, ACTIVATION, NEG_SLOPE), 0.0)
+            ghg = tl.where(keep_g, _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA), 0.0)
     else:
-        ghg = _act_grad(hg, g * hu, ACTIVATION, NEG_SLOPE)
+        ghg = _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA)
     tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
     tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -343,7 +372,8 @@ def _gated_act_grad_tile(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
@@ -357,7 +387,7 @@ def _gated_act_grad_tile(
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
         pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-        LIMIT, LIMIT_AFTER, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
@@ -369,7 +399,8 @@ def _gated_act_grad_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
+    LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -381,13 +412,15 @@ def _gated_act_grad_kernel(
             _gated_act_grad_tile(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT,
+                drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
+                UP_OFFSET, DROPOUT,
                 ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, DROPOUT,
+            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
+            UP_OFFSET, DROPOUT,
             ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
@@ -581,7 +614,7 @@ def inspect_specs():
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
             constexprs = {
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
-                "LIMIT": 0.0, "LIMIT_AFTER": False, "DROPOUT": dropout,
+                "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "PERSISTENT": persistent,
             }
@@ -610,7 +643,8 @@ def inspect_specs():
     # (the widest tile: the most registers)
     base = max((sp for sp in specs if sp["kernel"] == "_gated_act_grad_kernel" and sp["arch"] == "sm_90"
                 and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"]
-                and not sp["constexprs"]["PERSISTENT"]), key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
+                and not sp["constexprs"]["PERSISTENT"]),
+                key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
     # as moe_experts launches it: SwiGLU, no bias, the scales a slice at any offset, any row count
     routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True, "HAS_BIAS": False, "ACTIVATION": "silu"},
               "config": {**base["config"], "row_scale": True},
@@ -620,13 +654,18 @@ def inspect_specs():
     # entries), the clamp before the activation and, for the grad, after it (Step-3.7's)
     fwd = max((sp for sp in specs if sp["kernel"] == "_gated_act_kernel" and sp["arch"] == "sm_90"
                and sp["dtype"] == torch.bfloat16 and not sp["constexprs"]["DROPOUT"]
-               and not sp["constexprs"]["PERSISTENT"]), key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
-    for i, (spec, after) in enumerate(((routed, False), (base, False), (base, True), (fwd, False))):
+               and not sp["constexprs"]["PERSISTENT"]),
+               key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
+    # and MiniMax-M3's experts: the clamp, the gate's alpha and the up offset
+    variants = ((routed, False, 0.0), (base, False, 0.0), (base, True, 0.0), (fwd, False, 0.0), (routed, False, 1.702))
+    for i, (spec, after, alpha) in enumerate(variants):
         split = spec["constexprs"]["EPILOGUE_SPLIT"]
         if spec is not fwd:  # as gated_act_grad launches it
             split = _clamp_split(split, spec["constexprs"]["BLOCK_N"], 10.0)
+        extra = {"ALPHA": alpha, "UP_OFFSET": 1.0} if alpha else {}
         specs.insert(1 + i, {**spec, "constexprs": {**spec["constexprs"], "LIMIT": 10.0, "LIMIT_AFTER": after,
-                                                    "EPILOGUE_SPLIT": split},
+                                                    "EPILOGUE_SPLIT": split, **extra},
                              "config": {**spec["config"], "limit": 10.0, "EPILOGUE_SPLIT": split,
-                                        **({"limit_after": True} if after else {})}})
+                                        **({"limit_after": True} if after else {}),
+                                        **({"alpha": alpha, "up_offset": 1.0} if alpha else {})}})
     return specs

@@ -238,6 +238,49 @@ def test_swiglu_clamp_bounds(after, device):
         assert torch.allclose(got.cpu(), ref.detach(), rtol=1e-6, atol=1e-7, equal_nan=True), name
 
 
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["no_limit", "limit"])
+def test_swiglu_alpha_and_up_offset(limit, device):
+    """MiniMax-M3's (and gpt-oss's) gated product, ``(clamp(h_u) + 1) * (g * sigmoid(g * alpha))`` on the clamped
+    gate: the reference against the model's torch ops through autograd in float64, the kernels against the
+    reference in fp32 and fp16, the recomputed product equal to the forward's bit for bit; through the op on
+    both backends; bad alphas and offsets are named."""
+    act = R.gated_name("silu", limit, False, 1.702, 1.0)
+
+    def model_ops(x, wg, bg, wu, bu, wd, bd):
+        gate, up = TF.linear(x, wg, bg), TF.linear(x, wu, bu)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return TF.linear((up + 1.0) * (gate * torch.sigmoid(gate * 1.702)), wd, bd)
+
+    args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
+    leaves = [t.clone().requires_grad_() for t in args[:7]]
+    want = model_ops(*leaves)
+    grads = torch.autograd.grad(want, leaves, args[7])
+    got = [R.gated_mlp_forward(*args[:7], act), *R.gated_mlp_backward(*args, act)]
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, [want, *grads]))
+    for dtype in (torch.float32, torch.float16):
+        _check_gated(*_inputs(37, 33, 50, 20, dtype, device), act, dtype)
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(21, 16, 24, 8, torch.float32, device)
+    a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
+    assert torch.equal(gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), act)[2], a)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
+    want = model_ops(*leaves)
+    grads = torch.autograd.grad(want, leaves, g)
+    for backend in ("triton", "reference"):
+        ours = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
+        with fusedrc.use_backend(backend):
+            y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=limit, swiglu_alpha=1.702, up_offset=1.0)
+            got = torch.autograd.grad(y, ours, g)
+        assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="swiglu_alpha"):
+            fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, swiglu_alpha=bad)
+    with pytest.raises(ValueError, match="up_offset"):
+        fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, up_offset=float("inf"))
+    with pytest.raises(ValueError, match="activation='silu'"):
+        fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, activation="gelu", swiglu_alpha=1.702)
+
+
 def test_swiglu_clamp_through_the_op(device):
     """``fusedrc.functional.gated_mlp(swiglu_limit=..., limit_after_act=...)`` on the Triton and reference
     backends against torch's clamps; bad limits are named."""

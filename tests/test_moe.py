@@ -19,7 +19,7 @@ from fusedrc import functional as F
 from fusedrc import reference as R
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
 
-from _utils import GemmCounter, SavedBytes, backend_device, fused_without_norms, rel_err
+from _utils import FusedOpLog, GemmCounter, SavedBytes, backend_device, fused_without_norms, rel_err
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 BACKENDS = ["reference", "triton"]
@@ -914,6 +914,62 @@ def test_convert_glm5_next_clamped_mlp_and_experts():
         assert rel_err(leaves[1][0].grad, leaves[0][0].grad) < 1e-5
         for (name, p), q in zip(module.named_parameters(), conv.parameters()):
             assert rel_err(q.grad, p.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_convert_minimax_m3_experts(backend):
+    """MiniMax-M3's experts (``_apply_gate``: the halves clamped, ``(up + 1.0) * (gate * sigmoid(gate * alpha))``)
+    as one fused experts call with the limit, alpha and offset: output and every gradient as the original's; an
+    alpha changed after convert is read at each call; one that is no number > 0 runs the module's forward."""
+    _transformers()
+    from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as C
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as M
+
+    torch.manual_seed(0)
+    cfg = C.MiniMaxM3VLTextConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                  swiglu_limit=0.5)
+    experts = M.MiniMaxM3VLExperts(cfg)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    conv = fusedrc.convert(experts)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
+    device = backend_device(backend)
+    experts.to(device), conv.to(device)
+    x = torch.randn(10, 32, device=device)
+    idx, w = (t.to(device) for t in _routing(10, 2, 4))
+    w = w.float()
+    for alpha, fused in ((1.702, 1), (1.0, 1), (0.0, 0)):
+        experts.swiglu_alpha = conv.swiglu_alpha = alpha
+        for m in (experts, conv):
+            m.zero_grad()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fusedrc.use_backend(backend), _OpCount() as ops:
+            ya, yb = experts(xa, idx, w), conv(xb, idx, w)
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+        assert ops.count == fused and rel_err(yb, ya) < 1e-5
+        assert rel_err(xb.grad, xa.grad) < 1e-5
+        for (name, p), q in zip(experts.named_parameters(), conv.parameters()):
+            assert rel_err(q.grad, p.grad) < 1e-5, name
+    # its dense MLP: one gated FFN on the halves of gate_up_proj, the same gate; a hook runs its forward
+    mlp = M.MiniMaxM3VLDenseMLP(cfg, intermediate_size=40).to(device)
+    conv = fusedrc.convert(mlp)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["gated_ffn"]
+    x = torch.randn(2, 5, 32, device=device)
+    for hooked in (False, True):
+        if hooked:
+            conv.down_proj.register_forward_hook(lambda *a: None)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        calls = []
+        with fusedrc.use_backend(backend), FusedOpLog(calls):
+            ya, yb = mlp(xa), conv(xb)
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+        assert bool(calls) != hooked and all(c.startswith("gated_mlp") for c in calls) and rel_err(yb, ya) < 1e-5
+        assert rel_err(xb.grad, xa.grad) < 1e-5
+        for (name, p), q in zip(mlp.named_parameters(), conv.parameters()):
+            assert rel_err(q.grad, p.grad) < 1e-5, name
+            p.grad = q.grad = None
 
 
 def test_jetmoe_top1_and_under_autocast():
