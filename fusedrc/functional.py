@@ -332,6 +332,8 @@ def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=No
 
     limit = real(swiglu_limit, "swiglu_limit", "a finite number > 0 or None", lambda v: v > 0)
     alpha = real(swiglu_alpha, "swiglu_alpha", "a finite number > 0 or None", lambda v: v > 0)
+    if up_offset is None:
+        raise ValueError("up_offset must be a finite number, got None")
     offset = real(up_offset, "up_offset", "a finite number", lambda v: True)
     if alpha is not None and activation != "silu":
         raise ValueError(f"swiglu_alpha sets the slope of silu's sigmoid (h * sigmoid(alpha h)): it needs "

@@ -16,6 +16,7 @@ model's first layer). None means all.
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple
 
 import torch
@@ -107,6 +108,9 @@ def check_activation(activation, name="activation") -> str:
 #   alpha=<a>        the gate's activation h * sigmoid(a h), "silu" with a slope (MiniMax-M3's, gpt-oss's glu)
 #   up_offset=<c>    (h_u + c) after its clamp (MiniMax-M3's, gpt-oss's up + 1)
 # L and a finite and > 0, c finite. ``gated_name`` writes them.
+_re_number = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
 class GatedSpec(NamedTuple):
     act: str
     limit: float | None = None
@@ -119,19 +123,21 @@ def split_gated(activation, name="activation") -> GatedSpec:
     """The ``GatedSpec`` of a gated FFN's activation string; a ``ValueError`` naming ``name`` otherwise."""
     act, *options = activation.split("|") if isinstance(activation, str) else (activation,)
     split_activation(act, name)
-    spec = GatedSpec(act)
+    spec, seen = GatedSpec(act), set()
     for option in options:
         key, eq, value = option.partition("=")
-        try:
-            number = float(value) if eq else math.nan
-        except ValueError:
-            number = math.nan
+        # a plain decimal number, as gated_name writes it (float() would also take "1_0", " 7", "inf")
+        number = float(value) if eq and _re_number.fullmatch(value) else math.nan
         positive = math.isfinite(number) and number > 0
-        if key in ("limit", "limit_after") and positive and spec.limit is None:
+        group = "limit" if key in ("limit", "limit_after") else key
+        if group in seen:
+            number, positive = math.nan, False  # each option once
+        seen.add(group)
+        if key in ("limit", "limit_after") and positive:
             spec = spec._replace(limit=number, after=key == "limit_after")
-        elif key == "alpha" and positive and act == "silu" and spec.alpha is None:
+        elif key == "alpha" and positive and act == "silu":
             spec = spec._replace(alpha=number)
-        elif key == "up_offset" and math.isfinite(number) and not spec.offset:
+        elif key == "up_offset" and math.isfinite(number):
             spec = spec._replace(offset=number)
         else:
             raise ValueError(f"{name}: a gated activation's options are '|limit=<L>' or '|limit_after=<L>', "

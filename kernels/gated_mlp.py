@@ -657,7 +657,8 @@ def inspect_specs():
                and not sp["constexprs"]["PERSISTENT"]),
                key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
     # and MiniMax-M3's experts: the clamp, the gate's alpha and the up offset
-    variants = ((routed, False, 0.0), (base, False, 0.0), (base, True, 0.0), (fwd, False, 0.0), (routed, False, 1.702))
+    variants = ((routed, False, 0.0), (base, False, 0.0), (base, True, 0.0), (fwd, False, 0.0), (routed, False, 1.702),
+                (fwd, False, 1.702))
     for i, (spec, after, alpha) in enumerate(variants):
         split = spec["constexprs"]["EPILOGUE_SPLIT"]
         if spec is not fwd:  # as gated_act_grad launches it

@@ -238,19 +238,22 @@ def test_swiglu_clamp_bounds(after, device):
         assert torch.allclose(got.cpu(), ref.detach(), rtol=1e-6, atol=1e-7, equal_nan=True), name
 
 
-@pytest.mark.parametrize("limit", [None, 0.5], ids=["no_limit", "limit"])
-def test_swiglu_alpha_and_up_offset(limit, device):
+@pytest.mark.parametrize("limit, after, offset", [(None, False, 1.0), (0.5, False, 1.0), (0.5, True, -0.5)],
+                         ids=["no_limit", "limit", "limit_after_negative_offset"])
+def test_swiglu_alpha_and_up_offset(limit, after, offset, device):
     """MiniMax-M3's (and gpt-oss's) gated product, ``(clamp(h_u) + 1) * (g * sigmoid(g * alpha))`` on the clamped
-    gate: the reference against the model's torch ops through autograd in float64, the kernels against the
-    reference in fp32 and fp16, the recomputed product equal to the forward's bit for bit; through the op on
-    both backends; bad alphas and offsets are named."""
-    act = R.gated_name("silu", limit, False, 1.702, 1.0)
+    gate (and the clamp after that activation, a negative offset): the reference against the model's torch ops
+    through autograd in float64, the kernels against the reference in fp32 and fp16, the recomputed product equal
+    to the forward's bit for bit; through the op on both backends; bad alphas, offsets and options are named."""
+    act = R.gated_name("silu", limit, after, 1.702, offset)
 
     def model_ops(x, wg, bg, wu, bu, wd, bd):
         gate, up = TF.linear(x, wg, bg), TF.linear(x, wu, bu)
         if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return TF.linear((up + 1.0) * (gate * torch.sigmoid(gate * 1.702)), wd, bd)
+            up = up.clamp(min=-limit, max=limit)
+            gate = gate if after else gate.clamp(max=limit)
+        glu = gate * torch.sigmoid(gate * 1.702)
+        return TF.linear((up + offset) * (glu.clamp(max=limit) if after else glu), wd, bd)
 
     args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
     leaves = [t.clone().requires_grad_() for t in args[:7]]
@@ -269,14 +272,20 @@ def test_swiglu_alpha_and_up_offset(limit, device):
     for backend in ("triton", "reference"):
         ours = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
         with fusedrc.use_backend(backend):
-            y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=limit, swiglu_alpha=1.702, up_offset=1.0)
+            y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=limit, limit_after_act=after, swiglu_alpha=1.702,
+                                             up_offset=offset)
             got = torch.autograd.grad(y, ours, g)
         assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="swiglu_alpha"):
             fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, swiglu_alpha=bad)
-    with pytest.raises(ValueError, match="up_offset"):
-        fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, up_offset=float("inf"))
+    for bad in (float("inf"), None):
+        with pytest.raises(ValueError, match="up_offset"):
+            fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, up_offset=bad)
+    for bad in ("silu|up_offset=0|up_offset=1.0", "silu|limit=7|limit_after=3", "silu|alpha=1_0", "silu|limit= 7",
+                "gelu|alpha=1.7"):  # each option once, plain numbers, alpha with silu
+        with pytest.raises(ValueError, match="gated activation's options"):
+            R.split_gated(bad)
     with pytest.raises(ValueError, match="activation='silu'"):
         fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, activation="gelu", swiglu_alpha=1.702)
 

@@ -918,9 +918,10 @@ def test_convert_glm5_next_clamped_mlp_and_experts():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_convert_minimax_m3_experts(backend):
-    """MiniMax-M3's experts (``_apply_gate``: the halves clamped, ``(up + 1.0) * (gate * sigmoid(gate * alpha))``)
-    as one fused experts call with the limit, alpha and offset: output and every gradient as the original's; an
-    alpha changed after convert is read at each call; one that is no number > 0 runs the module's forward."""
+    """MiniMax-M3's experts (``_apply_gate``: the halves clamped, ``(up + 1.0) * (gate * sigmoid(gate * alpha))``;
+    on the reference backend a subclass adding 2.5) as one fused experts call with the limit, alpha and offset:
+    output and every gradient as the original's; an alpha changed after convert is read at each call; one that is
+    no number > 0 runs the module's forward. Its dense MLP (a bias on gate_up_proj) likewise."""
     _transformers()
     from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as C
     from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as M
@@ -928,7 +929,15 @@ def test_convert_minimax_m3_experts(backend):
     torch.manual_seed(0)
     cfg = C.MiniMaxM3VLTextConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                   swiglu_limit=0.5)
-    experts = M.MiniMaxM3VLExperts(cfg)
+    class OffsetExperts(M.MiniMaxM3VLExperts):  # another up offset in the same code: read from the source
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            glu = gate * torch.sigmoid(gate * self.swiglu_alpha)
+            return (up + 2.5) * glu
+
+    experts = (M.MiniMaxM3VLExperts if backend == "triton" else OffsetExperts)(cfg)
     for p in experts.parameters():
         nn.init.normal_(p, std=0.3)
     conv = fusedrc.convert(experts)
@@ -952,7 +961,9 @@ def test_convert_minimax_m3_experts(backend):
         for (name, p), q in zip(experts.named_parameters(), conv.parameters()):
             assert rel_err(q.grad, p.grad) < 1e-5, name
     # its dense MLP: one gated FFN on the halves of gate_up_proj, the same gate; a hook runs its forward
-    mlp = M.MiniMaxM3VLDenseMLP(cfg, intermediate_size=40).to(device)
+    mlp = M.MiniMaxM3VLDenseMLP(cfg, intermediate_size=40)
+    mlp.gate_up_proj = nn.Linear(32, 80)  # with a bias: its halves go to the gate and the up projection
+    mlp.to(device)
     conv = fusedrc.convert(mlp)
     assert [u.kind for u in conv.fusedrc_plan.units] == ["gated_ffn"]
     x = torch.randn(2, 5, 32, device=device)
