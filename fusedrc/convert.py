@@ -47,7 +47,8 @@ How patterns are found
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
    (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
-   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's ``Llama4TextExperts``,
+   OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's
+   ``Llama4TextExperts``,
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
    ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's, HY-V4's and MiniMax-M3's
    clamped ``_apply_gate`` under the interface; MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
@@ -2543,12 +2544,17 @@ class FusedGatedMLP(Wrapper):
         """The dropout of the gated product the op runs in the "dropout" form; None (p = 0) otherwise."""
         return self._modules.get("dropout") if self.__dict__["_fusedrc_form"][0] == "dropout" else None
 
+    def _fusedrc_gate_kwargs(self):
+        """``gated_mlp``'s clamp arguments now (None where its limit is no number > 0)."""
+        kind, attr = self.__dict__["_fusedrc_form"]
+        form = _CLAMP_FORMS.get(kind)
+        return _gate_kwargs(self, form and form._replace(limit=attr))
+
     def _fusedrc_fusable(self, x):
         site, g, u, d, dropout = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj, \
             self._fusedrc_dropout()
-        kind, attr = self.__dict__["_fusedrc_form"]
         return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, dropout)
-                and fused_dropout_p(dropout) is not None and (kind not in _CLAMP_FORMS or _clamp_limit(self, attr))
+                and fused_dropout_p(dropout) is not None and self._fusedrc_gate_kwargs() is not None
                 and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
 
     def forward(self, *args, **kwargs):
@@ -2560,10 +2566,8 @@ class FusedGatedMLP(Wrapper):
 
         def fused(x, **norm):
             p = fused_dropout_p(self._fusedrc_dropout())
-            if kind in _CLAMP_FORMS:  # the clamp's limit as it is now (checked by _fusedrc_fusable)
-                limit = _clamp_limit(self, p_attr)
-                norm.update(swiglu_limit=None if limit is True else limit, limit_after_act=_CLAMP_FORMS[kind])
-            out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm)
+            out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm,
+                              **self._fusedrc_gate_kwargs())  # the clamp's limit as it is now
             if kind == "out_dropout":  # after the op, as the module's forward applies it
                 out = torch.nn.functional.dropout(out, p=getattr(self, p_attr), training=self.training)
             return out
@@ -2644,7 +2648,6 @@ _OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down
 # down_proj(act_fn(gate_proj(v)).clamp(max=L) * up_proj(v).clamp(min=-L, max=L)) (limit_after_act), "clamped_pre"
 # DeepSeek-V4's, GLM-5-Next's,
 # down_proj(act_fn(gate_proj(v).clamp([min=None, ]max=L)) * up_proj(v).clamp(min=-L, max=L)).
-_CLAMP_FORMS = {"clamped": True, "clamped_pre": False}
 _CLAMPED = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\)\.clamp\(max=self\.(\w+)\) \* " \
            r"self\.up_proj\({v}\)\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)\)"
 _CLAMPED_PRE = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\.clamp\((?:min=None, )?max=self\.(\w+)\)\) \* " \
@@ -2669,15 +2672,6 @@ def _gated_mlp_body(lines):
         return v, "dropout", None
     out = _re.fullmatch(_OUT_DROPOUT.format(core=_re.escape(core)), expr)
     return (v, "out_dropout", out.group(1)) if out is not None else None
-
-
-def _clamp_limit(m, attr):
-    """A clamped SwiGLU's limit ``m.<attr>`` as the op takes it: True for +inf (it clamps nothing), the float
-    for a finite one > 0, False for anything else (the module's forward runs)."""
-    limit = getattr(m, attr, None)
-    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not limit > 0:
-        return False
-    return True if limit == math.inf else float(limit)
 
 
 def _looks_gated_mlp(m):
@@ -2705,7 +2699,7 @@ def _gated_mlp(ctx, name, m):
     if kind == "out_dropout" and not isinstance(getattr(m, p_attr, None), numbers.Real):
         ctx.skip(name, f"the output dropout's p, self.{p_attr}, is not a number")
         return m
-    if kind in _CLAMP_FORMS and not _clamp_limit(m, p_attr):
+    if kind in _CLAMP_FORMS and _gate_kwargs(m, _CLAMP_FORMS[kind]._replace(limit=p_attr)) is None:
         ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")
         return m
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
@@ -2884,7 +2878,23 @@ def _minimax_dense_mlp(ctx, name, m):
     return new
 
 
-class FusedExperts(Wrapper):
+class _ExpertsCall(Wrapper):
+    """An experts module called as ``(hidden_states, top_k_index, top_k_weights)``: one fused experts call,
+    ``_fusedrc_fused(h, i, r)``, where its unit is on, outside a recomputed region (whose inputs are all it keeps
+    already) and ``_fusedrc_ok(h, i, r)`` holds; else, and for any other call, the module's own forward."""
+
+    def forward(self, *args, **kwargs):
+        try:
+            hs, idx, w = _experts_args(*args, **kwargs)
+        except TypeError:
+            return self.plain(*args, **kwargs)
+        site = self.sites.get("experts")
+        if site is None or not site.enabled or inside_region() or not self._fusedrc_ok(hs, idx, w):
+            return self.plain(*args, **kwargs)
+        return _run_site(site, self._fusedrc_fused, self.plain, hs, idx, w)
+
+
+class FusedExperts(_ExpertsCall):
     """A Mixture-of-Experts layer's experts under transformers' experts interface
     (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE and the
     other classes with stacked ``gate_up_proj``/``down_proj`` weights; Nemotron-H's ungated ``up_proj``
@@ -2906,29 +2916,23 @@ class FusedExperts(Wrapper):
     def _fusedrc_flops(self, args, kwargs):
         return _experts_flops(self, args, kwargs)
 
-    def forward(self, *args, **kwargs):
-        try:
-            hs, idx, w = _experts_args(*args, **kwargs)
-        except TypeError:
-            return self.plain(*args, **kwargs)
-        site = self.sites.get("experts")
-        # inside a recomputed region (a block) the original implementation: the region keeps only its
-        # inputs already, and transformers' grouped_mm beats a plain per-expert loop
+    # (inside a recomputed region the original implementation: transformers' grouped_mm beats a plain
+    # per-expert loop)
+    def _fusedrc_ok(self, hs, idx, w):
         form = self.__dict__.get("_fusedrc_clamp")  # a _GateForm: a clamped _apply_gate's
-        gate_kwargs = _gate_kwargs(self, form)  # its limit and alpha as they are now
         act_fn = self._modules.get("act_fn")  # GLM-5-Next's, HY-V4's and MiniMax-M3's gate without it: none
-        if (site is None or not site.enabled or not _nohooks(self, act_fn) or inside_region()
+        return (_nohooks(self, act_fn)
                 # an instance flag (transformers 5.24; 5.17 has none)
-                or self.__dict__.get("_is_expert_parallel", False)
-                or not (form is not None and form.act) and _act_name(act_fn) != self.__dict__["_fusedrc_act"]
-                or gate_kwargs is None or not _experts_runtime_ok(self, hs, idx, w)):
-            return self.plain(*args, **kwargs)
+                and not self.__dict__.get("_is_expert_parallel", False)
+                and (form is not None and form.act or _act_name(act_fn) == self.__dict__["_fusedrc_act"])
+                and _gate_kwargs(self, form) is not None and _experts_runtime_ok(self, hs, idx, w))
+
+    def _fusedrc_fused(self, h, i, r):
         gate_up, down = _experts_weights(self)
-        act, gated = self.__dict__["_fusedrc_act"], self.has_gate
-        # transformers' implementations return hidden_states' dtype, also under autocast
-        return _run_site(site, lambda h, i, r: F.moe_experts(h, i, r, gate_up, down, act, gated=gated,
-                                                               **gate_kwargs).to(h.dtype),
-                         self.plain, hs, idx, w)
+        # its limit and alpha as they are now; transformers' implementations return hidden_states' dtype, also
+        # under autocast
+        return F.moe_experts(h, i, r, gate_up, down, self.__dict__["_fusedrc_act"], gated=self.has_gate,
+                             **_gate_kwargs(self, self.__dict__.get("_fusedrc_clamp"))).to(h.dtype)
 
 
 # has_post_expert_norm came later (transformers 5.24 has it, 5.17 not): absent means no norm
@@ -3011,15 +3015,20 @@ def _experts_unit(ctx, name, m, reason, wrapper, act):
 
 
 class _GateForm(NamedTuple):
-    """A clamped SwiGLU ``_apply_gate`` of experts: its limit attribute, the activation it fixes (None:
-    ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``; None: none) and its up offset."""
+    """A clamped SwiGLU a module computes: its limit attribute, whether the clamp follows the activation, the
+    activation it fixes (None: ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``; None: none)
+    and its up offset."""
     limit: str
+    after: bool = False
     act: str | None = None
     alpha: str | None = None
     offset: float = 0.0
 
 
-_MINIMAX_DENSE_GATE = _GateForm("swiglu_limit", "silu", "swiglu_alpha", 1.0)
+_MINIMAX_DENSE_GATE = _GateForm("swiglu_limit", act="silu", alpha="swiglu_alpha", offset=1.0)
+_STEP3P7_GATE = _GateForm("limit", after=True)
+# the gated MLP rule's clamped forms (their limit: the attribute its code names)
+_CLAMP_FORMS = {"clamped": _GateForm("", after=True), "clamped_pre": _GateForm("")}
 
 
 def _experts_clamp(m):
@@ -3041,25 +3050,25 @@ def _experts_clamp(m):
         out = _re.fullmatch(r"return \(up \+ (\d+\.\d*)\) \* glu", lines[5])
         if not (glu and out) or names.get("torch") is not torch:
             return None
-        return _GateForm(g.group(1), "silu", glu.group(1), float(out.group(1)))
+        return _GateForm(g.group(1), act="silu", alpha=glu.group(1), offset=float(out.group(1)))
     a = _re.fullmatch(r"return (self\.act_fn|F\.silu)\(gate\) \* up", lines[4])
     if a is None or a.group(1) == "F.silu" and names.get("F") is not torch.nn.functional:
         return None
-    return _GateForm(g.group(1), "silu" if a.group(1) == "F.silu" else None)
+    return _GateForm(g.group(1), act="silu" if a.group(1) == "F.silu" else None)
 
 
 def _gate_kwargs(m, form):
-    """``moe_experts``' keyword arguments for experts gating with ``form`` (None: none), their limit and alpha read
-    from ``m`` now; None where one is no number > 0 (the module's own forward runs)."""
+    """The gated ops' clamp arguments (``swiglu_limit``, ...) of a module computing ``form`` (None: no clamp), its
+    limit and alpha read from ``m`` now (a limit of +inf clamps nothing); None where one is no number > 0 (the
+    module's own forward runs)."""
     if form is None:
         return {}
-    limit = _clamp_limit(m, form.limit)
-    alpha = getattr(m, form.alpha, None) if form.alpha else None
-    if limit is False or form.alpha and not (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)
-                                             and math.isfinite(alpha) and alpha > 0):
+    limit, alpha = getattr(m, form.limit, None), getattr(m, form.alpha, None) if form.alpha else 1.0
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0 for v in (limit, alpha)) \
+            or not math.isfinite(alpha):
         return None
-    return dict(swiglu_limit=None if limit is True else limit, swiglu_alpha=None if alpha is None else float(alpha),
-                up_offset=form.offset)
+    return dict(swiglu_limit=None if limit == math.inf else float(limit), limit_after_act=form.after,
+                swiglu_alpha=float(alpha) if form.alpha else None, up_offset=form.offset)
 
 
 class FusedJetMoeMoE(Wrapper):
@@ -3232,7 +3241,7 @@ def _llama4_text_experts(ctx, name, m):
     return new
 
 
-class FusedLongcatFlashExperts(Wrapper):
+class FusedLongcatFlashExperts(_ExpertsCall):
     """LongCat-Flash's experts (``LongcatFlashExperts``): routed gated experts, and identity ("zero")
     experts numbered after them whose output is the token scaled by its routing weight. The routed choices
     are one :func:`fusedrc.functional.moe_experts` call with ``skip_out_of_range=True`` on the first
@@ -3245,25 +3254,18 @@ class FusedLongcatFlashExperts(Wrapper):
         return _routed_flops(args, kwargs, self.gate_up_proj.shape[1:], self.down_proj.shape[1:],
                              lambda idx: int((idx < self.num_routed_experts).sum()))
 
-    def forward(self, *args, **kwargs):
-        try:
-            hs, idx, w = _experts_args(*args, **kwargs)
-        except TypeError:
-            return self.plain(*args, **kwargs)
-        site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
-        if (site is None or not site.enabled or inside_region() or _longcat_experts_reason(self) is not None
-                or not _nohooks(self, self.act_fn, self.identity_expert) or _act_name(self.act_fn) != act
-                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
-                or not _indices_below(idx, self.total_experts)):  # else the original raises (its one_hot)
-            return self.plain(*args, **kwargs)
+    def _fusedrc_ok(self, hs, idx, w):
+        return (_longcat_experts_reason(self) is None and _nohooks(self, self.act_fn, self.identity_expert)
+                and _act_name(self.act_fn) == self.__dict__["_fusedrc_act"]
+                and _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
+                and _indices_below(idx, self.total_experts))  # else the original raises (its one_hot)
+
+    def _fusedrc_fused(self, h, i, r):
         routed = self.num_routed_experts
-
-        def fused(h, i, r):
-            y = F.moe_experts(h, i, r, self.gate_up_proj[:routed], self.down_proj, act, skip_out_of_range=True)
-            zero = (r * (i >= routed)).sum(1, keepdim=True)  # the zero experts' weights, summed per token
-            return (y + h * zero).to(h.dtype)
-
-        return _run_site(site, fused, self.plain, hs, idx, w)
+        y = F.moe_experts(h, i, r, self.gate_up_proj[:routed], self.down_proj, self.__dict__["_fusedrc_act"],
+                          skip_out_of_range=True)
+        zero = (r * (i >= routed)).sum(1, keepdim=True)  # the zero experts' weights, summed per token
+        return (y + h * zero).to(h.dtype)
 
 
 def _indices_below(idx, n):
@@ -3335,7 +3337,7 @@ def _longcat_flash_experts(ctx, name, m):
     return _experts_unit(ctx, name, m, reason, FusedLongcatFlashExperts, _act_name(act))
 
 
-class FusedStep3p7Experts(Wrapper):
+class FusedStep3p7Experts(_ExpertsCall):
     """Step-3.7's experts (``Step3p7Experts``: transformers' stacked ``gate_up_proj``/``down_proj`` layout, its
     own loop, a SwiGLU clamped after its activation at ``self.limit``, +inf for "no clamp") as one
     :func:`fusedrc.functional.moe_experts` call (``swiglu_limit``, ``limit_after_act``)."""
@@ -3343,22 +3345,16 @@ class FusedStep3p7Experts(Wrapper):
     def _fusedrc_flops(self, args, kwargs):
         return _routed_flops(args, kwargs, self.gate_up_proj.shape[1:], self.down_proj.shape[1:])
 
-    def forward(self, *args, **kwargs):
-        try:
-            hs, idx, w = _experts_args(*args, **kwargs)
-        except TypeError:
-            return self.plain(*args, **kwargs)
-        site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
-        if (site is None or not site.enabled or inside_region() or _step3p7_experts_reason(self) is not None
-                or not _nohooks(self, self.act_fn) or _act_name(self.act_fn) != act
-                or not _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
-                or not _indices_below(idx, self.num_experts + 1)):  # else the original's one_hot raises
-            return self.plain(*args, **kwargs)
-        gate_up, down, limit = self.gate_up_proj, self.down_proj, _clamp_limit(self, "limit")
+    def _fusedrc_ok(self, hs, idx, w):
+        return (_step3p7_experts_reason(self) is None and _nohooks(self, self.act_fn)
+                and _act_name(self.act_fn) == self.__dict__["_fusedrc_act"]
+                and _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
+                and _indices_below(idx, self.num_experts + 1))  # else the original's one_hot raises
+
+    def _fusedrc_fused(self, h, i, r):
         # index num_experts, the expert-parallel sentinel, is skipped as the module's own loop skips it
-        return _run_site(site, lambda h, i, r: F.moe_experts(
-            h, i, r, gate_up, down, act, skip_out_of_range=True, swiglu_limit=None if limit is True else limit,
-            limit_after_act=True).to(h.dtype), self.plain, hs, idx, w)
+        return F.moe_experts(h, i, r, self.gate_up_proj, self.down_proj, self.__dict__["_fusedrc_act"],
+                             skip_out_of_range=True, **_gate_kwargs(self, _STEP3P7_GATE)).to(h.dtype)
 
 
 _STEP3P7_EXPERTS_LINES = [
@@ -3376,9 +3372,10 @@ _STEP3P7_GATE_LINES = ["gate, up = gate_up.chunk(2, dim=-1)", "gate = self.act_f
 
 def _step3p7_experts_reason(m):
     """Why Step-3.7's experts module ``m`` cannot be one fused experts call now, or None."""
-    if not _clamp_limit(m, "limit"):
+    if _gate_kwargs(m, _STEP3P7_GATE) is None:
         return f"its SwiGLU limit self.limit = {getattr(m, 'limit', None)!r} is not a number > 0"
-    gate_up, down, E = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj"), getattr(m, "num_experts", None)
+    gate_up, down = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
+    E = getattr(m, "num_experts", None)
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
             and gate_up.shape[0] == down.shape[0] == E and gate_up.shape[1] == 2 * down.shape[2]
             and gate_up.shape[2] == down.shape[1]):
@@ -3401,7 +3398,7 @@ def _step3p7_experts(ctx, name, m):
     return _experts_unit(ctx, name, m, reason, FusedStep3p7Experts, _act_name(act))
 
 
-class FusedDbrxExperts(Wrapper):
+class FusedDbrxExperts(_ExpertsCall):
     """DBRX's experts (``DbrxExperts``; its ``mlp``, a ``DbrxExpertGLU``, holds every expert's gate ``w1``,
     up ``v1`` and down ``w2`` projections as (num_experts * ffn_hidden_size, hidden) stacks) as one
     :func:`fusedrc.functional.moe_experts` call on views of them (``up_proj`` apart, ``w2`` transposed per
@@ -3411,26 +3408,19 @@ class FusedDbrxExperts(Wrapper):
         inter, hidden = self.ffn_hidden_size, self.hidden_size
         return _routed_flops(args, kwargs, (2 * inter, hidden), (hidden, inter))
 
-    def forward(self, *args, **kwargs):
-        try:
-            hs, idx, w = _experts_args(*args, **kwargs)
-        except TypeError:
-            return self.plain(*args, **kwargs)
-        site, act, mlp = self.sites.get("experts"), self.__dict__["_fusedrc_act"], self.mlp
-        if (site is None or not site.enabled or inside_region() or _dbrx_experts_reason(self) is not None
-                or not _nohooks(self, mlp, mlp.activation_fn) or _act_name(mlp.activation_fn) != act
-                or not (isinstance(hs, torch.Tensor) and hs.dim() >= 2 and hs.shape[-1] == self.hidden_size)
-                or not _routing_ok(hs.reshape(-1, self.hidden_size), idx, w, mlp.w1, mlp.w2)
-                or (mlp.v1.dtype, mlp.v1.device) != (mlp.w1.dtype, mlp.w1.device)):
-            return self.plain(*args, **kwargs)
-        split = (-1, self.ffn_hidden_size, self.hidden_size)
+    def _fusedrc_ok(self, hs, idx, w):
+        mlp = self.mlp
+        return (_dbrx_experts_reason(self) is None and _nohooks(self, mlp, mlp.activation_fn)
+                and _act_name(mlp.activation_fn) == self.__dict__["_fusedrc_act"]
+                and isinstance(hs, torch.Tensor) and hs.dim() >= 2 and hs.shape[-1] == self.hidden_size
+                and _routing_ok(hs.reshape(-1, self.hidden_size), idx, w, mlp.w1, mlp.w2)
+                and (mlp.v1.dtype, mlp.v1.device) == (mlp.w1.dtype, mlp.w1.device))
 
-        def fused(h, i, r):
-            y = F.moe_experts(h.reshape(-1, self.hidden_size), i, r, mlp.w1.view(split),
-                              mlp.w2.view(split).transpose(1, 2), act, up_proj=mlp.v1.view(split))
-            return y.to(h.dtype).view(h.shape[0], -1, self.hidden_size)
-
-        return _run_site(site, fused, self.plain, hs, idx, w)
+    def _fusedrc_fused(self, h, i, r):
+        mlp, split = self.mlp, (-1, self.ffn_hidden_size, self.hidden_size)
+        y = F.moe_experts(h.reshape(-1, self.hidden_size), i, r, mlp.w1.view(split), mlp.w2.view(split).transpose(1, 2),
+                          self.__dict__["_fusedrc_act"], up_proj=mlp.v1.view(split))
+        return y.to(h.dtype).view(h.shape[0], -1, self.hidden_size)
 
 
 # DbrxExperts.forward's lines and its DbrxExpertGLU's (transformers 5.x)

@@ -323,22 +323,19 @@ def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=No
     if not isinstance(limit_after_act, bool):
         raise TypeError(f"limit_after_act must be a bool, got {type(limit_after_act).__name__} {limit_after_act!r}")
 
-    def real(v, name, what, ok):
-        if v is None:
+    def real(v, name, positive):  # None passes where the number is optional (a positive one)
+        if v is None and positive:
             return None
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and ok(v)):
-            raise ValueError(f"{name} must be {what}, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or positive and v <= 0:
+            raise ValueError(f"{name} must be {'a finite number > 0 or None' if positive else 'a finite number'}, "
+                             f"got {v!r}")
         return float(v)
 
-    limit = real(swiglu_limit, "swiglu_limit", "a finite number > 0 or None", lambda v: v > 0)
-    alpha = real(swiglu_alpha, "swiglu_alpha", "a finite number > 0 or None", lambda v: v > 0)
-    if up_offset is None:
-        raise ValueError("up_offset must be a finite number, got None")
-    offset = real(up_offset, "up_offset", "a finite number", lambda v: True)
+    limit, alpha = real(swiglu_limit, "swiglu_limit", True), real(swiglu_alpha, "swiglu_alpha", True)
     if alpha is not None and activation != "silu":
         raise ValueError(f"swiglu_alpha sets the slope of silu's sigmoid (h * sigmoid(alpha h)): it needs "
                          f"activation='silu', got {activation!r}")
-    return reference.gated_name(activation, limit, limit_after_act, alpha, offset or 0.0)
+    return reference.gated_name(activation, limit, limit_after_act, alpha, real(up_offset, "up_offset", False))
 
 
 for _fn in (fused_mlp, gated_mlp):

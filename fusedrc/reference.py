@@ -171,39 +171,60 @@ def _gate_backward(grad, h, spec):
     return grad * s + aten.sigmoid_backward(grad * h, s) * spec.alpha
 
 
-def gated_product(hg, hu, activation):
-    """The gated product ``act(h_g) * h_u`` with the activation string's options (torch ops: differentiable)."""
+class GatedOperands(NamedTuple):
+    """What the gated product reads, as the kernels' ``_clamped_operands`` has it: ``gate`` (the gate's
+    activation, clamped), ``up`` (clamped, offset), where the clamps pass a gradient (None without a clamp), the
+    value the gate's derivative reads and the spec."""
+    gate: torch.Tensor
+    up: torch.Tensor
+    keep_g: torch.Tensor | None
+    keep_u: torch.Tensor | None
+    hg: torch.Tensor
+    spec: GatedSpec
+
+
+def gated_operands(hg, hu, activation) -> GatedOperands:
+    """The operands of the gated product ``gate * up`` with the activation string's options (torch ops:
+    differentiable); ``gated_product_backward`` reads them, so the activation runs once."""
     spec = split_gated(activation)
-    limit = spec.limit
-    if limit is not None:
+    limit, keep_g, keep_u = spec.limit, None, None
+    if limit is None:
+        gate = _gate_forward(hg, spec)
+    else:
+        keep_u = (hu >= -limit) & (hu <= limit)
         hu = hu.clamp(-limit, limit)
+        if spec.after:
+            gate = _gate_forward(hg, spec)
+            keep_g = gate <= limit
+            gate = gate.clamp(max=limit)
+        else:
+            keep_g = hg <= limit
+            hg = hg.clamp(max=limit)
+            gate = _gate_forward(hg, spec)
     if spec.offset:
         hu = hu + spec.offset
-    if limit is None:
-        return _gate_forward(hg, spec) * hu
-    if spec.after:
-        return _gate_forward(hg, spec).clamp(max=limit) * hu
-    return _gate_forward(hg.clamp(max=limit), spec) * hu
+    return GatedOperands(gate, hu, keep_g, keep_u, hg, spec)
 
 
-def gated_product_backward(grad_a, hg, hu, activation):
-    """``(grad_hg, grad_hu)`` of ``gated_product``, as autograd through its ops gives them (a clamped
-    element, and a NaN one, passes no gradient through its clamp)."""
-    spec = split_gated(activation)
-    limit = spec.limit
-    hu_c = hu if limit is None else hu.clamp(-limit, limit)
-    if spec.offset:
-        hu_c = hu_c + spec.offset
-    if limit is None:
-        return _gate_backward(grad_a * hu_c, hg, spec), grad_a * _gate_forward(hg, spec)
-    keep_u = (hu >= -limit) & (hu <= limit)
-    if spec.after:
-        a = _gate_forward(hg, spec)
-        grad_hg = _gate_backward(torch.where(a <= limit, grad_a * hu_c, 0.0), hg, spec)
-        return grad_hg, torch.where(keep_u, grad_a * a.clamp(max=limit), 0.0)
-    hg_c = hg.clamp(max=limit)
-    grad_hg = torch.where(hg <= limit, _gate_backward(grad_a * hu_c, hg_c, spec), 0.0)
-    return grad_hg, torch.where(keep_u, grad_a * _gate_forward(hg_c, spec), 0.0)
+def gated_product(hg, hu, activation):
+    """The gated product ``act(h_g) * h_u`` with the activation string's options (torch ops: differentiable)."""
+    o = gated_operands(hg, hu, activation)
+    return o.gate * o.up
+
+
+def gated_product_backward(grad_a, o: GatedOperands):
+    """``(grad_hg, grad_hu)`` of the gated product of operands ``o``, as autograd through its ops gives them (a
+    clamped element, and a NaN one, passes no gradient through its clamp; the order of the clamp's and the
+    activation's backward as torch's)."""
+    grad_hu = grad_a * o.gate
+    grad_gate = grad_a * o.up
+    if o.keep_u is not None:
+        grad_hu = torch.where(o.keep_u, grad_hu, 0.0)
+    if o.keep_g is None:
+        return _gate_backward(grad_gate, o.hg, o.spec), grad_hu
+    if o.spec.after:
+        return _gate_backward(torch.where(o.keep_g, grad_gate, 0.0), o.hg, o.spec), grad_hu
+    return torch.where(o.keep_g, _gate_backward(grad_gate, o.hg, o.spec), 0.0), grad_hu
 
 
 # "none": the conv+BN op without an activation (a projection or downsample Conv-BN); not a public
@@ -427,8 +448,10 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     hg = F.linear(x, w_gate, b_gate)
     hu = F.linear(x, w_up, b_up)
     factor = dropout_factor(seed, hg.shape, dropout_p, hg) if dropout_p != 0 else None
+    operands = gated_operands(hg, hu, activation)
+    del hg, hu
     if need_dwd:
-        a = gated_product(hg, hu, activation)
+        a = operands.gate * operands.up
         dw_down = grad_out.t().mm(a if factor is None else a.mul_(factor))
         del a
     else:
@@ -440,8 +463,8 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     if factor is not None:
         grad_a.mul_(factor)
         del factor
-    grad_hg, grad_hu = gated_product_backward(grad_a, hg, hu, activation)
-    del hg, hu, grad_a
+    grad_hg, grad_hu = gated_product_backward(grad_a, operands)
+    del operands, grad_a
     dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up)) if need_dx else None
     dw_gate = grad_hg.t().mm(x) if need_dwg else None
     dw_up = grad_hu.t().mm(x) if need_dwu else None
@@ -583,8 +606,8 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
     if w_gate is None:
         a = activation_forward(hu, activation)
     else:
-        hg = F.linear(x, w_gate)
-        a = gated_product(hg, hu, activation)
+        operands = gated_operands(F.linear(x, w_gate), hu, activation)
+        a = operands.gate * operands.up
     grad_y = grad_out.mm(w_down)  # unscaled
     acc = torch.promote_types(x.dtype, torch.float32)
     dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
@@ -594,7 +617,7 @@ def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need,
     if w_gate is None:
         grad_hu, grad_hg, dw_gate = activation_backward(grad_a, hu, activation), None, None
     else:
-        grad_hg, grad_hu = gated_product_backward(grad_a, hg, hu, activation)
+        grad_hg, grad_hu = gated_product_backward(grad_a, operands)
         dw_gate = _mm(grad_hg.t(), x, out[1]) if need_dgu else None
     if need_dx and grad_hg is not None:
         dx = _mm(grad_hg, w_gate, out[0]).addmm_(grad_hu, w_up)

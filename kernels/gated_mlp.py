@@ -190,8 +190,7 @@ def _gated_act_tile(
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
                         drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
-                        BLOCK_N,
-                        EPILOGUE_SPLIT)
+                        BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -262,8 +261,7 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
                             WIDTH // 2, SPLIT // 2)
         _gated_fwd_epilogue(hg1, hu1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold,
                             drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT,
-                            BLOCK_M, WIDTH // 2,
-                            SPLIT // 2)
+                            BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
         act, hu, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET)
         y = act * hu
@@ -293,14 +291,12 @@ def _gated_act_kernel(
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
                             HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
-                            BLOCK_N, BLOCK_K,
-                            GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                            BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
                         HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
-                        BLOCK_N, BLOCK_K,
-                        GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                        BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -413,15 +409,15 @@ def _gated_act_grad_kernel(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-                UP_OFFSET, DROPOUT,
-                ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+                EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
             drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-            UP_OFFSET, DROPOUT,
-            ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+            UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+            EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
