@@ -226,18 +226,22 @@ def _is_conv1d(module):
         and module.weight.dim() == 2 and module.weight.shape[1] == getattr(module, "nf", None)
 
 
+_EXPERTS_NAMES = ("hidden_states", "top_k_index", "top_k_weights")  # the experts interface's arguments
+
+
 def _experts_flops(module, args, kwargs):
     """(the experts' forward, the gate and up projections a fused unit reruns in backward) in FLOPs."""
     gate_up, down = _experts_weights(module)
-    return _routed_flops(args, kwargs, gate_up.shape[1:], down.shape[1:])
+    return _routed_flops(args, kwargs, gate_up.shape[1:], down.shape[1:],
+                         names=module.__dict__.get("_fusedrc_names", _EXPERTS_NAMES))
 
 
-def _routed_flops(args, kwargs, gate_up, down, count=None):
+def _routed_flops(args, kwargs, gate_up, down, count=None, names=_EXPERTS_NAMES):
     """(forward, rerun) FLOPs of an experts call ``(hidden_states, top_k_index, top_k_weights)``: each routed choice
     (``count(top_k_index)`` of them; every choice by default) runs its gate and up GEMMs, ``gate_up`` (2I, K) an
     expert (rerun in backward), and its down GEMM, ``down`` (N, I); (0, 0) for a call of another shape."""
     try:
-        idx = _experts_args(*args, **kwargs)[1]
+        idx = _experts_args(args, kwargs, names)[1]
     except TypeError:
         return 0, 0
     if not isinstance(idx, torch.Tensor):
@@ -2885,7 +2889,7 @@ class _ExpertsCall(Wrapper):
 
     def forward(self, *args, **kwargs):
         try:
-            hs, idx, w = _experts_args(*args, **kwargs)
+            hs, idx, w = _experts_args(args, kwargs, self.__dict__.get("_fusedrc_names", _EXPERTS_NAMES))
         except TypeError:
             return self.plain(*args, **kwargs)
         site = self.sites.get("experts")
@@ -2925,25 +2929,30 @@ class FusedExperts(_ExpertsCall):
                 # an instance flag (transformers 5.24; 5.17 has none)
                 and not self.__dict__.get("_is_expert_parallel", False)
                 and (form is not None and form.act or _act_name(act_fn) == self.__dict__["_fusedrc_act"])
-                and _gate_kwargs(self, form) is not None and _experts_runtime_ok(self, hs, idx, w))
+                and _gate_kwargs(self, form) is not None and _experts_runtime_ok(self, hs, idx, w)
+                and all(b is None or b.dtype == hs.dtype or torch.is_autocast_enabled(hs.device.type)
+                        for b in _experts_biases(self)))
 
     def _fusedrc_fused(self, h, i, r):
         gate_up, down = _experts_weights(self)
+        form = self.__dict__.get("_fusedrc_clamp")
+        gate_up_bias, down_bias = _experts_biases(self)
         # its limit and alpha as they are now; transformers' implementations return hidden_states' dtype, also
         # under autocast
         return F.moe_experts(h, i, r, gate_up, down, self.__dict__["_fusedrc_act"], gated=self.has_gate,
-                             **_gate_kwargs(self, self.__dict__.get("_fusedrc_clamp"))).to(h.dtype)
+                             gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias,
+                             interleaved=form is not None and form.interleaved, **_gate_kwargs(self, form)).to(h.dtype)
 
 
 # has_post_expert_norm came later (transformers 5.24 has it, 5.17 not): absent means no norm
 _EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
-def _experts_args(hidden_states, top_k_index, top_k_weights):
-    """An experts forward's arguments bound by a call (TypeError where they do not fit): dynamo before
-    torch 2.13 breaks the graph in ``Signature.bind``."""
-    return hidden_states, top_k_index, top_k_weights
-
-
-_EXPERTS_SIGNATURE = _inspect.signature(_experts_args)
+def _experts_args(args, kwargs, names=_EXPERTS_NAMES):
+    """An experts forward's three arguments bound by a call, ``names`` the forward's own parameter names
+    (gpt-oss's are (hidden_states, router_indices, routing_weights)); TypeError where they do not fit. By hand:
+    dynamo before torch 2.13 breaks the graph in ``Signature.bind``."""
+    if len(args) > 3 or set(kwargs) != set(names[len(args):]):
+        raise TypeError("not an experts call")
+    return (*args, *(kwargs[n] for n in names[len(args):]))
 
 
 def _experts_weights(m):
@@ -2951,6 +2960,16 @@ def _experts_weights(m):
     ungated one's up_proj (E, I, K) in gate_up's place."""
     gate_up, down = (m.gate_up_proj if m.has_gate else m.up_proj), m.down_proj
     return (gate_up.transpose(1, 2), down.transpose(1, 2)) if m.is_transposed else (gate_up, down)
+
+
+def _experts_bias_names(m):
+    return ("gate_up_proj_bias" if m.has_gate else "up_proj_bias", "down_proj_bias")
+
+
+def _experts_biases(m):
+    """(gate_up bias (E, 2I) or an ungated one's up bias (E, I), down bias (E, N)) of experts with biases (both
+    laid out the same whether the weights are stored transposed or not); (None, None) without."""
+    return tuple(getattr(m, n) for n in _experts_bias_names(m)) if m.has_bias else (None, None)
 
 
 def _experts_runtime_ok(m, hs, idx, w):
@@ -2971,15 +2990,15 @@ def _experts(ctx, name, m):
     gate = _inspect.getattr_static(cls, "_apply_gate", None)
     clamp = _experts_clamp(m) if m.has_gate and getattr(gate, "__name__", None) != "_default_apply_gate" else None
     act = getattr(m, "act_fn", None)  # gpt-oss's experts have none: they gate inline
-    own = _inspect.signature(cls.forward.__wrapped__).parameters
-    if list(own) != ["self", *_EXPERTS_SIGNATURE.parameters]:
-        reason = f"{cls.__name__}.forward takes ({', '.join(own)}), not (hidden_states, top_k_index, top_k_weights)"
-    elif m.has_bias:
-        reason = "experts with biases have no fused form yet"
+    own = list(_inspect.signature(cls.forward.__wrapped__).parameters.values())[1:]
+    if len(own) != 3 or own[0].name != "hidden_states" \
+            or any(p.kind is not _inspect.Parameter.POSITIONAL_OR_KEYWORD for p in own):
+        reason = (f"{cls.__name__}.forward takes (self, {', '.join(p.name for p in own)}), not (hidden_states, "
+                  "top_k_index, top_k_weights)")
     elif m.__dict__.get("has_post_expert_norm", False):
         reason = "a norm after each expert has no fused form"
-    elif m.has_gate and (not m.is_concatenated or getattr(gate, "__name__", None) != "_default_apply_gate"
-                         and clamp is None):
+    # the gate's code, not is_concatenated, says how gate_up's rows split: transformers' implementations all call it
+    elif m.has_gate and getattr(gate, "__name__", None) != "_default_apply_gate" and clamp is None:
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
     elif clamp is not None and _gate_kwargs(m, clamp) is None:
         reason = (f"its SwiGLU limit self.{clamp.limit} = {getattr(m, clamp.limit, None)!r} or alpha is not a number"
@@ -2996,11 +3015,15 @@ def _experts(ctx, name, m):
         if gate_up is None or down.shape[0] != gate_up.shape[0] \
                 or down.shape[2] * (2 if m.has_gate else 1) != gate_up.shape[1]:
             reason = f"{'/'.join(names)} are not 3-D parameters of matching expert and intermediate sizes"
+        elif m.has_bias and not all(isinstance(getattr(m, n, None), nn.Parameter) and tuple(getattr(m, n).shape)
+                                    == tuple(t.shape[:2]) for n, t in zip(_experts_bias_names(m), (gate_up, down))):
+            reason = f"{'/'.join(_experts_bias_names(m))} are not parameters of shapes (experts, output rows)"
     # the unit's cost: the gate and up projections its backward reruns (_experts_flops)
     act = (clamp.act if clamp is not None and clamp.act else _act_name(act)) if reason is None else None
     new = _experts_unit(ctx, name, m, reason, FusedExperts, act)
     if reason is None:
         new.__dict__["_fusedrc_clamp"] = clamp
+        new.__dict__["_fusedrc_names"] = tuple(p.name for p in own)
     return new
 
 
@@ -3016,13 +3039,14 @@ def _experts_unit(ctx, name, m, reason, wrapper, act):
 
 class _GateForm(NamedTuple):
     """A clamped SwiGLU a module computes: its limit attribute, whether the clamp follows the activation, the
-    activation it fixes (None: ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``; None: none)
-    and its up offset."""
+    activation it fixes (None: ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``; None: none),
+    its up offset, and whether gate and up alternate in the projection's output (gpt-oss's ``[..., ::2]``)."""
     limit: str
     after: bool = False
     act: str | None = None
     alpha: str | None = None
     offset: float = 0.0
+    interleaved: bool = False
 
 
 _MINIMAX_DENSE_GATE = _GateForm("swiglu_limit", act="silu", alpha="swiglu_alpha", offset=1.0)
@@ -3031,30 +3055,39 @@ _STEP3P7_GATE = _GateForm("limit", after=True)
 _CLAMP_FORMS = {"clamped": _GateForm("", after=True), "clamped_pre": _GateForm("")}
 
 
+_GATE_SPLITS = {"gate, up = gate_up.chunk(2, dim=-1)": False, "gate, up = gate_up[..., ::2], gate_up[..., 1::2]": True}
+
+
 def _experts_clamp(m):
     """The ``_GateForm`` of experts whose ``_apply_gate`` clamps a SwiGLU before its activation on the halves of
     gate_up_proj, ``act(gate.clamp(max=L)) * up.clamp(-L, L)`` (DeepSeek-V4's with ``self.act_fn``, GLM-5-Next's
     and HY-V4's with ``F.silu``), or ``(up + c) * (gate * torch.sigmoid(gate * self.<alpha>))`` on the clamped
-    halves (MiniMax-M3's); else None."""
+    halves (MiniMax-M3's, the OpenAI privacy filter's; gpt-oss's on the interleaved rows, its product named
+    before it is returned); else None."""
     lines = _source_lines(m, "_apply_gate")
-    if lines is None or len(lines) not in (5, 6) or lines[1] != "gate, up = gate_up.chunk(2, dim=-1)":
+    if lines is None or len(lines) not in (5, 6, 7) or lines[1] not in _GATE_SPLITS:
         return None
+    interleaved = _GATE_SPLITS[lines[1]]
     g = _re.fullmatch(r"gate = gate\.clamp\((?:min=None, )?max=self\.(\w+)\)", lines[2])
     u = _re.fullmatch(r"up = up\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)", lines[3])
     if not (g and u and g.group(1) == u.group(1) == u.group(2)):
         return None
     fn = _inspect.getattr_static(_class_of(m), "_apply_gate", None)
     names = getattr(fn, "__globals__", {})  # the F or torch the method reads must be torch's
-    if len(lines) == 6:
+    if len(lines) > 5:
         glu = _re.fullmatch(r"glu = gate \* torch\.sigmoid\(gate \* self\.(\w+)\)", lines[4])
-        out = _re.fullmatch(r"return \(up \+ (\d+\.\d*)\) \* glu", lines[5])
-        if not (glu and out) or names.get("torch") is not torch:
+        product = r"\(up \+ (\d+(?:\.\d*)?)\) \* glu"
+        out = _re.fullmatch(rf"return {product}", lines[5]) if len(lines) == 6 else _re.fullmatch(
+            rf"(\w+) = {product}", lines[5])
+        if not (glu and out) or len(lines) == 7 and lines[6] != f"return {out.group(1)}" \
+                or names.get("torch") is not torch:
             return None
-        return _GateForm(g.group(1), act="silu", alpha=glu.group(1), offset=float(out.group(1)))
+        return _GateForm(g.group(1), act="silu", alpha=glu.group(1), offset=float(out.group(len(lines) - 5)),
+                         interleaved=interleaved)
     a = _re.fullmatch(r"return (self\.act_fn|F\.silu)\(gate\) \* up", lines[4])
     if a is None or a.group(1) == "F.silu" and names.get("F") is not torch.nn.functional:
         return None
-    return _GateForm(g.group(1), act="silu" if a.group(1) == "F.silu" else None)
+    return _GateForm(g.group(1), act="silu" if a.group(1) == "F.silu" else None, interleaved=interleaved)
 
 
 def _gate_kwargs(m, form):

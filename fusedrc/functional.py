@@ -371,7 +371,8 @@ def _check_routing(x, top_k_index, top_k_weights, num_experts, skip_out_of_range
                              " identity experts)")
 
 
-def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
+def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, layout=reference.ExpertsLayout(), up=None,
+               gate_up_bias=None, down_bias=None):
     """The experts as plain torch ops (autograd, forward AD and torch.func see through them)."""
     order, tokens, counts = reference.route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -379,8 +380,8 @@ def _moe_plain(x, top_k_index, top_k_weights, gate_up, down, activation, gated=T
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            weights = reference.expert_weights(gate_up, down, e, gated, up)
-            y = reference.expert_forward(x[tokens[start:start + n]], *weights, activation)
+            weights = reference.expert_weights(e, layout, gate_up, down, up, gate_up_bias, down_bias)
+            y = reference.expert_forward(x[tokens[start:start + n]], weights, activation)
             outs.append(y.to(acc) * w[start:start + n, None])
             start += n
     outs.append(x.new_zeros((order.numel() - start, down.shape[1]), dtype=acc))  # the skipped slots
@@ -392,7 +393,8 @@ def moe_experts(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False, up_proj: Tensor | None = None,
     swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
-    up_offset: float = 0.0,
+    up_offset: float = 0.0, gate_up_proj_bias: Tensor | None = None, down_proj_bias: Tensor | None = None,
+    interleaved: bool = False,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -421,6 +423,14 @@ def moe_experts(
         up_proj: the up projections ``(num_experts, intermediate, hidden)`` where they are stored apart from
             the gate projections (DBRX's ``v1`` beside ``w1``): ``gate_up_proj`` then holds the gate
             projections alone, ``(num_experts, intermediate, hidden)``; no copy of either is made.
+        gate_up_proj_bias: optional per-expert biases of the gate and up projections, laid out as
+            ``gate_up_proj``'s rows: ``(num_experts, 2 * intermediate)`` (ungated: ``(num_experts,
+            intermediate)``); not with ``up_proj``.
+        down_proj_bias: optional ``(num_experts, out_features)``, each expert's down projection's bias
+            (scaled by the routing weight with the rest of the expert's output, as gpt-oss's).
+        interleaved: True where gate and up rows alternate in ``gate_up_proj`` and its bias (gate row
+            ``i`` at ``2i``, up row ``i`` at ``2i + 1``: gpt-oss's layout) rather than all gate rows
+            first; the kernels read the strided views, no copy.
         {limit}
 
     Returns:
@@ -453,6 +463,11 @@ def moe_experts(
         if up_proj.shape != gate_up_proj.shape:
             raise ValueError(f"up_proj must have gate_up_proj's shape {tuple(gate_up_proj.shape)} (the gate "
                              f"projections, with up_proj apart), got {tuple(up_proj.shape)}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__} {interleaved!r}")
+    if interleaved and (apart or not gated):
+        raise ValueError("interleaved says how gate_up_proj holds both the gate and the up projections: it needs "
+                         "gated experts without up_proj")
     E, rows, k_in = gate_up_proj.shape
     if (gated and not apart and rows % 2) or k_in != hidden_states.shape[1]:
         what = "2 * intermediate" if gated and not apart else "intermediate"
@@ -462,17 +477,28 @@ def moe_experts(
     if down_proj.shape[0] != E or down_proj.shape[2] != inter:
         raise ValueError(f"down_proj must have shape ({E}, out_features, {inter}) to match gate_up_proj's "
                          f"experts and intermediate size, got {tuple(down_proj.shape)}")
+    _check_params(hidden_states, (gate_up_proj_bias, "gate_up_proj_bias", 2, True),
+                  (down_proj_bias, "down_proj_bias", 2, True), name_x="hidden_states")
+    if gate_up_proj_bias is not None and apart:
+        raise ValueError("gate_up_proj_bias with up_proj apart has no up biases: experts with both are not supported")
+    for bias, name, shape in ((gate_up_proj_bias, "gate_up_proj_bias", (E, rows)),
+                              (down_proj_bias, "down_proj_bias", (E, down_proj.shape[1]))):
+        if bias is not None and tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (num_experts, the projection's output rows), "
+                             f"got {tuple(bias.shape)}")
     _check_routing(hidden_states, top_k_index, top_k_weights, E, skip_out_of_range)
-    x, gate_up_proj, down_proj, up_proj = _autocast(hidden_states, gate_up_proj, down_proj, up_proj)
-    check_same(x, "hidden_states", gate_up_proj, "gate_up_proj")
-    check_same(x, "hidden_states", down_proj, "down_proj")
-    if apart:
-        check_same(x, "hidden_states", up_proj, "up_proj")
+    x, gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias = _autocast(
+        hidden_states, gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias)
+    for t, name in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj"), (up_proj, "up_proj"),
+                    (gate_up_proj_bias, "gate_up_proj_bias"), (down_proj_bias, "down_proj_bias")):
+        if t is not None:
+            check_same(x, "hidden_states", t, name)
     args = (x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-    if needs_unfused(x, top_k_weights, gate_up_proj, down_proj, up_proj) or inside_region():
-        return _moe_plain(*args, gated, up_proj)
+    biases = (gate_up_proj_bias, down_proj_bias)
+    if needs_unfused(x, top_k_weights, gate_up_proj, down_proj, up_proj, *biases) or inside_region():
+        return _moe_plain(*args, reference.ExpertsLayout(gated, apart, interleaved), up_proj, *biases)
     backend = resolve_backend(x, "moe_experts", "moe_experts_forward")
-    return ops.pick("moe_experts", x, backend)(*args, backend, gated, up_proj)
+    return ops.pick("moe_experts", x, backend)(*args, backend, gated, up_proj, *biases, interleaved)
 
 
 def _check_training(training):

@@ -414,29 +414,34 @@ _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
 # custom ops under torch.compile, no triton_op twin (its body would be traced as the fake one).
 def _moe_experts_impl(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, activation: str,
-    backend: str, gated: bool = True, up: Optional[Tensor] = None,
+    backend: str, gated: bool = True, up: Optional[Tensor] = None, gate_up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None, interleaved: bool = False,
 ) -> Tensor:
     return _laid_out(get_impl(backend, "moe_experts", "moe_experts_forward")(
-        x, top_k_index, top_k_weights, gate_up, down, activation, gated, up))
+        x, top_k_index, top_k_weights, gate_up, down, activation, gated, up, gate_up_bias, down_bias, interleaved))
 
 
 moe_experts_op = _custom_op("moe_experts", _moe_experts_impl)
 
 
 @moe_experts_op.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend, gated=True, up=None):
+def _(x, top_k_index, top_k_weights, gate_up, down, activation, backend, gated=True, up=None, gate_up_bias=None,
+      down_bias=None, interleaved=False):
     return _empty((x.shape[0], down.shape[1]), x)
 
 
 def _moe_experts_backward_impl(
     x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor, grad_out: Tensor,
     activation: str, backend: str, output_mask: Optional[List[bool]] = None, gated: bool = True,
-    up: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    up: Optional[Tensor] = None, gate_up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None,
+    interleaved: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dtop_k_weights, dgate_up, ddown, dup, dgate_up_bias, ddown_bias); ``output_mask``: six flags (up's
+    gradient follows gate_up's)."""
     grads = get_impl(backend, "moe_experts", "moe_experts_backward")(
-        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask, gated, up)
-    # dup last (an empty tensor without up)
-    return tuple(_laid_out(_or_empty(g, x)) for g in (*grads[:4], grads[4] if up is not None else None))
+        x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask, gated, up, gate_up_bias,
+        down_bias, interleaved)
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
 moe_experts_backward_op = _custom_op("moe_experts_backward", _moe_experts_backward_impl)
@@ -444,28 +449,31 @@ moe_experts_backward_op = _custom_op("moe_experts_backward", _moe_experts_backwa
 
 @moe_experts_backward_op.register_fake
 def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backend, output_mask=None, gated=True,
-      up=None):
-    mask = None if output_mask is None else [*output_mask, output_mask[2]]
-    return _fake_grads((x, top_k_weights, gate_up, down, up), mask, x)
+      up=None, gate_up_bias=None, down_bias=None, interleaved=False):
+    m = output_mask
+    mask = None if m is None else [m[0], m[1], m[2], m[3], m[2], m[4], m[5]]
+    return _fake_grads((x, top_k_weights, gate_up, down, up, gate_up_bias, down_bias), mask, x)
 
 
 def _moe_experts_setup(ctx, inputs, output):
-    *tensors, activation, backend, gated, up = inputs
-    ctx.save_for_backward(*tensors, up)
-    ctx.activation, ctx.backend, ctx.gated = activation, backend, gated
+    x, top_k_index, top_k_weights, gate_up, down, activation, backend, gated, up, gate_up_bias, down_bias, \
+        interleaved = inputs
+    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, down, up, gate_up_bias, down_bias)
+    ctx.activation, ctx.backend, ctx.gated, ctx.interleaved = activation, backend, gated, interleaved
 
 
 def _moe_experts_backward(ctx, grad_out):
     _no_double_backward("moe_experts")
-    x, top_k_index, top_k_weights, gate_up, down, up = ctx.saved_tensors
-    mask = _output_mask(ctx, (0, 2, 3, 4, 8))
+    x, top_k_index, top_k_weights, gate_up, down, up, gate_up_bias, down_bias = ctx.saved_tensors
+    mask = _output_mask(ctx, (0, 2, 3, 4, 8, 9, 10))
     # up's gradient comes with gate_up's (one flag: the kernels emit both)
-    need = [*mask[:2], mask[2] or mask[4], mask[3]]
+    need = [mask[0], mask[1], mask[2] or mask[4], mask[3], mask[5], mask[6]]
     grads = pick("moe_experts_backward", x, ctx.backend)(
         x, top_k_index, top_k_weights, gate_up, down, grad_out.contiguous(), ctx.activation, ctx.backend, need,
-        ctx.gated, up)
-    dx, dw, dgu, dd, dup = _wanted_grads(grads, (x, top_k_weights, gate_up, down, up), mask)
-    return dx, None, dw, dgu, dd, None, None, None, dup
+        ctx.gated, up, gate_up_bias, down_bias, ctx.interleaved)
+    dx, dw, dgu, dd, dup, dgub, ddb = _wanted_grads(
+        grads, (x, top_k_weights, gate_up, down, up, gate_up_bias, down_bias), mask)
+    return dx, None, dw, dgu, dd, None, None, None, dup, dgub, ddb, None
 
 
 _AUTOGRAD["moe_experts"] = (_moe_experts_backward, _moe_experts_setup)

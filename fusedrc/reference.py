@@ -475,9 +475,31 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
 
 # --------------------------------------------------------------------------- routed experts (MoE)
 # Hugging Face's experts layout (transformers' ``use_experts_implementation``): gate_up (E, 2I, K)
-# holds each expert's gate rows then its up rows, down (E, N, I); token t's output is
+# holds each expert's gate rows then its up rows (or, interleaved, g0, u0, g1, u1, ...: gpt-oss's),
+# down (E, N, I), optional per-expert biases (E, 2I) and (E, N); token t's output is
 # sum_j w[t, j] * expert_{idx[t, j]}(x[t]). The loop over experts (``moe_forward_with`` /
 # ``moe_backward_with``) is shared by both backends; each passes its per-expert computation.
+class Expert(NamedTuple):
+    """One expert's weights, or their gradients: views of the stacked tensors; None where there is none (an
+    ungated expert's gate, a bias the experts lack, a gradient not wanted)."""
+    w_gate: torch.Tensor | None
+    w_up: torch.Tensor | None
+    w_down: torch.Tensor | None
+    b_gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+
+
+class ExpertsLayout(NamedTuple):
+    """How stacked experts hold their projections. ``gated`` False: ``gate_up`` holds the up projections alone
+    (and its bias the up biases). ``apart``: ``gate_up`` holds the gate projections alone, the up projections
+    are a tensor of their own (DBRX's). ``interleaved``: gate and up rows alternate in ``gate_up`` and its bias
+    (gpt-oss's); else the gate rows come first."""
+    gated: bool = True
+    apart: bool = False
+    interleaved: bool = False
+
+
 def route(top_k_index, num_experts):
     """(order, tokens, counts) of a (T, k) expert choice: the T*k slots sorted by expert (stable),
     each sorted slot's token, and the number of slots of each expert (a list: one host sync). A slot
@@ -491,18 +513,25 @@ def route(top_k_index, num_experts):
     return order, torch.div(order, top_k_index.shape[1], rounding_mode="floor"), counts
 
 
-def expert_weights(gate_up, down, e, gated=True, up=None):
-    """(w_gate, w_up, w_down) of expert ``e``: views of the stacked weights (or of their stacked
-    gradients); w_gate None for ungated experts (``gate_up`` then holds the up projections alone),
-    w_down None without ``down``; with ``up`` (up projections stored apart, DBRX's) ``gate_up`` holds the
-    gate projections alone."""
-    w_down = None if down is None else down[e]
-    if up is not None:
-        return gate_up[e], up[e], w_down
-    if not gated:
-        return None, gate_up[e], w_down
-    hidden = gate_up.shape[1] // 2
-    return gate_up[e, :hidden], gate_up[e, hidden:], w_down
+def expert_weights(e, layout, gate_up, down, up=None, gate_up_bias=None, down_bias=None) -> Expert:
+    """Expert ``e``'s ``Expert`` of the stacked weights (or of their stacked gradients) laid out as ``layout``
+    says; ``up`` the up projections where ``layout.apart``. Any stacked tensor may be None."""
+    def pick(t):
+        return None if t is None else t[e]
+
+    def halves(t):
+        if t is None:
+            return None, None
+        if layout.interleaved:
+            return t[e, 0::2], t[e, 1::2]
+        return t[e, :t.shape[1] // 2], t[e, t.shape[1] // 2:]
+
+    if not layout.gated:
+        return Expert(None, pick(gate_up), pick(down), None, pick(gate_up_bias), pick(down_bias))
+    if layout.apart:
+        return Expert(pick(gate_up), pick(up), pick(down), None, None, pick(down_bias))
+    (w_gate, w_up), (b_gate, b_up) = halves(gate_up), halves(gate_up_bias)
+    return Expert(w_gate, w_up, pick(down), b_gate, b_up, pick(down_bias))
 
 
 def unroute(slots, order, top_k_index):
@@ -512,7 +541,8 @@ def unroute(slots, order, top_k_index):
     return slots[inverse].view(*top_k_index.shape, *slots.shape[1:])
 
 
-def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
+def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, layout, up=None,
+                     gate_up_bias=None, down_bias=None):
     if x.device.type == "meta":  # shapes only (bincount has no meta kernel)
         return x.new_empty((x.shape[0], down.shape[1]))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
@@ -524,31 +554,31 @@ def moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, dow
     for e, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            y = expert_forward(xs[rows], *expert_weights(gate_up, down, e, gated, up), activation)
+            y = expert_forward(xs[rows], expert_weights(e, layout, gate_up, down, up, gate_up_bias, down_bias),
+                               activation)
             torch.mul(y, w[rows, None], out=slots[rows])
             start += n
     slots[start:].zero_()  # the skipped slots
     return unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
 
-def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                      output_mask=None, gated=True, up=None):
-    """(dx, dtop_k_weights, dgate_up, ddown), and dup after them with ``up``: its gradient wanted with
-    gate_up's (``output_mask``'s third flag)."""
-    need_dx, need_dw, need_dgu, need_dd = wanted(output_mask, 4)
+def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, layout,
+                      output_mask=None, up=None, gate_up_bias=None, down_bias=None):
+    """(dx, dtop_k_weights, dgate_up, ddown, dup, dgate_up_bias, ddown_bias), None where the input is None or
+    ``output_mask`` (six flags: x, top_k_weights, gate_up and up, down, gate_up_bias, down_bias) masks it off."""
+    need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need = wanted(output_mask, 6)
+    inputs = (x, top_k_weights, gate_up, down, up, gate_up_bias, down_bias)
+    needs = (need_dx, need_dw, need_dgu, need_dd, need_dgu, need_dgub, need_ddb)
     if x.device.type == "meta":
-        return tuple(t.new_empty(t.shape) if need else None
-                     for t, need in zip((x, top_k_weights, gate_up, down, *(() if up is None else (up,))),
-                                        (need_dx, need_dw, need_dgu, need_dd, need_dgu)))
+        return tuple(t.new_empty(t.shape) if t is not None and n else None for t, n in zip(inputs, needs))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
     S = order.numel()
     dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc) if need_dx else None
     dw_slots = torch.empty(S, device=x.device, dtype=acc) if need_dw else None
     # dense (not zeros_like: a transposed view's strides would cost the op a copy of each)
-    dgu = torch.zeros(gate_up.shape, device=x.device, dtype=gate_up.dtype) if need_dgu else None
-    dup = torch.zeros(up.shape, device=x.device, dtype=up.dtype) if need_dgu and up is not None else None
-    dd = torch.zeros(down.shape, device=x.device, dtype=down.dtype) if need_dd else None
+    dgu, dd, dup, dgub, ddb = (torch.zeros(t.shape, device=x.device, dtype=t.dtype) if t is not None and n else None
+                               for t, n in zip(inputs[2:], needs[2:]))
     w = top_k_weights.reshape(-1)[order]
     xs, gs = x[tokens], grad_out[tokens]  # one gather each, sliced per expert
     start = 0
@@ -559,12 +589,11 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
         # each expert's gradients go straight into their slices (GEMMs with out=): no copy of a
         # weight-sized gradient per expert; a result that could not be written there is copied
         def dst():
-            return (dx_slots[rows] if need_dx else None,
-                    *(expert_weights(dgu, None, e, gated, dup)[:2] if need_dgu else (None, None)),
-                    dd[e] if need_dd else None, dw_slots[rows] if need_dw else None)
+            return (dx_slots[rows] if need_dx else None, dw_slots[rows] if need_dw else None,
+                    *expert_weights(e, layout, dgu, dd, dup, dgub, ddb))
         views = dst()
-        got = expert_backward(xs[rows], *expert_weights(gate_up, down, e, gated, up), gs[rows], w[rows], activation,
-                              (need_dx, need_dw, need_dgu, need_dd), views)
+        got = expert_backward(xs[rows], expert_weights(e, layout, gate_up, down, up, gate_up_bias, down_bias),
+                              gs[rows], w[rows], activation, need, views)
         # fresh views for the copies: under autograd (a direct, differentiated call) the first copy
         # makes the buffers require grad, and a view taken before that cannot be written then
         for i, (res, where) in enumerate(zip(got, views)):
@@ -576,14 +605,15 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
             t[start:].zero_()
     dx = unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
     dw = unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
-    return (dx, dw, dgu, dd) if up is None else (dx, dw, dgu, dd, dup)
+    return dx, dw, dgu, dd, dup, dgub, ddb
 
 
-def expert_forward(x, w_gate, w_up, w_down, activation):
-    """One expert's output, as torch ops (``functional``'s plain composition runs it with autograd)."""
-    if w_gate is None:
-        return fused_mlp_forward(x, w_up, None, w_down, None, activation)
-    return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
+def expert_forward(x, w, activation):
+    """One expert's output (``w`` an ``Expert``), as torch ops (``functional``'s plain composition runs it with
+    autograd)."""
+    if w.w_gate is None:
+        return fused_mlp_forward(x, w.w_up, w.b_up, w.w_down, w.b_down, activation)
+    return gated_mlp_forward(x, w.w_gate, w.b_gate, w.w_up, w.b_up, w.w_down, w.b_down, activation)
 
 
 def _mm(a, b, out=None):
@@ -595,53 +625,67 @@ def _mm(a, b, out=None):
     return a.mm(b)
 
 
-def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need, out=(None,) * 5):
-    """One expert's gradients with its output rows scaled by ``scale``: (dx, dw_gate, dw_up, dw_down,
-    dscale), dscale = a . (grad_out Wd) per row (the down GEMM is not rerun for it); an ungated
-    expert (``w_gate`` None) has a = act(x Wu^T) and no dw_gate. ``out``: where to write each of
-    them (views into the stacked gradients, or None); a result not written there is returned for
-    the caller to copy."""
-    need_dx, need_dw, need_dgu, need_dd = need
-    hu = F.linear(x, w_up)
-    if w_gate is None:
+def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):
+    """One expert's gradients with its output rows scaled by ``scale`` (``w`` an ``Expert``): (dx, dscale,
+    dw_gate, dw_up, dw_down, db_gate, db_up, db_down), dscale = a . (grad_out Wd) + grad_out . bd per row (the
+    down GEMM is not rerun for it); an ungated expert (``w.w_gate`` None) has a = act(x Wu^T + bu) and no
+    dw_gate. ``need``: ``moe_backward_with``'s six flags. ``out``: where to write each result (views into the
+    stacked gradients, or None); a result not written there is returned for the caller to copy."""
+    need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need
+    hu = F.linear(x, w.w_up, w.b_up)
+    if w.w_gate is None:
         a = activation_forward(hu, activation)
     else:
-        operands = gated_operands(F.linear(x, w_gate), hu, activation)
+        operands = gated_operands(F.linear(x, w.w_gate, w.b_gate), hu, activation)
         a = operands.gate * operands.up
-    grad_y = grad_out.mm(w_down)  # unscaled
+    grad_y = grad_out.mm(w.w_down)  # unscaled
     acc = torch.promote_types(x.dtype, torch.float32)
-    dscale = (a.to(acc) * grad_y.to(acc)).sum(1) if need_dw else None
+    dscale = None
+    if need_dw:
+        dscale = (a.to(acc) * grad_y.to(acc)).sum(1)
+        if w.b_down is not None:
+            dscale = dscale + grad_out.to(acc).mv(w.b_down.to(acc))
     grad_a = grad_y * scale[:, None].to(grad_y.dtype)
-    dw_down = _mm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out[3]) if need_dd else None
-    del a
-    if w_gate is None:
+    scaled = grad_out * scale[:, None].to(grad_out.dtype)
+    dw_down = _mm(scaled.t(), a, out[4]) if need_dd else None
+    db_down = scaled.sum(0, dtype=acc).to(w.b_down.dtype) if need_ddb and w.b_down is not None else None
+    del a, scaled
+    if w.w_gate is None:
         grad_hu, grad_hg, dw_gate = activation_backward(grad_a, hu, activation), None, None
     else:
         grad_hg, grad_hu = gated_product_backward(grad_a, operands)
-        dw_gate = _mm(grad_hg.t(), x, out[1]) if need_dgu else None
+        dw_gate = _mm(grad_hg.t(), x, out[2]) if need_dgu else None
     if need_dx and grad_hg is not None:
-        dx = _mm(grad_hg, w_gate, out[0]).addmm_(grad_hu, w_up)
+        dx = _mm(grad_hg, w.w_gate, out[0]).addmm_(grad_hu, w.w_up)
     elif need_dx:
-        dx = _mm(grad_hu, w_up, out[0])
+        dx = _mm(grad_hu, w.w_up, out[0])
     else:
         dx = None
-    dw_up = _mm(grad_hu.t(), x, out[2]) if need_dgu else None
-    return dx, dw_gate, dw_up, dw_down, dscale
+    dw_up = _mm(grad_hu.t(), x, out[3]) if need_dgu else None
+    db_gate = grad_hg.sum(0) if need_dgub and w.b_gate is not None else None
+    db_up = grad_hu.sum(0) if need_dgub and w.b_up is not None else None
+    return dx, dscale, dw_gate, dw_up, dw_down, db_gate, db_up, db_down
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None,
+                        gate_up_bias=None, down_bias=None, interleaved=False):
     """Routed experts: x (T, K), top_k_index/top_k_weights (T, k), gate_up (E, 2I, K) (ungated: the up
-    projections, (E, I, K); with ``up`` (E, I, K): the gate projections, (E, I, K)), down (E, N, I);
-    returns (T, N) in x's dtype (the weighted sum over the k choices in fp32)."""
-    return moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, gated, up)
+    projections, (E, I, K); with ``up`` (E, I, K): the gate projections, (E, I, K)), down (E, N, I), the
+    optional biases gate_up_bias (gate_up's first two dimensions) and down_bias (E, N); ``interleaved``: gate
+    and up rows alternate in gate_up. Returns (T, N) in x's dtype (the weighted sum over the k choices in
+    fp32)."""
+    layout = ExpertsLayout(gated, up is not None, interleaved)
+    return moe_forward_with(expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, layout, up,
+                            gate_up_bias, down_bias)
 
 
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
-                         gated=True, up=None):
-    """(dx, dtop_k_weights, dgate_up, ddown) (and dup, with ``up``); each expert's gate and up projections
-    recomputed from x, its down projection not (the routing weight's gradient is a . (grad Wd))."""
+                         gated=True, up=None, gate_up_bias=None, down_bias=None, interleaved=False):
+    """``moe_backward_with``'s seven gradients; each expert's gate and up projections recomputed from x, its
+    down projection not (the routing weight's gradient is a . (grad Wd) + grad . bd)."""
+    layout = ExpertsLayout(gated, up is not None, interleaved)
     return moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                             output_mask, gated, up)
+                             layout, output_mask, up, gate_up_bias, down_bias)
 
 
 # --------------------------------------------------------------------------- Conv + BN + act

@@ -106,11 +106,14 @@ def _launch_config(cfg, persistent):
     return cfg._replace(EPILOGUE_SPLIT=min(8, cfg.BLOCK_N // 16), num_stages=min(2, cfg.num_stages))
 
 
-def _clamp_split(split, block_n, limit):
+def _clamp_split(split, block_n, limit, interleaved_bias=False):
     """The grad kernel's epilogue split with a SwiGLU clamp: a split (whole) tile's in eighths, for the clamp's
-    masks (in quarters, the clamp after the activation spilled 24 bytes on sm_90 under Triton 3.9). The split is
-    elementwise: no value changes."""
-    return min(8, block_n // 16) if limit and split > 1 else split
+    masks (in quarters, the clamp after the activation spilled 24 bytes on sm_90 under Triton 3.9); in sixteenths
+    where it also splits one interleaved operand and sums biases (gpt-oss's experts: 8 bytes of spill in eighths,
+    none in sixteenths). The split is elementwise: no value changes."""
+    if not limit or split == 1:
+        return split
+    return min(16, block_n // 8) if interleaved_bias else min(8, block_n // 16)
 
 
 @triton.jit
@@ -119,40 +122,64 @@ def _dual_mainloop(
     stride_am, stride_ak, stride_bk, stride_bn,
     pid_m, pid_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """fp32 tiles of A @ Bg and A @ Bu (Bg, Bu of the same strides), K ascending, each A tile loaded
-    once. As ``_mainloop``: 64-bit tile bases, out-of-range rows/columns wrapped onto valid ones."""
+    once. As ``_mainloop``: 64-bit tile bases, out-of-range rows/columns wrapped onto valid ones.
+    INTERLEAVED: Bg's columns alternate with Bu's in one (K, 2N) matrix at ``bg_ptr`` of strides
+    (stride_bk, stride_bn) (gpt-oss's layout): one tile of 2 * BLOCK_N adjacent columns a step, contiguous
+    where stride_bn is 1, split into the gate's and the up's after the loop."""
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M) % (M - row0)
-    offs_n = tl.arange(0, BLOCK_N) % (N - col0)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
-    b_offs = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    bg_ptrs = (bg_ptr + col0.to(tl.int64) * stride_bn) + b_offs
-    bu_ptrs = (bu_ptr + col0.to(tl.int64) * stride_bn) + b_offs
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            bg = tl.load(bg_ptrs)
-            bu = tl.load(bu_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            bg = tl.load(bg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            bu = tl.load(bu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        bg_ptrs += BLOCK_K * stride_bk
-        bu_ptrs += BLOCK_K * stride_bk
+    if INTERLEAVED:
+        offs_n2 = tl.arange(0, 2 * BLOCK_N) % (2 * (N - col0))
+        b_ptrs = (bg_ptr + (2 * col0).to(tl.int64) * stride_bn) + (offs_k[:, None] * stride_bk
+                                                                  + offs_n2[None, :] * stride_bn)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        offs_n = tl.arange(0, BLOCK_N) % (N - col0)
+        b_offs = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        bg_ptrs = (bg_ptr + col0.to(tl.int64) * stride_bn) + b_offs
+        bu_ptrs = (bu_ptr + col0.to(tl.int64) * stride_bn) + b_offs
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bg = tl.load(bg_ptrs)
+                bu = tl.load(bu_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                bg = tl.load(bg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                bu = tl.load(bu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                bg = bg.to(tl.float32)
+                bu = bu.to(tl.float32)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            bg_ptrs += BLOCK_K * stride_bk
+            bu_ptrs += BLOCK_K * stride_bk
     return acc_g, acc_u
 
 
@@ -161,12 +188,13 @@ def _gated_preacts(
     tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """(h_g, h_u, pid_m, row0, col0) of output tile ``tile``: one function for the forward and its
     recompute, so both compute the pre-activations alike, bit for bit."""
     pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
@@ -183,11 +211,12 @@ def _gated_act_tile(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     hg, hu, pid_m, row0, col0 = _gated_preacts(
         tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
                         drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
                         BLOCK_N, EPILOGUE_SPLIT)
@@ -281,7 +310,8 @@ def _gated_act_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
@@ -291,12 +321,12 @@ def _gated_act_kernel(
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
                             HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
-                            BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                            BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
                         HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
-                        BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, EPILOGUE_SPLIT)
+                        BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
 
 
 @triton.jit
@@ -371,12 +401,13 @@ def _gated_act_grad_tile(
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     # the forward's pre-activations, exactly as _gated_act_tile computes them
     hg, hu, pid_m, row0, col0 = _gated_preacts(
         tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST)
+        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < M - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
@@ -398,7 +429,8 @@ def _gated_act_grad_kernel(
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
@@ -410,17 +442,31 @@ def _gated_act_grad_kernel(
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
                 UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
-                EPILOGUE_SPLIT)
+                INTERLEAVED, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
             drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
             UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
-            EPILOGUE_SPLIT)
+            INTERLEAVED, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
+def _interleaved_pair(w_gate, w_up):
+    """The (2H, K) view whose even rows are ``w_gate`` and odd rows ``w_up`` where the two are such rows of one
+    tensor (gpt-oss's gate_up_proj, ``[0::2]`` and ``[1::2]``), else None: the dual kernels then read one operand
+    of 2 * BLOCK_N adjacent columns (contiguous in gpt-oss's transposed storage) instead of two strided ones."""
+    base = w_gate._base
+    if (base is None or w_up._base is not base or w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride()
+            or w_gate.dtype != w_up.dtype or w_gate.shape[0] < 2):
+        return None
+    rows, cols = w_gate.stride()
+    if rows % 2 or w_up.storage_offset() - w_gate.storage_offset() != rows // 2:
+        return None
+    return w_gate.as_strided((2 * w_gate.shape[0], w_gate.shape[1]), (rows // 2, cols))
+
+
 def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     """Operands, table entry, constexprs and grid of a launch of either dual kernel on x (M, K)
     and the (H, K) weights: one builder, so the forward and its recompute take the same tiles.
@@ -431,10 +477,16 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     cfg = config or _gated_table_config(M, N, K, x.dtype, precision, device_capability(x),
                                         dropout=dropout is not None and dropout[0] != 0)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
-    bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
-    bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
-    if bg.stride() != bu.stride():  # one set of strides serves both B operands
-        bg, bu = bg.contiguous(), bu.contiguous()
+    pair = _interleaved_pair(w_gate, w_up)
+    if pair is not None and _tile_safe(pair.t(), cfg.BLOCK_K, 2 * cfg.BLOCK_N, "w_gate").data_ptr() == \
+            pair.data_ptr():
+        bg = bu = pair.t()  # one (K, 2H) operand: the kernel splits its columns
+    else:
+        pair = None
+        bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
+        bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
+        if bg.stride() != bu.stride():  # one set of strides serves both B operands
+            bg, bu = bg.contiguous(), bu.contiguous()
     has_bias = b_gate is not None or b_up is not None
     if has_bias:  # a missing one of the two adds zeros: x + 0 is x
         b_gate = b_gate.contiguous() if b_gate is not None else torch.zeros_like(b_up)
@@ -447,6 +499,7 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
+        INTERLEAVED=pair is not None,
         num_warps=cfg.num_warps, num_stages=run.num_stages, PERSISTENT=persistent, EPILOGUE_SPLIT=run.EPILOGUE_SPLIT,
     )
     scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
@@ -497,7 +550,8 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     grad_a = grad_a.contiguous()
     fill = operands[0]  # an unused pointer argument is an input, never an output (see launcher)
     act_args = gated_meta(activation)
-    meta["EPILOGUE_SPLIT"] = _clamp_split(meta["EPILOGUE_SPLIT"], cfg.BLOCK_N, act_args["LIMIT"])
+    meta["EPILOGUE_SPLIT"] = _clamp_split(meta["EPILOGUE_SPLIT"], cfg.BLOCK_N, act_args["LIMIT"],
+                                          meta["INTERLEAVED"] and meta["HAS_BIAS"])
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
@@ -567,7 +621,8 @@ def inspect_specs():
     activation "gelu", biases on, EVEN_K, STORE_ACT on (as ``gated_mlp_backward`` launches it); bf16
     also with dropout on the product (config ``"dropout": true``: T5 v1.1's), and sm_90 bf16 entries
     persistent (``_common.GEMM_PERSISTENT``; config ``"persistent": true``); the grad kernel of the
-    widest sm_90 bf16 entry also with the routed experts' row scale (config ``"row_scale": true``)."""
+    widest sm_90 bf16 entry also with the routed experts' row scale (config ``"row_scale": true``), and so with the
+    SwiGLU clamp variants and gpt-oss's experts (biases, strided interleaved weights)."""
     specs, seen = [], {}
     kernels = ((_gated_act_kernel, "_gated_act_kernel"), (_gated_act_grad_kernel, "_gated_act_grad_kernel"))
     for (family, opclass, bucket), entry in _TABLE.items():
@@ -612,7 +667,8 @@ def inspect_specs():
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
-                "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "PERSISTENT": persistent,
+                "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "INTERLEAVED": False,
+                "PERSISTENT": persistent,
             }
             constexprs["EPILOGUE_SPLIT"] = split
             if kernel is _gated_act_grad_kernel:
@@ -665,4 +721,19 @@ def inspect_specs():
                              "config": {**spec["config"], "limit": 10.0, "EPILOGUE_SPLIT": split,
                                         **({"limit_after": True} if after else {}),
                                         **({"alpha": alpha, "up_offset": 1.0} if alpha else {})}})
+    # gpt-oss's experts: biases, its gate (limit 7, alpha 1.702, up + 1) and its interleaved gate/up rows of
+    # transposed weights, one operand of 2 * BLOCK_N contiguous columns (stride_bn 1, stride_bk the row length);
+    # the routed grad kernel and the widest forward
+    for i, spec in enumerate((routed, fwd)):
+        constexprs = {k: v for k, v in spec["constexprs"].items() if k != "stride_bk"}
+        split = constexprs["EPILOGUE_SPLIT"]
+        if spec is routed:
+            split = _clamp_split(split, constexprs["BLOCK_N"], 7.0, interleaved_bias=True)
+        constexprs.update(HAS_BIAS=True, LIMIT=7.0, ALPHA=1.702, UP_OFFSET=1.0, INTERLEAVED=True, stride_bn=1,
+                          EPILOGUE_SPLIT=split)
+        specs.insert(len(variants) + 1 + i, {
+            **spec, "signature": {**spec["signature"], "stride_bk": "i32", "stride_bn": "constexpr"},
+            "constexprs": constexprs, "aligned": [a for a in spec["aligned"] if a != "stride_bn"] + ["stride_bk"],
+            "config": {**spec["config"], "limit": 7.0, "alpha": 1.702, "up_offset": 1.0, "bias": True,
+                       "interleaved": True, "EPILOGUE_SPLIT": split}})
     return specs

@@ -16,6 +16,9 @@ Backward (8 GEMMs; the down GEMM is not rerun, not even for ds):
     g_hg, g_hu for g_a = s * G, a, and per column tile the partial row dots a . G, whose
     sum is ds (d(s * a Wd^T) / ds = a . (g_out Wd)).
   dWd = (s * g_out[r])^T a, dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r], dWu = g_hu^T x[r]
+With biases (gpt-oss's): bg, bu enter both kernels' pre-activations (their gradients the grad kernel's
+column partial sums), bd the down GEMM's epilogue; ds gains g_out[r] . bd and dbd = sum_r s g_out[r].
+Interleaved gate/up rows (gpt-oss's) are strided views: the kernels read any strides, no copy.
 torch.utils.checkpoint on the experts call runs 12 GEMMs (its recompute must rerun the down
 GEMM: the weights' gradient reads the expert outputs) and writes every expert's h_g, h_u,
 act(h_g) and a at once.
@@ -32,55 +35,77 @@ from .gated_mlp import gated_act_grad, gated_mlp_forward, input_grads
 __all__ = ["moe_experts_forward", "moe_experts_backward"]
 
 
-def _expert_forward(x, w_gate, w_up, w_down, activation):
-    if w_gate is None:  # ungated: the dense FFN's kernel, act(x Wu^T) never stored
-        return fused_mlp_forward(x, w_up, None, w_down, None, activation)
-    return gated_mlp_forward(x, w_gate, None, w_up, None, w_down, None, activation)
+def _expert_forward(x, w, activation):
+    if w.w_gate is None:  # ungated: the dense FFN's kernel, act(x Wu^T + bu) never stored
+        return fused_mlp_forward(x, w.w_up, w.b_up, w.w_down, w.b_down, activation)
+    return gated_mlp_forward(x, w.w_gate, w.b_gate, w.w_up, w.b_up, w.w_down, w.b_down, activation)
 
 
-def _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need, out):
+def _down_bias_grads(grad_out, scale, b_down, need_dw, need_ddb):
+    """The down bias's share of d scale (grad_out . bd per row) and its gradient (sum of the scaled rows), fp32:
+    one pass over the expert's grad_out rows each, none without a down bias."""
+    if b_down is None or not (need_dw or need_ddb):
+        return None, None
+    g32 = grad_out.float()
+    return (g32.mv(b_down.float()) if need_dw else None,
+            g32.t().mv(scale.float()).to(b_down.dtype) if need_ddb else None)
+
+
+def _ungated_expert_backward(x, w, grad_out, scale, activation, need, out):
     """The dense grad kernel has no row-scale epilogue: the scale is applied to g_a before it and
     d scale = a . (g Wd) taken from the a it stores (two passes over the (rows, I) buffers more)."""
-    need_dx, need_dw, need_dgu, need_dd = need
-    grad_y = plain_gemm(grad_out, w_down, out_dtype=torch.float32)     # unscaled, fp32 for the row dots
-    gh, a, _ = gemm_act_grad(x, w_up.t(), None, (grad_y * scale[:, None].float()).to(x.dtype), activation,
-                             store_act=True)
+    need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need
+    grad_y = plain_gemm(grad_out, w.w_down, out_dtype=torch.float32)     # unscaled, fp32 for the row dots
+    gh, a, db_up = gemm_act_grad(x, w.w_up.t(), w.b_up, (grad_y * scale[:, None].float()).to(x.dtype), activation,
+                                 store_act=True)
     dscale = (a.float() * grad_y).sum(1) if need_dw else None
     del grad_y
-    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype,
-                         out=out[3]) if need_dd else None
+    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w.w_down.dtype,
+                         out=out[4]) if need_dd else None
     del a
-    dx = plain_gemm(gh, w_up, out_dtype=torch.float32, out=out[0]) if need_dx else None
-    dw_up = plain_gemm(gh.t(), x, out_dtype=w_up.dtype, out=out[2]) if need_dgu else None
-    return dx, None, dw_up, dw_down, dscale
+    dx = plain_gemm(gh, w.w_up, out_dtype=torch.float32, out=out[0]) if need_dx else None
+    dw_up = plain_gemm(gh.t(), x, out_dtype=w.w_up.dtype, out=out[3]) if need_dgu else None
+    return dx, dscale, None, dw_up, dw_down, None, db_up if need_dgub else None, None
 
 
-def _expert_backward(x, w_gate, w_up, w_down, grad_out, scale, activation, need, out=(None,) * 5):
+def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):
     """One expert's gradients (the reference's ``_expert_backward`` contract): the weights' gradients
     written into ``out``'s views of the stacked gradients where given (no per-expert copy)."""
-    if w_gate is None:
-        return _ungated_expert_backward(x, w_up, w_down, grad_out, scale, activation, need, out)
-    need_dx, need_dw, need_dgu, need_dd = need
-    grad_y = plain_gemm(grad_out, w_down, out_dtype=x.dtype)           # unscaled: the kernel scales it
-    ghg, ghu, a, _, _, dscale = gated_act_grad(x, w_gate, w_up, None, None, grad_y, activation,
-                                               store_act=need_dd, row_scale=scale.float())
-    del grad_y
-    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype,
-                         out=out[3]) if need_dd else None
-    del a
-    return (*input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[1:3]), dw_down, dscale)
+    need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need
+    bias_dscale, db_down = _down_bias_grads(grad_out, scale, w.b_down, need_dw, need_ddb)
+    if w.w_gate is None:
+        got = _ungated_expert_backward(x, w, grad_out, scale, activation, need, out)
+    else:
+        grad_y = plain_gemm(grad_out, w.w_down, out_dtype=x.dtype)       # unscaled: the kernel scales it
+        ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(x, w.w_gate, w.w_up, w.b_gate, w.b_up, grad_y, activation,
+                                                       store_act=need_dd, row_scale=scale.float())
+        del grad_y
+        dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w.w_down.dtype,
+                             out=out[4]) if need_dd else None
+        del a
+        dx, dw_gate, dw_up = input_grads(x, w.w_gate, w.w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[2:4])
+        got = (dx, dscale if need_dw else None, dw_gate, dw_up, dw_down, *((dbg, dbu) if need_dgub else (None,) * 2),
+               None)
+    dx, dscale, *rest = got
+    if bias_dscale is not None:
+        dscale = dscale + bias_dscale
+    return (dx, dscale, *rest[:5], db_down)
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None):
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None,
+                        gate_up_bias=None, down_bias=None, interleaved=False):
     """Same contract as ``fusedrc.reference.moe_experts_forward``."""
     split_gated(activation)
-    return _reference().moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
-                                         gated, up)
+    R = _reference()
+    return R.moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
+                              R.ExpertsLayout(gated, up is not None, interleaved), up, gate_up_bias, down_bias)
 
 
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
-                         gated=True, up=None):
+                         gated=True, up=None, gate_up_bias=None, down_bias=None, interleaved=False):
     """Same contract as ``fusedrc.reference.moe_experts_backward``."""
     split_gated(activation)
-    return _reference().moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out,
-                                          activation, output_mask, gated, up)
+    R = _reference()
+    return R.moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
+                               R.ExpertsLayout(gated, up is not None, interleaved), output_mask, up, gate_up_bias,
+                               down_bias)

@@ -171,12 +171,18 @@ def _layout_cases(device, backend, ops_by_name):
         yield op("moe_experts"), (x, idx, wts, gate_up, down, "silu", backend)
         yield op("moe_experts_backward"), (x, idx, wts, gate_up, down, t(4, 5), "silu", backend)
         yield op("moe_experts_backward"), (x, idx, wts, gate_up, down, t(4, 5), "silu", backend,
-                                           [True, False, False, True])
+                                           [True, False, False, True, False, False])
         gate, up = gate_up[:, :3], gate_up[:, 3:]  # up projections apart (DBRX's), a SwiGLU limit
         yield op("moe_experts"), (x, idx, wts, gate, down, "silu|limit=0.5", backend, True, up)
-        for mask in (None, [True, True, False, True]):  # up's gradient follows gate's flag
+        for mask in (None, [True, True, False, True, False, False]):  # up's gradient follows gate's flag
             yield op("moe_experts_backward"), (x, idx, wts, gate, down, t(4, 5), "silu|limit=0.5", backend, mask,
                                                True, up)
+        # gpt-oss's: interleaved gate/up rows, per-expert biases, its gate (alpha, up offset)
+        act, biases = "silu|limit=0.5|alpha=1.702|up_offset=1.0", (t(3, 6), t(3, 5))
+        yield op("moe_experts"), (x, idx, wts, gate_up, down, act, backend, True, None, *biases, True)
+        for mask in (None, [False, True, True, False, True, False]):
+            yield op("moe_experts_backward"), (x, idx, wts, gate_up, down, t(4, 5), act, backend, mask, True, None,
+                                               *biases, True)
     geometry = (1e-5, [1, 1], [1, 1], [1, 1], "relu", backend)
     for dtype, cl in ((torch.float32, True), (torch.float32, False), (torch.float16, True), (torch.float64, False)):
         if dtype == torch.float16 and device == "cpu" and backend == "reference":

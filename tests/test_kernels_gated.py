@@ -67,6 +67,33 @@ def test_gated_mlp_noncontiguous(device):
     _check_gated(x, wg, bg, wu, bu, wd, bd, g, "silu", torch.float32)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_interleaved_gate_and_up_rows(transposed, dtype, device):
+    """Gate and up rows alternating in one tensor (gpt-oss's gate_up_proj, stored (K, 2H) when ``transposed``):
+    the kernels read one operand of 2 * BLOCK_N adjacent columns in place (INTERLEAVED, no copy) and split it;
+    every output and gradient against float64 (gpt-oss's clamped gate too), the recompute's product equal to
+    the forward's bit for bit, over several tiles in M and H and a ragged K loop."""
+    M, K, H, N = 37, 33, 50, 20
+    x, _, bg, _, bu, wd, bd, g = _inputs(M, K, H, N, dtype, device)
+    both = _rand(K, 2 * H, dtype=dtype, device=device, scale=K ** -0.5)
+    pair = both.t() if transposed else both.t().contiguous()  # (2H, K), gate rows even
+    wg, wu = pair[0::2], pair[1::2]
+    cfg, operands, _, scalars, meta, _ = gated_mlp._dual_launch(x, wg, wu, bg, bu)
+    assert meta["INTERLEAVED"] and operands[1].data_ptr() == pair.data_ptr()
+    assert scalars[6] == (1 if transposed else K)  # stride_bn: contiguous columns in gpt-oss's storage
+    assert H > cfg.BLOCK_N
+    for act in ("silu", "silu|limit=0.7|alpha=1.702|up_offset=1.0"):
+        _check_gated(x, wg, bg, wu, bu, wd, bd, g, act, dtype)
+        ga = _rand(M, H, dtype=dtype, device=device)
+        _, _, a_bwd, _, _ = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, act)
+        assert torch.equal(a_bwd, gated_mlp.gated_act(x, wg, wu, bg, bu, act)), act
+    # other row pairings are not interleaved: two operands
+    assert not gated_mlp._dual_launch(x, pair[:H], pair[H:], bg, bu)[4]["INTERLEAVED"]
+    assert not gated_mlp._dual_launch(x, pair[1::2], pair[0::2], bg, bu)[4]["INTERLEAVED"]
+    assert not gated_mlp._dual_launch(x, wg.clone(), wu, bg, bu)[4]["INTERLEAVED"]
+
+
 def test_gated_mlp_empty(device):
     x, wg, bg, wu, bu, wd, bd, _ = _inputs(0, 5, 6, 7, torch.float32, device)
     out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu")

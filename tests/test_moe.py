@@ -177,6 +177,90 @@ def test_swiglu_clamped_experts(backend):
         F.moe_experts(x, idx, w.float(), up, down, gated=False, swiglu_limit=1.0)
 
 
+def _gpt_oss_oracle(x, idx, w, gate_up, down, gate_up_bias, down_bias, gated, interleaved, limit, alpha, offset):
+    """Token by token, in float64, through autograd, as gpt-oss writes its experts: the gate and up rows
+    alternating (or halves), biases on both projections (the down bias scaled with the expert's output), the
+    gate (up.clamp(-L, L) + offset) * g * sigmoid(alpha g) of g = gate.clamp(max=L); ungated: relu."""
+    rows = []
+    for t in range(x.shape[0]):
+        y = x.new_zeros(down.shape[1])
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            h = gate_up[e] @ x[t] + gate_up_bias[e]
+            if not gated:
+                a = torch.relu(h)
+            else:
+                g, u = (h[::2], h[1::2]) if interleaved else h.chunk(2)
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+                a = (u + offset) * (g * torch.sigmoid(g * alpha))
+            y = y + w[t, j] * (down[e] @ a + down_bias[e])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["interleaved", "halves", "ungated"])
+def test_experts_with_biases(backend, form):
+    """Per-expert biases on both projections (gpt-oss's, the OpenAI privacy filter's, ungated experts' up
+    biases), the gate and up rows interleaved or in halves, gpt-oss's gate with a limit that bites: output and
+    every gradient (the biases' and the routing weights', whose share of the down bias is grad . bd) against
+    the float64 oracle, in fp32."""
+    device, gated, interleaved = backend_device(backend), form != "ungated", form == "interleaved"
+    T, K, I, N, E, k = 13, 24, 20, 17, 4, 2
+    x = torch.randn(T, K, dtype=torch.float64)
+    idx, w = _routing(T, k, E, skip=2)
+    gate_up, down = _weights(E, K, I, N, gated)
+    biases = torch.randn(E, gate_up.shape[1], dtype=torch.float64), torch.randn(E, N, dtype=torch.float64)
+    g = torch.randn(T, N, dtype=torch.float64)
+    gate = dict(limit=0.4, alpha=1.702, offset=1.0) if gated else dict(limit=None, alpha=None, offset=0.0)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down, *biases)]
+    ref = _gpt_oss_oracle(*leaves[:1], idx, *leaves[1:], gated, interleaved, **gate)
+    ref_grads = torch.autograd.grad(ref, leaves, g)
+    ours = [t.to(device, torch.float32).requires_grad_() for t in (x, w, gate_up, down, *biases)]
+    with fusedrc.use_backend(backend), FusedOpLog(calls := []):
+        y = F.moe_experts(ours[0], idx.to(device), *ours[1:4], activation="silu" if gated else "relu", gated=gated,
+                          gate_up_proj_bias=ours[4], down_proj_bias=ours[5], interleaved=interleaved,
+                          swiglu_limit=gate["limit"], swiglu_alpha=gate["alpha"], up_offset=gate["offset"])
+        grads = torch.autograd.grad(y, ours, g.to(device, torch.float32))
+    assert calls and all(c.startswith("moe_experts") for c in calls)
+    assert rel_err(y, ref) < TOL[torch.float32], "out"
+    names = ["dx", "dweights", "dgate_up", "ddown", "dgate_up_bias", "ddown_bias"]
+    for name, got, want, t in zip(names, grads, ref_grads, ours):
+        assert got.shape == t.shape and rel_err(got, want) < TOL[torch.float32], name
+    # a frozen down bias and weights: only the other gradients, the same values
+    ours[5].requires_grad_(False)
+    with fusedrc.use_backend(backend):
+        y = F.moe_experts(ours[0], idx.to(device), *ours[1:4], activation="silu" if gated else "relu", gated=gated,
+                          gate_up_proj_bias=ours[4], down_proj_bias=ours[5], interleaved=interleaved,
+                          swiglu_limit=gate["limit"], swiglu_alpha=gate["alpha"], up_offset=gate["offset"])
+        again = torch.autograd.grad(y, ours[:5], g.to(device, torch.float32))
+    for name, got, want in zip(names, again, grads):
+        assert torch.equal(got, want), name
+
+
+def test_experts_bias_and_layout_arguments_checked():
+    """Bad biases and layouts name the argument and what was expected."""
+    x, (gate_up, down) = torch.randn(5, 8), (t.float() for t in _weights(4, 8, 6, 3))
+    idx, w = _routing(5, 2, 4)
+    w = w.float()
+    with pytest.raises(ValueError, match=r"gate_up_proj_bias must have shape \(4, 12\)"):
+        F.moe_experts(x, idx, w, gate_up, down, gate_up_proj_bias=torch.randn(4, 6))
+    with pytest.raises(ValueError, match=r"down_proj_bias must have shape \(4, 3\)"):
+        F.moe_experts(x, idx, w, gate_up, down, down_proj_bias=torch.randn(3, 4))
+    with pytest.raises(ValueError, match="down_proj_bias must be 2-D"):
+        F.moe_experts(x, idx, w, gate_up, down, down_proj_bias=torch.randn(3))
+    with pytest.raises(TypeError, match="down_proj_bias must be a floating"):
+        F.moe_experts(x, idx, w, gate_up, down, down_proj_bias=torch.ones(4, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        F.moe_experts(x, idx, w, gate_up, down, interleaved=1)
+    with pytest.raises(ValueError, match="interleaved .* needs gated experts without up_proj"):
+        F.moe_experts(x, idx, w, gate_up[:, :6], down, gated=False, interleaved=True)
+    with pytest.raises(ValueError, match="gate_up_proj_bias with up_proj"):
+        F.moe_experts(x, idx, w, gate_up[:, :6], down, up_proj=gate_up[:, 6:], gate_up_proj_bias=torch.randn(4, 6))
+    with pytest.raises(TypeError, match="gate_up_proj_bias .*dtype"):
+        F.moe_experts(x, idx, w, gate_up, down, gate_up_proj_bias=torch.randn(4, 12, dtype=torch.float64))
+
+
 def test_narrow_index_dtypes():
     """int8 / uint8 expert indices with as many experts as the dtype holds values (the sentinel num_experts
     itself does not fit it)."""
@@ -212,9 +296,11 @@ def test_skipped_choices(backend):
         F.moe_experts(x, idx, w.float(), gate_up, down, skip_out_of_range=1)
 
 
-def test_routing_scale_kernel_matches_reference():
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_routing_scale_kernel_matches_reference(bias):
     """The grad kernel's ROW_SCALE epilogue: the gate/up gradients of the scaled rows and the row
-    dots a . (g Wd) summed over several column tiles, against the reference expert."""
+    dots a . (g Wd) summed over several column tiles, against the reference expert; with biases (gpt-oss's)
+    their gradients from the kernel's column partials and the down bias's share of the row dots."""
     from fusedrc.kernels import gated_mlp, moe_experts
 
     dev = backend_device("triton")
@@ -223,15 +309,19 @@ def test_routing_scale_kernel_matches_reference():
     x = torch.randn(M, K, dtype=torch.float64)
     wg, wu = torch.randn(I, K, dtype=torch.float64) * K ** -0.5, torch.randn(I, K, dtype=torch.float64) * K ** -0.5
     wd, g = torch.randn(N, I, dtype=torch.float64) * I ** -0.5, torch.randn(M, N, dtype=torch.float64)
+    biases = [torch.randn(n, dtype=torch.float64) if bias else None for n in (I, I, N)]
     scale = torch.rand(M, dtype=torch.float64) - 0.25  # negative and near-zero scales too
-    ours = [t.to(dev, torch.float32) for t in (x, wg, wu, wd, g, scale)]
+    ours = [t.to(dev, torch.float32) if t is not None else None for t in (x, wg, wu, wd, g, scale, *biases)]
     cfg = gated_mlp._dual_launch(*ours[:3], None, None)[0]
     assert I > cfg.BLOCK_N  # the row dot spans several column tiles
-    need = (True, True, True, True)
-    want = R._expert_backward(x, wg, wu, wd, g, scale, "silu", need)
-    got = moe_experts._expert_backward(*ours, "silu", need)
-    for name, a, b in zip(["dx", "dw_gate", "dw_up", "dw_down", "dscale"], got, want):
-        assert rel_err(a, b) < 1e-5, name
+    need = (True,) * 6
+    want = R._expert_backward(x, R.Expert(wg, wu, wd, *biases), g, scale, "silu", need)
+    got = moe_experts._expert_backward(ours[0], R.Expert(*ours[1:4], *ours[6:]), *ours[4:6], "silu", need)
+    names = ["dx", "dscale", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down"]
+    for name, a, b in zip(names, got, want):
+        assert (a is None) == (b is None) == (name.startswith("db") and not bias), name
+        if a is not None:
+            assert rel_err(a, b) < 1e-5, name
 
 
 def test_keeps_only_the_inputs_and_runs_11_gemms_an_expert():
@@ -564,27 +654,84 @@ def test_convert_moe_follows_the_modules_and_reports_what_it_leaves():
                              "of gate_up_proj)")]
 
 
-def test_convert_reports_gpt_oss_experts():
-    """gpt-oss's experts take router indices of their own, carry biases and gate inline (a clamped
-    GLU, no ``act_fn`` module): reported and left as they are, the rest of the model converted, the
-    outputs the original's."""
+def _grads_match(a, b, tol=1e-5):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert rel_err(q.grad, p.grad) < tol, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_convert_gpt_oss_experts(backend):
+    """gpt-oss's experts (weights stored transposed, gate and up rows interleaved, biases on both projections,
+    its clamped gate with alpha and an up offset of 1, its own argument names): one fused experts call per
+    layer, the model's output and every gradient the original's; a keyword call by its own names fuses too, one
+    by the experts interface's names runs the module's forward."""
     tr = _transformers()
     if not hasattr(tr, "GptOssConfig"):
         pytest.skip(f"transformers {tr.__version__} has no gpt-oss")
     cfg = tr.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+                          num_experts_per_tok=2, max_position_embeddings=64, use_cache=False, swiglu_limit=1.0,
                           layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     torch.manual_seed(0)
     model = tr.GptOssForCausalLM(cfg).train()
-    ids = torch.randint(0, 64, (2, 10))
-    with pytest.warns(UserWarning, match="left these as they are"):
-        conv = fusedrc.convert(model)
-    skipped = dict(conv.fusedrc_plan.skipped)
-    assert skipped["model.layers.0.mlp.experts"] == skipped["model.layers.1.mlp.experts"]
-    assert skipped["model.layers.0.mlp.experts"].startswith("GptOssExperts")
-    assert conv.fusedrc_plan.units  # its norms are recomputed
-    assert rel_err(conv(ids).logits, model(ids).logits) < 1e-5
+    for n, p in model.named_parameters():
+        if "experts" in n or "router" in n:  # gpt-oss initializes biases to 0: nonzero ones are checked
+            nn.init.normal_(p, std=0.3)
+    device = backend_device(backend)
+    model.to(device)
+    conv = fusedrc.convert(model)
+    units = {u.name: u.kind for u in conv.fusedrc_plan.units}
+    assert units["model.layers.0.mlp.experts"] == units["model.layers.1.mlp.experts"] == "moe_experts"
+    ids = torch.randint(0, 64, (2, 10), device=device)
+    with fusedrc.use_backend(backend), _OpCount() as ops:
+        ya, yb = model(ids).logits, conv(ids).logits
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+    assert ops.count == 2 and rel_err(yb, ya) < 1e-5
+    _grads_match(model, conv)
+    experts, plain = conv.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
+    hs, idx, w = torch.randn(6, 32, device=device), *(t.to(device) for t in _routing(6, 2, 4))
+    with fusedrc.use_backend(backend), _OpCount() as ops:
+        got = experts(hs, router_indices=idx, routing_weights=w.float())
+    assert ops.count == 1 and rel_err(got, plain(hs, idx, w.float())) < 1e-5
+    with fusedrc.use_backend(backend), _OpCount() as ops:  # transformers' implementations take these names
+        got = experts(hs, top_k_index=idx, top_k_weights=w.float())
+    assert ops.count == 0 and rel_err(got, plain(hs, idx, w.float())) < 1e-5
+
+
+def test_convert_openai_privacy_filter_experts():
+    """The OpenAI privacy filter's experts (gpt-oss's with the gate and up projections in halves, its eager
+    forward in fp32): one fused call, output and every gradient the original's in fp32; the biases' dtype
+    differing from the states' (no autocast) runs the module's forward."""
+    _transformers()
+    try:
+        from transformers.models.openai_privacy_filter import configuration_openai_privacy_filter as C
+        from transformers.models.openai_privacy_filter import modeling_openai_privacy_filter as M
+    except ImportError:
+        pytest.skip("this transformers has no OpenAI privacy filter")
+    cfg = C.OpenAIPrivacyFilterConfig(hidden_size=32, intermediate_size=24, num_local_experts=4,
+                                      num_experts_per_tok=2, swiglu_limit=0.8)
+    torch.manual_seed(0)
+    experts = M.OpenAIPrivacyFilterExperts(cfg)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    conv = fusedrc.convert(experts)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
+    x = torch.randn(10, 32)
+    idx, w = _routing(10, 2, 4)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with _OpCount() as ops:
+        ya, yb = experts(xa, idx, w.float()), conv(xb, idx, w.float())
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+    assert ops.count == 1 and rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5
+    _grads_match(experts, conv)
+    conv.down_proj_bias.data = conv.down_proj_bias.data.double()
+    with _OpCount() as ops:
+        conv(x, idx, w.float())
+    assert ops.count == 0
 
 
 class _OpCount:
