@@ -51,7 +51,8 @@ How patterns are found
    ``Llama4TextExperts``,
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
    ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's, HY-V4's and MiniMax-M3's
-   clamped ``_apply_gate`` under the interface; MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
+   clamped ``_apply_gate`` under the interface, and gpt-oss's and the OpenAI privacy filter's (biases, gpt-oss's
+   interleaved gate/up rows); MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -2902,7 +2903,8 @@ class FusedExperts(_ExpertsCall):
     """A Mixture-of-Experts layer's experts under transformers' experts interface
     (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE and the
     other classes with stacked ``gate_up_proj``/``down_proj`` weights; Nemotron-H's ungated ``up_proj``
-    experts) as one :func:`fusedrc.functional.moe_experts` call: each expert's FFN fused, the routing
+    experts; gpt-oss's with biases and interleaved gate/up rows) as one :func:`fusedrc.functional.moe_experts`
+    call: each expert's FFN fused, the routing
     weights' gradient from the recompute, only the call's inputs kept. Whatever the config's
     ``experts_implementation`` (eager, grouped_mm, ...), the fused call computes the same function."""
 
@@ -2926,20 +2928,23 @@ class FusedExperts(_ExpertsCall):
         form = self.__dict__.get("_fusedrc_clamp")  # a _GateForm: a clamped _apply_gate's
         act_fn = self._modules.get("act_fn")  # GLM-5-Next's, HY-V4's and MiniMax-M3's gate without it: none
         return (_nohooks(self, act_fn)
-                # an instance flag (transformers 5.24; 5.17 has none)
-                and not self.__dict__.get("_is_expert_parallel", False)
                 and (form is not None and form.act or _act_name(act_fn) == self.__dict__["_fusedrc_act"])
                 and _gate_kwargs(self, form) is not None and _experts_runtime_ok(self, hs, idx, w)
                 and all(b is None or b.dtype == hs.dtype or torch.is_autocast_enabled(hs.device.type)
-                        for b in _experts_biases(self)))
+                        for b in _experts_biases(self))
+                # sharded weights (expert parallelism's DTensors, where its forward does not make them local)
+                and not any(_is_dtensor(t) for t in (*_experts_weights(self), *_experts_biases(self))))
 
     def _fusedrc_fused(self, h, i, r):
         gate_up, down = _experts_weights(self)
         form = self.__dict__.get("_fusedrc_clamp")
         gate_up_bias, down_bias = _experts_biases(self)
         # its limit and alpha as they are now; transformers' implementations return hidden_states' dtype, also
-        # under autocast
+        # under autocast. Under expert parallelism (an instance flag, transformers 5.24; 5.17 has none) num_experts
+        # is this rank's count and the ids of other ranks' experts are sentinels at or past it: skipped, as the
+        # implementations mask them (no output, no routing weight gradient)
         return F.moe_experts(h, i, r, gate_up, down, self.__dict__["_fusedrc_act"], gated=self.has_gate,
+                             skip_out_of_range=bool(self.__dict__.get("_is_expert_parallel", False)),
                              gate_up_proj_bias=gate_up_bias, down_proj_bias=down_bias,
                              interleaved=form is not None and form.interleaved, **_gate_kwargs(self, form)).to(h.dtype)
 
@@ -2960,6 +2965,14 @@ def _experts_weights(m):
     ungated one's up_proj (E, I, K) in gate_up's place."""
     gate_up, down = (m.gate_up_proj if m.has_gate else m.up_proj), m.down_proj
     return (gate_up.transpose(1, 2), down.transpose(1, 2)) if m.is_transposed else (gate_up, down)
+
+
+def _is_dtensor(t):
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _experts_bias_names(m):

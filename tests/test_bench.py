@@ -18,6 +18,7 @@ import matplotlib.image as mpimg  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import fusedrc  # noqa: E402
 from fusedrc.bench import cli, kernels, measure, schema  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -523,6 +524,28 @@ def test_kernel_gemm_counts_match_the_flop_counter():
             with FlopCounterMode(display=False) as fc:
                 case.forward(strategy).backward(case.grad)
             assert fc.get_total_flops() == case.units[strategy] * case.gemm_flops, (pattern, strategy)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gpt_oss_experts_case(backend):
+    """The kernels benchmark's gpt-oss experts (its eager loop as gpt-oss writes it) and the fused op on the same
+    tensors give the same output and gradients; the GEMM counts are the flop counter's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = dict(T=24, d=16, h=12, E=4, k=2, layout="gpt_oss")
+    device = torch.device("cpu")
+    case = kernels._Case("moe_experts", shape, device, torch.float32, backend)
+    assert case.block.gpt_oss and case.block.gate_up_proj.shape == (4, 16, 24)
+    grads = {}
+    with fusedrc.use_backend(backend):
+        for strategy in ("eager", "fusedrc"):
+            case.step(strategy)
+            grads[strategy] = [case.x.grad.clone()] + [p.grad.clone() for p in case.params]
+    for i, (a, b) in enumerate(zip(grads["eager"], grads["fusedrc"])):
+        assert (a - b).norm() <= 1e-5 * b.norm(), i
+    with FlopCounterMode(display=False) as fc:
+        case.forward("torch_checkpoint").backward(case.grad)
+    assert fc.get_total_flops() == case.units["torch_checkpoint"] * case.gemm_flops
 
 
 def test_interrupted_kernels_run_writes_what_it_measured(tmp_path, monkeypatch):

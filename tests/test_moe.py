@@ -701,6 +701,36 @@ def test_convert_gpt_oss_experts(backend):
     assert ops.count == 0 and rel_err(got, plain(hs, idx, w.float())) < 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_convert_expert_parallel_sentinels(backend):
+    """Experts flagged expert-parallel (transformers' ``MoEParamShard``: ``num_experts`` this rank's count, other
+    ranks' experts as ids at or past it): one fused call skipping those choices, output and every gradient as
+    transformers' batched_mm implementation's, which masks them (no output, no routing weight gradient)."""
+    model, _ = _moe_model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    if "_is_expert_parallel" not in experts.__dict__:
+        pytest.skip("this transformers has no expert parallelism flag")
+    model.config._experts_implementation = "batched_mm"
+    conv = fusedrc.convert(experts)
+    device = backend_device(backend)
+    experts.to(device), conv.to(device)
+    experts._is_expert_parallel = conv._is_expert_parallel = True
+    x = torch.randn(8, 32, device=device)
+    idx, w = _routing(8, 2, 4)
+    idx[0, 0], idx[3, 1], idx[5] = 4, 6, torch.tensor([4, 5])  # other ranks' experts; token 5 runs none here
+    idx, w = idx.to(device), w.float().to(device)
+    xa, xb, wa, wb = x.clone().requires_grad_(), x.clone().requires_grad_(), w.clone().requires_grad_(), \
+        w.clone().requires_grad_()
+    with fusedrc.use_backend(backend), _OpCount() as ops:
+        ya, yb = experts(xa, idx, wa), conv(xb, idx, wb)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+    assert ops.count == 1 and rel_err(yb, ya) < 1e-5 and float(yb[5].detach().abs().max()) == 0
+    assert rel_err(xb.grad, xa.grad) < 1e-5 and rel_err(wb.grad, wa.grad) < 1e-5
+    assert float(wb.grad[idx >= 4].abs().max()) == 0
+    _grads_match(experts, conv)
+
+
 def test_convert_openai_privacy_filter_experts():
     """The OpenAI privacy filter's experts (gpt-oss's with the gate and up projections in halves, its eager
     forward in fp32): one fused call, output and every gradient the original's in fp32; the biases' dtype

@@ -13,7 +13,8 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
 * ``moe_experts`` (a MoE layer's routed SwiGLU experts, top-2 of 8, weighted by differentiable routing
   weights; in units of one of an expert's three GEMMs over all routed tokens): eager 9 (the experts loop
   as Hugging Face's eager forward writes it), checkpoint 12 (its recompute reruns the down projection,
-  whose output the routing weights' gradient reads), fusedrc 11
+  whose output the routing weights' gradient reads), fusedrc 11; shape ``layout="gpt_oss"``: gpt-oss's
+  experts (transposed weights, gate and up rows interleaved, biases, its clamped gate), the same counts
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 * ``bn_act_conv`` (``BatchNorm2d → ReLU → Conv2d``, the pre-activation order; a DenseNet layer's 1×1
@@ -63,12 +64,15 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("moe_experts", dict(T=8192, d=4096, h=14336, E=8, k=2)),  # Mixtral 8x7B's experts, 8192 tokens
                 # Qwen3-30B-A3B's: 128 small experts, top-8 (per-expert launches against the GEMMs)
                 ("moe_experts", dict(T=8192, d=2048, h=768, E=128, k=8)),
+                # gpt-oss-20b's: 32 experts of 2880, top-4, biases, interleaved gate/up rows read in place
+                ("moe_experts", dict(T=8192, d=2880, h=2880, E=32, k=4, layout="gpt_oss")),
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3)),
                 # DenseNet-121's dense layer at 28x28 with 256 input channels: the 1x1 bottleneck to 128
                 ("bn_act_conv", dict(N=64, C=256, K=128, H=28, W=28, k=1))]
     return [("linear_act", dict(M=1024, K=512, N=2048)), ("fused_mlp", dict(M=1024, d=512, h=2048)),
             ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
             ("norm_gated_mlp", dict(M=1024, d=512, h=1376)), ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
+            ("moe_experts", dict(T=512, d=512, h=512, E=8, k=4, layout="gpt_oss")),
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
             ("bn_act_conv", dict(N=16, C=128, K=64, H=16, W=16, k=1))]
 
@@ -112,28 +116,52 @@ class _NormSwiGLU(_SwiGLU):
 
 class _MoEExperts(nn.Module):
     """A MoE layer's experts for a fixed routing (top-k of E per token, differentiable routing weights),
-    as Hugging Face's eager experts forward computes them; ``fused`` is fusedrc's op on the same tensors."""
+    as Hugging Face's eager experts forward computes them; ``fused`` is fusedrc's op on the same tensors.
+    ``gpt_oss``: gpt-oss's experts, as its eager forward writes them (weights stored (E, in, out), gate and
+    up columns interleaved, biases, the gate ``(up.clamp(-7, 7) + 1) * g * sigmoid(1.702 g)`` of
+    ``g = gate.clamp(max=7)``)."""
 
-    def __init__(self, T, d, h, E, k, generator):
+    LIMIT, ALPHA = 7.0, 1.702
+
+    def __init__(self, T, d, h, E, k, generator, gpt_oss=False):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d, generator=generator) * d ** -0.5)
-        self.down_proj = nn.Parameter(torch.randn(E, d, h, generator=generator) * h ** -0.5)
+        self.gpt_oss = gpt_oss
+        if gpt_oss:
+            self.gate_up_proj = nn.Parameter(torch.randn(E, d, 2 * h, generator=generator) * d ** -0.5)
+            self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * h, generator=generator) * 0.1)
+            self.down_proj = nn.Parameter(torch.randn(E, h, d, generator=generator) * h ** -0.5)
+            self.down_proj_bias = nn.Parameter(torch.randn(E, d, generator=generator) * 0.1)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d, generator=generator) * d ** -0.5)
+            self.down_proj = nn.Parameter(torch.randn(E, d, h, generator=generator) * h ** -0.5)
         scores = torch.rand(T, E, generator=generator)
         self.register_buffer("top_k_index", scores.topk(k, dim=1).indices)
         self.top_k_weights = nn.Parameter(torch.rand(T, k, generator=generator))
+
+    def _expert(self, x, e):
+        if not self.gpt_oss:
+            gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            return nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate, up = gate_up[..., ::2].clamp(max=self.LIMIT), gate_up[..., 1::2].clamp(-self.LIMIT, self.LIMIT)
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.ALPHA))) @ self.down_proj[e] + self.down_proj_bias[e]
 
     def forward(self, x):
         out = torch.zeros_like(x)
         for e in range(self.gate_up_proj.shape[0]):
             token, slot = torch.where(self.top_k_index == e)
-            gate, up = nn.functional.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
-            out = out.index_add(0, token, y * self.top_k_weights[token, slot, None])
+            out = out.index_add(0, token, self._expert(x[token], e) * self.top_k_weights[token, slot, None])
         return out
 
     def fused(self, x):
-        return fusedrc.functional.moe_experts(x, self.top_k_index, self.top_k_weights, self.gate_up_proj,
-                                              self.down_proj)
+        if not self.gpt_oss:
+            return fusedrc.functional.moe_experts(x, self.top_k_index, self.top_k_weights, self.gate_up_proj,
+                                                  self.down_proj)
+        return fusedrc.functional.moe_experts(
+            x, self.top_k_index, self.top_k_weights, self.gate_up_proj.transpose(1, 2),
+            self.down_proj.transpose(1, 2), gate_up_proj_bias=self.gate_up_proj_bias,
+            down_proj_bias=self.down_proj_bias, interleaved=True, swiglu_limit=self.LIMIT, swiglu_alpha=self.ALPHA,
+            up_offset=1.0)
 
 
 class _Case:
@@ -164,7 +192,7 @@ class _Case:
             self.units = {"eager": 9, "torch_checkpoint": 11, "fusedrc": 11}  # FlopCounterMode agrees
         elif pattern == "moe_experts":
             T, d, h, E, k = (shape[n] for n in ("T", "d", "h", "E", "k"))
-            self.block = _MoEExperts(T, d, h, E, k, g)
+            self.block = _MoEExperts(T, d, h, E, k, g, gpt_oss=shape.get("layout") == "gpt_oss")
             xs, ys = (T, d), (T, d)
             self.gemm_flops = 2 * T * k * d * h  # one of an expert's three GEMMs, over every routed token
             self.units = {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
