@@ -52,7 +52,7 @@ How patterns are found
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
    ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's, HY-V4's and MiniMax-M3's
    clamped ``_apply_gate`` under the interface, and gpt-oss's and the OpenAI privacy filter's (biases, gpt-oss's
-   interleaved gate/up rows); MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
+   interleaved gate/up rows), and Beam's fp32 one; MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,
@@ -2644,7 +2644,7 @@ def _inlined_return(lines):
 
 
 # The gated forms the fused op stands for, on the gated product P = act_fn(gate_proj(v)) * up_proj(v):
-# "plain" down_proj(P) (Llama, RecurrentGemma's through a local), "dropout" down_proj(dropout(P)) with
+# "plain" down_proj(P) (Llama, RecurrentGemma's through a local; Beam's P in fp32, rounded once), "dropout" down_proj(dropout(P)) with
 # an nn.Dropout ``self.dropout`` (T5Gemma, GTE: the op's own dropout between the layers), "out_dropout"
 # F.dropout(down_proj(P), p=self.<attr>, training=self.training) (Seed-OSS: after the op, as written).
 _OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down_proj\({core}\), " \
@@ -2667,7 +2667,9 @@ def _gated_mlp_body(lines):
     if expr is None:
         return None
     core = f"self.act_fn(self.gate_proj({v})) * self.up_proj({v})"
-    if expr == f"self.down_proj({core})":
+    # Beam's: the activation and product in fp32, rounded once to the projections' dtype (as the kernels do)
+    fp32 = f"(self.act_fn(self.gate_proj({v}).float()) * self.up_proj({v}).float()).to(self.gate_proj({v}).dtype)"
+    if expr in (f"self.down_proj({core})", f"self.down_proj({fp32})"):
         return v, "plain", None
     for kind, pattern in (("clamped", _CLAMPED), ("clamped_pre", _CLAMPED_PRE)):
         clamped = _re.fullmatch(pattern.format(v=_re.escape(v)), expr)
@@ -3001,7 +3003,9 @@ def _looks_experts(m):
 def _experts(ctx, name, m):
     cls = _class_of(m)
     gate = _inspect.getattr_static(cls, "_apply_gate", None)
-    clamp = _experts_clamp(m) if m.has_gate and getattr(gate, "__name__", None) != "_default_apply_gate" else None
+    default = getattr(gate, "__name__", None) == "_default_apply_gate" or _source_lines(m, "_apply_gate") in (
+        _FP32_GATE_LINES,)
+    clamp = _experts_clamp(m) if m.has_gate and not default else None
     act = getattr(m, "act_fn", None)  # gpt-oss's experts have none: they gate inline
     own = list(_inspect.signature(cls.forward.__wrapped__).parameters.values())[1:]
     if len(own) != 3 or own[0].name != "hidden_states" \
@@ -3011,7 +3015,7 @@ def _experts(ctx, name, m):
     elif m.__dict__.get("has_post_expert_norm", False):
         reason = "a norm after each expert has no fused form"
     # the gate's code, not is_concatenated, says how gate_up's rows split: transformers' implementations all call it
-    elif m.has_gate and getattr(gate, "__name__", None) != "_default_apply_gate" and clamp is None:
+    elif m.has_gate and not default and clamp is None:
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
     elif clamp is not None and _gate_kwargs(m, clamp) is None:
         reason = (f"its SwiGLU limit self.{clamp.limit} = {getattr(m, clamp.limit, None)!r} or alpha is not a number"
@@ -3068,6 +3072,9 @@ _STEP3P7_GATE = _GateForm("limit", after=True)
 _CLAMP_FORMS = {"clamped": _GateForm("", after=True), "clamped_pre": _GateForm("")}
 
 
+# Beam's experts gate: the default act(gate) * up in fp32, rounded once (as the kernels compute it)
+_FP32_GATE_LINES = ["def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:", "gate, up = gate_up.chunk(2, dim=-1)",
+                    "return (self.act_fn(gate.float()) * up.float()).to(gate.dtype)"]
 _GATE_SPLITS = {"gate, up = gate_up.chunk(2, dim=-1)": False, "gate, up = gate_up[..., ::2], gate_up[..., 1::2]": True}
 
 

@@ -731,6 +731,34 @@ def test_convert_expert_parallel_sentinels(backend):
     _grads_match(experts, conv)
 
 
+def test_convert_beam_fp32_gates():
+    """Beam's experts and dense MLP evaluate the SwiGLU product in fp32 and round it once, as the kernels do: its
+    experts one fused call, its dense MLP one fused gated FFN; output and every gradient the original's."""
+    tr = _transformers()
+    if not hasattr(tr, "BeamConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no Beam")
+    cfg = tr.BeamConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, moe_intermediate_size=24, num_experts=4,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=64, use_cache=False,
+                        mlp_layer_types=["dense", "sparse"])
+    torch.manual_seed(0)
+    model = tr.BeamForCausalLM(cfg).train()
+    for n, p in model.named_parameters():
+        if "experts" in n:
+            nn.init.normal_(p, std=0.3)
+    conv = fusedrc.convert(model)
+    units = {u.name: u.kind for u in conv.fusedrc_plan.units}
+    assert units["model.layers.0.mlp"] == "norm_gated_ffn"  # with the RMSNorm before it
+    assert units["model.layers.1.mlp.experts"] == "moe_experts"
+    ids = torch.randint(0, 64, (2, 10))
+    with _OpCount() as ops, FusedOpLog(calls := []):
+        ya, yb = model(ids).logits, conv(ids).logits
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+    assert ops.count == 1 and any(c.startswith("gated_mlp") for c in calls) and rel_err(yb, ya) < 1e-5
+    _grads_match(model, conv)
+
+
 def test_convert_openai_privacy_filter_experts():
     """The OpenAI privacy filter's experts (gpt-oss's with the gate and up projections in halves, its eager
     forward in fp32): one fused call, output and every gradient the original's in fp32; the biases' dtype
