@@ -2929,10 +2929,13 @@ class FusedExperts(_ExpertsCall):
     def _fusedrc_ok(self, hs, idx, w):
         form = self.__dict__.get("_fusedrc_clamp")  # a _GateForm: a clamped _apply_gate's
         act_fn = self._modules.get("act_fn")  # GLM-5-Next's, HY-V4's and MiniMax-M3's gate without it: none
-        return (_nohooks(self, act_fn)
+        gate_mods = self.__dict__.get("_fusedrc_gate_modules", ())
+        return (_nohooks(self, act_fn, *gate_mods)
+                and (not gate_mods or act_fn is not None and (act_fn, *act_fn.children()) == gate_mods)
                 and (form is not None and form.act or _act_name(act_fn) == self.__dict__["_fusedrc_act"])
                 and _gate_kwargs(self, form) is not None and _experts_runtime_ok(self, hs, idx, w)
-                and all(b is None or b.dtype == hs.dtype or torch.is_autocast_enabled(hs.device.type)
+                and all(b is None or b.device == hs.device and (b.dtype == hs.dtype
+                                                                  or torch.is_autocast_enabled(hs.device.type))
                         for b in _experts_biases(self))
                 # sharded weights (expert parallelism's DTensors, where its forward does not make them local)
                 and not any(_is_dtensor(t) for t in (*_experts_weights(self), *_experts_biases(self))))
@@ -3019,10 +3022,10 @@ def _experts(ctx, name, m):
         reason = f"{cls.__name__} gates its experts its own way (not act(gate) * up on the halves of gate_up_proj)"
     elif clamp is not None and _gate_kwargs(m, clamp) is None:
         reason = (f"its SwiGLU limit self.{clamp.limit} = {getattr(m, clamp.limit, None)!r} or alpha is not a number"
-                  " > 0")
+                  " > 0" if clamp.limit else "its gate's alpha or softcaps are not numbers > 0")
     elif not (clamp is not None and clamp.act) and (not isinstance(act, nn.Module) or _act_name(act) is None):
         reason = f"activation {type(act).__name__} has no fused form"
-    elif not _nohooks(m, act):
+    elif not _nohooks(m, act, *(act.children() if isinstance(act, nn.Module) else ())):
         reason = "hooks registered on the modules"
     else:
         reason = None
@@ -3041,6 +3044,10 @@ def _experts(ctx, name, m):
     if reason is None:
         new.__dict__["_fusedrc_clamp"] = clamp
         new.__dict__["_fusedrc_names"] = tuple(p.name for p in own)
+        # a softcapped gate's modules as converted: another module put in their place runs the module's forward
+        gate_mod = m._modules.get("act_fn")
+        new.__dict__["_fusedrc_gate_modules"] = (gate_mod, *gate_mod.children()) \
+            if clamp is not None and clamp.gate_cap else ()
     return new
 
 
@@ -3055,15 +3062,18 @@ def _experts_unit(ctx, name, m, reason, wrapper, act):
 
 
 class _GateForm(NamedTuple):
-    """A clamped SwiGLU a module computes: its limit attribute, whether the clamp follows the activation, the
-    activation it fixes (None: ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``; None: none),
-    its up offset, and whether gate and up alternate in the projection's output (gpt-oss's ``[..., ::2]``)."""
-    limit: str
+    """A shaped SwiGLU a module computes: its limit attribute (None: no clamp), whether the clamp follows the
+    activation, the activation it fixes (None: ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``;
+    None: none), its up offset, whether gate and up alternate in the projection's output (gpt-oss's ``[..., ::2]``),
+    and the dotted attribute paths of its gate and up softcaps (Inkling2's; None: none)."""
+    limit: str | None
     after: bool = False
     act: str | None = None
     alpha: str | None = None
     offset: float = 0.0
     interleaved: bool = False
+    gate_cap: str | None = None
+    up_cap: str | None = None
 
 
 _MINIMAX_DENSE_GATE = _GateForm("swiglu_limit", act="silu", alpha="swiglu_alpha", offset=1.0)
@@ -3085,6 +3095,8 @@ def _experts_clamp(m):
     halves (MiniMax-M3's, the OpenAI privacy filter's; gpt-oss's on the interleaved rows, its product named
     before it is returned); else None."""
     lines = _source_lines(m, "_apply_gate")
+    if lines is not None and lines[1:] == ["gate, up = gate_up.chunk(2, dim=-1)", "return self.act_fn(gate, up)"]:
+        return _softcapped_gate(m)
     if lines is None or len(lines) not in (5, 6, 7) or lines[1] not in _GATE_SPLITS:
         return None
     interleaved = _GATE_SPLITS[lines[1]]
@@ -3110,18 +3122,52 @@ def _experts_clamp(m):
     return _GateForm(g.group(1), act="silu" if a.group(1) == "F.silu" else None, interleaved=interleaved)
 
 
+# Inkling2's gate module (``act_fn(gate, up)``) and its softcaps, line by line
+_SOFTCAP_SWIGLU_LINES = [
+    "def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:", "input_dtype = gate.dtype",
+    "gate, up = gate.float(), up.float()",
+    "return (self.gate_softcap(gate) * torch.sigmoid(gate) * self.up_softcap(up)).to(input_dtype)"]
+_SOFTCAP_LINES = ["def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:",
+                  "return torch.tanh(hidden_states / self.softcap) * self.softcap"]
+
+
+def _softcapped_gate(m):
+    """The ``_GateForm`` of experts gating ``self.act_fn(gate, up)`` on the halves of gate_up_proj with Inkling2's
+    softcapped SwiGLU, ``s_g tanh(g / s_g) * sigmoid(g) * s_u tanh(u / s_u)`` in fp32, rounded once (its module and
+    its two softcap modules checked line by line; their ``softcap`` read at each call); else None."""
+    act = m._modules.get("act_fn")
+    caps = [None if act is None else act._modules.get(n) for n in ("gate_softcap", "up_softcap")]
+    if act is None or None in caps or _source_lines(act) != _SOFTCAP_SWIGLU_LINES \
+            or any(_source_lines(c) != _SOFTCAP_LINES for c in caps):
+        return None
+    if any(getattr(type(mod).forward, "__globals__", {}).get("torch") is not torch for mod in (act, *caps)):
+        return None
+    return _GateForm(None, act="silu", gate_cap="act_fn.gate_softcap.softcap", up_cap="act_fn.up_softcap.softcap")
+
+
 def _gate_kwargs(m, form):
-    """The gated ops' clamp arguments (``swiglu_limit``, ...) of a module computing ``form`` (None: no clamp), its
-    limit and alpha read from ``m`` now (a limit of +inf clamps nothing); None where one is no number > 0 (the
-    module's own forward runs)."""
+    """The gated ops' gate arguments (``swiglu_limit``, ...) of a module computing ``form`` (None: a plain gate), its
+    limit, alpha and softcaps read from ``m`` now (a limit of +inf clamps nothing); None where one is no number > 0
+    (the module's own forward runs)."""
     if form is None:
         return {}
-    limit, alpha = getattr(m, form.limit, None), getattr(m, form.alpha, None) if form.alpha else 1.0
-    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0 for v in (limit, alpha)) \
-            or not math.isfinite(alpha):
+    def value(path, default):  # m.<a>.<b>... now; ``default`` without a path
+        if path is None:
+            return default
+        obj = m
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        return obj
+
+    limit, alpha = value(form.limit, math.inf), value(form.alpha, 1.0)
+    caps = value(form.gate_cap, 1.0), value(form.up_cap, 1.0)
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0 for v in (limit, alpha, *caps)) \
+            or not all(math.isfinite(v) for v in (alpha, *caps)):
         return None
     return dict(swiglu_limit=None if limit == math.inf else float(limit), limit_after_act=form.after,
-                swiglu_alpha=float(alpha) if form.alpha else None, up_offset=form.offset)
+                swiglu_alpha=float(alpha) if form.alpha else None, up_offset=form.offset,
+                gate_softcap=float(caps[0]) if form.gate_cap else None,
+                up_softcap=float(caps[1]) if form.up_cap else None)
 
 
 class FusedJetMoeMoE(Wrapper):

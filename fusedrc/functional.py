@@ -238,7 +238,7 @@ def gated_mlp(
     b_down: Tensor | None, activation: str = "silu", dropout_p: float = 0.0, *, norm: str | None = None,
     norm_weight: Tensor | None = None, norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
     swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
-    up_offset: float = 0.0,
+    up_offset: float = 0.0, gate_softcap: float | None = None, up_softcap: float | None = None,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -275,7 +275,8 @@ def gated_mlp(
     _check_params(x, (w_gate, "w_gate", 2, False), (b_gate, "b_gate", 1, True), (w_up, "w_up", 2, False),
                   (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True),
                   (norm_weight, "norm_weight", 1, True), (norm_bias, "norm_bias", 1, True))
-    activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset)
+    activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset, gate_softcap,
+                                   up_softcap)
     dropout_p = check_probability(dropout_p, "dropout_p")
     norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
     (x, w_gate, b_gate, w_up, b_up, w_down, b_down), x_ffn = _ffn_autocast(
@@ -314,10 +315,16 @@ _LIMIT_DOC = """swiglu_limit: a clamp of the gated product's operands at this fi
         swiglu_alpha: with ``activation="silu"``, the gate's activation ``h * sigmoid(alpha h)`` (a finite
             alpha > 0; MiniMax-M3's and gpt-oss's glu, alpha 1.702); None: ``activation`` itself.
         up_offset: a number added to the (clamped) up projection, ``(clamp(h_u, -L, L) + c)`` (MiniMax-M3's
-            and gpt-oss's ``up + 1``)."""
+            and gpt-oss's ``up + 1``).
+        gate_softcap: with ``activation="silu"``, a finite cap s > 0 of the gate's linear factor:
+            ``s tanh(h_g / s) * sigmoid(h_g)`` (the sigmoid sees the raw h_g; with ``swiglu_alpha``,
+            ``sigmoid(alpha h_g)``; Inkling2's); None: none.
+        up_softcap: a finite cap s > 0 of the up projection, ``s tanh(h_u / s)`` after its clamp and before its
+            offset (Inkling2's); None: none."""
 
 
-def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=None, up_offset=0.0):
+def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=None, up_offset=0.0, gate_softcap=None,
+                      up_softcap=None):
     """The gated ops' activation string (``reference.gated_name``) of a public call's arguments, checked."""
     check_activation(activation)
     if not isinstance(limit_after_act, bool):
@@ -335,7 +342,12 @@ def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=No
     if alpha is not None and activation != "silu":
         raise ValueError(f"swiglu_alpha sets the slope of silu's sigmoid (h * sigmoid(alpha h)): it needs "
                          f"activation='silu', got {activation!r}")
-    return reference.gated_name(activation, limit, limit_after_act, alpha, real(up_offset, "up_offset", False))
+    gate_cap, up_cap = real(gate_softcap, "gate_softcap", True), real(up_softcap, "up_softcap", True)
+    if gate_cap is not None and activation != "silu":
+        raise ValueError(f"gate_softcap caps the linear factor of silu's h * sigmoid(h): it needs activation='silu', "
+                         f"got {activation!r}")
+    return reference.gated_name(activation, limit, limit_after_act, alpha, real(up_offset, "up_offset", False),
+                                gate_cap, up_cap)
 
 
 for _fn in (fused_mlp, gated_mlp):
@@ -394,12 +406,13 @@ def moe_experts(
     activation: str = "silu", *, gated: bool = True, skip_out_of_range: bool = False, up_proj: Tensor | None = None,
     swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
     up_offset: float = 0.0, gate_up_proj_bias: Tensor | None = None, down_proj_bias: Tensor | None = None,
-    interleaved: bool = False,
+    interleaved: bool = False, gate_softcap: float | None = None, up_softcap: float | None = None,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
     Token ``t``'s output is ``sum_j top_k_weights[t, j] * expert_e(hidden_states[t])`` with
-    ``e = top_k_index[t, j]`` and ``expert_e(x) = (act(x Wg_eᵀ) * (x Wu_eᵀ)) Wd_eᵀ``, in Hugging Face's
+    ``e = top_k_index[t, j]`` and ``expert_e(x) = (act(x Wg_eᵀ + bg_e) * (x Wu_eᵀ + bu_e)) Wd_eᵀ + bd_e`` (the
+    biases optional), in Hugging Face's
     layout (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...: ``gate_up_proj[e]`` holds ``Wg_e`` then
     ``Wu_e``). Each expert runs the gated FFN's kernels on the tokens routed to it; backward
     recomputes each expert's gate and up projections (never its down projection, not even for the
@@ -449,11 +462,14 @@ def moe_experts(
     check_tensor(hidden_states, "hidden_states", ndim=2)
     _check_params(hidden_states, (gate_up_proj, "gate_up_proj", 3, False), (down_proj, "down_proj", 3, False),
                   name_x="hidden_states")
-    activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset)
+    activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset, gate_softcap,
+                                   up_softcap)
     if not isinstance(gated, bool):
         raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
-    if (swiglu_limit is not None or swiglu_alpha is not None or up_offset) and not gated:
-        raise ValueError("swiglu_limit, swiglu_alpha and up_offset shape a gated product; ungated experts have none")
+    if (swiglu_limit is not None or swiglu_alpha is not None or up_offset or gate_softcap is not None
+            or up_softcap is not None) and not gated:
+        raise ValueError("swiglu_limit, swiglu_alpha, up_offset and the softcaps shape a gated product; ungated experts "
+                         "have none")
     apart = up_proj is not None
     if apart:
         _check_params(hidden_states, (up_proj, "up_proj", 3, False), name_x="hidden_states")

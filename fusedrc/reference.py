@@ -107,7 +107,10 @@ def check_activation(activation, name="activation") -> str:
 #   limit_after=<L>  min(act(h_g), L) * clamp(h_u, -L, L) (Step-3.7)
 #   alpha=<a>        the gate's activation h * sigmoid(a h), "silu" with a slope (MiniMax-M3's, gpt-oss's glu)
 #   up_offset=<c>    (h_u + c) after its clamp (MiniMax-M3's, gpt-oss's up + 1)
-# L and a finite and > 0, c finite. ``gated_name`` writes them.
+#   gate_softcap=<s> the gate's activation s tanh(h / s) * sigmoid(a h): silu (a = alpha, or 1) with its linear
+#                    factor softcapped, the sigmoid seeing the raw h (Inkling2's)
+#   up_softcap=<s>   s tanh(h_u / s) after its clamp, before its offset (Inkling2's)
+# L, a and s finite and > 0, c finite. ``gated_name`` writes them.
 _re_number = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -117,6 +120,8 @@ class GatedSpec(NamedTuple):
     after: bool = False
     alpha: float | None = None
     offset: float = 0.0
+    gate_cap: float | None = None
+    up_cap: float | None = None
 
 
 def split_gated(activation, name="activation") -> GatedSpec:
@@ -139,17 +144,22 @@ def split_gated(activation, name="activation") -> GatedSpec:
             spec = spec._replace(alpha=number)
         elif key == "up_offset" and math.isfinite(number):
             spec = spec._replace(offset=number)
+        elif key == "gate_softcap" and positive and act == "silu":
+            spec = spec._replace(gate_cap=number)
+        elif key == "up_softcap" and positive:
+            spec = spec._replace(up_cap=number)
         else:
             raise ValueError(f"{name}: a gated activation's options are '|limit=<L>' or '|limit_after=<L>', "
-                             f"'|alpha=<a>' (silu) and '|up_offset=<c>', L and a finite > 0, c finite, each once; "
-                             f"got {activation!r}")
+                             f"'|alpha=<a>' (silu), '|up_offset=<c>', '|gate_softcap=<s>' (silu) and "
+                             f"'|up_softcap=<s>', L, a and s finite > 0, c finite, each once; got {activation!r}")
     return spec
 
 
-def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0) -> str:
+def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0, gate_cap=None, up_cap=None) -> str:
     """The gated ops' activation string of ``activation`` with a SwiGLU clamp at ``limit`` (None: none), after
-    the activation where ``after``, the gate's activation ``h * sigmoid(alpha h)`` (None: ``activation``'s) and
-    ``offset`` added to the (clamped) up projection."""
+    the activation where ``after``, the gate's activation ``h * sigmoid(alpha h)`` (None: ``activation``'s),
+    ``offset`` added to the (clamped) up projection, and the softcaps ``gate_cap`` of the gate's linear factor and
+    ``up_cap`` of the up projection (None: none)."""
     parts = [activation]
     if limit is not None:
         parts.append(f"{'limit_after' if after else 'limit'}={float(limit)!r}")
@@ -157,18 +167,35 @@ def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0) -> s
         parts.append(f"alpha={float(alpha)!r}")
     if offset:
         parts.append(f"up_offset={float(offset)!r}")
+    if gate_cap is not None:
+        parts.append(f"gate_softcap={float(gate_cap)!r}")
+    if up_cap is not None:
+        parts.append(f"up_softcap={float(up_cap)!r}")
     return "|".join(parts)
 
 
+def _softcap(h, cap):
+    """(cap * tanh(h / cap), tanh(h / cap)) as the models write it."""
+    t = torch.tanh(h / cap)
+    return t * cap, t
+
+
 def _gate_forward(h, spec):
-    return h * torch.sigmoid(h * spec.alpha) if spec.alpha is not None else activation_forward(h, spec.act)
+    if spec.alpha is None and spec.gate_cap is None:
+        return activation_forward(h, spec.act)
+    lin = h if spec.gate_cap is None else _softcap(h, spec.gate_cap)[0]
+    return lin * torch.sigmoid(h if spec.alpha is None else h * spec.alpha)
 
 
 def _gate_backward(grad, h, spec):
-    if spec.alpha is None:
+    if spec.alpha is None and spec.gate_cap is None:
         return activation_backward(grad, h, spec.act)
-    s = torch.sigmoid(h * spec.alpha)  # autograd of h * sigmoid(h * alpha)
-    return grad * s + aten.sigmoid_backward(grad * h, s) * spec.alpha
+    alpha = 1.0 if spec.alpha is None else spec.alpha
+    s = torch.sigmoid(h * alpha)  # autograd of lin(h) * sigmoid(h * alpha), lin = h or its softcap
+    if spec.gate_cap is None:
+        return grad * s + aten.sigmoid_backward(grad * h, s) * alpha
+    lin, t = _softcap(h, spec.gate_cap)
+    return aten.tanh_backward(grad * s * spec.gate_cap, t) / spec.gate_cap + aten.sigmoid_backward(grad * lin, s) * alpha
 
 
 class GatedOperands(NamedTuple):
@@ -181,6 +208,7 @@ class GatedOperands(NamedTuple):
     keep_u: torch.Tensor | None
     hg: torch.Tensor
     spec: GatedSpec
+    up_tanh: torch.Tensor | None = None  # tanh(h_u / s) of the up softcap (None without)
 
 
 def gated_operands(hg, hu, activation) -> GatedOperands:
@@ -201,9 +229,12 @@ def gated_operands(hg, hu, activation) -> GatedOperands:
             keep_g = hg <= limit
             hg = hg.clamp(max=limit)
             gate = _gate_forward(hg, spec)
+    up_tanh = None
+    if spec.up_cap is not None:
+        hu, up_tanh = _softcap(hu, spec.up_cap)
     if spec.offset:
         hu = hu + spec.offset
-    return GatedOperands(gate, hu, keep_g, keep_u, hg, spec)
+    return GatedOperands(gate, hu, keep_g, keep_u, hg, spec, up_tanh)
 
 
 def gated_product(hg, hu, activation):
@@ -218,6 +249,8 @@ def gated_product_backward(grad_a, o: GatedOperands):
     activation's backward as torch's)."""
     grad_hu = grad_a * o.gate
     grad_gate = grad_a * o.up
+    if o.up_tanh is not None:
+        grad_hu = aten.tanh_backward(grad_hu * o.spec.up_cap, o.up_tanh) / o.spec.up_cap
     if o.keep_u is not None:
         grad_hu = torch.where(o.keep_u, grad_hu, 0.0)
     if o.keep_g is None:

@@ -71,10 +71,12 @@ _WHOLE = {
 def gated_meta(activation: str) -> dict:
     """The dual kernels' activation constexprs: ``act_meta``'s, and the gated product's options of a gated
     activation string (``reference.split_gated``): the SwiGLU clamp's LIMIT (0.0: none; one compile per limit)
-    and LIMIT_AFTER, the gate's ALPHA (0.0: none) and UP_OFFSET."""
+    and LIMIT_AFTER, the gate's ALPHA (0.0: none), UP_OFFSET, and the softcaps GATE_CAP and UP_CAP (0.0: none)."""
     spec = split_gated(activation)
     return dict(act_meta(spec.act), LIMIT=0.0 if spec.limit is None else spec.limit, LIMIT_AFTER=spec.after,
-                ALPHA=0.0 if spec.alpha is None else spec.alpha, UP_OFFSET=spec.offset)
+                ALPHA=0.0 if spec.alpha is None else spec.alpha, UP_OFFSET=spec.offset,
+                GATE_CAP=0.0 if spec.gate_cap is None else spec.gate_cap,
+                UP_CAP=0.0 if spec.up_cap is None else spec.up_cap)
 
 
 def gated_config(cfg, key=None):
@@ -106,12 +108,13 @@ def _launch_config(cfg, persistent):
     return cfg._replace(EPILOGUE_SPLIT=min(8, cfg.BLOCK_N // 16), num_stages=min(2, cfg.num_stages))
 
 
-def _clamp_split(split, block_n, limit, interleaved_bias=False):
-    """The grad kernel's epilogue split with a SwiGLU clamp: a split (whole) tile's in eighths, for the clamp's
-    masks (in quarters, the clamp after the activation spilled 24 bytes on sm_90 under Triton 3.9); in sixteenths
-    where it also splits one interleaved operand and sums biases (gpt-oss's experts: 8 bytes of spill in eighths,
-    none in sixteenths). The split is elementwise: no value changes."""
-    if not limit or split == 1:
+def _clamp_split(split, block_n, shaped, interleaved_bias=False):
+    """The grad kernel's epilogue split with a shaped SwiGLU (``shaped``: a clamp or a softcap): a split (whole)
+    tile's in eighths, for the clamp's masks and the softcaps' tanh (in quarters, the clamp after the activation
+    spilled 24 bytes on sm_90 under Triton 3.9, Inkling2's softcaps 56 bytes); in sixteenths where it also splits
+    one interleaved operand and sums biases (gpt-oss's experts: 8 bytes of spill in eighths, none in sixteenths).
+    The split is elementwise: no value changes."""
+    if not shaped or split == 1:
         return split
     return min(16, block_n // 8) if interleaved_bias else min(8, block_n // 16)
 
@@ -209,7 +212,8 @@ def _gated_act_tile(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-    LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
+    LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
+    UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -218,7 +222,8 @@ def _gated_act_tile(
         tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
-                        drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                        drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
+                        DROPOUT, BLOCK_M,
                         BLOCK_N, EPILOGUE_SPLIT)
 
 
@@ -229,9 +234,28 @@ def _clamp_max(v, LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _gate_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr):
-    """The gate's activation: ``h * sigmoid(h * ALPHA)`` with ALPHA (MiniMax-M3's and gpt-oss's glu), else act(h)."""
-    if ALPHA > 0.0:
+def _tanh(x):
+    """tanh in fp32 within a few ulps (no libdevice tanh in the interpreter): an odd polynomial where |x| < 0.3
+    (there 1 - exp(-2|x|) would cancel), (1 - e) / (1 + e) with e = exp(-2|x|) elsewhere; NaN stays NaN."""
+    x2 = x * x
+    near = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
+                                                                                     + x2 * 0.021869488536155203))))
+    e = tl.exp(-2.0 * tl.abs(x))
+    far = (1.0 - e) / (1.0 + e)
+    return tl.where(tl.abs(x) < 0.3, near, tl.where(x < 0.0, -far, far))
+
+
+@triton.jit
+def _gate_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr, GATE_CAP: tl.constexpr):
+    """The gate's activation: ``lin(h) * sigmoid(h * ALPHA)`` with ALPHA or GATE_CAP (MiniMax-M3's and gpt-oss's glu;
+    Inkling2's, lin(h) = GATE_CAP tanh(h / GATE_CAP), ALPHA 1 without one), else act(h)."""
+    if GATE_CAP > 0.0:
+        if ALPHA > 0.0:
+            s = _sigmoid(h * ALPHA)
+        else:
+            s = _sigmoid(h)
+        y = (GATE_CAP * _tanh(h / GATE_CAP)) * s
+    elif ALPHA > 0.0:
         y = h * _sigmoid(h * ALPHA)
     else:
         y = _act_fwd(h, ACTIVATION, NEG_SLOPE)
@@ -239,8 +263,17 @@ def _gate_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.co
 
 
 @triton.jit
-def _gate_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr):
-    if ALPHA > 0.0:  # autograd of h * sigmoid(h * ALPHA): g s + ALPHA (g h) s (1 - s)
+def _gate_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr, GATE_CAP: tl.constexpr):
+    if GATE_CAP > 0.0:  # autograd of lin(h) * sigmoid(h * a): g s (1 - t^2) + a (g lin) s (1 - s), t = lin / cap
+        if ALPHA > 0.0:
+            s = _sigmoid(h * ALPHA)
+            t = _tanh(h / GATE_CAP)
+            gh = (g * s) * (1.0 - t * t) + ((g * (GATE_CAP * t)) * (s * (1.0 - s))) * ALPHA
+        else:
+            s = _sigmoid(h)
+            t = _tanh(h / GATE_CAP)
+            gh = (g * s) * (1.0 - t * t) + (g * (GATE_CAP * t)) * (s * (1.0 - s))
+    elif ALPHA > 0.0:  # autograd of h * sigmoid(h * ALPHA): g s + ALPHA (g h) s (1 - s)
         s = _sigmoid(h * ALPHA)
         gh = g * s + ((g * h) * (s * (1.0 - s))) * ALPHA
     else:
@@ -250,35 +283,43 @@ def _gate_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: t
 
 @triton.jit
 def _clamped_operands(hg, hu, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-                      LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr):
-    """(act, h_u, keep_g, keep_u, h_g) of the gated product act * h_u: a SwiGLU clamp at LIMIT (0.0: none)
-    of the gate, before its activation or (LIMIT_AFTER) after it, and of h_u to [-LIMIT, LIMIT], then h_u
-    + UP_OFFSET; keep_g, keep_u where the clamps pass a gradient (torch's clamp_backward: inside the bounds,
-    not NaN); h_g the value the activation's derivative reads."""
+                      LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
+                      UP_CAP: tl.constexpr):
+    """(act, h_u, keep_g, keep_u, h_g, du) of the gated product act * h_u: a SwiGLU clamp at LIMIT (0.0: none)
+    of the gate, before its activation or (LIMIT_AFTER) after it, and of h_u to [-LIMIT, LIMIT], then h_u's
+    softcap UP_CAP tanh(h_u / UP_CAP) (0.0: none) and + UP_OFFSET; keep_g, keep_u where the clamps pass a
+    gradient (torch's clamp_backward: inside the bounds, not NaN); h_g the value the activation's derivative
+    reads; du the softcap's derivative (1.0 without)."""
     if LIMIT > 0.0:
         keep_u = (hu >= -LIMIT) & (hu <= LIMIT)
         hu = tl.where(hu < -LIMIT, -LIMIT, _clamp_max(hu, LIMIT))
         if LIMIT_AFTER:
-            act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA)
+            act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
             keep_g = act <= LIMIT
             act = _clamp_max(act, LIMIT)
         else:
             keep_g = hg <= LIMIT
             hg = _clamp_max(hg, LIMIT)
-            act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA)
+            act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
     else:
-        act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA)
+        act = _gate_fwd(hg, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
         keep_g = act == act  # unused without a clamp
         keep_u = keep_g
+    du = 1.0
+    if UP_CAP > 0.0:
+        t = _tanh(hu / UP_CAP)
+        hu = UP_CAP * t
+        du = 1.0 - t * t
     if UP_OFFSET != 0.0:
         hu = hu + UP_OFFSET
-    return act, hu, keep_g, keep_u, hg
+    return act, hu, keep_g, keep_u, hg, du
 
 
 @triton.jit
 def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
                         ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-                        LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
+                        LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
+                        GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
                         BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The product act(h_g) * h_u on columns [c0, c0 + WIDTH) of the tile, dropped out and stored, in SPLIT
     column slices one after the other (as the grad kernel's epilogue)."""
@@ -286,13 +327,16 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         _gated_fwd_epilogue(hg0, hu0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT,
+                            BLOCK_M,
                             WIDTH // 2, SPLIT // 2)
         _gated_fwd_epilogue(hg1, hu1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold,
-                            drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT,
+                            drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP,
+                            UP_CAP, DROPOUT,
                             BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
-        act, hu, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET)
+        act, hu, _, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
+                                                UP_OFFSET, GATE_CAP, UP_CAP)
         y = act * hu
         offs_m = tl.arange(0, BLOCK_M)
         if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
@@ -308,7 +352,8 @@ def _gated_act_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
-    LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, DROPOUT: tl.constexpr,
+    LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
+    UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -320,12 +365,14 @@ def _gated_act_kernel(
                              flatten=True):
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                            HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                            HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
+                            DROPOUT, BLOCK_M,
                             BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                        HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, BLOCK_M,
+                        HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
+                        DROPOUT, BLOCK_M,
                         BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
 
 
@@ -335,6 +382,7 @@ def _gated_grad_epilogue(
     seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (hg, hu hold them), in SPLIT
@@ -347,11 +395,11 @@ def _gated_grad_epilogue(
         dot0 = _gated_grad_epilogue(
             hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT,
-            LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         dot1 = _gated_grad_epilogue(
             hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
@@ -360,7 +408,8 @@ def _gated_grad_epilogue(
     offs = base + (offs_m[:, None] * N + offs_n[None, :])
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # act and hu as the product reads them (clamped, with LIMIT); hg as the activation's derivative reads it
-    act, hu, keep_g, keep_u, hg = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET)
+    act, hu, keep_g, keep_u, hg, du = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
+                                                        UP_OFFSET, GATE_CAP, UP_CAP)
     dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if ROW_SCALE:  # a routed expert's output scaled per row by r: g is the unscaled g_out Wd
         # d r = a . (g_out Wd): this slice's share of the row dot
@@ -374,14 +423,16 @@ def _gated_grad_epilogue(
     elif STORE_ACT:
         tl.store(act_ptr + offs, (act * hu).to(act_ptr.dtype.element_ty), mask=mask)
     ghu = g * act
+    if UP_CAP > 0.0:
+        ghu = ghu * du
     if LIMIT > 0.0:  # the clamps pass no gradient outside their bounds (torch's order: see reference)
         ghu = tl.where(keep_u, ghu, 0.0)
         if LIMIT_AFTER:
-            ghg = _gate_grad(hg, tl.where(keep_g, g * hu, 0.0), ACTIVATION, NEG_SLOPE, ALPHA)
+            ghg = _gate_grad(hg, tl.where(keep_g, g * hu, 0.0), ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
         else:
-            ghg = tl.where(keep_g, _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA), 0.0)
+            ghg = tl.where(keep_g, _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP), 0.0)
     else:
-        ghg = _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA)
+        ghg = _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
     tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
     tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
@@ -399,6 +450,7 @@ def _gated_act_grad_tile(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -414,7 +466,7 @@ def _gated_act_grad_tile(
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
         pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
@@ -427,6 +479,7 @@ def _gated_act_grad_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -441,14 +494,14 @@ def _gated_act_grad_kernel(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-                UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+                UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
                 INTERLEAVED, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
             drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-            UP_OFFSET, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+            UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
             INTERLEAVED, EPILOGUE_SPLIT)
 
 
@@ -456,11 +509,18 @@ def _gated_act_grad_kernel(
 def _interleaved_pair(w_gate, w_up):
     """The (2H, K) view whose even rows are ``w_gate`` and odd rows ``w_up`` where the two are such rows of one
     tensor (gpt-oss's gate_up_proj, ``[0::2]`` and ``[1::2]``), else None: the dual kernels then read one operand
-    of 2 * BLOCK_N adjacent columns (contiguous in gpt-oss's transposed storage) instead of two strided ones."""
-    base = w_gate._base
-    if (base is None or w_up._base is not base or w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride()
-            or w_gate.dtype != w_up.dtype or w_gate.shape[0] < 2):
+    of 2 * BLOCK_N adjacent columns (contiguous in gpt-oss's transposed storage) instead of two strided ones.
+    One storage: views of one base (also while torch.compile traces: fake tensors have no data pointer), or, in a
+    plain call, the same data pointer (views whose base autograd did not keep)."""
+    if w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype \
+            or w_gate.shape[0] < 2:
         return None
+    base = w_gate._base
+    if base is None or w_up._base is not base:
+        plain = type(w_gate) in (torch.Tensor, torch.nn.Parameter) and type(w_up) in (torch.Tensor, torch.nn.Parameter)
+        if not plain or torch.compiler.is_compiling() \
+                or w_gate.untyped_storage().data_ptr() != w_up.untyped_storage().data_ptr():
+            return None
     rows, cols = w_gate.stride()
     if rows % 2 or w_up.storage_offset() - w_gate.storage_offset() != rows // 2:
         return None
@@ -478,9 +538,9 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
                                         dropout=dropout is not None and dropout[0] != 0)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
     pair = _interleaved_pair(w_gate, w_up)
-    if pair is not None and _tile_safe(pair.t(), cfg.BLOCK_K, 2 * cfg.BLOCK_N, "w_gate").data_ptr() == \
-            pair.data_ptr():
-        bg = bu = pair.t()  # one (K, 2H) operand: the kernel splits its columns
+    pair_t = None if pair is None else pair.t()
+    if pair_t is not None and _tile_safe(pair_t, cfg.BLOCK_K, 2 * cfg.BLOCK_N, "w_gate") is pair_t:
+        bg = bu = pair_t  # one (K, 2H) operand: the kernel splits its columns
     else:
         pair = None
         bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
@@ -550,7 +610,8 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     grad_a = grad_a.contiguous()
     fill = operands[0]  # an unused pointer argument is an input, never an output (see launcher)
     act_args = gated_meta(activation)
-    meta["EPILOGUE_SPLIT"] = _clamp_split(meta["EPILOGUE_SPLIT"], cfg.BLOCK_N, act_args["LIMIT"],
+    shaped = act_args["LIMIT"] or act_args["GATE_CAP"] or act_args["UP_CAP"]
+    meta["EPILOGUE_SPLIT"] = _clamp_split(meta["EPILOGUE_SPLIT"], cfg.BLOCK_N, shaped,
                                           meta["INTERLEAVED"] and meta["HAS_BIAS"])
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
@@ -665,7 +726,8 @@ def inspect_specs():
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
             constexprs = {
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
-                "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "DROPOUT": dropout,
+                "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "GATE_CAP": 0.0, "UP_CAP": 0.0,
+                "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "INTERLEAVED": False,
                 "PERSISTENT": persistent,
@@ -721,6 +783,14 @@ def inspect_specs():
                              "config": {**spec["config"], "limit": 10.0, "EPILOGUE_SPLIT": split,
                                         **({"limit_after": True} if after else {}),
                                         **({"alpha": alpha, "up_offset": 1.0} if alpha else {})}})
+    # Inkling2's experts: its softcapped SwiGLU (gate cap 4, up cap 25), the routed grad kernel and the widest forward
+    for spec in (routed, fwd):
+        split = spec["constexprs"]["EPILOGUE_SPLIT"]
+        if spec is routed:  # as gated_act_grad launches it
+            split = _clamp_split(split, spec["constexprs"]["BLOCK_N"], 4.0)
+        constexprs = {**spec["constexprs"], "GATE_CAP": 4.0, "UP_CAP": 25.0, "EPILOGUE_SPLIT": split}
+        specs.insert(len(variants) + 1, {**spec, "constexprs": constexprs, "config": {
+            **spec["config"], "gate_softcap": 4.0, "up_softcap": 25.0, "EPILOGUE_SPLIT": split}})
     # gpt-oss's experts: biases, its gate (limit 7, alpha 1.702, up + 1) and its interleaved gate/up rows of
     # transposed weights, one operand of 2 * BLOCK_N contiguous columns (stride_bn 1, stride_bk the row length);
     # the routed grad kernel and the widest forward

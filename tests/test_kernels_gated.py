@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as TF
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 import fusedrc  # noqa: E402
 from fusedrc import reference as R  # noqa: E402
@@ -92,6 +93,15 @@ def test_interleaved_gate_and_up_rows(transposed, dtype, device):
     assert not gated_mlp._dual_launch(x, pair[:H], pair[H:], bg, bu)[4]["INTERLEAVED"]
     assert not gated_mlp._dual_launch(x, pair[1::2], pair[0::2], bg, bu)[4]["INTERLEAVED"]
     assert not gated_mlp._dual_launch(x, wg.clone(), wu, bg, bu)[4]["INTERLEAVED"]
+    # views autograd kept without their base (the same storage): found by data pointer
+    assert gated_mlp._interleaved_pair(wg.detach(), wu.detach()) is not None
+    # under tracing (fake tensors have no data pointer): found from the views' base, no data pointer read
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(K, 2 * H).t()
+        assert gated_mlp._interleaved_pair(fake[0::2], fake[1::2]) is not None
+        assert gated_mlp._interleaved_pair(fake[0::2].detach(), fake[1::2].detach()) is None
 
 
 def test_gated_mlp_empty(device):
@@ -315,6 +325,77 @@ def test_swiglu_alpha_and_up_offset(limit, after, offset, device):
             R.split_gated(bad)
     with pytest.raises(ValueError, match="activation='silu'"):
         fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, activation="gelu", swiglu_alpha=1.702)
+
+
+@pytest.mark.parametrize("alpha, limit", [(None, None), (1.702, 0.8)], ids=["plain", "alpha_limit"])
+def test_softcapped_swiglu(alpha, limit, device):
+    """Inkling2's gated product ``s_g tanh(h_g / s_g) * sigmoid(h_g) * s_u tanh(h_u / s_u)`` (and with an alpha and
+    a clamp before the caps): the reference against the model's torch ops through autograd in float64, the kernels
+    against the reference in fp32 and fp16 (caps that bite: the pre-activations reach several times them), the
+    recomputed product equal to the forward's bit for bit; the op on both backends; bad caps are named."""
+    caps = dict(gate_cap=0.4, up_cap=0.3)
+    act = R.gated_name("silu", limit, False, alpha, 0.0, **caps)
+
+    def model_ops(x, wg, bg, wu, bu, wd, bd):
+        gate, up = TF.linear(x, wg, bg), TF.linear(x, wu, bu)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        glu = torch.tanh(gate / 0.4) * 0.4 * torch.sigmoid(gate * (alpha or 1.0))
+        return TF.linear(glu * (torch.tanh(up / 0.3) * 0.3), wd, bd)
+
+    args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
+    leaves = [t.clone().requires_grad_() for t in args[:7]]
+    want = model_ops(*leaves)
+    grads = torch.autograd.grad(want, leaves, args[7])
+    got = [R.gated_mlp_forward(*args[:7], act), *R.gated_mlp_backward(*args, act)]
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, [want, *grads]))
+    for dtype in (torch.float32, torch.float16):
+        _check_gated(*_inputs(37, 33, 50, 20, dtype, device), act, dtype)
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(21, 16, 24, 8, torch.float32, device)
+    a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
+    assert torch.equal(gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), act)[2], a)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
+    want = model_ops(*leaves)
+    grads = torch.autograd.grad(want, leaves, g)
+    for backend in ("triton", "reference"):
+        ours = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
+        with fusedrc.use_backend(backend):
+            y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=limit, swiglu_alpha=alpha, gate_softcap=0.4,
+                                             up_softcap=0.3)
+            got = torch.autograd.grad(y, ours, g)
+        assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="gate_softcap"):
+            fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, gate_softcap=bad)
+        with pytest.raises(ValueError, match="up_softcap"):
+            fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, up_softcap=bad)
+    with pytest.raises(ValueError, match="activation='silu'"):
+        fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, activation="gelu", gate_softcap=4.0)
+    for bad in ("gelu|gate_softcap=4.0", "silu|up_softcap=2|up_softcap=3", "silu|gate_softcap=-1"):
+        with pytest.raises(ValueError, match="gated activation's options"):
+            R.split_gated(bad)
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, gated_mlp._tanh(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+
+def test_tanh_helper(device):
+    """The kernels' tanh (no libdevice one in the interpreter) within a few ulps of torch's over its whole range,
+    both sides of the switch at |x| = 0.3; NaN stays NaN, +-inf gives +-1."""
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.logspace(-30, 1, 200), -torch.logspace(-30, 1, 200),
+                   torch.tensor([0.0, -0.0, 0.3, -0.3, 0.29999998, float("inf"), float("-inf"), float("nan")])])
+    x = x.to(device)
+    y = torch.empty_like(x)
+    _tanh_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    want = torch.tanh(x.double())
+    ok = torch.isfinite(want)
+    assert float(((y.double() - want).abs() / want.abs().clamp_min(1e-30))[ok & (want != 0)].max()) < 4e-7
+    assert torch.equal(y[want == 0], want[want == 0].float()) and torch.isnan(y[-1])
+    assert y[-3] == 1 and y[-2] == -1
 
 
 def test_swiglu_clamp_through_the_op(device):

@@ -759,6 +759,52 @@ def test_convert_beam_fp32_gates():
     _grads_match(model, conv)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_convert_inkling2_softcapped_experts(backend):
+    """Inkling2's experts (``act_fn(gate, up)``: ``s_g tanh(g / s_g) * sigmoid(g) * s_u tanh(u / s_u)`` in fp32): one
+    fused call with the softcaps, output and every gradient the original's; a cap changed after convert is read
+    at each call; one that is no number > 0, or another gate module put in, runs the module's forward."""
+    _transformers()
+    try:
+        from transformers.models.inkling2 import configuration_inkling2 as C
+        from transformers.models.inkling2 import modeling_inkling2 as M
+    except ImportError:
+        pytest.skip("this transformers has no Inkling2")
+    cfg = C.Inkling2TextConfig(hidden_size=32, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                               mlp_gate_softcap=0.5, mlp_up_softcap=0.4)
+    torch.manual_seed(0)
+    experts = M.Inkling2Experts(cfg)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    conv = fusedrc.convert(experts)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
+    device = backend_device(backend)
+    experts.to(device), conv.to(device)
+    x = torch.randn(10, 32, device=device)
+    idx, w = (t.to(device) for t in _routing(10, 2, 4))
+    w = w.float()
+    for cap, fused in ((0.5, 1), (3.0, 1), (0.0, 0)):
+        experts.act_fn.gate_softcap.softcap = conv.act_fn.gate_softcap.softcap = cap
+        if cap == 0.0:  # tanh(g / 0): the module's own forward (NaNs), not the op
+            with _OpCount() as ops:
+                conv(x, idx, w)
+            assert ops.count == 0
+            continue
+        for m in (experts, conv):
+            m.zero_grad()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fusedrc.use_backend(backend), _OpCount() as ops:
+            ya, yb = experts(xa, idx, w), conv(xb, idx, w)
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+        assert ops.count == fused and rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5
+        _grads_match(experts, conv)
+    conv.act_fn.up_softcap = M.Inkling2Softcap(0.4).to(device)  # another module: the original forward
+    with _OpCount() as ops:
+        conv(x, idx, w)
+    assert ops.count == 0
+
+
 def test_convert_openai_privacy_filter_experts():
     """The OpenAI privacy filter's experts (gpt-oss's with the gate and up projections in halves, its eager
     forward in fp32): one fused call, output and every gradient the original's in fp32; the biases' dtype
