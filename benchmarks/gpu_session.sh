@@ -69,7 +69,10 @@
 #   session 2: test_convert (cut at 125 of 164 on 2026-11-27; its two fixes for transformers 5.17 were
 #            checked on the CPU only) with the default settings, and test_moe.py (session 34: the experts op's
 #            skipped choices, up projections apart and SwiGLU limits, and the gated kernels' LIMIT epilogues
-#            in test_kernels_gated.py's clamp tests, never run on a GPU)
+#            in test_kernels_gated.py's clamp tests, never run on a GPU; session 35: the experts' biases and
+#            interleaved rows (INTERLEAVED: one operand split after the main loop), gpt-oss's, Beam's and
+#            Inkling2's experts, the softcaps' GATE_CAP/UP_CAP epilogues and the kernels' tanh helper), then
+#            the kernels step's gpt-oss-20b experts case (interleaved transposed weights, biases, its gate)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.

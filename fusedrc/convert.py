@@ -52,7 +52,8 @@ How patterns are found
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
    ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's, HY-V4's and MiniMax-M3's
    clamped ``_apply_gate`` under the interface, and gpt-oss's and the OpenAI privacy filter's (biases, gpt-oss's
-   interleaved gate/up rows), and Beam's fp32 one; MiniMax-M3's dense MLP by name); timm's MLPs of 1x1
+   interleaved gate/up rows), Beam's fp32 one and Inkling2's softcapped one; MiniMax-M3's dense MLP by name); timm's
+   MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
    over each pixel's channels; with MetaFormer's StarReLU, ``_affine_act``, folded into the second layer,

@@ -812,7 +812,8 @@ def lerp_running_stats_(running_mean, running_var, mean, rstd, eps, momentum, n)
     """The arithmetic of ``update_running_stats_``, the version counters bumped (traced code's
     visible buffer mutation): four small kernels in the statistics' precision (fp32; fp64 for
     float64 input)."""
-    unbiased = torch.pow(rstd, -2).sub_(eps).mul_(n / max(n - 1, 1))
+    inv = rstd.reciprocal()  # sqrt(var + eps), as the Triton update squares it: rstd^2 overflows for tiny eps
+    unbiased = inv.mul_(inv).sub_(eps).mul_(n / max(n - 1, 1))
     dtype = running_mean.dtype
     torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased.to(dtype)], momentum)
 

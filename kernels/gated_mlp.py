@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _sigmoid,
-    _column_halves, _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag, act_meta, cdiv,
-    dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
+    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _mainloop,
+    _sigmoid, _column_halves, _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag,
+    act_meta, cdiv, dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
     operand_class, plain_gemm, uses_aten_gemm, wanted,
 )
 from fusedrc.reference import split_gated
@@ -132,32 +132,17 @@ def _dual_mainloop(
     INTERLEAVED: Bg's columns alternate with Bu's in one (K, 2N) matrix at ``bg_ptr`` of strides
     (stride_bk, stride_bn) (gpt-oss's layout): one tile of 2 * BLOCK_N adjacent columns a step, contiguous
     where stride_bn is 1, split into the gate's and the up's after the loop."""
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    offs_m = tl.arange(0, BLOCK_M) % (M - row0)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
-    if INTERLEAVED:
-        offs_n2 = tl.arange(0, 2 * BLOCK_N) % (2 * (N - col0))
-        b_ptrs = (bg_ptr + (2 * col0).to(tl.int64) * stride_bn) + (offs_k[:, None] * stride_bk
-                                                                  + offs_n2[None, :] * stride_bn)
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_left = K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+    if INTERLEAVED:  # the dense main loop over the (K, 2N) operand's columns 2 col0 .. 2 (col0 + BLOCK_N)
+        acc = _mainloop(a_ptr, bg_ptr, M, 2 * N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                        BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, False)
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        offs_m = tl.arange(0, BLOCK_M) % (M - row0)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = (a_ptr + row0.to(tl.int64) * stride_am) + (offs_m[:, None] * stride_am
+                                                            + offs_k[None, :] * stride_ak)
         offs_n = tl.arange(0, BLOCK_N) % (N - col0)
         b_offs = offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         bg_ptrs = (bg_ptr + col0.to(tl.int64) * stride_bn) + b_offs

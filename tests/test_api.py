@@ -604,4 +604,7 @@ def test_plain_eager_calls_skip_the_dispatcher_with_the_same_results(backend):
                 assert bwd == fwd.replace("_triton", "") + "_backward" + ("_triton" if backend == "triton" else "")
         (y0, g0, s0), (y1, g1, s1) = results
         assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
-        assert all(torch.equal(s0[k], s1[k]) for k in s0)
+        # the running statistics: one Triton launch in the plain call, torch ops (a visible mutation) under a
+        # dispatch mode; the same formula, rounded alike but for torch's fused multiply-add in its CPU lerp
+        assert all(torch.equal(s0[k], s1[k]) if backend == "reference" or "running" not in k
+                   else torch.allclose(s0[k], s1[k], rtol=1e-6, atol=0) for k in s0)

@@ -275,6 +275,35 @@ def test_swiglu_clamp_bounds(after, device):
         assert torch.allclose(got.cpu(), ref.detach(), rtol=1e-6, atol=1e-7, equal_nan=True), name
 
 
+def _check_gated_form(model_ops, act, device, **op_kwargs):
+    """A shaped gated product (``act``: its activation string; ``op_kwargs``: its ``gated_mlp`` arguments): the
+    reference against the model's torch ops ``model_ops`` through autograd in float64, the kernels against the
+    reference in fp32 and fp16, the recomputed product equal to the forward's bit for bit, and the op on both
+    backends against the model's ops in fp32. Returns the fp32 inputs used there."""
+    args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
+    leaves = [t.clone().requires_grad_() for t in args[:7]]
+    want = model_ops(*leaves)
+    grads = torch.autograd.grad(want, leaves, args[7])
+    got = [R.gated_mlp_forward(*args[:7], act), *R.gated_mlp_backward(*args, act)]
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, [want, *grads]))
+    for dtype in (torch.float32, torch.float16):
+        _check_gated(*_inputs(37, 33, 50, 20, dtype, device), act, dtype)
+    inputs = _inputs(21, 16, 24, 8, torch.float32, device)
+    x, wg, bg, wu, bu, wd, bd, g = inputs
+    a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
+    assert torch.equal(gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), act)[2], a)
+    leaves = [t.clone().requires_grad_() for t in inputs[:7]]
+    want = model_ops(*leaves)
+    grads = torch.autograd.grad(want, leaves, g)
+    for backend in ("triton", "reference"):
+        ours = [t.clone().requires_grad_() for t in inputs[:7]]
+        with fusedrc.use_backend(backend):
+            y = fusedrc.functional.gated_mlp(*ours, **op_kwargs)
+            got = torch.autograd.grad(y, ours, g)
+        assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
+    return inputs
+
+
 @pytest.mark.parametrize("limit, after, offset", [(None, False, 1.0), (0.5, False, 1.0), (0.5, True, -0.5)],
                          ids=["no_limit", "limit", "limit_after_negative_offset"])
 def test_swiglu_alpha_and_up_offset(limit, after, offset, device):
@@ -292,27 +321,8 @@ def test_swiglu_alpha_and_up_offset(limit, after, offset, device):
         glu = gate * torch.sigmoid(gate * 1.702)
         return TF.linear((up + offset) * (glu.clamp(max=limit) if after else glu), wd, bd)
 
-    args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
-    leaves = [t.clone().requires_grad_() for t in args[:7]]
-    want = model_ops(*leaves)
-    grads = torch.autograd.grad(want, leaves, args[7])
-    got = [R.gated_mlp_forward(*args[:7], act), *R.gated_mlp_backward(*args, act)]
-    assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, [want, *grads]))
-    for dtype in (torch.float32, torch.float16):
-        _check_gated(*_inputs(37, 33, 50, 20, dtype, device), act, dtype)
-    x, wg, bg, wu, bu, wd, bd, g = _inputs(21, 16, 24, 8, torch.float32, device)
-    a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
-    assert torch.equal(gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), act)[2], a)
-    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
-    want = model_ops(*leaves)
-    grads = torch.autograd.grad(want, leaves, g)
-    for backend in ("triton", "reference"):
-        ours = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
-        with fusedrc.use_backend(backend):
-            y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=limit, limit_after_act=after, swiglu_alpha=1.702,
-                                             up_offset=offset)
-            got = torch.autograd.grad(y, ours, g)
-        assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
+    x, wg, bg, wu, bu, wd, bd, _ = _check_gated_form(model_ops, act, device, swiglu_limit=limit,
+                                                     limit_after_act=after, swiglu_alpha=1.702, up_offset=offset)
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="swiglu_alpha"):
             fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, swiglu_alpha=bad)
@@ -343,27 +353,8 @@ def test_softcapped_swiglu(alpha, limit, device):
         glu = torch.tanh(gate / 0.4) * 0.4 * torch.sigmoid(gate * (alpha or 1.0))
         return TF.linear(glu * (torch.tanh(up / 0.3) * 0.3), wd, bd)
 
-    args = _inputs(37, 33, 50, 20, torch.float64, "cpu")
-    leaves = [t.clone().requires_grad_() for t in args[:7]]
-    want = model_ops(*leaves)
-    grads = torch.autograd.grad(want, leaves, args[7])
-    got = [R.gated_mlp_forward(*args[:7], act), *R.gated_mlp_backward(*args, act)]
-    assert all(rel_err(a, b) < 1e-12 for a, b in zip(got, [want, *grads]))
-    for dtype in (torch.float32, torch.float16):
-        _check_gated(*_inputs(37, 33, 50, 20, dtype, device), act, dtype)
-    x, wg, bg, wu, bu, wd, bd, g = _inputs(21, 16, 24, 8, torch.float32, device)
-    a = gated_mlp.gated_act(x, wg, wu, bg, bu, act)
-    assert torch.equal(gated_mlp.gated_act_grad(x, wg, wu, bg, bu, torch.ones_like(a), act)[2], a)
-    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
-    want = model_ops(*leaves)
-    grads = torch.autograd.grad(want, leaves, g)
-    for backend in ("triton", "reference"):
-        ours = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd)]
-        with fusedrc.use_backend(backend):
-            y = fusedrc.functional.gated_mlp(*ours, swiglu_limit=limit, swiglu_alpha=alpha, gate_softcap=0.4,
-                                             up_softcap=0.3)
-            got = torch.autograd.grad(y, ours, g)
-        assert rel_err(y, want) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(got, grads)), backend
+    x, wg, bg, wu, bu, wd, bd, _ = _check_gated_form(model_ops, act, device, swiglu_limit=limit, swiglu_alpha=alpha,
+                                                     gate_softcap=0.4, up_softcap=0.3)
     for bad in (0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="gate_softcap"):
             fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, gate_softcap=bad)

@@ -661,6 +661,35 @@ def _grads_match(a, b, tol=1e-5):
             assert rel_err(q.grad, p.grad) < tol, name
 
 
+def _converted_experts(experts, backend, T=10, k=2):
+    """``experts`` (hidden 32, 4 experts) with every parameter drawn anew, converted into one fused experts unit, both
+    on the backend's device; and a call for them: (hidden_states, top-k choices, fp32 routing weights)."""
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    conv = fusedrc.convert(experts)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
+    device = backend_device(backend)
+    experts.to(device), conv.to(device)
+    idx, w = _routing(T, k, 4)
+    return conv, (torch.randn(T, 32, device=device), idx.to(device), w.float().to(device))
+
+
+def _compare_experts(experts, conv, call, backend):
+    """One step of the original and the converted experts on the same call: their output, input gradient and every
+    parameter's gradient the same; returns how many fused experts calls ran."""
+    x, idx, w = call
+    for m in (experts, conv):
+        m.zero_grad()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with fusedrc.use_backend(backend), _OpCount() as ops:
+        ya, yb = experts(xa, idx, w), conv(xb, idx, w)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+    assert rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5
+    _grads_match(experts, conv)
+    return ops.count
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_convert_gpt_oss_experts(backend):
     """gpt-oss's experts (weights stored transposed, gate and up rows interleaved, biases on both projections,
@@ -774,34 +803,18 @@ def test_convert_inkling2_softcapped_experts(backend):
                                mlp_gate_softcap=0.5, mlp_up_softcap=0.4)
     torch.manual_seed(0)
     experts = M.Inkling2Experts(cfg)
-    for p in experts.parameters():
-        nn.init.normal_(p, std=0.3)
-    conv = fusedrc.convert(experts)
-    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
-    device = backend_device(backend)
-    experts.to(device), conv.to(device)
-    x = torch.randn(10, 32, device=device)
-    idx, w = (t.to(device) for t in _routing(10, 2, 4))
-    w = w.float()
-    for cap, fused in ((0.5, 1), (3.0, 1), (0.0, 0)):
+    conv, call = _converted_experts(experts, backend)
+    for cap in (0.5, 3.0):
         experts.act_fn.gate_softcap.softcap = conv.act_fn.gate_softcap.softcap = cap
-        if cap == 0.0:  # tanh(g / 0): the module's own forward (NaNs), not the op
-            with _OpCount() as ops:
-                conv(x, idx, w)
-            assert ops.count == 0
-            continue
-        for m in (experts, conv):
-            m.zero_grad()
-        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with fusedrc.use_backend(backend), _OpCount() as ops:
-            ya, yb = experts(xa, idx, w), conv(xb, idx, w)
-            ya.square().sum().backward()
-            yb.square().sum().backward()
-        assert ops.count == fused and rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5
-        _grads_match(experts, conv)
-    conv.act_fn.up_softcap = M.Inkling2Softcap(0.4).to(device)  # another module: the original forward
+        assert _compare_experts(experts, conv, call, backend) == 1
+    conv.act_fn.gate_softcap.softcap = 0.0  # tanh(g / 0): the module's own forward (NaNs), not the op
     with _OpCount() as ops:
-        conv(x, idx, w)
+        conv(*call)
+    assert ops.count == 0
+    conv.act_fn.gate_softcap.softcap = 0.5
+    conv.act_fn.up_softcap = M.Inkling2Softcap(0.4).to(call[0].device)  # another module: the original forward
+    with _OpCount() as ops:
+        conv(*call)
     assert ops.count == 0
 
 
@@ -819,22 +832,11 @@ def test_convert_openai_privacy_filter_experts():
                                       num_experts_per_tok=2, swiglu_limit=0.8)
     torch.manual_seed(0)
     experts = M.OpenAIPrivacyFilterExperts(cfg)
-    for p in experts.parameters():
-        nn.init.normal_(p, std=0.3)
-    conv = fusedrc.convert(experts)
-    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
-    x = torch.randn(10, 32)
-    idx, w = _routing(10, 2, 4)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with _OpCount() as ops:
-        ya, yb = experts(xa, idx, w.float()), conv(xb, idx, w.float())
-        ya.square().sum().backward()
-        yb.square().sum().backward()
-    assert ops.count == 1 and rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5
-    _grads_match(experts, conv)
+    conv, call = _converted_experts(experts, "reference")
+    assert _compare_experts(experts, conv, call, "reference") == 1
     conv.down_proj_bias.data = conv.down_proj_bias.data.double()
     with _OpCount() as ops:
-        conv(x, idx, w.float())
+        conv(*call)
     assert ops.count == 0
 
 
@@ -1189,28 +1191,11 @@ def test_convert_minimax_m3_experts(backend):
             return (up + 2.5) * glu
 
     experts = (M.MiniMaxM3VLExperts if backend == "triton" else OffsetExperts)(cfg)
-    for p in experts.parameters():
-        nn.init.normal_(p, std=0.3)
-    conv = fusedrc.convert(experts)
-    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"]
-    device = backend_device(backend)
-    experts.to(device), conv.to(device)
-    x = torch.randn(10, 32, device=device)
-    idx, w = (t.to(device) for t in _routing(10, 2, 4))
-    w = w.float()
+    conv, call = _converted_experts(experts, backend)
     for alpha, fused in ((1.702, 1), (1.0, 1), (0.0, 0)):
         experts.swiglu_alpha = conv.swiglu_alpha = alpha
-        for m in (experts, conv):
-            m.zero_grad()
-        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with fusedrc.use_backend(backend), _OpCount() as ops:
-            ya, yb = experts(xa, idx, w), conv(xb, idx, w)
-            ya.square().sum().backward()
-            yb.square().sum().backward()
-        assert ops.count == fused and rel_err(yb, ya) < 1e-5
-        assert rel_err(xb.grad, xa.grad) < 1e-5
-        for (name, p), q in zip(experts.named_parameters(), conv.parameters()):
-            assert rel_err(q.grad, p.grad) < 1e-5, name
+        assert _compare_experts(experts, conv, call, backend) == fused
+    device = backend_device(backend)
     # its dense MLP: one gated FFN on the halves of gate_up_proj, the same gate; a hook runs its forward
     mlp = M.MiniMaxM3VLDenseMLP(cfg, intermediate_size=40)
     mlp.gate_up_proj = nn.Linear(32, 80)  # with a bias: its halves go to the gate and the up projection
