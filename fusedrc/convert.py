@@ -2645,7 +2645,8 @@ def _inlined_return(lines):
 
 
 # The gated forms the fused op stands for, on the gated product P = act_fn(gate_proj(v)) * up_proj(v):
-# "plain" down_proj(P) (Llama, RecurrentGemma's through a local; Beam's P in fp32, rounded once), "dropout" down_proj(dropout(P)) with
+# "plain" down_proj(P) (Llama, RecurrentGemma's through a local; Beam's P in fp32, rounded once), "dropout"
+# down_proj(dropout(P)) with
 # an nn.Dropout ``self.dropout`` (T5Gemma, GTE: the op's own dropout between the layers), "out_dropout"
 # F.dropout(down_proj(P), p=self.<attr>, training=self.training) (Seed-OSS: after the op, as written).
 _OUT_DROPOUT = r"(?:nn\.functional|F|torch\.nn\.functional)\.dropout\(self\.down_proj\({core}\), " \
@@ -3007,8 +3008,8 @@ def _looks_experts(m):
 def _experts(ctx, name, m):
     cls = _class_of(m)
     gate = _inspect.getattr_static(cls, "_apply_gate", None)
-    default = getattr(gate, "__name__", None) == "_default_apply_gate" or _source_lines(m, "_apply_gate") in (
-        _FP32_GATE_LINES,)
+    default = getattr(gate, "__name__", None) == "_default_apply_gate" \
+        or (_source_lines(m, "_apply_gate") or [])[1:] == _FP32_GATE_LINES
     clamp = _experts_clamp(m) if m.has_gate and not default else None
     act = getattr(m, "act_fn", None)  # gpt-oss's experts have none: they gate inline
     own = list(_inspect.signature(cls.forward.__wrapped__).parameters.values())[1:]
@@ -3084,7 +3085,7 @@ _CLAMP_FORMS = {"clamped": _GateForm("", after=True), "clamped_pre": _GateForm("
 
 
 # Beam's experts gate: the default act(gate) * up in fp32, rounded once (as the kernels compute it)
-_FP32_GATE_LINES = ["def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:", "gate, up = gate_up.chunk(2, dim=-1)",
+_FP32_GATE_LINES = ["gate, up = gate_up.chunk(2, dim=-1)",
                     "return (self.act_fn(gate.float()) * up.float()).to(gate.dtype)"]
 _GATE_SPLITS = {"gate, up = gate_up.chunk(2, dim=-1)": False, "gate, up = gate_up[..., ::2], gate_up[..., 1::2]": True}
 

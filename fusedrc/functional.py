@@ -443,7 +443,7 @@ def moe_experts(
             (scaled by the routing weight with the rest of the expert's output, as gpt-oss's).
         interleaved: True where gate and up rows alternate in ``gate_up_proj`` and its bias (gate row
             ``i`` at ``2i``, up row ``i`` at ``2i + 1``: gpt-oss's layout) rather than all gate rows
-            first; the kernels read the strided views, no copy.
+            first; the kernels read them in place as one operand.
         {limit}
 
     Returns:

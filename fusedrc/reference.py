@@ -195,7 +195,8 @@ def _gate_backward(grad, h, spec):
     if spec.gate_cap is None:
         return grad * s + aten.sigmoid_backward(grad * h, s) * alpha
     lin, t = _softcap(h, spec.gate_cap)
-    return aten.tanh_backward(grad * s * spec.gate_cap, t) / spec.gate_cap + aten.sigmoid_backward(grad * lin, s) * alpha
+    return (aten.tanh_backward(grad * s * spec.gate_cap, t) / spec.gate_cap
+            + aten.sigmoid_backward(grad * lin, s) * alpha)
 
 
 class GatedOperands(NamedTuple):

@@ -232,16 +232,17 @@ def _tanh(x):
 
 @triton.jit
 def _gate_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr, GATE_CAP: tl.constexpr):
-    """The gate's activation: ``lin(h) * sigmoid(h * ALPHA)`` with ALPHA or GATE_CAP (MiniMax-M3's and gpt-oss's glu;
-    Inkling2's, lin(h) = GATE_CAP tanh(h / GATE_CAP), ALPHA 1 without one), else act(h)."""
-    if GATE_CAP > 0.0:
+    """The gate's activation: ``lin(h) * sigmoid(h * ALPHA)`` with ALPHA or GATE_CAP (MiniMax-M3's and gpt-oss's glu,
+    lin(h) = h; Inkling2's, lin(h) = GATE_CAP tanh(h / GATE_CAP), ALPHA 1 without one), else act(h)."""
+    if GATE_CAP > 0.0 or ALPHA > 0.0:
         if ALPHA > 0.0:
             s = _sigmoid(h * ALPHA)
         else:
             s = _sigmoid(h)
-        y = (GATE_CAP * _tanh(h / GATE_CAP)) * s
-    elif ALPHA > 0.0:
-        y = h * _sigmoid(h * ALPHA)
+        if GATE_CAP > 0.0:
+            y = (GATE_CAP * _tanh(h / GATE_CAP)) * s
+        else:
+            y = h * s
     else:
         y = _act_fwd(h, ACTIVATION, NEG_SLOPE)
     return y
@@ -249,18 +250,21 @@ def _gate_fwd(h, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.co
 
 @triton.jit
 def _gate_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: tl.constexpr, GATE_CAP: tl.constexpr):
-    if GATE_CAP > 0.0:  # autograd of lin(h) * sigmoid(h * a): g s (1 - t^2) + a (g lin) s (1 - s), t = lin / cap
+    if GATE_CAP > 0.0 or ALPHA > 0.0:  # autograd of lin(h) * sigmoid(h * a): g s lin'(h) + a (g lin(h)) s (1 - s)
         if ALPHA > 0.0:
             s = _sigmoid(h * ALPHA)
-            t = _tanh(h / GATE_CAP)
-            gh = (g * s) * (1.0 - t * t) + ((g * (GATE_CAP * t)) * (s * (1.0 - s))) * ALPHA
         else:
             s = _sigmoid(h)
+        if GATE_CAP > 0.0:  # lin = cap t, lin' = 1 - t^2, t = tanh(h / cap)
             t = _tanh(h / GATE_CAP)
-            gh = (g * s) * (1.0 - t * t) + (g * (GATE_CAP * t)) * (s * (1.0 - s))
-    elif ALPHA > 0.0:  # autograd of h * sigmoid(h * ALPHA): g s + ALPHA (g h) s (1 - s)
-        s = _sigmoid(h * ALPHA)
-        gh = g * s + ((g * h) * (s * (1.0 - s))) * ALPHA
+            gh_lin = (g * s) * (1.0 - t * t)
+            gh_sig = (g * (GATE_CAP * t)) * (s * (1.0 - s))
+        else:
+            gh_lin = g * s
+            gh_sig = (g * h) * (s * (1.0 - s))
+        if ALPHA > 0.0:
+            gh_sig = gh_sig * ALPHA
+        gh = gh_lin + gh_sig
     else:
         gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
     return gh
@@ -479,15 +483,15 @@ def _gated_act_grad_kernel(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-                UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
-                INTERLEAVED, EPILOGUE_SPLIT)
+                UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
+                UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
             drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-            UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
-            INTERLEAVED, EPILOGUE_SPLIT)
+            UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
+            UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers

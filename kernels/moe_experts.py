@@ -18,7 +18,7 @@ Backward (8 GEMMs; the down GEMM is not rerun, not even for ds):
   dWd = (s * g_out[r])^T a, dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r], dWu = g_hu^T x[r]
 With biases (gpt-oss's): bg, bu enter both kernels' pre-activations (their gradients the grad kernel's
 column partial sums), bd the down GEMM's epilogue; ds gains g_out[r] . bd and dbd = sum_r s g_out[r].
-Interleaved gate/up rows (gpt-oss's) are strided views: the kernels read any strides, no copy.
+Interleaved gate/up rows (gpt-oss's): the dual kernels read them in place as one operand (INTERLEAVED).
 torch.utils.checkpoint on the experts call runs 12 GEMMs (its recompute must rerun the down
 GEMM: the weights' gradient reads the expert outputs) and writes every expert's h_g, h_u,
 act(h_g) and a at once.
@@ -51,6 +51,11 @@ def _down_bias_grads(grad_out, scale, b_down, need_dw, need_ddb):
             g32.t().mv(scale.float()).to(b_down.dtype) if need_ddb else None)
 
 
+def _down_weight_grad(grad_out, scale, a, w_down, out):
+    """dWd = (s * g_out)^T a, written into ``out`` (a view of the stacked gradient) where it can be."""
+    return plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype, out=out)
+
+
 def _ungated_expert_backward(x, w, grad_out, scale, activation, need, out):
     """The dense grad kernel has no row-scale epilogue: the scale is applied to g_a before it and
     d scale = a . (g Wd) taken from the a it stores (two passes over the (rows, I) buffers more)."""
@@ -60,36 +65,33 @@ def _ungated_expert_backward(x, w, grad_out, scale, activation, need, out):
                                  store_act=True)
     dscale = (a.float() * grad_y).sum(1) if need_dw else None
     del grad_y
-    dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w.w_down.dtype,
-                         out=out[4]) if need_dd else None
+    dw_down = _down_weight_grad(grad_out, scale, a, w.w_down, out[4]) if need_dd else None
     del a
     dx = plain_gemm(gh, w.w_up, out_dtype=torch.float32, out=out[0]) if need_dx else None
     dw_up = plain_gemm(gh.t(), x, out_dtype=w.w_up.dtype, out=out[3]) if need_dgu else None
-    return dx, dscale, None, dw_up, dw_down, None, db_up if need_dgub else None, None
+    return dx, dscale, None, dw_up, dw_down, None, db_up
 
 
 def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):
     """One expert's gradients (the reference's ``_expert_backward`` contract): the weights' gradients
     written into ``out``'s views of the stacked gradients where given (no per-expert copy)."""
     need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need
-    bias_dscale, db_down = _down_bias_grads(grad_out, scale, w.b_down, need_dw, need_ddb)
     if w.w_gate is None:
-        got = _ungated_expert_backward(x, w, grad_out, scale, activation, need, out)
+        dx, dscale, dw_gate, dw_up, dw_down, db_gate, db_up = _ungated_expert_backward(
+            x, w, grad_out, scale, activation, need, out)
     else:
         grad_y = plain_gemm(grad_out, w.w_down, out_dtype=x.dtype)       # unscaled: the kernel scales it
-        ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(x, w.w_gate, w.w_up, w.b_gate, w.b_up, grad_y, activation,
-                                                       store_act=need_dd, row_scale=scale.float())
+        ghg, ghu, a, db_gate, db_up, dscale = gated_act_grad(x, w.w_gate, w.w_up, w.b_gate, w.b_up, grad_y,
+                                                             activation, store_act=need_dd, row_scale=scale.float())
         del grad_y
-        dw_down = plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w.w_down.dtype,
-                             out=out[4]) if need_dd else None
+        dw_down = _down_weight_grad(grad_out, scale, a, w.w_down, out[4]) if need_dd else None
         del a
         dx, dw_gate, dw_up = input_grads(x, w.w_gate, w.w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[2:4])
-        got = (dx, dscale if need_dw else None, dw_gate, dw_up, dw_down, *((dbg, dbu) if need_dgub else (None,) * 2),
-               None)
-    dx, dscale, *rest = got
-    if bias_dscale is not None:
+    bias_dscale, db_down = _down_bias_grads(grad_out, scale, w.b_down, need_dw, need_ddb)
+    if need_dw and bias_dscale is not None:
         dscale = dscale + bias_dscale
-    return (dx, dscale, *rest[:5], db_down)
+    return (dx, dscale if need_dw else None, dw_gate, dw_up, dw_down, *((db_gate, db_up) if need_dgub else (None,) * 2),
+            db_down)
 
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None,
