@@ -138,7 +138,8 @@ def _or_empty(t: Optional[Tensor], ref: Tensor) -> Tensor:
 # whatever the backend and the inputs' strides: dense row-major, except 4-D
 # activations and their gradients, which follow the conv's memory format of ``x``
 # (channels_last when x is channels_last and not also contiguous, like the kernels), and
-# a conv weight's gradient, which has the weight's strides (``torch.empty_like``'s).
+# a conv weight's gradient and the routed experts' stacked weights' gradients, which have the weights'
+# strides (``torch.empty_like``'s).
 # Strides of size-1 dimensions are free (inductor's asserts skip them).
 # A real output already laid out so (the usual case) is returned as is, never copied.
 def _channels_last(x: Tensor) -> bool:
@@ -441,7 +442,10 @@ def _moe_experts_backward_impl(
     grads = get_impl(backend, "moe_experts", "moe_experts_backward")(
         x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask, gated, up, gate_up_bias,
         down_bias, interleaved)
-    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
+    # the stacked weights' gradients laid out as the weights (empty_like's strides: see moe_backward_with)
+    weights = {2: gate_up, 3: down, 4: up}
+    return tuple(_laid_like(g, weights[i]) if i in weights and g is not None else _laid_out(_or_empty(g, x))
+                 for i, g in enumerate(grads))
 
 
 moe_experts_backward_op = _custom_op("moe_experts_backward", _moe_experts_backward_impl)
@@ -452,7 +456,7 @@ def _(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, backen
       up=None, gate_up_bias=None, down_bias=None, interleaved=False):
     m = output_mask
     mask = None if m is None else [m[0], m[1], m[2], m[3], m[2], m[4], m[5]]
-    return _fake_grads((x, top_k_weights, gate_up, down, up, gate_up_bias, down_bias), mask, x)
+    return _fake_grads((x, top_k_weights, gate_up, down, up, gate_up_bias, down_bias), mask, x, like=(2, 3, 4))
 
 
 def _moe_experts_setup(ctx, inputs, output):

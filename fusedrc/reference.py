@@ -604,14 +604,15 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
     inputs = (x, top_k_weights, gate_up, down, up, gate_up_bias, down_bias)
     needs = (need_dx, need_dw, need_dgu, need_dd, need_dgu, need_dgub, need_ddb)
     if x.device.type == "meta":
-        return tuple(t.new_empty(t.shape) if t is not None and n else None for t, n in zip(inputs, needs))
+        return tuple(torch.empty_like(t) if t is not None and n else None for t, n in zip(inputs, needs))
     order, tokens, counts = route(top_k_index, gate_up.shape[0])
     acc = torch.promote_types(x.dtype, torch.float32)
     S = order.numel()
     dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc) if need_dx else None
     dw_slots = torch.empty(S, device=x.device, dtype=acc) if need_dw else None
-    # dense (not zeros_like: a transposed view's strides would cost the op a copy of each)
-    dgu, dd, dup, dgub, ddb = (torch.zeros(t.shape, device=x.device, dtype=t.dtype) if t is not None and n else None
+    # laid out as the weights (as autograd's accumulation wants a parameter's gradient: a weight stored transposed,
+    # gpt-oss's, gets no copy of its gradient there); each expert's weight gradients are GEMMs with out= into them
+    dgu, dd, dup, dgub, ddb = (torch.zeros_like(t) if t is not None and n else None
                                for t, n in zip(inputs[2:], needs[2:]))
     w = top_k_weights.reshape(-1)[order]
     xs, gs = x[tokens], grad_out[tokens]  # one gather each, sliced per expert

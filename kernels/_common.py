@@ -970,9 +970,14 @@ def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None, out=
     """a @ b (+ bias) with fp32 accumulation, output (M, N) in ``out_dtype`` (default a.dtype).
     ``out``: an (M, N) tensor to write into and return (a slice of a larger buffer, such as one
     expert's rows of a stacked weight gradient); written directly where its dtype is the GEMM's
-    and it is contiguous, else the result is copied into it.
+    and it is contiguous or transposed contiguous (a stacked weight stored transposed: out^T = b^T a^T
+    is written instead), else the result is copied into it.
 
     For GEMMs nothing recomputes (bit-identical reruns are only needed for a pre-activation)."""
+    if out is not None and bias is None and out.dim() == 2 and out.shape[0] > 1 and out.shape[1] > 1 \
+            and not out.is_contiguous() and out.t().is_contiguous():
+        plain_gemm(b.t(), a.t(), out_dtype=out_dtype, out=out.t())
+        return out
     direct = out is not None and out.is_contiguous() and out.dtype == (out_dtype or a.dtype)
     if uses_aten_gemm(a, b) and (bias is None or bias.dtype == a.dtype):
         if direct and out.dtype == a.dtype:

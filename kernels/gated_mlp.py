@@ -14,7 +14,8 @@ Backward (8 GEMMs; the down GEMM is never rerun):
     g_hg = act'(h_g) * (g_a * h_u), g_hu = g_a * act(h_g), a = act(h_g) * h_u
     and per-row-tile partial column sums of g_hg and g_hu (the biases' gradients).
     h_g, h_u, act(h_g) never reach global memory.
-  dWd = grad_out^T a, dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x (GEMMs)
+  dWd = grad_out^T a, dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x (GEMMs; dX one GEMM
+  over the joint rows where Wg and Wu are rows of one tensor: ``_joint_rows``, ``input_grads``)
 torch.utils.checkpoint on the same block also runs 11 GEMMs (its early stop skips the down
 GEMM) but writes h_g, h_u, act(h_g) and a to memory in its recompute.
 
@@ -367,28 +368,34 @@ def _gated_act_kernel(
 
 @triton.jit
 def _gated_grad_epilogue(
-    hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
-    seed, drop_threshold, drop_scale,
+    hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, gh_base, stride_gh, pid_m, M, N,
+    row0, col0, c0, seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
-    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+    WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (hg, hu hold them), in SPLIT
     column slices one after the other (halving recursively, as the dense ``_grad_epilogue``: each
     slice's temporaries are live alone). Returns the slices' share of the routed experts' row dot
-    a . g (zeros without ROW_SCALE)."""
+    a . g (zeros without ROW_SCALE).
+    g_hg and g_hu rows are ``stride_gh`` apart (two halves of one row, or two buffers); INTERLEAVED (the
+    weights' gate and up rows alternate) stores them as alternating columns of one buffer, the weights'
+    row order: dX and the stacked dW are then one GEMM each."""
     if SPLIT > 1:
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         dot0 = _gated_grad_epilogue(
-            hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
-            col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT,
-            LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, gh_base, stride_gh,
+            pid_m, M, N, row0, col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, BLOCK_M,
+            WIDTH // 2, SPLIT // 2)
         dot1 = _gated_grad_epilogue(
-            hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
-            col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, gh_base, stride_gh,
+            pid_m, M, N, row0, col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT,
+            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE,
+            INTERLEAVED, BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
@@ -422,8 +429,15 @@ def _gated_grad_epilogue(
             ghg = tl.where(keep_g, _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP), 0.0)
     else:
         ghg = _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
-    tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
-    tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        offs_2 = 2 * c0 + tl.arange(0, 2 * WIDTH)
+        mask_2 = (offs_m[:, None] < M - row0) & (offs_2[None, :] < 2 * (N - col0))
+        tl.store(ghg_ptr + gh_base + (offs_m[:, None] * stride_gh + offs_2[None, :]),
+                 tl.interleave(ghg, ghu).to(ghg_ptr.dtype.element_ty), mask=mask_2)
+    else:
+        gh_offs = gh_base + (offs_m[:, None] * stride_gh + offs_n[None, :])
+        tl.store(ghg_ptr + gh_offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
+        tl.store(ghu_ptr + gh_offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         part = (pid_m.to(tl.int64) * N + col0) + offs_n
         tl.store(partg_ptr + part, tl.sum(tl.where(mask, ghg, 0.0), axis=0), mask=mask_n)
@@ -434,7 +448,7 @@ def _gated_grad_epilogue(
 @triton.jit
 def _gated_act_grad_tile(
     tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
-    seed, scale_ptr, dscale_ptr,
+    seed, scale_ptr, dscale_ptr, stride_gh,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -452,10 +466,12 @@ def _gated_act_grad_tile(
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < M - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
+    gh_base = row0.to(tl.int64) * stride_gh + (2 * col0 if INTERLEAVED else col0)
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
-        pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        gh_base, stride_gh, pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT,
+        ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED,
+        BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
@@ -463,7 +479,7 @@ def _gated_act_grad_tile(
 @triton.jit
 def _gated_act_grad_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
-    scale_ptr, dscale_ptr,
+    scale_ptr, dscale_ptr, stride_gh,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -481,39 +497,46 @@ def _gated_act_grad_kernel(
                              flatten=True):
             _gated_act_grad_tile(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
-                partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-                UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
-                UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
+                partu_ptr, seed, scale_ptr, dscale_ptr, stride_gh, M, N, K, stride_am, stride_ak, stride_bk,
+                stride_bn, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER,
+                ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
-            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-            UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
-            UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
+            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, stride_gh, M, N, K, stride_am, stride_ak, stride_bk,
+            stride_bn, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER,
+            ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+            PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
-def _interleaved_pair(w_gate, w_up):
-    """The (2H, K) view whose even rows are ``w_gate`` and odd rows ``w_up`` where the two are such rows of one
-    tensor (gpt-oss's gate_up_proj, ``[0::2]`` and ``[1::2]``), else None: the dual kernels then read one operand
-    of 2 * BLOCK_N adjacent columns (contiguous in gpt-oss's transposed storage) instead of two strided ones.
-    One storage: views of one base (also while torch.compile traces: fake tensors have no data pointer), or, in a
-    plain call, the same data pointer (views whose base autograd did not keep)."""
-    if w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype \
-            or w_gate.shape[0] < 2:
+def _joint_rows(first, second):
+    """``(kind, view)`` where ``first`` and ``second`` (R, C) are the rows of one (2R, C) view of one tensor:
+    alternating (kind "interleaved": gpt-oss's gate_up_proj ``[0::2]`` and ``[1::2]``) or one after the other
+    ("halves": ``[:R]`` and ``[R:]``, Mixtral's); else None. The weights so: the dual kernels read interleaved
+    rows as one operand of 2 * BLOCK_N adjacent columns (contiguous in gpt-oss's transposed storage), and the
+    grad kernel lays out g_hg and g_hu the same way, so dX is one GEMM on the joint rows and so is a stacked
+    weight gradient (``input_grads``). One storage: views of one base (also while torch.compile traces: fake
+    tensors have no data pointer), or, in a plain call, the same data pointer (views autograd kept no base of)."""
+    if first.dim() != 2 or first.shape != second.shape or first.stride() != second.stride() \
+            or first.dtype != second.dtype or first.numel() == 0:
         return None
-    base = w_gate._base
-    if base is None or w_up._base is not base:
-        plain = type(w_gate) in (torch.Tensor, torch.nn.Parameter) and type(w_up) in (torch.Tensor, torch.nn.Parameter)
+    base = first._base
+    if base is None or second._base is not base:
+        plain = type(first) in (torch.Tensor, torch.nn.Parameter) and type(second) in (torch.Tensor, torch.nn.Parameter)
         if not plain or torch.compiler.is_compiling() \
-                or w_gate.untyped_storage().data_ptr() != w_up.untyped_storage().data_ptr():
+                or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
             return None
-    rows, cols = w_gate.stride()
-    if rows % 2 or w_up.storage_offset() - w_gate.storage_offset() != rows // 2:
-        return None
-    return w_gate.as_strided((2 * w_gate.shape[0], w_gate.shape[1]), (rows // 2, cols))
+    (R, C), (rows, cols) = first.shape, first.stride()
+    gap = second.storage_offset() - first.storage_offset()
+    # row 2r of the interleaved view is first[r], row 2r + 1 second[r] (gap half a row stride); row R + r of
+    # the halves' is second[r]: each view addresses exactly the two tensors' elements
+    if R >= 2 and rows % 2 == 0 and gap == rows // 2:
+        return "interleaved", first.as_strided((2 * R, C), (rows // 2, cols))
+    if gap == R * rows and gap > 0:
+        return "halves", first.as_strided((2 * R, C), (rows, cols))
+    return None
 
 
 def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
@@ -526,12 +549,12 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     cfg = config or _gated_table_config(M, N, K, x.dtype, precision, device_capability(x),
                                         dropout=dropout is not None and dropout[0] != 0)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
-    pair = _interleaved_pair(w_gate, w_up)
-    pair_t = None if pair is None else pair.t()
+    joint = _joint_rows(w_gate, w_up)
+    pair_t = joint[1].t() if joint is not None and joint[0] == "interleaved" else None
     if pair_t is not None and _tile_safe(pair_t, cfg.BLOCK_K, 2 * cfg.BLOCK_N, "w_gate") is pair_t:
         bg = bu = pair_t  # one (K, 2H) operand: the kernel splits its columns
     else:
-        pair = None
+        pair_t = None
         bg = _tile_safe(w_gate.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_gate")
         bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
         if bg.stride() != bu.stride():  # one set of strides serves both B operands
@@ -548,7 +571,7 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        INTERLEAVED=pair is not None,
+        INTERLEAVED=pair_t is not None,
         num_warps=cfg.num_warps, num_stages=run.num_stages, PERSISTENT=persistent, EPILOGUE_SPLIT=run.EPILOGUE_SPLIT,
     )
     scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
@@ -568,6 +591,16 @@ def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=No
     return out
 
 
+def _gate_up_grads(x, H, kind):
+    """Empty g_hg and g_hu (M, H) for the grad kernel: with ``kind`` ("halves" or "interleaved") views of one
+    (M, 2H) buffer whose rows are laid out as the weights' joint rows are (``_joint_rows``), else two buffers."""
+    if kind is None:
+        ghg = torch.empty((x.shape[0], H), device=x.device, dtype=x.dtype)
+        return ghg, torch.empty_like(ghg)
+    gh = torch.empty((x.shape[0], 2 * H), device=x.device, dtype=x.dtype)
+    return (gh[:, 0::2], gh[:, 1::2]) if kind == "interleaved" else (gh[:, :H], gh[:, H:])
+
+
 def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None,
                    row_scale=None):
     """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None).
@@ -576,11 +609,12 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
 
     ``row_scale`` (M,): the product's rows scale by it downstream (a routed expert's weights, no
     dropout); ``grad_a`` is then the unscaled gradient, the g_h's are scaled, and a sixth value is
-    returned: the gradient of ``row_scale``, a_m . grad_a_m per row (fp32)."""
+    returned: the gradient of ``row_scale``, a_m . grad_a_m per row (fp32).
+
+    Where the weights' rows are one tensor's (``_joint_rows``) g_hg and g_hu are views of one (M, 2H) buffer laid
+    out the same way, for ``input_grads``."""
     M, H = x.shape[0], w_gate.shape[0]
-    ghg = torch.empty((M, H), device=x.device, dtype=x.dtype)
-    ghu = torch.empty_like(ghg)
-    act = torch.empty_like(ghg) if store_act else None
+    act = torch.empty((M, H), device=x.device, dtype=x.dtype) if store_act else None
     routed = row_scale is not None
     assert not (routed and dropout is not None and dropout[0]), "row_scale with dropout"
 
@@ -590,9 +624,13 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
 
     if M == 0 or H == 0:
-        out = ghg, ghu, act, bias_grad(None, b_gate), bias_grad(None, b_up)
+        out = *_gate_up_grads(x, H, None), act, bias_grad(None, b_gate), bias_grad(None, b_up)
         return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
     cfg, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
+    joint = _joint_rows(w_gate, w_up)
+    # an interleaved pair the kernel cannot read as one operand (misaligned) gets two buffers
+    ghg, ghu = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else
+                              "halves" if joint is not None and joint[0] == "halves" else None)
     parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
     dscale = torch.empty((cdiv(H, cfg.BLOCK_N), M), device=x.device, dtype=torch.float32) if routed else None
@@ -606,7 +644,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
-            row_scale.contiguous() if routed else fill, dscale if routed else fill,
+            row_scale.contiguous() if routed else fill, dscale if routed else fill, ghg.stride(0),
             *scalars, STORE_ACT=store_act, ROW_SCALE=routed, **act_args, **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows (cdiv(H, BLOCK_N) for dscale): deterministic
@@ -649,16 +687,29 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
 
 
 def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(None, None)):
-    """(dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x), None where not needed; dX with the
-    second GEMM accumulating into the first (fp32 on the Triton GEMM, x's dtype on cuBLAS).
-    ``out``: where to write dWg and dWu (views into stacked gradients, or None)."""
+    """(dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x), None where not needed; dX in fp32 on the Triton
+    GEMM, x's dtype on cuBLAS. ``out``: where to write dWg and dWu (views into stacked gradients, or None).
+    Where the weights' rows and the g_h's columns are one tensor's, laid out alike (``gated_act_grad`` makes
+    them so), dX is one GEMM over the 2H joint rows, and so are both weight gradients where ``out`` holds two
+    such rows of one stacked gradient: one launch each instead of two, no sum of two partial dX."""
+    joint = _joint_rows(w_gate, w_up)
+    grads = _joint_rows(ghg.t(), ghu.t()) if joint is not None else None
+    if grads is None or grads[0] != joint[0]:
+        joint = grads = None
+    gh = grads[1].t() if grads is not None else None                  # (M, 2H)
     if not need_dx:
         dx = None
+    elif gh is not None:
+        dx = plain_gemm(gh, joint[1], out_dtype=None if uses_aten_gemm(gh, w_up) else torch.float32)
     elif uses_aten_gemm(ghu, w_up):
         dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)
     else:
         dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
         dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
+    dw_out = _joint_rows(*out) if gh is not None and need_dwg and need_dwu and out[0] is not None else None
+    if dw_out is not None and dw_out[0] == joint[0]:
+        plain_gemm(gh.t(), x, out_dtype=w_gate.dtype, out=dw_out[1])   # (2H, M) @ (M, K)
+        return dx, out[0], out[1]
     dw_gate = plain_gemm(ghg.t(), x, out_dtype=w_gate.dtype, out=out[0]) if need_dwg else None  # (H, M) @ (M, K)
     dw_up = plain_gemm(ghu.t(), x, out_dtype=w_up.dtype, out=out[1]) if need_dwu else None
     return dx, dw_gate, dw_up
@@ -709,7 +760,7 @@ def inspect_specs():
                 sig.update(partg_ptr="*fp32", partu_ptr="*fp32")
             sig["seed_ptr"] = "*i64"
             if kernel is _gated_act_grad_kernel:
-                sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
+                sig.update(scale_ptr="*fp32", dscale_ptr="*fp32", stride_gh="i32")
             aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})

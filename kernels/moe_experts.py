@@ -16,6 +16,9 @@ Backward (8 GEMMs; the down GEMM is not rerun, not even for ds):
     g_hg, g_hu for g_a = s * G, a, and per column tile the partial row dots a . G, whose
     sum is ds (d(s * a Wd^T) / ds = a . (g_out Wd)).
   dWd = (s * g_out[r])^T a, dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r], dWu = g_hu^T x[r]
+  (gate and up rows of one stacked tensor, halves or interleaved: g_hg and g_hu come in one buffer in the
+  weights' row order, and dX[r] = [g_hg g_hu] W_gate_up and dW_gate_up are one GEMM each: 5 launches, not 7)
+Stacked weight gradients are laid out as the weights (a transposed one gets no copy in autograd's accumulation).
 With biases (gpt-oss's): bg, bu enter both kernels' pre-activations (their gradients the grad kernel's
 column partial sums), bd the down GEMM's epilogue; ds gains g_out[r] . bd and dbd = sum_r s g_out[r].
 Interleaved gate/up rows (gpt-oss's): the dual kernels read them in place as one operand (INTERLEAVED).

@@ -94,14 +94,67 @@ def test_interleaved_gate_and_up_rows(transposed, dtype, device):
     assert not gated_mlp._dual_launch(x, pair[1::2], pair[0::2], bg, bu)[4]["INTERLEAVED"]
     assert not gated_mlp._dual_launch(x, wg.clone(), wu, bg, bu)[4]["INTERLEAVED"]
     # views autograd kept without their base (the same storage): found by data pointer
-    assert gated_mlp._interleaved_pair(wg.detach(), wu.detach()) is not None
+    assert gated_mlp._joint_rows(wg.detach(), wu.detach())[0] == "interleaved"
     # under tracing (fake tensors have no data pointer): found from the views' base, no data pointer read
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         fake = torch.empty(K, 2 * H).t()
-        assert gated_mlp._interleaved_pair(fake[0::2], fake[1::2]) is not None
-        assert gated_mlp._interleaved_pair(fake[0::2].detach(), fake[1::2].detach()) is None
+        assert gated_mlp._joint_rows(fake[0::2], fake[1::2])[0] == "interleaved"
+        assert gated_mlp._joint_rows(fake[:H], fake[H:])[0] == "halves"
+        assert gated_mlp._joint_rows(fake[0::2].detach(), fake[1::2].detach()) is None
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "halves"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_gate_and_up_gradients_in_the_weights_row_order(kind, transposed, device, monkeypatch):
+    """Gate and up rows of one tensor (gpt-oss's interleaved, Mixtral's halves; stored (K, 2H) when
+    ``transposed``): the grad kernel writes g_hg and g_hu into one (M, 2H) buffer in the weights' row order, and
+    ``input_grads`` takes dX and a stacked weight gradient's two halves in one GEMM each, written in place (a
+    transposed stacked gradient too); all equal to the two-buffer path's. Rows that only look alike (two
+    tensors, swapped halves) keep two buffers."""
+    M, K, H = 37, 33, 50
+    x = _rand(M, K, dtype=torch.float32, device=device)
+    bg, bu = _rand(H, dtype=torch.float32, device=device), _rand(H, dtype=torch.float32, device=device)
+    both = _rand(K, 2 * H, dtype=torch.float32, device=device, scale=K ** -0.5)
+    pair = both.t() if transposed else both.t().contiguous()  # (2H, K)
+
+    def rows(t):
+        return (t[0::2], t[1::2]) if kind == "interleaved" else (t[:H], t[H:])
+
+    wg, wu = rows(pair)
+    assert gated_mlp._joint_rows(wg, wu)[0] == kind
+    ga = _rand(M, H, dtype=torch.float32, device=device)
+    act = "silu|limit=0.7|alpha=1.702|up_offset=1.0"
+    ghg, ghu, a, dbg, dbu = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, act)
+    joint = gated_mlp._joint_rows(ghg.t(), ghu.t())
+    assert joint is not None and joint[0] == kind and joint[1].shape == (2 * H, M)
+    apart = gated_mlp.gated_act_grad(x, wg.clone(), wu.clone(), bg, bu, ga, act)
+    assert gated_mlp._joint_rows(apart[0].t(), apart[1].t()) is None
+    for got, want in zip((ghg, ghu, a, dbg, dbu), apart):
+        assert rel_err(got, want) < 1e-6
+    # a stacked gradient (2 experts), laid out as the weights: expert 1's halves written by one GEMM in place
+    stacked = torch.zeros(2, K, 2 * H, device=device).transpose(1, 2) if transposed else \
+        torch.zeros(2, 2 * H, K, device=device)
+    out = rows(stacked[1])
+    calls = []
+    real = gated_mlp.plain_gemm
+
+    def spy(a, b, *args, **kwargs):
+        calls.append(tuple(a.shape))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(gated_mlp, "plain_gemm", spy)
+    dx, dwg, dwu = gated_mlp.input_grads(x, wg, wu, ghg, ghu, True, True, True, out)
+    monkeypatch.undo()
+    assert calls == [(M, 2 * H), (2 * H, M)]  # dX and both weight gradients: one GEMM each
+    assert dwg is out[0] and dwu is out[1] and float(stacked[0].abs().sum()) == 0
+    want = gated_mlp.input_grads(x, wg.clone(), wu.clone(), *apart[:2], True, True, True)
+    for got, ref in zip((dx, dwg, dwu), want):
+        assert rel_err(got, ref) < 1e-5
+    # not the weights' order: the up rows first, or rows of two tensors
+    swapped = gated_mlp.gated_act_grad(x, wu, wg, bu, bg, ga, "silu")
+    assert gated_mlp._joint_rows(swapped[0].t(), swapped[1].t()) is None
 
 
 def test_gated_mlp_empty(device):

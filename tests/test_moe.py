@@ -19,7 +19,8 @@ from fusedrc import functional as F
 from fusedrc import reference as R
 from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
 
-from _utils import FusedOpLog, GemmCounter, SavedBytes, backend_device, fused_without_norms, rel_err
+from _utils import (FusedOpLog, GemmCounter, SavedBytes, backend_device, fused_without_norms, record_launches,
+                    rel_err)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 BACKENDS = ["reference", "triton"]
@@ -350,7 +351,9 @@ def test_keeps_only_the_inputs_and_runs_11_gemms_an_expert():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_weight_gradients_written_in_place(backend):
     """Each expert's weight gradients are written straight into their slices of the stacked
-    gradients (GEMMs with out=): no weight-sized copy per expert."""
+    gradients (GEMMs with out=), laid out as the weights: no weight-sized copy per expert, and none in
+    autograd's accumulation for weights stored transposed (gpt-oss's, with interleaved gate and up rows;
+    Llama 4's, halves), whose parameters' gradients come with their strides."""
     class Copies(GemmCounter):  # looks inside fusedrc's ops as GemmCounter does
         def __init__(self):
             super().__init__()
@@ -370,15 +373,51 @@ def test_weight_gradients_written_in_place(backend):
     x = torch.randn(T, K, device=device, requires_grad=True)
     idx, w = _routing(T, k, E, device=device)
     w = w.float().requires_grad_()
-    for gated in (True, False):
+    for gated, stored in ((True, "rows"), (False, "rows"), (True, "interleaved"), (True, "halves")):
         gate_up, down = (torch.nn.Parameter(t.float().to(device)) for t in _weights(E, K, I, N, gated))
+        if stored != "rows":  # (E, K, 2I) and (E, I, N) parameters, the op given their transposes
+            gate_up, down = (torch.nn.Parameter(t.detach().transpose(1, 2).contiguous()) for t in (gate_up, down))
+        ops = (gate_up, down) if stored == "rows" else (gate_up.transpose(1, 2), down.transpose(1, 2))
+        ref = F._moe_plain(x, idx, w, *ops, "silu", R.ExpertsLayout(gated, False, stored == "interleaved"))
+        want = torch.autograd.grad(ref.square().sum(), (x, gate_up, down))
         with fusedrc.use_backend(backend):
-            y = F.moe_experts(x, idx, w, gate_up, down, gated=gated)
+            y = F.moe_experts(x, idx, w, *ops, gated=gated, interleaved=stored == "interleaved")
             with Copies() as c:
                 y.square().sum().backward()
-        assert gate_up.grad is not None and down.grad is not None
+        for p, g in zip((x, gate_up, down), want):
+            assert p.grad.stride() == p.stride() and rel_err(p.grad, g) < 1e-5, stored
+        x.grad = None
         assert any("bincount" in op for op in c.ops)  # the mode saw inside the op (its routing)
-        assert not [n for n in c.sizes if n >= min(I * K, N * I)], c.sizes
+        assert not [n for n in c.sizes if n >= min(I * K, N * I)], (stored, c.sizes)
+
+
+def test_experts_backward_launches(monkeypatch):
+    """On the Triton backend an expert's backward is 5 launches where its gate and up rows are one tensor's
+    (halves, or gpt-oss's interleaved transposed rows): the grad kernel (the two recomputed GEMMs), g_out Wd,
+    dWd, and dX and dW_gate_up one GEMM each over the joint rows; 7 with the up projections apart."""
+    from fusedrc.kernels import _common, gated_mlp
+
+    T, K, I, N, E, k = 12, 16, 24, 16, 3, 2
+    x = torch.randn(T, K, requires_grad=True)
+    idx, w = _routing(T, k, E)
+    w = w.float()
+    gate_up, down = (t.float() for t in _weights(E, K, I, N))
+    down.requires_grad_()
+    hit = idx.unique().numel()
+    layouts = {"halves": (dict(gate_up_proj=gate_up), 5),
+               "interleaved": (dict(gate_up_proj=gate_up.transpose(1, 2).contiguous().transpose(1, 2),
+                                    interleaved=True), 5),
+               "apart": (dict(gate_up_proj=gate_up[:, :I].contiguous(), up_proj=gate_up[:, I:].contiguous()), 7)}
+    for name, (weights, per_expert) in layouts.items():
+        weights = {key: v.requires_grad_() if torch.is_tensor(v) else v for key, v in weights.items()}
+        with fusedrc.use_backend("triton"):
+            y = F.moe_experts(x, idx, w, down_proj=down, **weights)
+            seen = record_launches(monkeypatch, _common)
+            seen_gated = record_launches(monkeypatch, gated_mlp)
+            y.square().sum().backward()
+            monkeypatch.undo()
+        assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"] * hit, name
+        assert len(seen) + len(seen_gated) == per_expert * hit, (name, seen)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -426,6 +465,18 @@ def test_autocast_and_compile():
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     got = torch.autograd.grad(compiled(x, idx, w, gate_up, down), (x, w, gate_up, down))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, eager))
+    # the weights' gradients have the weights' strides (transposed too), the fake implementation's as well
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stored = [t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (gate_up, down)]
+    args = (x.detach(), idx, w.detach(), *stored, torch.randn(T, N), "silu")
+    for backend in ("reference", "triton"):
+        real = torch.ops.fusedrc.moe_experts_backward(*args, backend)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = torch.ops.fusedrc.moe_experts_backward(
+                *(mode.from_tensor(a) if torch.is_tensor(a) else a for a in args), backend)
+        assert [g.stride() for g in real[2:4]] == [t.stride() for t in stored]
+        assert [g.stride() for g in real if g.numel()] == [g.stride() for g in fake if g.numel()]
 
 
 @pytest.mark.parametrize("gated", [True, False])
