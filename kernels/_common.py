@@ -10,7 +10,9 @@ Two kernels live here and serve every dense launcher:
   the *same* main loop and tile configuration as the forward, then in its
   epilogue emits ``g_h = act'(h) * G`` (G is the incoming gradient), optionally
   ``a = act(h)``, and per-tile partial column sums of ``g_h`` (for the bias
-  gradient). ``h`` never reaches global memory.
+  gradient). ``h`` never reaches global memory. With ``ROW_SCALE`` (a routed
+  ungated expert) G's rows are scaled in the epilogue and the row dots
+  ``act(h) . G`` (the routing weights' gradient) come out per column tile.
 
 Bit-identical recompute: both kernels call ``_mainloop`` with the tile
 configuration from ``gemm_config`` (a pure function of M, N, K, dtype and the
@@ -471,54 +473,61 @@ def _gemm_act_kernel(
 
 
 @triton.jit
-def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
+def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
                    seed, drop_threshold, drop_scale,
                    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
-                   NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+                   NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them), in
     SPLIT column slices one after the other (halving recursively: each slice's temporaries are
-    live alone)."""
+    live alone). Returns the slices' share of the row dot act(h) . g (ROW_SCALE; zeros without)."""
     if SPLIT > 1:
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
-        _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0,
-                       seed, drop_threshold, drop_scale,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
-        _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2,
-                       seed, drop_threshold, drop_scale,
-                       HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
-    else:
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = c0 + tl.arange(0, WIDTH)
-        mask_n = offs_n < N - col0
-        mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
-        offs = offs_m[:, None] * N + offs_n[None, :]
+        dot0 = _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
+                              seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+                              ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        dot1 = _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0,
+                              c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION,
+                              NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        return dot0 + dot1
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = c0 + tl.arange(0, WIDTH)
+    mask_n = offs_n < N - col0
+    mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    if DROPOUT:
+        # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
+        factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
+    if STORE_ACT or ROW_SCALE:
+        a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
+    if STORE_ACT:
         if DROPOUT:
-            # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
-            factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
-        if STORE_ACT:
-            a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
-            if DROPOUT:
-                a = a * factor
-            tl.store(act_ptr + base + offs, a.to(act_ptr.dtype.element_ty), mask=mask)
-        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-        if DROPOUT:
-            g = g * factor
-        gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
-        tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
-        if HAS_BIAS:
-            # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
-            col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
-            tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
+            a = a * factor
+        tl.store(act_ptr + base + offs, a.to(act_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if ROW_SCALE:  # a routed expert's output scaled per row by r (no dropout): g is the unscaled g_out W2
+        # d r = act(h) . (g_out W2): this slice's share of the row dot
+        dot = tl.sum(tl.where(mask, a * g, 0.0), axis=1)
+        g = g * row_scale[:, None]
+    if DROPOUT:
+        g = g * factor
+    gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
+    tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
+        col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
+        tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
+    return dot
 
 
 @triton.jit
 def _gemm_act_grad_tile(
-    tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed,
+    tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr, dscale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -532,18 +541,23 @@ def _gemm_act_grad_tile(
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     base = row0.to(tl.int64) * N + col0
-    _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, base, pid_m, M, N, row0, col0, 0,
-                   seed, drop_threshold, drop_scale,
-                   HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = offs_m < M - row0
+    row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
+    dot = _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, 0,
+                         seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+                         ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    if ROW_SCALE:  # one partial of the row dot per column tile
+        tl.store(dscale_ptr + pid_n.to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
 
 @triton.jit
 def _gemm_act_grad_kernel(
-    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr,
+    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr, scale_ptr, dscale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -552,14 +566,14 @@ def _gemm_act_grad_kernel(
     if PERSISTENT:  # as _gemm_act_kernel's: each tile's K loop is the forward's, whichever program runs it
         for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
                              flatten=True):
-            _gemm_act_grad_tile(tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, M, N, K,
-                                stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                                HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+            _gemm_act_grad_tile(tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr,
+                                dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold,
+                                drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
     else:
         _gemm_act_grad_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed,
-                            M, N, K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                            HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+                            scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
 
 
@@ -885,6 +899,12 @@ def _epilogue_split(cfg: GemmConfig, grad_kernel: bool, dropout: bool) -> int:
     return cfg.EPILOGUE_SPLIT if grad_kernel or dropout or _wide_tile(cfg) else 1
 
 
+def _routed_split(split: int, persistent: bool) -> int:
+    # the row-scale epilogue's row dot on a persistent sm_90 128x128 tile spills 8 bytes in quarters, none in
+    # eighths (python -m fusedrc.inspect --kernel _gemm_act_grad); the per-tile launches' splits do not spill
+    return 2 * split if persistent else split
+
+
 def dropout_args(dropout, fill):
     """(DROPOUT, seed pointer, threshold, scale) of a launch from ``dropout`` (None or (p, seed));
     without dropout the seed pointer is ``fill`` (an input: never read)."""
@@ -990,7 +1010,7 @@ def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None, out=
 
 
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
-                  store_act: bool = False, config: GemmConfig | None = None, dropout=None):
+                  store_act: bool = False, config: GemmConfig | None = None, dropout=None, row_scale=None):
     """Recompute h = a @ b + bias in tiles and return (g_h, act(h) or None, dbias or None).
 
     g_h = act'(h) * grad, in a's dtype; dbias = sum over rows of g_h (fp32 partial
@@ -998,8 +1018,14 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     entry as ``gemm_act`` for the same (a, b), hence the same h bit for bit.
     With ``dropout`` (as given to ``gemm_act``) ``grad`` is the gradient of dropout(act(h)):
     g_h = act'(h) * mask * grad, and the stored activation is dropout(act(h)).
+
+    ``row_scale`` (M,): act(h)'s rows scale by it downstream (a routed ungated expert's weights, no
+    dropout); ``grad`` is then the unscaled gradient, g_h is scaled, and a fourth value is returned:
+    the gradient of ``row_scale``, act(h)_m . grad_m per row (fp32, from per-column-tile partials).
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    routed = row_scale is not None
+    assert not (routed and dropout is not None and dropout[0]), "row_scale with dropout"
     M, K = a.shape
     N = b.shape[1]
     assert grad.shape == (M, N)
@@ -1007,20 +1033,24 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     act = torch.empty((M, N), device=a.device, dtype=a.dtype) if store_act else None
     if M == 0 or N == 0:
         dbias = torch.zeros((N,), device=a.device, dtype=bias.dtype) if bias is not None else None
-        return gh, act, dbias
+        return (gh, act, dbias, torch.zeros(M, device=a.device, dtype=torch.float32)) if routed else (gh, act, dbias)
     cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=True)
+    dscale = torch.empty((cdiv(N, cfg.BLOCK_N), M), device=a.device, dtype=torch.float32) if routed else None
     num_pid_m = cdiv(M, cfg.BLOCK_M)
     part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
     grid, persistent = dense_grid(num_pid_m * cdiv(N, cfg.BLOCK_N), a, cfg)
+    if routed:
+        meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
-            *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed, *scalars,
-            STORE_ACT=store_act, **act_meta(activation), **meta, PERSISTENT=persistent,
+            *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed,
+            row_scale.contiguous() if routed else a, dscale if routed else a, *scalars,
+            STORE_ACT=store_act, ROW_SCALE=routed, **act_meta(activation), **meta, PERSISTENT=persistent,
         )
-    # tiny reduction over cdiv(M, BLOCK_M) rows; no atomics, deterministic
+    # tiny reductions over cdiv(M, BLOCK_M) rows (cdiv(N, BLOCK_N) for dscale); no atomics, deterministic
     dbias = part.sum(0).to(bias.dtype) if bias is not None else None
-    return gh, act, dbias
+    return (gh, act, dbias, dscale.sum(0)) if routed else (gh, act, dbias)
 
 
 def act_meta(activation: str) -> dict:
@@ -1057,6 +1087,8 @@ def _inspect_signature(kernel, dtype: torch.dtype):
         sig = {"a_ptr": ptr, "b_ptr": ptr, "bias_ptr": ptr, "g_ptr": ptr, "gh_ptr": ptr, "act_ptr": ptr,
                "part_ptr": "*fp32"}
     sig["seed_ptr"] = "*i64"
+    if kernel is _gemm_act_grad_kernel:
+        sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
     aligned = list(sig)
     sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                 "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
@@ -1110,7 +1142,7 @@ def inspect_specs():
                 sig["b_ptr"] = f"tensordesc<{elt}[{entry.BLOCK_N}, {entry.BLOCK_K}]>"
                 aligned = [n for n in aligned if n not in ("a_ptr", "b_ptr")]
             if kernel is _gemm_act_grad_kernel:
-                constexprs["STORE_ACT"] = True
+                constexprs.update(STORE_ACT=True, ROW_SCALE=False)
             split = _epilogue_split(entry, kernel is _gemm_act_grad_kernel, dropout)
             constexprs["EPILOGUE_SPLIT"] = split
             constexprs.update({
@@ -1150,4 +1182,14 @@ def inspect_specs():
             meta = act_meta("leaky_relu:0.1" if act == "leaky_relu" else act)
             specs.append(dict(base, constexprs=dict(base["constexprs"], **meta),
                               config=dict(base["config"], activation=act), source=base["source"] + "/activation"))
+    # the routed ungated experts' variant (row scale and its gradient in the epilogue) on every sm_90 bf16 grad
+    # entry with pointer loads: Nemotron-H's relu2, no bias, the scales a slice at any offset, any row count
+    for spec in [s for s in specs if s["kernel"] == "_gemm_act_grad_kernel" and s["arch"] == "sm_90"
+                 and s["dtype"] == torch.bfloat16 and not {"loads", "dropout", "activation"} & set(s["config"])]:
+        split = _routed_split(spec["constexprs"]["EPILOGUE_SPLIT"], spec["constexprs"]["PERSISTENT"])
+        specs.append(dict(spec, constexprs=dict(spec["constexprs"], ROW_SCALE=True, HAS_BIAS=False, EPILOGUE_SPLIT=split,
+                                                **act_meta("relu2")),
+                          config=dict(spec["config"], activation="relu2", row_scale=True, EPILOGUE_SPLIT=split),
+                          aligned=[n for n in spec["aligned"] if n not in ("scale_ptr", "M")],
+                          source=spec["source"] + "/row_scale"))
     return specs

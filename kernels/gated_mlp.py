@@ -368,34 +368,34 @@ def _gated_act_kernel(
 
 @triton.jit
 def _gated_grad_epilogue(
-    hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, gh_base, stride_gh, pid_m, M, N,
-    row0, col0, c0, seed, drop_threshold, drop_scale,
+    hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
+    seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
-    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
-    WIDTH: tl.constexpr, SPLIT: tl.constexpr,
+    DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, INTERLEAVED: tl.constexpr, GH_HALVES: tl.constexpr,
+    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (hg, hu hold them), in SPLIT
     column slices one after the other (halving recursively, as the dense ``_grad_epilogue``: each
     slice's temporaries are live alone). Returns the slices' share of the routed experts' row dot
     a . g (zeros without ROW_SCALE).
-    g_hg and g_hu rows are ``stride_gh`` apart (two halves of one row, or two buffers); INTERLEAVED (the
-    weights' gate and up rows alternate) stores them as alternating columns of one buffer, the weights'
-    row order: dX and the stacked dW are then one GEMM each."""
+    Where the weights' gate and up rows are one tensor's, g_hg and g_hu go to one (M, 2N) buffer in the same
+    order (dX and a stacked dW are then one GEMM each): its alternating columns (INTERLEAVED) or the two
+    halves of its rows (GH_HALVES, ghu_ptr N past ghg_ptr); else two (M, N) buffers."""
     if SPLIT > 1:
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         dot0 = _gated_grad_epilogue(
-            hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, gh_base, stride_gh,
-            pid_m, M, N, row0, col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, BLOCK_M,
+            hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
+            col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT,
+            LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES, BLOCK_M,
             WIDTH // 2, SPLIT // 2)
         dot1 = _gated_grad_epilogue(
-            hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, gh_base, stride_gh,
-            pid_m, M, N, row0, col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT,
-            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE,
-            INTERLEAVED, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
+            col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES,
+            BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
@@ -429,15 +429,18 @@ def _gated_grad_epilogue(
             ghg = tl.where(keep_g, _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP), 0.0)
     else:
         ghg = _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
-    if INTERLEAVED:
+    if INTERLEAVED:  # rows 2N long, columns 2n and 2n + 1
         offs_2 = 2 * c0 + tl.arange(0, 2 * WIDTH)
         mask_2 = (offs_m[:, None] < M - row0) & (offs_2[None, :] < 2 * (N - col0))
-        tl.store(ghg_ptr + gh_base + (offs_m[:, None] * stride_gh + offs_2[None, :]),
+        tl.store(ghg_ptr + 2 * base + (offs_m[:, None] * (2 * N) + offs_2[None, :]),
                  tl.interleave(ghg, ghu).to(ghg_ptr.dtype.element_ty), mask=mask_2)
-    else:
-        gh_offs = gh_base + (offs_m[:, None] * stride_gh + offs_n[None, :])
+    elif GH_HALVES:  # rows 2N long
+        gh_offs = (2 * base - col0) + (offs_m[:, None] * (2 * N) + offs_n[None, :])
         tl.store(ghg_ptr + gh_offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
         tl.store(ghu_ptr + gh_offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ghg_ptr + offs, ghg.to(ghg_ptr.dtype.element_ty), mask=mask)
+        tl.store(ghu_ptr + offs, ghu.to(ghu_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         part = (pid_m.to(tl.int64) * N + col0) + offs_n
         tl.store(partg_ptr + part, tl.sum(tl.where(mask, ghg, 0.0), axis=0), mask=mask_n)
@@ -448,7 +451,7 @@ def _gated_grad_epilogue(
 @triton.jit
 def _gated_act_grad_tile(
     tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
-    seed, scale_ptr, dscale_ptr, stride_gh,
+    seed, scale_ptr, dscale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -457,7 +460,7 @@ def _gated_act_grad_tile(
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
     # the forward's pre-activations, exactly as _gated_act_tile computes them
     hg, hu, pid_m, row0, col0 = _gated_preacts(
@@ -466,12 +469,11 @@ def _gated_act_grad_tile(
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < M - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
-    gh_base = row0.to(tl.int64) * stride_gh + (2 * col0 if INTERLEAVED else col0)
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
-        gh_base, stride_gh, pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT,
-        ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED,
-        BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES, BLOCK_M,
+        BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
 
@@ -479,7 +481,7 @@ def _gated_act_grad_tile(
 @triton.jit
 def _gated_act_grad_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
-    scale_ptr, dscale_ptr, stride_gh,
+    scale_ptr, dscale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
@@ -488,7 +490,7 @@ def _gated_act_grad_kernel(
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
@@ -497,17 +499,17 @@ def _gated_act_grad_kernel(
                              flatten=True):
             _gated_act_grad_tile(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
-                partu_ptr, seed, scale_ptr, dscale_ptr, stride_gh, M, N, K, stride_am, stride_ak, stride_bk,
+                partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk,
                 stride_bn, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER,
                 ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
+                PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
-            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, stride_gh, M, N, K, stride_am, stride_ak, stride_bk,
+            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk,
             stride_bn, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER,
             ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-            PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
+            PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -628,9 +630,9 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
     cfg, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     joint = _joint_rows(w_gate, w_up)
+    halves = joint is not None and joint[0] == "halves"
     # an interleaved pair the kernel cannot read as one operand (misaligned) gets two buffers
-    ghg, ghu = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else
-                              "halves" if joint is not None and joint[0] == "halves" else None)
+    ghg, ghu = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else "halves" if halves else None)
     parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
     dscale = torch.empty((cdiv(H, cfg.BLOCK_N), M), device=x.device, dtype=torch.float32) if routed else None
@@ -644,8 +646,8 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
-            row_scale.contiguous() if routed else fill, dscale if routed else fill, ghg.stride(0),
-            *scalars, STORE_ACT=store_act, ROW_SCALE=routed, **act_args, **meta,
+            row_scale.contiguous() if routed else fill, dscale if routed else fill,
+            *scalars, STORE_ACT=store_act, ROW_SCALE=routed, GH_HALVES=halves, **act_args, **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows (cdiv(H, BLOCK_N) for dscale): deterministic
     out = ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
@@ -760,7 +762,7 @@ def inspect_specs():
                 sig.update(partg_ptr="*fp32", partu_ptr="*fp32")
             sig["seed_ptr"] = "*i64"
             if kernel is _gated_act_grad_kernel:
-                sig.update(scale_ptr="*fp32", dscale_ptr="*fp32", stride_gh="i32")
+                sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
             aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
@@ -774,7 +776,7 @@ def inspect_specs():
             }
             constexprs["EPILOGUE_SPLIT"] = split
             if kernel is _gated_act_grad_kernel:
-                constexprs.update(STORE_ACT=True, ROW_SCALE=False)
+                constexprs.update(STORE_ACT=True, ROW_SCALE=False, GH_HALVES=False)
             for c in constexprs:
                 sig[c] = "constexpr"
             config = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K,
@@ -800,7 +802,8 @@ def inspect_specs():
                 and not sp["constexprs"]["PERSISTENT"]),
                 key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
     # as moe_experts launches it: SwiGLU, no bias, the scales a slice at any offset, any row count
-    routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True, "HAS_BIAS": False, "ACTIVATION": "silu"},
+    routed = {**base, "constexprs": {**base["constexprs"], "ROW_SCALE": True, "HAS_BIAS": False, "ACTIVATION": "silu",
+                                     "GH_HALVES": True},
               "config": {**base["config"], "row_scale": True},
               "aligned": [a for a in base["aligned"] if a not in ("scale_ptr", "M")]}
     specs.insert(0, routed)
@@ -840,7 +843,7 @@ def inspect_specs():
         if spec is routed:
             split = _clamp_split(split, constexprs["BLOCK_N"], 7.0, interleaved_bias=True)
         constexprs.update(HAS_BIAS=True, LIMIT=7.0, ALPHA=1.702, UP_OFFSET=1.0, INTERLEAVED=True, stride_bn=1,
-                          EPILOGUE_SPLIT=split)
+                          EPILOGUE_SPLIT=split, **({"GH_HALVES": False} if spec is routed else {}))
         specs.insert(len(variants) + 1 + i, {
             **spec, "signature": {**spec["signature"], "stride_bk": "i32", "stride_bn": "constexpr"},
             "constexprs": constexprs, "aligned": [a for a in spec["aligned"] if a != "stride_bn"] + ["stride_bk"],

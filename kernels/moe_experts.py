@@ -10,7 +10,8 @@ experts call keeps. Per expert with rows r (its tokens) and routing weights s:
 
 Forward (3 GEMMs): ``_gated_act_kernel`` (gate and up in one main loop, a = act(h_g) * h_u
   written once), then the down GEMM; y * s summed into the output.
-Backward (8 GEMMs; the down GEMM is not rerun, not even for ds):
+Backward (8 GEMMs; the down GEMM is not rerun, not even for ds; ungated experts: 5 GEMMs, the dense grad
+kernel with the same row-scale epilogue):
   G = g_out[r] Wd                                       (GEMM, unscaled)
   ``_gated_act_grad_kernel`` with ROW_SCALE recomputes h_g, h_u bit for bit and emits
     g_hg, g_hu for g_a = s * G, a, and per column tile the partial row dots a . G, whose
@@ -60,19 +61,18 @@ def _down_weight_grad(grad_out, scale, a, w_down, out):
 
 
 def _ungated_expert_backward(x, w, grad_out, scale, activation, need, out):
-    """The dense grad kernel has no row-scale epilogue: the scale is applied to g_a before it and
-    d scale = a . (g Wd) taken from the a it stores (two passes over the (rows, I) buffers more)."""
+    """The dense grad kernel with its row-scale epilogue (ROW_SCALE): g_h of the scaled gradient, act(h) for
+    dWd where needed, and d scale = act(h) . (g_out Wd) from the recomputed h (the gated experts' scheme)."""
     need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need
-    grad_y = plain_gemm(grad_out, w.w_down, out_dtype=torch.float32)     # unscaled, fp32 for the row dots
-    gh, a, db_up = gemm_act_grad(x, w.w_up.t(), w.b_up, (grad_y * scale[:, None].float()).to(x.dtype), activation,
-                                 store_act=True)
-    dscale = (a.float() * grad_y).sum(1) if need_dw else None
+    grad_y = plain_gemm(grad_out, w.w_down, out_dtype=x.dtype)           # unscaled: the kernel scales it
+    gh, a, db_up, dscale = gemm_act_grad(x, w.w_up.t(), w.b_up, grad_y, activation, store_act=need_dd,
+                                         row_scale=scale.float())
     del grad_y
     dw_down = _down_weight_grad(grad_out, scale, a, w.w_down, out[4]) if need_dd else None
     del a
     dx = plain_gemm(gh, w.w_up, out_dtype=torch.float32, out=out[0]) if need_dx else None
     dw_up = plain_gemm(gh.t(), x, out_dtype=w.w_up.dtype, out=out[3]) if need_dgu else None
-    return dx, dscale, None, dw_up, dw_down, None, db_up
+    return dx, dscale if need_dw else None, None, dw_up, dw_down, None, db_up
 
 
 def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):

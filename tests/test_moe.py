@@ -298,11 +298,13 @@ def test_skipped_choices(backend):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_routing_scale_kernel_matches_reference(bias):
-    """The grad kernel's ROW_SCALE epilogue: the gate/up gradients of the scaled rows and the row
-    dots a . (g Wd) summed over several column tiles, against the reference expert; with biases (gpt-oss's)
-    their gradients from the kernel's column partials and the down bias's share of the row dots."""
-    from fusedrc.kernels import gated_mlp, moe_experts
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_routing_scale_kernel_matches_reference(bias, gated):
+    """The grad kernels' ROW_SCALE epilogues (the dual kernel's, and for ungated experts the dense one's): the
+    gradients of the scaled rows and the row dots a . (g Wd) summed over several column tiles, against the
+    reference expert; with biases (gpt-oss's) their gradients from the kernel's column partials and the down
+    bias's share of the row dots."""
+    from fusedrc.kernels import _common, gated_mlp, moe_experts
 
     dev = backend_device("triton")
 
@@ -311,16 +313,21 @@ def test_routing_scale_kernel_matches_reference(bias):
     wg, wu = torch.randn(I, K, dtype=torch.float64) * K ** -0.5, torch.randn(I, K, dtype=torch.float64) * K ** -0.5
     wd, g = torch.randn(N, I, dtype=torch.float64) * I ** -0.5, torch.randn(M, N, dtype=torch.float64)
     biases = [torch.randn(n, dtype=torch.float64) if bias else None for n in (I, I, N)]
+    if not gated:
+        wg, biases[0] = None, None
+    act = "silu" if gated else "relu2"
     scale = torch.rand(M, dtype=torch.float64) - 0.25  # negative and near-zero scales too
     ours = [t.to(dev, torch.float32) if t is not None else None for t in (x, wg, wu, wd, g, scale, *biases)]
-    cfg = gated_mlp._dual_launch(*ours[:3], None, None)[0]
+    cfg = gated_mlp._dual_launch(*ours[:3], None, None)[0] if gated else \
+        _common._dense_launch(ours[0], ours[2].t(), None, None, None, grad_kernel=True)[0]
     assert I > cfg.BLOCK_N  # the row dot spans several column tiles
     need = (True,) * 6
-    want = R._expert_backward(x, R.Expert(wg, wu, wd, *biases), g, scale, "silu", need)
-    got = moe_experts._expert_backward(ours[0], R.Expert(*ours[1:4], *ours[6:]), *ours[4:6], "silu", need)
+    want = R._expert_backward(x, R.Expert(wg, wu, wd, *biases), g, scale, act, need)
+    got = moe_experts._expert_backward(ours[0], R.Expert(*ours[1:4], *ours[6:]), *ours[4:6], act, need)
     names = ["dx", "dscale", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down"]
     for name, a, b in zip(names, got, want):
-        assert (a is None) == (b is None) == (name.startswith("db") and not bias), name
+        absent = (name.startswith("db") and not bias) or (not gated and name in ("dw_gate", "db_gate"))
+        assert (a is None) == (b is None) == absent, name
         if a is not None:
             assert rel_err(a, b) < 1e-5, name
 
