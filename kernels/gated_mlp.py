@@ -688,9 +688,10 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
     return (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
 
 
-def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(None, None)):
+def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(None, None), dx_out=None):
     """(dX = g_hg Wg + g_hu Wu, dWg = g_hg^T x, dWu = g_hu^T x), None where not needed; dX in fp32 on the Triton
-    GEMM, x's dtype on cuBLAS. ``out``: where to write dWg and dWu (views into stacked gradients, or None).
+    GEMM, x's dtype on cuBLAS. ``out``: where to write dWg and dWu (views into stacked gradients, or None);
+    ``dx_out``: where to write dX (a routed expert's rows of the fp32 slots), where its dtype is the GEMM's.
     Where the weights' rows and the g_h's columns are one tensor's, laid out alike (``gated_act_grad`` makes
     them so), dX is one GEMM over the 2H joint rows, and so are both weight gradients where ``out`` holds two
     such rows of one stacked gradient: one launch each instead of two, no sum of two partial dX."""
@@ -702,11 +703,12 @@ def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(Non
     if not need_dx:
         dx = None
     elif gh is not None:
-        dx = plain_gemm(gh, joint[1], out_dtype=None if uses_aten_gemm(gh, w_up) else torch.float32)
+        aten = uses_aten_gemm(gh, w_up)
+        dx = plain_gemm(gh, joint[1], out_dtype=None if aten else torch.float32, out=None if aten else dx_out)
     elif uses_aten_gemm(ghu, w_up):
         dx = torch.mm(ghg, w_gate).addmm_(ghu, w_up)
     else:
-        dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32)
+        dx = plain_gemm(ghg, w_gate, out_dtype=torch.float32, out=dx_out)
         dx += plain_gemm(ghu, w_up, out_dtype=torch.float32)
     dw_out = _joint_rows(*out) if gh is not None and need_dwg and need_dwu and out[0] is not None else None
     if dw_out is not None and dw_out[0] == joint[0]:

@@ -89,7 +89,8 @@ def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):
         del grad_y
         dw_down = _down_weight_grad(grad_out, scale, a, w.w_down, out[4]) if need_dd else None
         del a
-        dx, dw_gate, dw_up = input_grads(x, w.w_gate, w.w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[2:4])
+        dx, dw_gate, dw_up = input_grads(x, w.w_gate, w.w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[2:4],
+                                         dx_out=out[0])
     bias_dscale, db_down = _down_bias_grads(grad_out, scale, w.b_down, need_dw, need_ddb)
     if need_dw and bias_dscale is not None:
         dscale = dscale + bias_dscale
