@@ -71,8 +71,12 @@
 #            skipped choices, up projections apart and SwiGLU limits, and the gated kernels' LIMIT epilogues
 #            in test_kernels_gated.py's clamp tests, never run on a GPU; session 35: the experts' biases and
 #            interleaved rows (INTERLEAVED: one operand split after the main loop), gpt-oss's, Beam's and
-#            Inkling2's experts, the softcaps' GATE_CAP/UP_CAP epilogues and the kernels' tanh helper), then
-#            the kernels step's gpt-oss-20b experts case (interleaved transposed weights, biases, its gate)
+#            Inkling2's experts, the softcaps' GATE_CAP/UP_CAP epilogues and the kernels' tanh helper; session 36:
+#            g_hg/g_hu in the weights' row order (GH_HALVES, the INTERLEAVED store through tl.interleave) with dX
+#            and dW_gate_up one GEMM each, the stacked gradients laid out as the weights, and the dense grad
+#            kernel's ROW_SCALE epilogue for ungated experts), then the kernels step's gpt-oss-20b experts case
+#            (interleaved transposed weights, biases, its gate; compare its backward with session 35's layout:
+#            git stash or checkout 35e0936 for the before figure)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.

@@ -500,7 +500,9 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, 
         factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
     if STORE_ACT or ROW_SCALE:
         a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
-    if STORE_ACT:
+    if STORE_ACT and ROW_SCALE:  # r act(h): dW2 = (r g_out)^T act(h) = g_out^T (r act(h)), g_out read as it is
+        tl.store(act_ptr + base + offs, (a * row_scale[:, None]).to(act_ptr.dtype.element_ty), mask=mask)
+    elif STORE_ACT:
         if DROPOUT:
             a = a * factor
         tl.store(act_ptr + base + offs, a.to(act_ptr.dtype.element_ty), mask=mask)
@@ -1020,7 +1022,8 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     g_h = act'(h) * mask * grad, and the stored activation is dropout(act(h)).
 
     ``row_scale`` (M,): act(h)'s rows scale by it downstream (a routed ungated expert's weights, no
-    dropout); ``grad`` is then the unscaled gradient, g_h is scaled, and a fourth value is returned:
+    dropout); ``grad`` is then the unscaled gradient, g_h and the stored activation are scaled (r_m
+    act(h)_m: dW2 = g_out^T (r act(h)) needs no scaled copy of g_out), and a fourth value is returned:
     the gradient of ``row_scale``, act(h)_m . grad_m per row (fp32, from per-column-tile partials).
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]

@@ -109,15 +109,16 @@ def _launch_config(cfg, persistent):
     return cfg._replace(EPILOGUE_SPLIT=min(8, cfg.BLOCK_N // 16), num_stages=min(2, cfg.num_stages))
 
 
-def _clamp_split(split, block_n, shaped, interleaved_bias=False):
+def _clamp_split(split, block_n, shaped, interleaved_bias=False, softcap=False):
     """The grad kernel's epilogue split with a shaped SwiGLU (``shaped``: a clamp or a softcap): a split (whole)
-    tile's in eighths, for the clamp's masks and the softcaps' tanh (in quarters, the clamp after the activation
-    spilled 24 bytes on sm_90 under Triton 3.9, Inkling2's softcaps 56 bytes); in sixteenths where it also splits
+    tile's in eighths, for the clamp's masks (in quarters, the clamp after the activation spilled 24 bytes on
+    sm_90 under Triton 3.9); in sixteenths for the softcaps' tanh (Inkling2's routed experts: 56 bytes of spill in
+    quarters on 3.9, 8 in eighths on 3.6 since the product is stored row-scaled) and where the split also splits
     one interleaved operand and sums biases (gpt-oss's experts: 8 bytes of spill in eighths, none in sixteenths).
     The split is elementwise: no value changes."""
     if not shaped or split == 1:
         return split
-    return min(16, block_n // 8) if interleaved_bias else min(8, block_n // 16)
+    return min(16, block_n // 8) if interleaved_bias or softcap else min(8, block_n // 16)
 
 
 @triton.jit
@@ -416,6 +417,8 @@ def _gated_grad_epilogue(
         g = g * factor
         if STORE_ACT:
             tl.store(act_ptr + offs, (act * hu * factor).to(act_ptr.dtype.element_ty), mask=mask)
+    elif ROW_SCALE and STORE_ACT:  # r a: dW_down = (r g_out)^T a = g_out^T (r a), the g_out rows read as they are
+        tl.store(act_ptr + offs, (act * hu * row_scale[:, None]).to(act_ptr.dtype.element_ty), mask=mask)
     elif STORE_ACT:
         tl.store(act_ptr + offs, (act * hu).to(act_ptr.dtype.element_ty), mask=mask)
     ghu = g * act
@@ -610,8 +613,9 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     and the stored product is dropped out too.
 
     ``row_scale`` (M,): the product's rows scale by it downstream (a routed expert's weights, no
-    dropout); ``grad_a`` is then the unscaled gradient, the g_h's are scaled, and a sixth value is
-    returned: the gradient of ``row_scale``, a_m . grad_a_m per row (fp32).
+    dropout); ``grad_a`` is then the unscaled gradient, the g_h's and the stored product are scaled (its
+    rows r_m a_m: dW_down = g_out^T (r a) needs no scaled copy of g_out), and a sixth value is returned: the
+    gradient of ``row_scale``, a_m . grad_a_m per row (fp32).
 
     Where the weights' rows are one tensor's (``_joint_rows``) g_hg and g_hu are views of one (M, 2H) buffer laid
     out the same way, for ``input_grads``."""
@@ -641,7 +645,8 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     act_args = gated_meta(activation)
     shaped = act_args["LIMIT"] or act_args["GATE_CAP"] or act_args["UP_CAP"]
     meta["EPILOGUE_SPLIT"] = _clamp_split(meta["EPILOGUE_SPLIT"], cfg.BLOCK_N, shaped,
-                                          meta["INTERLEAVED"] and meta["HAS_BIAS"])
+                                          meta["INTERLEAVED"] and meta["HAS_BIAS"],
+                                          softcap=bool(act_args["GATE_CAP"] or act_args["UP_CAP"]))
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg, ghu, act if act is not None else fill,
@@ -832,7 +837,7 @@ def inspect_specs():
     for spec in (routed, fwd):
         split = spec["constexprs"]["EPILOGUE_SPLIT"]
         if spec is routed:  # as gated_act_grad launches it
-            split = _clamp_split(split, spec["constexprs"]["BLOCK_N"], 4.0)
+            split = _clamp_split(split, spec["constexprs"]["BLOCK_N"], 4.0, softcap=True)
         constexprs = {**spec["constexprs"], "GATE_CAP": 4.0, "UP_CAP": 25.0, "EPILOGUE_SPLIT": split}
         specs.insert(len(variants) + 1, {**spec, "constexprs": constexprs, "config": {
             **spec["config"], "gate_softcap": 4.0, "up_softcap": 25.0, "EPILOGUE_SPLIT": split}})

@@ -16,7 +16,8 @@ kernel with the same row-scale epilogue):
   ``_gated_act_grad_kernel`` with ROW_SCALE recomputes h_g, h_u bit for bit and emits
     g_hg, g_hu for g_a = s * G, a, and per column tile the partial row dots a . G, whose
     sum is ds (d(s * a Wd^T) / ds = a . (g_out Wd)).
-  dWd = (s * g_out[r])^T a, dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r], dWu = g_hu^T x[r]
+  dWd = (s * g_out[r])^T a = g_out[r]^T (s a) (the kernel stores s a), dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r],
+  dWu = g_hu^T x[r]
   (gate and up rows of one stacked tensor, halves or interleaved: g_hg and g_hu come in one buffer in the
   weights' row order, and dX[r] = [g_hg g_hu] W_gate_up and dW_gate_up are one GEMM each: 5 launches, not 7)
 Stacked weight gradients are laid out as the weights (a transposed one gets no copy in autograd's accumulation).
@@ -55,9 +56,10 @@ def _down_bias_grads(grad_out, scale, b_down, need_dw, need_ddb):
             g32.t().mv(scale.float()).to(b_down.dtype) if need_ddb else None)
 
 
-def _down_weight_grad(grad_out, scale, a, w_down, out):
-    """dWd = (s * g_out)^T a, written into ``out`` (a view of the stacked gradient) where it can be."""
-    return plain_gemm((grad_out * scale[:, None].to(grad_out.dtype)).t(), a, out_dtype=w_down.dtype, out=out)
+def _down_weight_grad(grad_out, scaled_a, w_down, out):
+    """dWd = (s g_out)^T a = g_out^T (s a) (the grad kernels store the product's rows scaled: no scaled copy of
+    g_out, no elementwise launch), written into ``out`` (a view of the stacked gradient) where it can be."""
+    return plain_gemm(grad_out.t(), scaled_a, out_dtype=w_down.dtype, out=out)
 
 
 def _ungated_expert_backward(x, w, grad_out, scale, activation, need, out):
@@ -68,7 +70,7 @@ def _ungated_expert_backward(x, w, grad_out, scale, activation, need, out):
     gh, a, db_up, dscale = gemm_act_grad(x, w.w_up.t(), w.b_up, grad_y, activation, store_act=need_dd,
                                          row_scale=scale.float())
     del grad_y
-    dw_down = _down_weight_grad(grad_out, scale, a, w.w_down, out[4]) if need_dd else None
+    dw_down = _down_weight_grad(grad_out, a, w.w_down, out[4]) if need_dd else None
     del a
     dx = plain_gemm(gh, w.w_up, out_dtype=torch.float32, out=out[0]) if need_dx else None
     dw_up = plain_gemm(gh.t(), x, out_dtype=w.w_up.dtype, out=out[3]) if need_dgu else None
@@ -87,7 +89,7 @@ def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):
         ghg, ghu, a, db_gate, db_up, dscale = gated_act_grad(x, w.w_gate, w.w_up, w.b_gate, w.b_up, grad_y,
                                                              activation, store_act=need_dd, row_scale=scale.float())
         del grad_y
-        dw_down = _down_weight_grad(grad_out, scale, a, w.w_down, out[4]) if need_dd else None
+        dw_down = _down_weight_grad(grad_out, a, w.w_down, out[4]) if need_dd else None
         del a
         dx, dw_gate, dw_up = input_grads(x, w.w_gate, w.w_up, ghg, ghu, need_dx, need_dgu, need_dgu, out[2:4],
                                          dx_out=out[0])

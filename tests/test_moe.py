@@ -401,7 +401,8 @@ def test_weight_gradients_written_in_place(backend):
 def test_experts_backward_launches(monkeypatch):
     """On the Triton backend an expert's backward is 5 launches where its gate and up rows are one tensor's
     (halves, or gpt-oss's interleaved transposed rows): the grad kernel (the two recomputed GEMMs), g_out Wd,
-    dWd, and dX and dW_gate_up one GEMM each over the joint rows; 7 with the up projections apart."""
+    dWd, and dX and dW_gate_up one GEMM each over the joint rows; 7 with the up projections apart. No
+    elementwise pass scales the experts' rows for the routing weights (the grad kernel stores s a for dWd)."""
     from fusedrc.kernels import _common, gated_mlp
 
     T, K, I, N, E, k = 12, 16, 24, 16, 3, 2
@@ -421,8 +422,10 @@ def test_experts_backward_launches(monkeypatch):
             y = F.moe_experts(x, idx, w, down_proj=down, **weights)
             seen = record_launches(monkeypatch, _common)
             seen_gated = record_launches(monkeypatch, gated_mlp)
-            y.square().sum().backward()
+            with GemmCounter() as ops:
+                y.backward(torch.randn_like(y))
             monkeypatch.undo()
+        assert not [op for op in ops.ops if op.startswith("aten.mul")], name
         assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"] * hit, name
         assert len(seen) + len(seen_gated) == per_expert * hit, (name, seen)
 
