@@ -614,7 +614,7 @@ def moe_backward_with(expert_backward, x, top_k_index, top_k_weights, gate_up, d
     # gpt-oss's, gets no copy of its gradient there); each expert's weight gradients are GEMMs with out= into them
     dgu, dd, dup, dgub, ddb = (torch.zeros_like(t) if t is not None and n else None
                                for t, n in zip(inputs[2:], needs[2:]))
-    w = top_k_weights.reshape(-1)[order]
+    w = top_k_weights.reshape(-1)[order].to(acc)  # cast once (the kernels read fp32 scales), exact
     xs, gs = x[tokens], grad_out[tokens]  # one gather each, sliced per expert
     start = 0
     for e, n in enumerate(counts):

@@ -81,8 +81,8 @@ class GemmConfig(NamedTuple):
     # quarters (2 CTAs per SM instead of 1, so one CTA's epilogue overlaps another's main loop).
     # The forward's epilogue takes the split too where the tile is wide (``_wide_tile``) or
     # carries dropout. Values only, never the recomputed h: any split gives the same y, g_h and
-    # act(h) bits; the bias gradient's column sums agree to rounding (a GPU adds a slice's rows
-    # in another order).
+    # act(h) bits; the bias gradient's column sums and the routed experts' row dots (ROW_SCALE)
+    # agree to rounding (a GPU adds a slice's rows in another order; the row dots add the slices).
     EPILOGUE_SPLIT: int = 1
 
 
@@ -998,7 +998,7 @@ def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None, out=
     For GEMMs nothing recomputes (bit-identical reruns are only needed for a pre-activation)."""
     if out is not None and bias is None and out.dim() == 2 and out.shape[0] > 1 and out.shape[1] > 1 \
             and not out.is_contiguous() and out.t().is_contiguous():
-        plain_gemm(b.t(), a.t(), out_dtype=out_dtype, out=out.t())
+        plain_gemm(b.t(), a.t(), out_dtype=out_dtype or a.dtype, out=out.t())
         return out
     direct = out is not None and out.is_contiguous() and out.dtype == (out_dtype or a.dtype)
     if uses_aten_gemm(a, b) and (bias is None or bias.dtype == a.dtype):

@@ -115,7 +115,8 @@ def _clamp_split(split, block_n, shaped, interleaved_bias=False, softcap=False):
     sm_90 under Triton 3.9); in sixteenths for the softcaps' tanh (Inkling2's routed experts: 56 bytes of spill in
     quarters on 3.9, 8 in eighths on 3.6 since the product is stored row-scaled) and where the split also splits
     one interleaved operand and sums biases (gpt-oss's experts: 8 bytes of spill in eighths, none in sixteenths).
-    The split is elementwise: no value changes."""
+    The split changes no g_h or product value (elementwise); the routed row dots' slices are summed in another
+    order (d row_scale to rounding)."""
     if not shaped or split == 1:
         return split
     return min(16, block_n // 8) if interleaved_bias or softcap else min(8, block_n // 16)
@@ -382,8 +383,9 @@ def _gated_grad_epilogue(
     slice's temporaries are live alone). Returns the slices' share of the routed experts' row dot
     a . g (zeros without ROW_SCALE).
     Where the weights' gate and up rows are one tensor's, g_hg and g_hu go to one (M, 2N) buffer in the same
-    order (dX and a stacked dW are then one GEMM each): its alternating columns (INTERLEAVED) or the two
-    halves of its rows (GH_HALVES, ghu_ptr N past ghg_ptr); else two (M, N) buffers."""
+    order (dX and a stacked dW are then one GEMM each): its alternating columns (INTERLEAVED: ghg_ptr the whole
+    buffer, ghu_ptr unused) or the two halves of its rows (GH_HALVES, ghu_ptr N past ghg_ptr); else two (M, N)
+    buffers."""
     if SPLIT > 1:
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
@@ -597,13 +599,21 @@ def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=No
 
 
 def _gate_up_grads(x, H, kind):
-    """Empty g_hg and g_hu (M, H) for the grad kernel: with ``kind`` ("halves" or "interleaved") views of one
-    (M, 2H) buffer whose rows are laid out as the weights' joint rows are (``_joint_rows``), else two buffers."""
+    """Empty g_hg and g_hu (M, H) for the grad kernel, and the buffer the kernel writes them through: with
+    ``kind`` ("halves" or "interleaved") views of one (M, 2H) buffer whose rows are laid out as the weights' joint
+    rows are (``_joint_rows``), else two buffers. ``(g_hg, g_hu, (ghg_ptr, ghu_ptr))``: interleaved, the kernel
+    stores both through the whole buffer (its one output argument: a traced launch's functionalization copies
+    back the elements of the arguments it writes through, so a view of half of them would lose the other half)
+    and ghu_ptr is None (the caller passes an input there)."""
     if kind is None:
         ghg = torch.empty((x.shape[0], H), device=x.device, dtype=x.dtype)
-        return ghg, torch.empty_like(ghg)
+        ghu = torch.empty_like(ghg)
+        return ghg, ghu, (ghg, ghu)
     gh = torch.empty((x.shape[0], 2 * H), device=x.device, dtype=x.dtype)
-    return (gh[:, 0::2], gh[:, 1::2]) if kind == "interleaved" else (gh[:, :H], gh[:, H:])
+    if kind == "interleaved":
+        return gh[:, 0::2], gh[:, 1::2], (gh, None)
+    ghg, ghu = gh[:, :H], gh[:, H:]
+    return ghg, ghu, (ghg, ghu)
 
 
 def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None,
@@ -630,13 +640,14 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
 
     if M == 0 or H == 0:
-        out = *_gate_up_grads(x, H, None), act, bias_grad(None, b_gate), bias_grad(None, b_up)
+        out = *_gate_up_grads(x, H, None)[:2], act, bias_grad(None, b_gate), bias_grad(None, b_up)
         return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
     cfg, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
     joint = _joint_rows(w_gate, w_up)
     halves = joint is not None and joint[0] == "halves"
     # an interleaved pair the kernel cannot read as one operand (misaligned) gets two buffers
-    ghg, ghu = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else "halves" if halves else None)
+    ghg, ghu, (ghg_arg, ghu_arg) = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else
+                                                  "halves" if halves else None)
     parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
     dscale = torch.empty((cdiv(H, cfg.BLOCK_N), M), device=x.device, dtype=torch.float32) if routed else None
@@ -649,7 +660,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
                                           softcap=bool(act_args["GATE_CAP"] or act_args["UP_CAP"]))
     with _device_guard(x):
         launcher(_gated_act_grad_kernel, x)[grid](
-            *operands, grad_a, ghg, ghu, act if act is not None else fill,
+            *operands, grad_a, ghg_arg, ghu_arg if ghu_arg is not None else fill, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
             row_scale.contiguous() if routed else fill, dscale if routed else fill,
             *scalars, STORE_ACT=store_act, ROW_SCALE=routed, GH_HALVES=halves, **act_args, **meta,

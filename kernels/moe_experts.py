@@ -19,7 +19,7 @@ kernel with the same row-scale epilogue):
   dWd = (s * g_out[r])^T a = g_out[r]^T (s a) (the kernel stores s a), dX[r] = g_hg Wg + g_hu Wu, dWg = g_hg^T x[r],
   dWu = g_hu^T x[r]
   (gate and up rows of one stacked tensor, halves or interleaved: g_hg and g_hu come in one buffer in the
-  weights' row order, and dX[r] = [g_hg g_hu] W_gate_up and dW_gate_up are one GEMM each: 5 launches, not 7)
+  weights' row order, and dX[r] = [g_hg g_hu] W_gate_up and dW_gate_up are one GEMM each: 5 GEMM launches, not 7)
 Stacked weight gradients are laid out as the weights (a transposed one gets no copy in autograd's accumulation).
 With biases (gpt-oss's): bg, bu enter both kernels' pre-activations (their gradients the grad kernel's
 column partial sums), bd the down GEMM's epilogue; ds gains g_out[r] . bd and dbd = sum_r s g_out[r].

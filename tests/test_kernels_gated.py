@@ -155,6 +155,32 @@ def test_gate_and_up_gradients_in_the_weights_row_order(kind, transposed, device
     # not the weights' order: the up rows first, or rows of two tensors
     swapped = gated_mlp.gated_act_grad(x, wu, wg, bu, bg, ga, "silu")
     assert gated_mlp._joint_rows(swapped[0].t(), swapped[1].t()) is None
+    # the launch's output arguments cover every element the kernel writes (a traced launch's functionalization
+    # copies back the written arguments' own elements): interleaved, the whole buffer through ghg_ptr and an
+    # input at ghu_ptr; halves, the two halves
+    launches = []
+    real_launcher = gated_mlp.launcher
+
+    def spy(kernel, probe):
+        launch = real_launcher(kernel, probe)
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    launches.append(args)
+                    return launch[grid](*args, **kw)
+                return run
+        return _Grid()
+
+    monkeypatch.setattr(gated_mlp, "launcher", spy)
+    ghg, ghu, *_ = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, act)
+    monkeypatch.undo()
+    ghg_arg, ghu_arg = launches[-1][6:8]
+    if kind == "interleaved":
+        assert ghg_arg.shape == (M, 2 * H) and ghg_arg.is_contiguous() and ghg._base is ghg_arg
+        assert ghu_arg is launches[-1][0]  # x: an input, never written
+    else:
+        assert ghg_arg is ghg and ghu_arg is ghu
 
 
 def test_gated_mlp_empty(device):
