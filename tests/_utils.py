@@ -112,9 +112,10 @@ def replicate_on_cpu(network, scale=2.0):
     return copies[0]
 
 
-def record_launches(monkeypatch, module, grids=False):
+def record_launches(monkeypatch, module, grids=False, args=False):
     """Every launch through ``module.launcher`` (a kernels module's), in order: [(kernel name, the
-    launch's keyword arguments: its constexpr flags)], with ``grids`` [(name, kwargs, grid)]."""
+    launch's keyword arguments: its constexpr flags)], with ``grids`` [(name, kwargs, grid)], with
+    ``args`` the positional arguments last (pointers and scalars)."""
     seen = []
     real = module.launcher
 
@@ -123,10 +124,10 @@ def record_launches(monkeypatch, module, grids=False):
 
         class _Grid:
             def __getitem__(self, grid):
-                def run(*args, **kw):
+                def run(*pos, **kw):
                     name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
-                    seen.append((name, kw, grid) if grids else (name, kw))
-                    return launch[grid](*args, **kw)
+                    seen.append((name, kw) + ((grid,) if grids else ()) + ((pos,) if args else ()))
+                    return launch[grid](*pos, **kw)
                 return run
         return _Grid()
 

@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 import fusedrc  # noqa: E402
 from fusedrc import reference as R  # noqa: E402
 from fusedrc.kernels import _common, gated_mlp  # noqa: E402
-from _utils import GemmCounter, SavedBytes, rel_err  # noqa: E402
+from _utils import GemmCounter, SavedBytes, record_launches, rel_err  # noqa: E402
 from test_kernels_dense import TOL, _check, _d, _near_zero_inputs, _rand, spy_launches  # noqa: E402
 
 SHAPES = [(1, 1, 1, 1), (37, 33, 50, 20)]  # (M, K, H, N)
@@ -158,27 +158,14 @@ def test_gate_and_up_gradients_in_the_weights_row_order(kind, transposed, device
     # the launch's output arguments cover every element the kernel writes (a traced launch's functionalization
     # copies back the written arguments' own elements): interleaved, the whole buffer through ghg_ptr and an
     # input at ghu_ptr; halves, the two halves
-    launches = []
-    real_launcher = gated_mlp.launcher
-
-    def spy(kernel, probe):
-        launch = real_launcher(kernel, probe)
-
-        class _Grid:
-            def __getitem__(self, grid):
-                def run(*args, **kw):
-                    launches.append(args)
-                    return launch[grid](*args, **kw)
-                return run
-        return _Grid()
-
-    monkeypatch.setattr(gated_mlp, "launcher", spy)
+    seen = record_launches(monkeypatch, gated_mlp, args=True)
     ghg, ghu, *_ = gated_mlp.gated_act_grad(x, wg, wu, bg, bu, ga, act)
     monkeypatch.undo()
-    ghg_arg, ghu_arg = launches[-1][6:8]
+    launch_args = seen[-1][-1]
+    ghg_arg, ghu_arg = launch_args[6:8]
     if kind == "interleaved":
         assert ghg_arg.shape == (M, 2 * H) and ghg_arg.is_contiguous() and ghg._base is ghg_arg
-        assert ghu_arg is launches[-1][0]  # x: an input, never written
+        assert ghu_arg is launch_args[0]  # x: an input, never written
     else:
         assert ghg_arg is ghg and ghu_arg is ghu
 
