@@ -31,6 +31,7 @@ found that faster (``_WHOLE``: the grad kernel's epilogue then in column slices,
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -176,40 +177,62 @@ def _dual_mainloop(
 
 @triton.jit
 def _gated_preacts(
-    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+    stride_bn, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    """(h_g, h_u, pid_m, row0, col0) of output tile ``tile``: one function for the forward and its
-    recompute, so both compute the pre-activations alike, bit for bit."""
-    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    if HAS_BIAS:
-        hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
-        hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
-    return hg, hu, pid_m, row0, col0
+    """(h_g, h_u, pid_m, row0, col0, row_end) of output tile ``tile``: one function for the forward and its
+    recompute, so both compute the pre-activations alike, bit for bit; the tile's rows are [row0, row_end).
+    GROUPED (routed experts, one launch for all): row tile pid_m of MT is row ``tiles[pid_m]`` = (expert e,
+    row0, row_end) of the expert-sorted rows (no tile spans two experts); e's weights and biases lie e
+    expert strides past expert 0's."""
+    if GROUPED:
+        pid_m, pid_n = _tile_ids(tile, MT * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        row0 = tl.load(tiles_ptr + 3 * pid_m + 1)
+        row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
+        # the expert's rows from row0 as the main loop's matrix, its row tile 0 (a tensor: the loop takes .to)
+        hg, hu = _dual_mainloop(a_ptr + row0.to(tl.int64) * stride_am, bg_ptr + e * stride_be,
+                                bu_ptr + e * stride_be, row_end - row0, N, K, stride_am, stride_ak, stride_bk,
+                                stride_bn, row0 * 0, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
+                                INTERLEAVED)
+        col0 = pid_n * BLOCK_N
+        if HAS_BIAS:
+            hg = _add_bias(hg, biasg_ptr + e * stride_biase, N, col0, BLOCK_N)
+            hu = _add_bias(hu, biasu_ptr + e * stride_biase, N, col0, BLOCK_N)
+    else:
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
+        row0 = pid_m * BLOCK_M
+        row_end = M
+        col0 = pid_n * BLOCK_N
+        if HAS_BIAS:
+            hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
+            hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
+    return hg, hu, pid_m, row0, col0, row_end
 
 
 @triton.jit
 def _gated_act_tile(
-    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed,
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
     UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    hg, hu, pid_m, row0, col0 = _gated_preacts(
-        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
-    _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0, drop_threshold,
+    hg, hu, pid_m, row0, col0, row_end = _gated_preacts(
+        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+        stride_bn, MT, stride_be, stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
+        UPCAST, INTERLEAVED, GROUPED)
+    _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
+                        drop_threshold,
                         drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
                         DROPOUT, BLOCK_M,
                         BLOCK_N, EPILOGUE_SPLIT)
@@ -340,32 +363,32 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
 
 @triton.jit
 def _gated_act_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
     UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:  # the dense kernels' launch shape (_common.GEMM_PERSISTENT)
-        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
-                             flatten=True):
-            _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
-                            stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                            HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
-                            DROPOUT, BLOCK_M,
-                            BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
+        num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
+            _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr, M, N, K,
+                            stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
+                            stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET,
+                            GATE_CAP, UP_CAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+                            INTERLEAVED, EPILOGUE_SPLIT, GROUPED)
     else:
-        _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, M, N, K,
-                        stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                        HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
-                        DROPOUT, BLOCK_M,
-                        BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, EPILOGUE_SPLIT)
+        _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr, M, N,
+                        K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
+                        stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP,
+                        UP_CAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED,
+                        EPILOGUE_SPLIT, GROUPED)
 
 
 @triton.jit
@@ -456,27 +479,28 @@ def _gated_grad_epilogue(
 @triton.jit
 def _gated_act_grad_tile(
     tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
-    seed, scale_ptr, dscale_ptr,
+    seed, scale_ptr, dscale_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     # the forward's pre-activations, exactly as _gated_act_tile computes them
-    hg, hu, pid_m, row0, col0 = _gated_preacts(
-        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
+    hg, hu, pid_m, row0, col0, row_end = _gated_preacts(
+        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+        stride_bn, MT, stride_be, stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
+        UPCAST, INTERLEAVED, GROUPED)
     offs_m = tl.arange(0, BLOCK_M)
-    rows = offs_m < M - row0
+    rows = offs_m < row_end - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
-        pid_m, M, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+        pid_m, row_end, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
         LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES, BLOCK_M,
         BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
@@ -486,9 +510,9 @@ def _gated_act_grad_tile(
 @triton.jit
 def _gated_act_grad_kernel(
     a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
-    scale_ptr, dscale_ptr,
+    scale_ptr, dscale_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
@@ -496,25 +520,25 @@ def _gated_act_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
-                             flatten=True):
+        num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
             _gated_act_grad_tile(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
-                partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                stride_bn, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER,
-                ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-                PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT)
+                partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+                stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
+                NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
-            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-            stride_bn, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER,
-            ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
-            PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT)
+            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+            stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
+            NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N,
+            BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -546,14 +570,48 @@ def _joint_rows(first, second):
     return None
 
 
-def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
-    """Operands, table entry, constexprs and grid of a launch of either dual kernel on x (M, K)
+class ExpertGroups(NamedTuple):
+    """Routed experts in one launch of a dual kernel (GROUPED): x's rows sorted by expert, ``counts[e]`` of
+    them expert e's (host ints); the (H, K) weights and (H,) biases passed are expert 0's, of stacked
+    tensors whose expert e lies ``e * stride_w`` (``e * stride_b``) elements further; both biases or neither."""
+    counts: tuple
+    stride_w: int
+    stride_b: int = 0
+
+
+_TILES_CACHE = {}  # (counts, BLOCK_M, device) -> (tile table, tiles per expert): a layer's forward and backward
+
+
+def expert_tiles(counts, block_m, device):
+    """(table, lengths, MT): the grouped launch's row tiles, (expert, first row, end row) as int32 triples of
+    the expert-sorted rows, no tile across two experts; ``lengths`` (E,) the tiles of each expert (int64)."""
+    key = (tuple(counts), block_m, device)
+    hit = _TILES_CACHE.get(key)
+    if hit is None:
+        rows, lengths, start = [], [], 0
+        for e, n in enumerate(counts):
+            lengths.append(cdiv(n, block_m))
+            rows += [(e, r, start + n) for r in range(start, start + n, block_m)]
+            start += n
+        table = torch.tensor(rows, dtype=torch.int32).reshape(-1).to(device)
+        hit = table, torch.tensor(lengths, dtype=torch.int64).to(device), len(rows)
+        if len(_TILES_CACHE) >= 8:
+            _TILES_CACHE.clear()
+        _TILES_CACHE[key] = hit
+    return hit
+
+
+def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, groups=None):
+    """Operands, table entry, constexprs, grid and tile table of a launch of either dual kernel on x (M, K)
     and the (H, K) weights: one builder, so the forward and its recompute take the same tiles.
-    ``config`` overrides the tile (tile sweeps and tests only: callers that recompute must not)."""
+    ``config`` overrides the tile (tile sweeps and tests only: callers that recompute must not).
+    ``groups`` (``ExpertGroups``): every routed expert's rows in one launch, the tile the table's for the mean
+    rows an expert gets; the table entry None otherwise."""
     M, K = x.shape
     N = w_gate.shape[0]
     precision = dot_precision(x)
-    cfg = config or _gated_table_config(M, N, K, x.dtype, precision, device_capability(x),
+    rows = M if groups is None else max(1, M // max(1, sum(1 for n in groups.counts if n)))
+    cfg = config or _gated_table_config(rows, N, K, x.dtype, precision, device_capability(x),
                                         dropout=dropout is not None and dropout[0] != 0)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
     joint = _joint_rows(w_gate, w_up)
@@ -566,6 +624,11 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
         bu = _tile_safe(w_up.t(), cfg.BLOCK_K, cfg.BLOCK_N, "w_up")
         if bg.stride() != bu.stride():  # one set of strides serves both B operands
             bg, bu = bg.contiguous(), bu.contiguous()
+    # a grouped launch reads every expert's weights and biases through expert 0's: no copy of them
+    assert groups is None or (bg.data_ptr() == w_gate.data_ptr() and (pair_t is not None or bu.data_ptr() == w_up.data_ptr())
+                              and (b_gate is None) == (b_up is None)
+                              and (b_gate is None or b_gate.is_contiguous() and b_up.is_contiguous())), \
+        "grouped experts' weights must be views of the stacked tensors (ExpertGroups)"
     has_bias = b_gate is not None or b_up is not None
     if has_bias:  # a missing one of the two adds zeros: x + 0 is x
         b_gate = b_gate.contiguous() if b_gate is not None else torch.zeros_like(b_up)
@@ -573,28 +636,38 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None):
     else:
         b_gate = b_up = a
     has_dropout, seed, threshold, scale = dropout_args(dropout, a)
-    grid, persistent = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a)
+    assert groups is None or not has_dropout, "grouped experts with dropout"
+    if groups is None:
+        tiles, num_m, strides = None, cdiv(M, cfg.BLOCK_M), (0, 0, 0)
+    else:
+        tiles, _, num_m = expert_tiles(groups.counts, cfg.BLOCK_M, x.device)
+        strides = (num_m, groups.stride_w, groups.stride_b)
+    grid, persistent = dense_grid(num_m * cdiv(N, cfg.BLOCK_N), a)
     run = _launch_config(cfg, persistent)
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        INTERLEAVED=pair_t is not None,
+        INTERLEAVED=pair_t is not None, GROUPED=groups is not None,
         num_warps=cfg.num_warps, num_stages=run.num_stages, PERSISTENT=persistent, EPILOGUE_SPLIT=run.EPILOGUE_SPLIT,
     )
-    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale)
-    return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid
+    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale, *strides)
+    # an unused pointer argument is an input, never an output (see launcher)
+    return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid, tiles if tiles is not None else a
 
 
-def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=None):
+def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=None, groups=None):
     """a = act(x Wg^T + bg) * (x Wu^T + bu), (M, H) in x.dtype; the pre-activations are not stored.
-    ``dropout``: None or ``(p, seed)``: dropout on the product, as the dense FFN's (``_dropout_factor``)."""
+    ``dropout``: None or ``(p, seed)``: dropout on the product, as the dense FFN's (``_dropout_factor``).
+    ``groups`` (``ExpertGroups``): x's rows are routed experts' and each expert's rows take its weights."""
     M, H = x.shape[0], w_gate.shape[0]
     out = torch.empty((M, H), device=x.device, dtype=x.dtype)
     if M == 0 or H == 0:
         return out
-    _, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
+    _, operands, seed, scalars, meta, grid, tiles = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout,
+                                                                 groups)
     with _device_guard(x):
-        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, *scalars, **gated_meta(activation), **meta)
+        launcher(_gated_act_kernel, x)[grid](*operands, out, seed, tiles, *scalars, **gated_meta(activation),
+                                             **meta)
     return out
 
 
@@ -617,7 +690,7 @@ def _gate_up_grads(x, H, kind):
 
 
 def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None,
-                   row_scale=None):
+                   row_scale=None, groups=None):
     """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None).
     With ``dropout`` (as given to ``gated_act``) ``grad_a`` is the gradient of dropout(act(h_g) * h_u)
     and the stored product is dropped out too.
@@ -628,7 +701,10 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     gradient of ``row_scale``, a_m . grad_a_m per row (fp32).
 
     Where the weights' rows are one tensor's (``_joint_rows``) g_hg and g_hu are views of one (M, 2H) buffer laid
-    out the same way, for ``input_grads``."""
+    out the same way, for ``input_grads``.
+
+    ``groups`` (``ExpertGroups``, as given to ``gated_act``): one launch for every routed expert; the biases'
+    gradients are then (E, H), each expert's column sums over its row tiles."""
     M, H = x.shape[0], w_gate.shape[0]
     act = torch.empty((M, H), device=x.device, dtype=x.dtype) if store_act else None
     routed = row_scale is not None
@@ -637,18 +713,27 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     def bias_grad(part, bias):
         if bias is None:
             return None
+        if groups is not None:  # fixed-order sums over each expert's row tiles (no atomics)
+            E = len(groups.counts)
+            if part is None:
+                return torch.zeros((E, H), device=x.device, dtype=bias.dtype)
+            return torch.segment_reduce(part, "sum", lengths=tile_lengths, axis=0).to(bias.dtype)
         return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
 
     if M == 0 or H == 0:
         out = *_gate_up_grads(x, H, None)[:2], act, bias_grad(None, b_gate), bias_grad(None, b_up)
         return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
-    cfg, operands, seed, scalars, meta, grid = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout)
+    cfg, operands, seed, scalars, meta, grid, tiles = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout,
+                                                                   groups)
+    num_m = cdiv(M, cfg.BLOCK_M)
+    if groups is not None:
+        _, tile_lengths, num_m = expert_tiles(groups.counts, cfg.BLOCK_M, x.device)
     joint = _joint_rows(w_gate, w_up)
     halves = joint is not None and joint[0] == "halves"
     # an interleaved pair the kernel cannot read as one operand (misaligned) gets two buffers
     ghg, ghu, (ghg_arg, ghu_arg) = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else
                                                   "halves" if halves else None)
-    parts = [torch.empty((cdiv(M, cfg.BLOCK_M), H), device=x.device, dtype=torch.float32)
+    parts = [torch.empty((num_m, H), device=x.device, dtype=torch.float32)
              for _ in range(2)] if meta["HAS_BIAS"] else [None, None]
     dscale = torch.empty((cdiv(H, cfg.BLOCK_N), M), device=x.device, dtype=torch.float32) if routed else None
     grad_a = grad_a.contiguous()
@@ -662,7 +747,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         launcher(_gated_act_grad_kernel, x)[grid](
             *operands, grad_a, ghg_arg, ghu_arg if ghu_arg is not None else fill, act if act is not None else fill,
             parts[0] if parts[0] is not None else fill, parts[1] if parts[1] is not None else fill, seed,
-            row_scale.contiguous() if routed else fill, dscale if routed else fill,
+            row_scale.contiguous() if routed else fill, dscale if routed else fill, tiles,
             *scalars, STORE_ACT=store_act, ROW_SCALE=routed, GH_HALVES=halves, **act_args, **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows (cdiv(H, BLOCK_N) for dscale): deterministic
@@ -781,16 +866,18 @@ def inspect_specs():
             sig["seed_ptr"] = "*i64"
             if kernel is _gated_act_grad_kernel:
                 sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
+            sig["tiles_ptr"] = "*i32"
             aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
-                        "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
+                        "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32",
+                        "MT": "i32", "stride_be": "i32", "stride_biase": "i32"})
             constexprs = {
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "GATE_CAP": 0.0, "UP_CAP": 0.0,
                 "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "INTERLEAVED": False,
-                "PERSISTENT": persistent,
+                "PERSISTENT": persistent, "GROUPED": False,
             }
             constexprs["EPILOGUE_SPLIT"] = split
             if kernel is _gated_act_grad_kernel:

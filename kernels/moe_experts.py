@@ -30,14 +30,29 @@ act(h_g) and a at once.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ._common import _reference, gemm_act_grad, plain_gemm
+from . import _common
+from ._common import _reference, device_capability, gemm_act_grad, plain_gemm
 from fusedrc.reference import split_gated
 from .fused_mlp import fused_mlp_forward
-from .gated_mlp import gated_act_grad, gated_mlp_forward, input_grads
+from .gated_mlp import ExpertGroups, _joint_rows, gated_act, gated_act_grad, gated_mlp_forward, input_grads
 
 __all__ = ["moe_experts_forward", "moe_experts_backward"]
+
+# Gated experts' launches: True, every expert's rows in one launch of each dual kernel (their tile table,
+# ``gated_mlp.ExpertGroups``) and of each plain GEMM where torch._grouped_mm takes it (``GROUPED_MM``), else a
+# plain GEMM launch per expert; False, every launch per expert (the reference's loop, ``moe_forward_with``).
+# Either way the same arithmetic per row (the grouped launch's tile is the table's for the mean rows an expert
+# gets, a per-expert launch's for its own rows: the two may round differently, each forward and its
+# recompute alike). Ungated experts (Nemotron-H's) run per expert.
+GROUPED_EXPERTS = True
+# torch._grouped_mm for the grouped plain GEMMs: "auto", where it has its fast path (CUDA bf16 on sm_90+, the
+# aten GEMMs on, not deterministic: else the fallback loops as this module does); True, wherever torch has it
+# and the operands are 16-byte aligned (its CPU kernel since torch 2.9: tests); False, never.
+GROUPED_MM = "auto"
 
 
 def _expert_forward(x, w, activation):
@@ -100,11 +115,221 @@ def _expert_backward(x, w, grad_out, scale, activation, need, out=(None,) * 8):
             db_down)
 
 
+# --------------------------------------------------------------------------- grouped launches
+def _torch_version():
+    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _aligned(t):
+    """torch._grouped_mm's layout rule: a 16-byte aligned base, unit stride in one of the last two dims and
+    every other stride a multiple of 16 bytes."""
+    e = t.element_size()
+    return (t.data_ptr() % 16 == 0 and 1 in t.stride()[-2:]
+            and all(s * e % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1))
+
+
+def _grouped_mm_takes(a, b):
+    if GROUPED_MM is False or not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if GROUPED_MM == "auto":
+        if not (a.is_cuda and a.dtype == torch.bfloat16 and _common.uses_aten_gemm(a, b)
+                and device_capability(a) >= (9, 0)):
+            return False
+    elif not a.is_cuda and _torch_version() < (2, 9):  # no CPU kernel before 2.9
+        return False
+    return _aligned(a) and _aligned(b)
+
+
+def _offsets(counts, device):
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32).to(device)
+
+
+def grouped_mm(a, b, counts, out_dtype=None, out=None):
+    """(M, N): the rows of group e of a (M, K) (``counts[e]`` of them, in order) times b[e] (b (E, K, N)): one
+    torch._grouped_mm where it takes them, else a ``plain_gemm`` per group; written into ``out`` where given
+    (its dtype the result's)."""
+    if _grouped_mm_takes(a, b):
+        res = torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
+        if out is not None:
+            return out.copy_(res)
+        return res if out_dtype is None or res.dtype == out_dtype else res.to(out_dtype)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[2]), device=a.device, dtype=out_dtype or a.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            plain_gemm(a[start:start + n], b[e], out_dtype=out.dtype, out=out[start:start + n])
+            start += n
+    return out
+
+
+def grouped_weight_grad(a, b, counts, like):
+    """(E, P, Q) laid out as ``like`` (a stacked weight, maybe stored transposed) in its dtype: [e] = the rows of
+    group e of a (M, P) transposed times those of b (M, Q); zeros for a group without rows."""
+    transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
+    lhs, rhs = (b.t(), a) if transposed else (a.t(), b)
+    if _grouped_mm_takes(lhs, rhs):
+        res = torch._grouped_mm(lhs, rhs, offs=_offsets(counts, a.device))
+        empty = [e for e, n in enumerate(counts) if not n]
+        if empty:  # no rows: nothing summed (zeros, whatever the kernel leaves there)
+            res.index_fill_(0, torch.tensor(empty, device=res.device), 0)
+        res = res.transpose(1, 2) if transposed else res
+        return res if res.dtype == like.dtype else res.to(like.dtype)
+    out = torch.zeros_like(like)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            plain_gemm(a[start:start + n].t(), b[start:start + n], out_dtype=like.dtype, out=out[e])
+            start += n
+    return out
+
+
+class _GroupedPlan(NamedTuple):
+    """A grouped experts call: expert 0's weights and biases (views of the stacked ones, or of contiguous
+    copies of stacked biases), the expert strides, and the stacked gate and up weights (E, I, K)."""
+    first: tuple
+    stride_w: int
+    stride_b: int
+    gates: torch.Tensor
+    ups: torch.Tensor
+
+
+def _grouped_plan(x, layout, gate_up, up, gate_up_bias):
+    """How the gated experts run grouped, or None (per expert: ``GROUPED_EXPERTS`` off, ungated experts, a
+    meta call, stacks the dual kernels cannot step through with one expert stride)."""
+    if not (GROUPED_EXPERTS and layout.gated) or x.device.type == "meta" or gate_up.shape[0] == 0:
+        return None
+    if layout.apart:
+        gates, ups = gate_up, up
+    elif layout.interleaved:
+        gates, ups = gate_up[:, 0::2], gate_up[:, 1::2]
+    else:
+        half = gate_up.shape[1] // 2
+        gates, ups = gate_up[:, :half], gate_up[:, half:]
+    # one set of strides for both stacks; in-tile offsets well within int32 (the kernels' _tile_safe copies none)
+    if gates.stride() != ups.stride() or gates.dtype != ups.dtype or max(gates.stride()[1:]) * 512 > 2 ** 31:
+        return None
+    biases, stride_b = (None, None), 0
+    if gate_up_bias is not None and not layout.apart:
+        half = gate_up_bias.shape[1] // 2
+        pair = ((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]) if layout.interleaved
+                else (gate_up_bias[:, :half], gate_up_bias[:, half:]))
+        pair = tuple(b.contiguous() for b in pair)  # (E, I) each, tiny
+        biases, stride_b = (pair[0][0], pair[1][0]), pair[0].stride(0)
+    return _GroupedPlan((gates[0], ups[0], *biases), gates.stride(0), stride_b, gates, ups)
+
+
+def _grouped_outputs(xs, counts, plan, down, down_bias, activation):
+    """The experts' outputs (U, N) of the expert-sorted rows xs: both dual GEMMs in one launch, then the down
+    GEMM grouped."""
+    groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
+    a = gated_act(xs, *plan.first, activation, groups=groups)
+    y = grouped_mm(a, down.transpose(1, 2), counts)
+    if down_bias is not None:
+        start = 0
+        for e, n in enumerate(counts):
+            y[start:start + n] += down_bias[e]
+            start += n
+    return y
+
+
+def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activation, down_bias):
+    R = _reference()
+    order, tokens, counts = R.route(top_k_index, gate_up.shape[0])
+    U = sum(counts)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    slots = torch.empty((order.numel(), down.shape[1]), device=x.device, dtype=acc)
+    w = top_k_weights.reshape(-1)[order].to(acc)
+    y = _grouped_outputs(x[tokens[:U]], counts, plan, down, down_bias, activation)
+    torch.mul(y, w[:U, None], out=slots[:U])
+    slots[U:].zero_()  # the skipped slots
+    return R.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
+
+
+def _joint(t_gate, t_up, layout):
+    """Two (E, I, C) stacks as the gate_up layout's (E, 2I, C)."""
+    if layout.interleaved:
+        return torch.stack((t_gate, t_up), dim=2).flatten(1, 2)
+    return torch.cat((t_gate, t_up), dim=1)
+
+
+def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, layout, need, up,
+                      gate_up_bias, down_bias):
+    R = _reference()
+    need_dx, need_dw, need_dgu, need_dd, need_dgub, need_ddb = need
+    order, tokens, counts = R.route(top_k_index, gate_up.shape[0])
+    U, S = sum(counts), order.numel()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    w = top_k_weights.reshape(-1)[order].to(acc)
+    xs, gs = x[tokens[:U]], grad_out[tokens[:U]]
+    grad_y = grouped_mm(gs, down, counts, out_dtype=x.dtype)             # unscaled: the kernel scales it
+    groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
+    ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(xs, *plan.first, grad_y, activation, store_act=need_dd,
+                                                   row_scale=w[:U], groups=groups)
+    del grad_y
+    dd = grouped_weight_grad(gs, a, counts, down) if need_dd else None  # g_out^T (s a)
+    del a
+    # (U, 2I) in the weights' row order where the kernel laid the g_h's out so (gated_act_grad)
+    grads = None if layout.apart else _joint_rows(ghg.t(), ghu.t())
+    gh = grads[1].t() if grads is not None and grads[0] == ("interleaved" if layout.interleaved else "halves") \
+        else None
+    dx_slots = dw_slots = dgu = dup = dgub = ddb = None
+    if need_dx:
+        dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc)
+        if gh is not None:
+            grouped_mm(gh, gate_up, counts, out=dx_slots[:U])
+        else:
+            grouped_mm(ghg, plan.gates, counts, out=dx_slots[:U])
+            dx_slots[:U] += grouped_mm(ghu, plan.ups, counts, out_dtype=acc)
+        dx_slots[U:].zero_()
+    if need_dgu:
+        if gh is not None:
+            dgu = grouped_weight_grad(gh, xs, counts, gate_up)
+        elif layout.apart:
+            dgu = grouped_weight_grad(ghg, xs, counts, gate_up)
+            dup = grouped_weight_grad(ghu, xs, counts, up) if up is not None else None
+        else:
+            dgu = torch.zeros_like(gate_up)
+            dgu.copy_(_joint(grouped_weight_grad(ghg, xs, counts, plan.gates),
+                             grouped_weight_grad(ghu, xs, counts, plan.ups), layout))
+    if need_dgub and gate_up_bias is not None:
+        dgub = _joint(dbg[..., None], dbu[..., None], layout)[..., 0]
+    bias_dscale = None
+    if down_bias is not None and (need_dw or need_ddb):  # a bias's small sums, per expert (gpt-oss's)
+        bias_dscale = torch.empty(U, device=x.device, dtype=torch.float32) if need_dw else None
+        ddb = torch.zeros_like(down_bias) if need_ddb else None
+        start = 0
+        for e, n in enumerate(counts):
+            rows = slice(start, start + n)
+            share, db_e = _down_bias_grads(gs[rows], w[rows], down_bias[e], need_dw, need_ddb)
+            if need_dw:
+                bias_dscale[rows] = share
+            if need_ddb:
+                ddb[e] = db_e
+            start += n
+    if need_dw:
+        dw_slots = torch.empty(S, device=x.device, dtype=acc)
+        dw_slots[:U] = dscale if bias_dscale is None else dscale + bias_dscale
+        dw_slots[U:].zero_()
+    dx = R.unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
+    dw = R.unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
+    return dx, dw, dgu, dd, dup, dgub, ddb
+
+
+# --------------------------------------------------------------------------- entry points
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation, gated=True, up=None,
                         gate_up_bias=None, down_bias=None, interleaved=False):
     """Same contract as ``fusedrc.reference.moe_experts_forward``."""
     split_gated(activation)
     R = _reference()
+    layout = R.ExpertsLayout(gated, up is not None, interleaved)
+    plan = _grouped_plan(x, layout, gate_up, up, gate_up_bias)
+    if plan is not None:
+        return _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activation, down_bias)
     return R.moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
                               R.ExpertsLayout(gated, up is not None, interleaved), up, gate_up_bias, down_bias)
 
@@ -114,6 +339,11 @@ def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out,
     """Same contract as ``fusedrc.reference.moe_experts_backward``."""
     split_gated(activation)
     R = _reference()
+    layout = R.ExpertsLayout(gated, up is not None, interleaved)
+    plan = _grouped_plan(x, layout, gate_up, up, gate_up_bias)
+    if plan is not None:
+        return _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, layout,
+                                 R.wanted(output_mask, 6), up, gate_up_bias, down_bias)
     return R.moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
                                R.ExpertsLayout(gated, up is not None, interleaved), output_mask, up, gate_up_bias,
                                down_bias)

@@ -80,7 +80,7 @@ def test_interleaved_gate_and_up_rows(transposed, dtype, device):
     both = _rand(K, 2 * H, dtype=dtype, device=device, scale=K ** -0.5)
     pair = both.t() if transposed else both.t().contiguous()  # (2H, K), gate rows even
     wg, wu = pair[0::2], pair[1::2]
-    cfg, operands, _, scalars, meta, _ = gated_mlp._dual_launch(x, wg, wu, bg, bu)
+    cfg, operands, _, scalars, meta, _, _ = gated_mlp._dual_launch(x, wg, wu, bg, bu)
     assert meta["INTERLEAVED"] and operands[1].data_ptr() == pair.data_ptr()
     assert scalars[6] == (1 if transposed else K)  # stride_bn: contiguous columns in gpt-oss's storage
     assert H > cfg.BLOCK_N

@@ -398,36 +398,51 @@ def test_weight_gradients_written_in_place(backend):
         assert not [n for n in c.sizes if n >= min(I * K, N * I)], (stored, c.sizes)
 
 
-def test_experts_backward_launches(monkeypatch):
-    """On the Triton backend an expert's backward is 5 launches where its gate and up rows are one tensor's
-    (halves, or gpt-oss's interleaved transposed rows): the grad kernel (the two recomputed GEMMs), g_out Wd,
-    dWd, and dX and dW_gate_up one GEMM each over the joint rows; 7 with the up projections apart. No
-    elementwise pass scales the experts' rows for the routing weights (the grad kernel stores s a for dWd)."""
-    from fusedrc.kernels import _common, gated_mlp
+@pytest.mark.parametrize("mode", ["per_expert", "grouped", "grouped_mm"])
+def test_experts_backward_launches(monkeypatch, mode):
+    """The Triton backend's launches in the experts' backward. ``per_expert`` (GROUPED_EXPERTS off): an expert's
+    backward is 5 launches where its gate and up rows are one tensor's (halves, or gpt-oss's interleaved
+    transposed rows): the grad kernel (the two recomputed GEMMs), g_out Wd, dWd, and dX and dW_gate_up one GEMM
+    each over the joint rows; 7 with the up projections apart. ``grouped`` (the default): one grad kernel launch
+    for all experts, the plain GEMMs still per expert where torch._grouped_mm does not take them (here: its
+    "auto" takes CUDA bf16 only); ``grouped_mm``: those GEMMs one torch._grouped_mm each, no launch per expert.
+    No elementwise pass scales the experts' rows for the routing weights (the grad kernel stores s a for dWd)."""
+    from fusedrc.kernels import _common, gated_mlp, moe_experts
 
-    T, K, I, N, E, k = 12, 16, 24, 16, 3, 2
+    monkeypatch.setattr(moe_experts, "GROUPED_EXPERTS", mode != "per_expert")
+    monkeypatch.setattr(moe_experts, "GROUPED_MM", True if mode == "grouped_mm" else "auto")
+    T, K, I, N, E, k = 12, 16, 24, 16, 3, 2  # 16-byte aligned rows in fp32: _grouped_mm takes them
     x = torch.randn(T, K, requires_grad=True)
     idx, w = _routing(T, k, E)
     w = w.float()
     gate_up, down = (t.float() for t in _weights(E, K, I, N))
     down.requires_grad_()
     hit = idx.unique().numel()
-    layouts = {"halves": (dict(gate_up_proj=gate_up), 5),
+    layouts = {"halves": (dict(gate_up_proj=gate_up), 2),
                "interleaved": (dict(gate_up_proj=gate_up.transpose(1, 2).contiguous().transpose(1, 2),
-                                    interleaved=True), 5),
-               "apart": (dict(gate_up_proj=gate_up[:, :I].contiguous(), up_proj=gate_up[:, I:].contiguous()), 7)}
-    for name, (weights, per_expert) in layouts.items():
+                                    interleaved=True), 2),
+               "apart": (dict(gate_up_proj=gate_up[:, :I].contiguous(), up_proj=gate_up[:, I:].contiguous()), 4)}
+    for name, (weights, per_input) in layouts.items():
         weights = {key: v.requires_grad_() if torch.is_tensor(v) else v for key, v in weights.items()}
         with fusedrc.use_backend("triton"):
             y = F.moe_experts(x, idx, w, down_proj=down, **weights)
-            seen = record_launches(monkeypatch, _common)
-            seen_gated = record_launches(monkeypatch, gated_mlp)
-            with GemmCounter() as ops:
-                y.backward(torch.randn_like(y))
-            monkeypatch.undo()
+            with monkeypatch.context() as m:
+                seen = record_launches(m, _common)
+                seen_gated = record_launches(m, gated_mlp)
+                with GemmCounter() as ops:
+                    y.backward(torch.randn_like(y))
         assert not [op for op in ops.ops if op.startswith("aten.mul")], name
-        assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"] * hit, name
-        assert len(seen) + len(seen_gated) == per_expert * hit, (name, seen)
+        plain = 2 + per_input  # g_out Wd and dWd; dX and dW_gate_up (each two with the up rows apart)
+        grouped = [op for op in ops.ops if "_grouped_mm" in op]
+        if mode == "per_expert":
+            assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"] * hit, name
+            assert len(seen) == plain * hit and not grouped, (name, seen)
+        else:
+            assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"], name
+            if mode == "grouped":
+                assert len(seen) == plain * hit and not grouped, (name, seen)
+            else:
+                assert not seen and len(grouped) == plain, (name, seen, grouped)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
