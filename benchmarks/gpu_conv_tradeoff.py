@@ -4,7 +4,7 @@ Issue 4's benchmark: each distinct Conv2d -> BatchNorm2d -> ReLU shape of ResNet
 (the stem, then the 1x1 / 3x3 / strided convs of the four stages), one training step
 of the layer (forward + backward with a given output gradient), against eager
 PyTorch (cuDNN), ``torch.utils.checkpoint`` and ``torch.compile`` of the same layer;
-and, with ``--switches``, every setting of kernels/conv_bn_act.py's recompute
+and, with ``--switches``, every setting of fusedrc/kernels/conv_bn_act.py's recompute
 switches (FWD_RECOMPUTE x BWD_RECOMPUTE_TWICE with cuDNN's dX/dW, the Triton dX/dW once, z from
 cuDNN (CONV_Z="aten"), and the "auto" settings). Times come from
 ``triton.testing.do_bench`` (every raw timing is written), memory is the step's peak
@@ -63,7 +63,7 @@ GROUPED_SHAPES = [
 _ACT = {"relu": nn.ReLU, "silu": nn.SiLU}
 
 
-# kernels/conv_bn_act.py's module-level strategy switches
+# fusedrc/kernels/conv_bn_act.py's module-level strategy switches
 SWITCHES = ("FWD_RECOMPUTE", "BWD_RECOMPUTE_TWICE", "CONV_GRAD", "CONV_Z")
 
 

@@ -73,7 +73,7 @@ def main():
     conv_kernels = importlib.import_module("fusedrc.kernels.conv_bn_act")
     common = importlib.import_module("fusedrc.kernels._common")
     # convert's model once more with the conv's strictly fused passes (the default takes z from
-    # cuDNN for 16-bit operands on a GPU), and once with direct launches (kernels/_common.py,
+    # cuDNN for 16-bit operands on a GPU), and once with direct launches (fusedrc/kernels/_common.py,
     # opt-in: the plans' sites call the compiled binaries themselves): the switches are read at
     # each call, the model is the same
     runs = [(r, r.cfg.strategy, {}) for r in runners]

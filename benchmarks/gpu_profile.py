@@ -31,7 +31,7 @@ SHAPES = {
 }
 
 
-# fusedrc's conv switches profiled besides the default (kernels/conv_bn_act.py; for 16-bit operands
+# fusedrc's conv switches profiled besides the default (fusedrc/kernels/conv_bn_act.py; for 16-bit operands
 # on a GPU, z from cuDNN with elementwise passes): the strictly fused passes, and one recompute pass
 # plus a transient z
 CONV_VARIANTS = [("CONV_Z=triton", dict(CONV_Z="triton")),

@@ -7,7 +7,7 @@
 #            space-separated) runs only those
 #   kernels  per-kernel microbenchmarks (fusedrc-bench kernels; with norm_gated_mlp: Llama's RMSNorm run
 #            inside the gated FFN op: 1.21x checkpoint on the H100 of 2026-11-27 as aten ops, 0.98x/1.01x
-#            with the row kernels of kernels/rms_norm.py later that day)
+#            with the row kernels of fusedrc/kernels/rms_norm.py later that day)
 #   conv     issue 4's benchmark: ResNet-50 conv+BN+ReLU shapes, batch 256, bf16, channels_last,
 #            eager / checkpoint / fusedrc and every recompute-switch setting (benchmarks/gpu_conv_tradeoff.py)
 #   conv_graph  the same shapes as CUDA graph replays (GPU time: eager layer steps there are host-bound),
@@ -60,7 +60,7 @@
 #            FUSEDRC_TIMEOUT_HOST_PROFILE=100 ... "$OUT" kernels dense models_graph host_profile: the FFN steps
 #            against checkpoint (issue 3's 0.95x / 0.85x targets) and the dense GEMMs against cuBLAS (>= 80%)
 #            under the 256x128 entry, with the 128x128 entry it replaced beside it (revert the table's
-#            ("sm90", "16bit", "large") entry in kernels/_common.py if it loses); then the eager ResNet-50
+#            ("sm90", "16bit", "large") entry in fusedrc/kernels/_common.py if it loses); then the eager ResNet-50
 #            step against its CUDA graph since the conv ops' launch plans and checked-call cache (session 29;
 #            99.7 ms eager / 65.8 ms graph before) and the one-launch running-statistics update (session 30),
 #            with and without direct launches (if call 1's test_direct_launch passed: the default could turn

@@ -1,6 +1,6 @@
 """Tile sweep on a GPU: candidate table entries for the dense and conv kernels, one JSON file.
 
-The tile tables (kernels/_common.py ``_TABLE``, kernels/conv_bn_act.py ``_TABLE``) are never
+The tile tables (fusedrc/kernels/_common.py ``_TABLE``, fusedrc/kernels/conv_bn_act.py ``_TABLE``) are never
 autotuned at run time: the forward and the backward recompute must read the same entry. This
 script is how entries are chosen offline (issues 3 and 4):
 
@@ -67,12 +67,12 @@ DENSE_CANDIDATES = [
     # of cuBLAS while spilling), and 128x256 beside it
     (256, 128, 64, 8, 8, 3, 8), (256, 128, 64, 8, 8, 4, 8), (128, 256, 64, 8, 8, 3, 8),
 ]
-# also timed with TMA loads (kernels/_common.py GEMM_TMA): the table's entries and the large tiles
+# also timed with TMA loads (fusedrc/kernels/_common.py GEMM_TMA): the table's entries and the large tiles
 # the pointer loads cannot hold without spilling
 TMA_CANDIDATES = [(128, 128, 64, 8, 8, 3, 4), (128, 128, 64, 8, 8, 4, 4), (128, 256, 64, 8, 8, 3, 4),
                   (128, 256, 64, 8, 8, 4, 4), (256, 128, 64, 8, 8, 3, 4), (128, 128, 128, 8, 8, 3, 4),
                   (256, 128, 64, 8, 8, 3, 8)]
-# also timed persistent (kernels/_common.py GEMM_PERSISTENT=1: one program per SM walking the
+# also timed persistent (fusedrc/kernels/_common.py GEMM_PERSISTENT=1: one program per SM walking the
 # tiles, each tile's epilogue overlapping the next tile's loads), with TMA loads or not. The
 # --static report (sm_90, bf16): no spills at 128x128 (forward ~190 registers, grad 165 with TMA,
 # ~240 without: one CTA per SM either way), 80-460 bytes at 128x256

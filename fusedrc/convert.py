@@ -3425,7 +3425,11 @@ def _routing_ok(hs, idx, w, gate_up, down):
 
 @register_rule("LongcatFlashExperts")
 def _longcat_flash_experts(ctx, name, m):
-    """LongCat-Flash's experts with identity experts (``LongcatFlashExperts``, its forward checked line by line)."""
+    """LongCat-Flash's experts with identity experts (``LongcatFlashExperts``, its forward checked line by line);
+    since transformers 5.25 transformers' experts interface (its MoE layer routes the identity experts around
+    them): the generic rule's."""
+    if _looks_experts(m):
+        return _experts(ctx, name, m)
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m

@@ -148,7 +148,7 @@ def _module_specs(module_name: str):
     return out
 
 
-# the fused ops whose launchers run a kernel kept in a shared module (kernels/_common.py)
+# the fused ops whose launchers run a kernel kept in a shared module (fusedrc/kernels/_common.py)
 _SHARED_BY = {"_gemm_act_kernel": ("linear_act", "fused_mlp"), "_gemm_act_grad_kernel": ("linear_act", "fused_mlp")}
 
 

@@ -248,7 +248,7 @@ _AUTOGRAD["linear_act"] = (_linear_act_backward, _linear_act_setup)
 # The FFN ops take an optional norm of their input (reference.NORMS): they then keep x, the norm's
 # input, and run the FFN on norm(x), computed again from x in backward, where its backward follows
 # the FFN's. LayerNorm is aten's own kernels on every backend; the RMS kinds are a row kernel each
-# way on the Triton backend (kernels/rms_norm.py), aten's elementwise ops on the reference.
+# way on the Triton backend (fusedrc/kernels/rms_norm.py), aten's elementwise ops on the reference.
 def _ffn_input(x: Tensor, w: Tensor, norm: Optional[str], norm_weight: Optional[Tensor],
                norm_bias: Optional[Tensor], norm_eps: float, backend: str) -> Tensor:
     """x, or its norm in the FFN weights' dtype (autocast's cast of the norm's output)."""

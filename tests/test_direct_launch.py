@@ -1,4 +1,4 @@
-"""Direct launches (kernels/_common.py: DirectLaunch, launch): after a plan's launch site has gone
+"""Direct launches (fusedrc/kernels/_common.py: DirectLaunch, launch): after a plan's launch site has gone
 through Triton's JIT once, later launches call the compiled binary's launcher with the arguments the
 JIT would have bound. On the CPU there is no compiled binary (Triton's interpreter runs the kernels),
 so the mechanism is checked against a stand-in with the JIT function's and the binary's launch

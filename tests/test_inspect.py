@@ -24,11 +24,11 @@ DENSE_KERNELS = {"_gemm_act_kernel", "_gemm_act_grad_kernel"}
 GATED_KERNELS = {"_gated_act_kernel", "_gated_act_grad_kernel"}
 CONV_KERNELS = {"_conv_bn_fwd_kernel", "_bn_stats_finalize_kernel", "_conv_bn_bwd_kernel",
                 "_conv_dx_kernel", "_conv_dw_kernel"}
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "fusedrc" / "kernels"
 
 
 def _jit_kernels_in_source():
-    """Names of the @triton.jit functions named *_kernel in kernels/*.py (read statically)."""
+    """Names of the @triton.jit functions named *_kernel in fusedrc/kernels/*.py (read statically)."""
     names = set()
     for path in KERNELS_DIR.glob("*.py"):
         for node in ast.parse(path.read_text()).body:
@@ -67,7 +67,7 @@ def test_every_spec_compiled(inspection):
     assert {r["arch"] for r in results} == {"sm_90", "sm_80"}
     kernels = {r["kernel"] for r in results}
     assert DENSE_KERNELS | GATED_KERNELS | CONV_KERNELS <= kernels
-    # a new @triton.jit kernel in kernels/ must be added to its module's inspect_specs()
+    # a new @triton.jit kernel in fusedrc/kernels/ must be added to its module's inspect_specs()
     assert _jit_kernels_in_source() <= kernels
     for name in DENSE_KERNELS | GATED_KERNELS | CONV_KERNELS:
         assert {r["arch"] for r in results if r["kernel"] == name} == {"sm_90", "sm_80"}, name

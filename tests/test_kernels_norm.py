@@ -1,4 +1,4 @@
-"""The RMSNorm row kernels (kernels/rms_norm.py) against the reference's module roundings.
+"""The RMSNorm row kernels (fusedrc/kernels/rms_norm.py) against the reference's module roundings.
 
 The oracle is ``fusedrc.reference.norm_with_stats`` / ``norm_backward``: each RMS kind as its module
 computes it (nn.RMSNorm, Hugging Face's Llama and Gemma RMSNorms), in the input's dtype. Under Triton's

@@ -1044,9 +1044,14 @@ def test_convert_longcat_flash_experts():
     token routed to zero experts alone too); output and every gradient the original's; FLOPs of the routed
     choices alone; bf16 autocast as the original; a hook on its identity expert runs the original forward;
     another forward, an activation with no fused form or no routed experts are reported."""
+    from fusedrc.convert import _looks_experts
+
     model, _ = _moe_model("longcat")
     conv, device = _triton_step(model)
     experts, fused = model.model.layers[0].mlp.experts, conv.model.layers[0].mlp.experts
+    if _looks_experts(experts):
+        _check_longcat_interface_experts(model, conv, device)
+        return
     assert type(fused).__name__ == "FusedLongcatFlashExperts"
     x = torch.randn(6, 32, device=device)
     idx = torch.tensor([[0, 4], [5, 4], [3, 1], [5, 2], [1, 0], [4, 3]], device=device)  # token 1: zero experts only
@@ -1090,6 +1095,39 @@ def test_convert_longcat_flash_experts():
                            (lambda m: setattr(m, "__class__", type("LongcatFlashExperts", (nn.Module,), {
                                "forward": lambda self, h, i, w: h})), "is not LongCat-Flash's experts loop")):
         _assert_reported(experts, change, reason)
+
+
+def _check_longcat_interface_experts(model, conv, device):
+    """transformers 5.25's LongCat-Flash: its experts under transformers' experts interface, the identity
+    ("zero") experts routed around them by its MoE layer (their choices in-range indices of weight 0): the
+    generic rule's fused experts, the layer's output and every gradient the original's, a token routed to zero
+    experts alone too."""
+    layer, fused_layer = model.model.layers[0].mlp, conv.model.layers[0].mlp
+    assert type(fused_layer.experts).__name__ == "FusedExperts"
+    x = torch.randn(6, 32, device=device)
+    idx = torch.tensor([[0, 4], [5, 4], [3, 1], [5, 2], [1, 0], [4, 3]], device=device)  # token 1: zero experts only
+    w = torch.rand(6, 2, device=device)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    route = lambda h: (None, w, idx)  # noqa: E731 (the router's (scores, weights, indices))
+    for m in (layer, fused_layer):
+        m.router.forward = route
+        m.zero_grad()
+    try:
+        ya = layer(xs[0])
+        with fusedrc.use_backend("triton"), _OpCount() as ops:
+            yb = fused_layer(xs[1])
+        assert ops.count == 1 and rel_err(yb, ya) < 1e-6
+        g = torch.randn_like(ya)
+        ya.backward(g)
+        with fusedrc.use_backend("triton"):
+            yb.backward(g)
+    finally:
+        for m in (layer, fused_layer):
+            del m.router.forward
+    assert rel_err(xs[1].grad, xs[0].grad) < 1e-5
+    for name in ("gate_up_proj", "down_proj"):
+        a, b = getattr(layer.experts, name).grad, getattr(fused_layer.experts, name).grad
+        assert rel_err(b, a) < 1e-5, name
 
 
 def test_convert_dbrx_experts():

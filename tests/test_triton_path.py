@@ -34,7 +34,7 @@ def test_recompute_pattern_runs_the_kernels(make, device):
         y.backward(torch.ones_like(y))
     assert saved.bytes == x.numel() * 4, "only x is kept for backward"
     # No aten GEMM recomputes h. The plain GEMMs (dX, dW; the FFN's g_a, dW2 and its forward
-    # output GEMM too) run as cuBLAS on CUDA (kernels/_common.py PLAIN_GEMM), Triton otherwise.
+    # output GEMM too) run as cuBLAS on CUDA (fusedrc/kernels/_common.py PLAIN_GEMM), Triton otherwise.
     from fusedrc.kernels import _common
 
     plain = 2 if len(block) == 2 else 5
@@ -148,7 +148,7 @@ def test_autocast_on_triton_matches_eager(device):
 
 # --------------------------------------------------------------------------- conv + BN + ReLU
 # Forward conv / batch norm only: dX and dW are backward convolutions of dz (cuDNN's by default,
-# kernels/conv_bn_act.py CONV_GRAD), not a rerun of the forward.
+# fusedrc/kernels/conv_bn_act.py CONV_GRAD), not a rerun of the forward.
 _CONV_OPS = ("convolution", "conv2d", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
              "cudnn_batch_norm", "miopen_batch_norm", "native_batch_norm_backward")
 

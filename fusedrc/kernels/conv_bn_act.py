@@ -1,7 +1,7 @@
 """Conv2d + BatchNorm2d + activation (+ residual): implicit-GEMM Triton kernels and launchers.
 
 The activation is any of the dense kernels' (``ACTIVATION``: relu, relu2, gelu, gelu_tanh, silu, relu6,
-hardswish, quick_gelu, leaky_relu with its ``NEG_SLOPE``; the epilogue functions of kernels/_common.py);
+hardswish, quick_gelu, leaky_relu with its ``NEG_SLOPE``; the epilogue functions of fusedrc/kernels/_common.py);
 ReLU below stands for it.
 
 Shapes: x (N, C_in, H, W) in any strides (NCHW, channels_last, ...), weight
@@ -124,7 +124,7 @@ class ConvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     # The forward's normalize/ReLU epilogue and the backward kernel's epilogue on 1, 2 or 4 column
-    # slices of the tile, one after the other (as the dense grad kernel's, kernels/_common.py):
+    # slices of the tile, one after the other (as the dense grad kernel's, fusedrc/kernels/_common.py):
     # fewer registers live at once.
     EPILOGUE_SPLIT: int = 1
 
@@ -1029,7 +1029,7 @@ def _finalize_stats(pmean, pm2, M, C, tile_m, eps, device, sites):
 
 # --------------------------------------------------------------------------- launch plans
 # Everything a layer's launches need besides its tensors' addresses, worked out once per layer
-# (kernels/_common.py, LaunchPlans): a small layer's eager step is otherwise bound by this Python.
+# (fusedrc/kernels/_common.py, LaunchPlans): a small layer's eager step is otherwise bound by this Python.
 _PLANS = LaunchPlans().watch(__name__)
 
 
@@ -1146,7 +1146,7 @@ def _fwd_plan(x, weight, bias, bn_weight, bn_bias, residual, training, stride, p
     layer = _layer(x, weight, bias, stride, padding, dilation, groups)
     M, C_out, cfg, cap = layer.M, layer.C_out, layer.cfg, layer.cap
     y_strides = _meta_strides((layer.N, C_out, layer.OH, layer.OW), layer.fmt)
-    rr = residual if residual is not None else x  # x stands for an unused pointer (kernels/_common.py)
+    rr = residual if residual is not None else x  # x stands for an unused pointer (fusedrc/kernels/_common.py)
     flags = dict(layer.constexprs, HAS_RES=residual is not None, HAS_W=bn_weight is not None,
                  HAS_B=bn_bias is not None)
     stats = None
@@ -1190,7 +1190,7 @@ def conv_bn_act_forward(
     layer = plan.layer
     C_out = layer.C_out
     y = torch.empty((layer.N, C_out, layer.OH, layer.OW), device=x.device, dtype=x.dtype, memory_format=layer.fmt)
-    dummy = x  # unused pointers: an input, never an output (see kernels/_common.py)
+    dummy = x  # unused pointers: an input, never an output (see fusedrc/kernels/_common.py)
     wt = _weight_tile(x, weight, layer)
     bias_, gamma, beta = _vec(bias), _vec(bn_weight), _vec(bn_bias)
     head = (x, wt, bias_ if bias_ is not None else dummy)

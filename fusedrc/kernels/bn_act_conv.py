@@ -190,7 +190,7 @@ def _elem_meta(activation=None):
     return meta if activation is None else {**meta, **act_meta(activation)}
 
 
-# Per-layer launch plans (kernels/_common.py, LaunchPlans): the support check and the conv launch's
+# Per-layer launch plans (fusedrc/kernels/_common.py, LaunchPlans): the support check and the conv launch's
 # tile, grid and constexprs, worked out once per layer shape. This module's settings and
 # conv_bn_act's (its tile table, CONV_GRAD) both feed them.
 _PLANS = LaunchPlans().watch(__name__).watch(_cba.__name__)
