@@ -76,7 +76,9 @@
 #            and dW_gate_up one GEMM each, the stacked gradients laid out as the weights, and the dense grad
 #            kernel's ROW_SCALE epilogue for ungated experts), then the kernels step's gpt-oss-20b experts case
 #            (interleaved transposed weights, biases, its gate; compare its backward with session 35's layout:
-#            git stash or checkout 35e0936 for the before figure)
+#            git stash or checkout 35e0936 for the before figure); session 37: the grouped experts (GROUPED in
+#            both dual kernels, torch._grouped_mm for the plain GEMMs: test_moe.py's grouped tests on real
+#            kernels first), then "kernels kernels_per_expert": grouped against per-expert launches
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
@@ -125,6 +127,10 @@ for step in "${steps[@]}"; do
             cp "$w/pytest.log" "$out/pytest.log"
             tail -25 "$w/pytest.log" | grep -v "^  File" ;;
         kernels) timeout -k 30 $(limit kernels 150) python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
+        # the same with the routed experts launched per expert (session 37 made grouped launches the default):
+        # compare the moe_experts rows, above all Qwen3-MoE's 128 experts of 768
+        kernels_per_expert) FUSEDRC_GROUPED_EXPERTS=0 timeout -k 30 $(limit kernels_per_expert 150) \
+                                python3 -m fusedrc.bench kernels "${opts[@]}" 2>&1 | tail -14 ;;
         conv) timeout -k 30 $(limit conv 360) python3 benchmarks/gpu_conv_tradeoff.py --switches --no-compile --out "$w/results" 2>&1 \
                   | tail -40 ;;
         # the same layers' GPU time: each step a CUDA graph replay (no host overhead in it)

@@ -2661,10 +2661,21 @@ _CLAMPED_PRE = r"self\.down_proj\(self\.act_fn\(self\.gate_proj\({v}\)\.clamp\((
                r"self\.up_proj\({v}\)\.clamp\(min=-self\.(\w+), max=self\.(\w+)\)\)"
 
 
+# "clamped_optional" Step-3.7's since transformers 5.25: "clamped" while L is not None, no clamp while it is
+_CLAMPED_OPTIONAL = (r"(\w+), (\w+) = self\.act_fn\(self\.gate_proj\({v}\)\), self\.up_proj\({v}\)\n"
+                     r"if self\.(\w+) is not None:\n"
+                     r"\1 = \1\.clamp\(max=self\.\3\)\n"
+                     r"\2 = \2\.clamp\(min=-self\.\3, max=self\.\3\)\n"
+                     r"return self\.down_proj\(\1 \* \2\)")
+
+
 def _gated_mlp_body(lines):
     """``(v, form, out-dropout attribute or None)`` when a forward of one argument ``v`` computes one of
     the gated forms above (straight, or through local variables); else None."""
     v = _forward_arg(lines)
+    optional = None if v is None else _re.fullmatch(_CLAMPED_OPTIONAL.format(v=_re.escape(v)), "\n".join(lines[1:]))
+    if optional is not None and optional.group(1) != optional.group(2):
+        return v, "clamped_optional", optional.group(3)
     expr = None if v is None else _inlined_return(lines)
     if expr is None:
         return None
@@ -3067,7 +3078,9 @@ class _GateForm(NamedTuple):
     """A shaped SwiGLU a module computes: its limit attribute (None: no clamp), whether the clamp follows the
     activation, the activation it fixes (None: ``self.act_fn``'s), its alpha attribute (``h * sigmoid(h * alpha)``;
     None: none), its up offset, whether gate and up alternate in the projection's output (gpt-oss's ``[..., ::2]``),
-    and the dotted attribute paths of its gate and up softcaps (Inkling2's; None: none)."""
+    and the dotted attribute paths of its gate and up softcaps (Inkling2's; None: none); ``optional``: its code
+    clamps only while the limit attribute is not None (Step-3.7's since transformers 5.25), so None there is no
+    clamp."""
     limit: str | None
     after: bool = False
     act: str | None = None
@@ -3076,12 +3089,15 @@ class _GateForm(NamedTuple):
     interleaved: bool = False
     gate_cap: str | None = None
     up_cap: str | None = None
+    optional: bool = False
 
 
 _MINIMAX_DENSE_GATE = _GateForm("swiglu_limit", act="silu", alpha="swiglu_alpha", offset=1.0)
 _STEP3P7_GATE = _GateForm("limit", after=True)
+_STEP3P7_GATE_OPTIONAL = _STEP3P7_GATE._replace(optional=True)  # transformers 5.25's: no clamp while limit is None
 # the gated MLP rule's clamped forms (their limit: the attribute its code names)
-_CLAMP_FORMS = {"clamped": _GateForm("", after=True), "clamped_pre": _GateForm("")}
+_CLAMP_FORMS = {"clamped": _GateForm("", after=True), "clamped_pre": _GateForm(""),
+                "clamped_optional": _GateForm("", after=True, optional=True)}
 
 
 # Beam's experts gate: the default act(gate) * up in fp32, rounded once (as the kernels compute it)
@@ -3162,6 +3178,8 @@ def _gate_kwargs(m, form):
         return obj
 
     limit, alpha = value(form.limit, math.inf), value(form.alpha, 1.0)
+    if limit is None and form.optional:
+        limit = math.inf
     caps = value(form.gate_cap, 1.0), value(form.up_cap, 1.0)
     if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0 for v in (limit, alpha, *caps)) \
             or not all(math.isfinite(v) for v in (alpha, *caps)):
@@ -3459,7 +3477,7 @@ class FusedStep3p7Experts(_ExpertsCall):
     def _fusedrc_fused(self, h, i, r):
         # index num_experts, the expert-parallel sentinel, is skipped as the module's own loop skips it
         return F.moe_experts(h, i, r, self.gate_up_proj, self.down_proj, self.__dict__["_fusedrc_act"],
-                             skip_out_of_range=True, **_gate_kwargs(self, _STEP3P7_GATE)).to(h.dtype)
+                             skip_out_of_range=True, **_gate_kwargs(self, _step3p7_form(self))).to(h.dtype)
 
 
 _STEP3P7_EXPERTS_LINES = [
@@ -3473,11 +3491,25 @@ _STEP3P7_EXPERTS_LINES = [
     "final.index_add_(0, token_idx, current.to(final.dtype))", "return final"]
 _STEP3P7_GATE_LINES = ["gate, up = gate_up.chunk(2, dim=-1)", "gate = self.act_fn(gate).clamp(max=self.limit)",
                        "up = up.clamp(min=-self.limit, max=self.limit)", "return gate * up"]
+# transformers 5.25's: the clamps only while self.limit is not None
+_STEP3P7_GATE_OPTIONAL_LINES = ["gate, up = gate_up.chunk(2, dim=-1)", "gate = self.act_fn(gate)",
+                                "if self.limit is not None:", "gate = gate.clamp(max=self.limit)",
+                                "up = up.clamp(min=-self.limit, max=self.limit)", "return gate * up"]
+
+
+def _step3p7_form(m):
+    """The gate form of Step-3.7's experts ``m``: transformers 5.25's (no clamp while limit is None) where its
+    ``_apply_gate`` reads so, else 5.24's (+inf for no clamp); a converted module keeps the one convert read."""
+    form = m.__dict__.get("_fusedrc_gate_form")
+    if form is None:
+        form = _STEP3P7_GATE_OPTIONAL if (_source_lines(m, "_apply_gate") or [])[1:] == _STEP3P7_GATE_OPTIONAL_LINES \
+            else _STEP3P7_GATE
+    return form
 
 
 def _step3p7_experts_reason(m):
     """Why Step-3.7's experts module ``m`` cannot be one fused experts call now, or None."""
-    if _gate_kwargs(m, _STEP3P7_GATE) is None:
+    if _gate_kwargs(m, _step3p7_form(m)) is None:
         return f"its SwiGLU limit self.limit = {getattr(m, 'limit', None)!r} is not a number > 0"
     gate_up, down = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
     E = getattr(m, "num_experts", None)
@@ -3498,9 +3530,14 @@ def _step3p7_experts(ctx, name, m):
     reason = _rule_reason(
         [(lines[0] == "def forward(" and _contains_run(lines, _STEP3P7_EXPERTS_LINES),
           f"{cls}.forward is not Step-3.7's experts loop"),
-         (gate is not None and gate[1:] == _STEP3P7_GATE_LINES, f"{cls}._apply_gate is not Step-3.7's clamped SwiGLU")],
+         (gate is not None and gate[1:] in (_STEP3P7_GATE_LINES, _STEP3P7_GATE_OPTIONAL_LINES),
+          f"{cls}._apply_gate is not Step-3.7's clamped SwiGLU")],
         act, (m, act), lambda: _step3p7_experts_reason(m))
-    return _experts_unit(ctx, name, m, reason, FusedStep3p7Experts, _act_name(act))
+    form = _step3p7_form(m)
+    new = _experts_unit(ctx, name, m, reason, FusedStep3p7Experts, _act_name(act))
+    if isinstance(new, FusedStep3p7Experts):
+        new.__dict__["_fusedrc_gate_form"] = form
+    return new
 
 
 class FusedDbrxExperts(_ExpertsCall):

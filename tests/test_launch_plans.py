@@ -107,7 +107,7 @@ def test_plans_key_on_layout_dtype_and_mode(monkeypatch, device):
 
 
 def test_plans_skip_traced_calls():
-    from kernels._common import plan_key
+    from fusedrc.kernels._common import plan_key
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     assert plan_key(torch.ones(2), 3) is not None

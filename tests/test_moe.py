@@ -445,6 +445,90 @@ def test_experts_backward_launches(monkeypatch, mode):
                 assert not seen and len(grouped) == plain, (name, seen, grouped)
 
 
+def test_expert_tiles_table():
+    """The grouped launch's row tiles: every expert-sorted row in exactly one tile, the tile's expert's own,
+    at most BLOCK_M rows a tile, tiles in row order; an expert without rows has none."""
+    from fusedrc.kernels import gated_mlp
+
+    counts, block = (5, 0, 17, 16, 1), 8
+    table, lengths, num = gated_mlp.expert_tiles(counts, block, torch.device("cpu"))
+    tiles = table.view(-1, 3).tolist()
+    assert num == len(tiles) == 7 and lengths.tolist() == [1, 0, 3, 2, 1]
+    owner = [e for e, n in enumerate(counts) for _ in range(n)]
+    covered = []
+    for e, first, end in tiles:
+        rows = list(range(first, min(first + block, end)))
+        assert rows and all(owner[r] == e for r in rows) and end == sum(counts[:e + 1])
+        covered += rows
+    assert covered == list(range(sum(counts)))
+
+
+@pytest.mark.parametrize("layout", ["halves", "interleaved", "apart", "gpt_oss"])
+def test_grouped_experts_match_per_expert(monkeypatch, layout):
+    """Every expert's rows in one launch of each dual kernel (GROUPED: several row and column tiles an expert,
+    an expert without tokens, skipped choices; one-program-per-tile and persistent launches) give the
+    per-expert launches' output and gradients, and so with torch._grouped_mm for the plain GEMMs; layouts:
+    gate/up halves, gpt-oss's interleaved transposed rows, up projections apart, gpt-oss's experts (biases, its
+    clamped gate). Two grouped runs are bitwise equal (no atomics)."""
+    from fusedrc.kernels import _common, moe_experts
+
+    T, K, I, N, E, k = 64, 16, 40, 16, 4, 2  # ~42 rows an expert; 16-byte aligned fp32 rows for _grouped_mm
+    x = torch.randn(T, K)
+    idx, w = _routing(T, k, E, skip=2)
+    idx[3, 0] = E  # a skipped choice (an expert-parallel sentinel)
+    w = w.float()
+    gate_up, down = (t.float() for t in _weights(E, K, I, N))
+    kwargs = dict(skip_out_of_range=True)
+    if layout in ("interleaved", "gpt_oss"):
+        gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+        kwargs.update(interleaved=True)
+    if layout == "gpt_oss":
+        kwargs.update(gate_up_proj_bias=torch.randn(E, 2 * I), down_proj_bias=torch.randn(E, N), swiglu_limit=0.5,
+                      swiglu_alpha=1.702, up_offset=1.0)
+    tensors = dict(gate_up_proj=gate_up, down_proj=down)
+    if layout == "apart":
+        tensors.update(gate_up_proj=gate_up[:, :I].contiguous(), up_proj=gate_up[:, I:].contiguous())
+    g = torch.randn(T, N)
+
+    def run(grouped, grouped_mm="auto", persistent=0):
+        monkeypatch.setattr(moe_experts, "GROUPED_EXPERTS", grouped)
+        monkeypatch.setattr(moe_experts, "GROUPED_MM", grouped_mm)
+        monkeypatch.setattr(_common, "GEMM_PERSISTENT", persistent)
+        leaves = {n: t.clone().requires_grad_() for n, t in
+                  dict(x=x, w=w, **tensors, **{n: v for n, v in kwargs.items() if torch.is_tensor(v)}).items()}
+        with fusedrc.use_backend("triton"):
+            y = F.moe_experts(leaves["x"], idx, leaves["w"], **{**kwargs, **{n: t for n, t in leaves.items()
+                                                                              if n not in ("x", "w")}})
+            grads = torch.autograd.grad(y, list(leaves.values()), g)
+        return [y, *grads]
+
+    per_expert = run(False)
+    grouped = run(True)
+    for got in (grouped, run(True, True), run(True, persistent=1)):
+        for i, (a, b) in enumerate(zip(got, per_expert)):
+            assert a.shape == b.shape and rel_err(a, b) < 1e-5, (layout, i)
+    assert all(torch.equal(a, b) for a, b in zip(run(True), grouped))
+    assert not grouped[3][2].any()  # expert 2 got no token: no gradient of its gate and up rows
+
+
+@pytest.mark.parametrize("grouped_mm", [True, "auto"])
+def test_grouped_experts_without_tokens(monkeypatch, grouped_mm):
+    """A grouped call with no token (an empty batch) or every choice skipped: zero outputs, zero gradients."""
+    from fusedrc.kernels import moe_experts
+
+    monkeypatch.setattr(moe_experts, "GROUPED_MM", grouped_mm)
+    K, I, N, E = 16, 8, 16, 3
+    gate_up, down = (t.float().requires_grad_() for t in _weights(E, K, I, N))
+    for T in (0, 3):
+        x = torch.randn(T, K, requires_grad=True)
+        idx, w = torch.full((T, 2), E), torch.rand(T, 2, requires_grad=True)  # every choice skipped
+        with fusedrc.use_backend("triton"):
+            y = F.moe_experts(x, idx, w, gate_up, down, skip_out_of_range=True)
+            y.backward(torch.randn_like(y))
+        assert y.shape == (T, N) and not y.any()
+        assert not x.grad.any() and not w.grad.any() and not gate_up.grad.any() and not down.grad.any()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_parts_and_determinism(backend):
     """Gradients only where asked (frozen experts, fixed routing weights); two runs bitwise equal."""
@@ -1204,11 +1288,18 @@ def test_convert_step3p7_clamped_swiglu():
         yb, ya = conv(ids).last_hidden_state, model(ids).last_hidden_state
     assert ops.count == 1 and rel_err(yb, ya) < 1e-5
     h, w = torch.randn(5, 32), torch.rand(5, 2)
-    for index in (-1, 5):  # the original's one_hot(num_classes=E + 1) raises; so does the converted module
-        idx = torch.tensor([[0, 1], [2, index], [3, 0], [1, 4], [2, 3]])
-        for m in (model.layers[2].mlp.experts, conv.layers[2].mlp.experts):
+    original, converted = model.layers[2].mlp.experts, conv.layers[2].mlp.experts
+    for index in (-1, 5):  # where the original raises (5.24's one_hot(num_classes=E + 1)) so does the converted
+        idx = torch.tensor([[0, 1], [2, index], [3, 0], [1, 4], [2, 3]])  # module; where it does not (5.25's
+        try:                                          # experts interface, grouped_mm: its output there undefined)
+            original(h, idx, w)                       # the converted module runs the original's forward
+        except RuntimeError:
             with pytest.raises(RuntimeError):
-                m(h, idx, w)
+                converted(h, idx, w)
+        else:
+            with _OpCount() as ops:
+                converted(h, idx, w)
+            assert ops.count == 0, index
     other = copy.deepcopy(model.layers[1].mlp.experts)
     other.act_fn = nn.Tanh()
     with pytest.warns(UserWarning, match="no pattern found"):

@@ -164,6 +164,8 @@ def _header(kind, args, dev, backend, t_start, notes, skipped):
         "dtype": args.dtype, "fusedrc_backend": backend,
         "timer": "cuda_events" if dev.type == "cuda" else "time.perf_counter",
         "warmup": args.warmup, "repeats": args.repeats, "notes": notes, "skipped": skipped,
+        # the kernels' switches set from the environment (FUSEDRC_GROUPED_EXPERTS, FUSEDRC_DIRECT_LAUNCH, ...)
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FUSEDRC_")},
     }
 
 

@@ -587,14 +587,15 @@ def expert_tiles(counts, block_m, device):
     the expert-sorted rows, no tile across two experts; ``lengths`` (E,) the tiles of each expert (int64)."""
     key = (tuple(counts), block_m, device)
     hit = _TILES_CACHE.get(key)
-    if hit is None:
-        rows, lengths, start = [], [], 0
-        for e, n in enumerate(counts):
-            lengths.append(cdiv(n, block_m))
-            rows += [(e, r, start + n) for r in range(start, start + n, block_m)]
-            start += n
-        table = torch.tensor(rows, dtype=torch.int32).reshape(-1).to(device)
-        hit = table, torch.tensor(lengths, dtype=torch.int64).to(device), len(rows)
+    if hit is None:  # on the host (the counts are there), a few vector ops whatever the expert count
+        n = torch.tensor(counts, dtype=torch.int64)
+        lengths = (n + block_m - 1) // block_m
+        expert = torch.repeat_interleave(torch.arange(len(counts)), lengths)
+        ends = torch.cumsum(n, 0)
+        tile_in_expert = torch.arange(expert.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
+                                                                               lengths)
+        table = torch.stack((expert, (ends - n)[expert] + tile_in_expert * block_m, ends[expert]), dim=1)
+        hit = table.to(torch.int32).reshape(-1).to(device), lengths.to(device), expert.numel()
         if len(_TILES_CACHE) >= 8:
             _TILES_CACHE.clear()
         _TILES_CACHE[key] = hit
@@ -954,4 +955,12 @@ def inspect_specs():
             "constexprs": constexprs, "aligned": [a for a in spec["aligned"] if a != "stride_bn"] + ["stride_bk"],
             "config": {**spec["config"], "limit": 7.0, "alpha": 1.702, "up_offset": 1.0, "bias": True,
                        "interleaved": True, "EPILOGUE_SPLIT": split}})
+    # grouped launches (every routed expert's rows in one launch, GROUPED's tile table) as moe_experts makes them:
+    # the routed grad kernel (SwiGLU; gpt-oss's) and the forward with SwiGLU, no bias
+    gpt_oss = next(sp for sp in specs if sp["config"].get("interleaved") and sp["config"].get("row_scale"))
+    for spec in (routed, gpt_oss, fwd):
+        constexprs = {**spec["constexprs"], "GROUPED": True}
+        if spec is fwd:
+            constexprs.update(ACTIVATION="silu", HAS_BIAS=False)
+        specs.append({**spec, "constexprs": constexprs, "config": {**spec["config"], "grouped": True}})
     return specs

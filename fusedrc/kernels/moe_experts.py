@@ -10,6 +10,14 @@ experts call keeps. Per expert with rows r (its tokens) and routing weights s:
 
 Forward (3 GEMMs): ``_gated_act_kernel`` (gate and up in one main loop, a = act(h_g) * h_u
   written once), then the down GEMM; y * s summed into the output.
+Launches: gated experts run grouped by default (``GROUPED_EXPERTS``): each dual kernel is one launch over every
+  expert's rows (GROUPED: a table of row tiles, (expert, first row, end row), none across two experts; the expert's
+  weights an expert stride past expert 0's), and each plain GEMM one torch._grouped_mm where it has its fast path
+  (CUDA bf16 on sm_90+), else a launch per expert. Forward 2 launches and one scaling pass for the layer, backward 5
+  (joint gate/up rows) plus the routing's gathers: a fine-grained MoE layer (128 experts of 768, Qwen3-MoE's)
+  launched ~10 kernels per expert per step before. Grouped and per-expert launches may take different tiles (the
+  grouped one the table's for the mean rows an expert gets), so they agree to rounding, not bit for bit; a forward
+  and its recompute always take the same path and tiles.
 Backward (8 GEMMs; the down GEMM is not rerun, not even for ds; ungated experts: 5 GEMMs, the dense grad
 kernel with the same row-scale epilogue):
   G = g_out[r] Wd                                       (GEMM, unscaled)
@@ -30,6 +38,7 @@ act(h_g) and a at once.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -47,8 +56,9 @@ __all__ = ["moe_experts_forward", "moe_experts_backward"]
 # plain GEMM launch per expert; False, every launch per expert (the reference's loop, ``moe_forward_with``).
 # Either way the same arithmetic per row (the grouped launch's tile is the table's for the mean rows an expert
 # gets, a per-expert launch's for its own rows: the two may round differently, each forward and its
-# recompute alike). Ungated experts (Nemotron-H's) run per expert.
-GROUPED_EXPERTS = True
+# recompute alike). Ungated experts (Nemotron-H's) run per expert. FUSEDRC_GROUPED_EXPERTS=0 in the environment
+# sets it off at import (benchmarks time both).
+GROUPED_EXPERTS = os.environ.get("FUSEDRC_GROUPED_EXPERTS", "1") not in ("", "0")
 # torch._grouped_mm for the grouped plain GEMMs: "auto", where it has its fast path (CUDA bf16 on sm_90+, the
 # aten GEMMs on, not deterministic: else the fallback loops as this module does); True, wherever torch has it
 # and the operands are 16-byte aligned (its CPU kernel since torch 2.9: tests); False, never.
@@ -152,7 +162,7 @@ def grouped_mm(a, b, counts, out_dtype=None, out=None):
     """(M, N): the rows of group e of a (M, K) (``counts[e]`` of them, in order) times b[e] (b (E, K, N)): one
     torch._grouped_mm where it takes them, else a ``plain_gemm`` per group; written into ``out`` where given
     (its dtype the result's)."""
-    if _grouped_mm_takes(a, b):
+    if a.shape[0] and _grouped_mm_takes(a, b):
         res = torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
         if out is not None:
             return out.copy_(res)
@@ -172,7 +182,7 @@ def grouped_weight_grad(a, b, counts, like):
     group e of a (M, P) transposed times those of b (M, Q); zeros for a group without rows."""
     transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
     lhs, rhs = (b.t(), a) if transposed else (a.t(), b)
-    if _grouped_mm_takes(lhs, rhs):
+    if a.shape[0] and _grouped_mm_takes(lhs, rhs):
         res = torch._grouped_mm(lhs, rhs, offs=_offsets(counts, a.device))
         empty = [e for e, n in enumerate(counts) if not n]
         if empty:  # no rows: nothing summed (zeros, whatever the kernel leaves there)
