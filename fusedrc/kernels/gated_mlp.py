@@ -91,13 +91,15 @@ def gated_config(cfg, key=None):
     return cfg._replace(BLOCK_N=max(16, cfg.BLOCK_N // 2), EPILOGUE_SPLIT=1)
 
 
-def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False):
-    """The table's tile of a dual launch: a pure function of the operands and the dropout, so a forward
-    and its recompute take the same one."""
+def _gated_table_config(M, N, K, dtype, precision, capability, dropout=False, grouped=False):
+    """The table's tile of a dual launch: a pure function of the operands, the dropout and whether it is grouped,
+    so a forward and its recompute take the same one. Launches with dropout and grouped launches (routed experts)
+    take the entry halved, never ``_WHOLE``'s: at 128x128 the grouped kernels' per-tile expert bookkeeping spilled
+    112 bytes on sm_90 (forward and grad kernel, whatever the epilogue split; the interleaved form none)."""
     if capability is None:
         return gated_config(gemm_config(M, N, K, dtype, precision, capability))
     key = (_arch_family(capability), operand_class(dtype, precision), _shape_bucket(M, N, K))
-    return gated_config(_NARROW.get(key) or _TABLE[key], None if dropout else key)
+    return gated_config(_NARROW.get(key) or _TABLE[key], None if dropout or grouped else key)
 
 
 def _launch_config(cfg, persistent):
@@ -613,7 +615,7 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, group
     precision = dot_precision(x)
     rows = M if groups is None else max(1, M // max(1, sum(1 for n in groups.counts if n)))
     cfg = config or _gated_table_config(rows, N, K, x.dtype, precision, device_capability(x),
-                                        dropout=dropout is not None and dropout[0] != 0)
+                                        dropout=dropout is not None and dropout[0] != 0, grouped=groups is not None)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
     joint = _joint_rows(w_gate, w_up)
     pair_t = joint[1].t() if joint is not None and joint[0] == "interleaved" else None
@@ -955,12 +957,27 @@ def inspect_specs():
             "constexprs": constexprs, "aligned": [a for a in spec["aligned"] if a != "stride_bn"] + ["stride_bk"],
             "config": {**spec["config"], "limit": 7.0, "alpha": 1.702, "up_offset": 1.0, "bias": True,
                        "interleaved": True, "EPILOGUE_SPLIT": split}})
-    # grouped launches (every routed expert's rows in one launch, GROUPED's tile table) as moe_experts makes them:
-    # the routed grad kernel (SwiGLU; gpt-oss's) and the forward with SwiGLU, no bias
-    gpt_oss = next(sp for sp in specs if sp["config"].get("interleaved") and sp["config"].get("row_scale"))
-    for spec in (routed, gpt_oss, fwd):
-        constexprs = {**spec["constexprs"], "GROUPED": True}
-        if spec is fwd:
-            constexprs.update(ACTIVATION="silu", HAS_BIAS=False)
-        specs.append({**spec, "constexprs": constexprs, "config": {**spec["config"], "grouped": True}})
+    # grouped launches (every routed expert's rows in one launch, GROUPED's tile table) as moe_experts makes them,
+    # on the widest halved tile (_gated_table_config): the routed grad kernel with SwiGLU (and with gpt-oss's gate,
+    # biases and interleaved rows) and the forward with SwiGLU, no bias
+    def halved(name):  # the dropout launches' tile: the entry halved
+        spec = max((sp for sp in specs if sp["kernel"] == name and sp["arch"] == "sm_90"
+                    and sp["dtype"] == torch.bfloat16 and sp["constexprs"]["DROPOUT"]),
+                   key=lambda sp: sp["config"]["BLOCK_M"] * sp["config"]["BLOCK_N"])
+        config = {k: v for k, v in spec["config"].items() if k != "dropout"}
+        return {**spec, "constexprs": {**spec["constexprs"], "DROPOUT": False, "ACTIVATION": "silu",
+                                       "HAS_BIAS": False, "GROUPED": True},
+                "config": {**config, "grouped": True}}
+    grad, forward = halved("_gated_act_grad_kernel"), halved("_gated_act_kernel")
+    grad["constexprs"].update(ROW_SCALE=True, GH_HALVES=True)
+    grad["config"]["row_scale"] = True
+    grad["aligned"] = [a for a in grad["aligned"] if a not in ("scale_ptr", "M")]
+    gpt_oss = {**grad, "signature": {**grad["signature"], "stride_bk": "i32", "stride_bn": "constexpr"},
+               "constexprs": {**{k: v for k, v in grad["constexprs"].items() if k != "stride_bk"}, "HAS_BIAS": True,
+                              "LIMIT": 7.0, "ALPHA": 1.702, "UP_OFFSET": 1.0, "INTERLEAVED": True, "GH_HALVES": False,
+                              "stride_bn": 1},
+               "aligned": [a for a in grad["aligned"] if a != "stride_bn"] + ["stride_bk"],
+               "config": {**grad["config"], "limit": 7.0, "alpha": 1.702, "up_offset": 1.0, "bias": True,
+                          "interleaved": True}}
+    specs += [grad, gpt_oss, forward]
     return specs
