@@ -13,6 +13,12 @@ the running statistics.
 is a Triton kernel (the interpreter's), so all of them are stubbed there; on a GPU the plain ones
 are cuBLAS calls.
 
+``--pattern experts``: a fine-grained MoE layer's routed experts (128 experts, top-8, 256 tokens: 16 rows an
+expert; hidden and expert widths tiny), ``fusedrc.functional.moe_experts`` launched per expert
+(``GROUPED_EXPERTS=False``), grouped with the plain GEMMs per expert (``GROUPED_MM=False``: a GPU's path
+for fp32/fp16, or before sm_90), and grouped with one ``torch._grouped_mm`` per plain GEMM (a GPU's bf16
+path on sm_90+; stubbed here as the launches are), against the eager per-expert loop and checkpoint on it.
+
 The strategies take turns, ``--batch`` steps each, so that a shared machine's drifting load falls on
 all of them alike. Forward and backward are timed apart, every raw timing is written to
 ``benchmarks/results/host_cost_<pattern>_cpu_<time>.json``.
@@ -78,8 +84,9 @@ def main():
     ap.add_argument("--steps", type=int, default=300, help="timed steps per strategy")
     ap.add_argument("--batch", type=int, default=25, help="steps a strategy runs before the next takes its turn")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--pattern", default="conv", choices=("conv", "ffn"),
-                    help="the Conv-BN-ReLU layer, or a small FFN (Linear-GELU-Linear: its GEMMs stubbed too)")
+    ap.add_argument("--pattern", default="conv", choices=("conv", "ffn", "experts"),
+                    help="the Conv-BN-ReLU layer, a small FFN (Linear-GELU-Linear: its GEMMs stubbed too), or a "
+                         "MoE layer's 128 routed experts (their GEMMs stubbed too)")
     ap.add_argument("--conv-z", default=None, choices=("triton", "aten"),
                     help="the conv's CONV_Z setting (the CPU's default is the Triton conv; a GPU's, for "
                          "16-bit operands, z from cuDNN: 'aten' runs that path's Python, its aten conv for real)")
@@ -87,6 +94,8 @@ def main():
     torch.manual_seed(0)
     torch.set_flush_denormal(True)  # stubbed outputs are uninitialised memory
     launches = _stub_kernels()
+    if args.pattern == "experts":
+        return _experts(args, launches)
     if args.pattern == "conv":
         fmt = torch.channels_last
         block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
@@ -144,6 +153,74 @@ def main():
                                  pattern=args.pattern, layer=layer, conv_z=conv_z,
                                  stubbed="fusedrc's Triton launches (its GEMMs on the CPU: the interpreter's "
                                          "kernels) and its aten.convolution_backward call", records=records)
+    print("wrote", path)
+
+
+def _experts(args, launches):
+    """The routed experts' host cost: see the module's docstring (``--pattern experts``)."""
+    from fusedrc import functional as F
+    from fusedrc.kernels import moe_experts
+
+    def grouped_mm(a, b, offs=None):  # stubbed as the launches are (eager and checkpoint never call it)
+        launches[0] += 1
+        shape = (offs.numel(), a.shape[0], b.shape[1]) if b.dim() == 2 else (a.shape[0], b.shape[2])
+        return torch.empty(shape, dtype=a.dtype)
+
+    torch._grouped_mm = grouped_mm
+    T, K, I, N, E, k = 256, 16, 16, 16, 128, 8
+    x = torch.randn(T, K, requires_grad=True)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w = torch.rand(T, k, requires_grad=True)
+    gate_up = (torch.randn(E, 2 * I, K) * K ** -0.5).requires_grad_()
+    down = (torch.randn(E, N, I) * I ** -0.5).requires_grad_()
+    g = torch.randn(T, N)
+    params = (gate_up, down)
+    layer = f"{E} experts (hidden {K}, expert width {I}), top-{k} of {T} tokens, fp32"
+
+    def eager():
+        return F._moe_plain(x, idx, w, gate_up, down, "silu")
+
+    def fused():
+        return F.moe_experts(x, idx, w, gate_up, down)
+
+    # (forward, the experts module's switches for its forward and backward)
+    cases = {"eager": (eager, {}), "torch_checkpoint": (lambda: checkpoint(eager, use_reentrant=False), {}),
+             "fusedrc per expert": (fused, dict(GROUPED_EXPERTS=False)),
+             "fusedrc grouped, GEMMs per expert": (fused, dict(GROUPED_EXPERTS=True, GROUPED_MM=False)),
+             "fusedrc grouped": (fused, dict(GROUPED_EXPERTS=True, GROUPED_MM=True))}
+    times = {name: ([], []) for name in cases}
+    counts = dict.fromkeys(cases, 0)
+    rounds = 1 + -(-args.steps // args.batch)
+    with fusedrc.use_backend("triton"):
+        for r in range(rounds):
+            for name, (fwd, settings) in cases.items():
+                launches[0] = 0
+                for _ in range(args.batch):
+                    for t in (x, w, *params):
+                        t.grad = None
+                    with measure.switches(moe_experts, **settings):
+                        t0 = time.perf_counter()
+                        y = fwd()
+                        t1 = time.perf_counter()
+                        y.backward(g)
+                        t2 = time.perf_counter()
+                    if r:
+                        times[name][0].append(t1 - t0)
+                        times[name][1].append(t2 - t1)
+                counts[name] = launches[0] / args.batch
+    records, eager_total = [], None
+    for name in cases:
+        f_times, b_times = times[name]
+        records.append(dict(strategy=name, forward_times_s=f_times, backward_times_s=b_times,
+                            stubbed_calls_per_step=counts[name], batch=args.batch))
+        fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
+        eager_total = eager_total or fm + bm
+        print(f"{name:34s} forward {fm:8.1f} us  backward {bm:8.1f} us  total {fm + bm:8.1f} us  "
+              f"({(fm + bm) / eager_total:.2f}x eager; stubbed launches and _grouped_mm calls a step: "
+              f"{counts[name]:.0f})", flush=True)
+    path = measure.write_results(args.out, "host_cost_experts_cpu", "host_cost", torch.device("cpu"),
+                                 pattern="experts", layer=layer, stubbed="fusedrc's Triton launches (its GEMMs on "
+                                 "the CPU: the interpreter's kernels) and torch._grouped_mm", records=records)
     print("wrote", path)
 
 

@@ -529,6 +529,26 @@ def test_grouped_experts_without_tokens(monkeypatch, grouped_mm):
         assert not x.grad.any() and not w.grad.any() and not gate_up.grad.any() and not down.grad.any()
 
 
+def test_grouped_mm_falls_back_on_unaligned_operands(monkeypatch):
+    """torch._grouped_mm wants 16-byte aligned strides, a size-1 dimension's too: operands it would refuse (one
+    routed row of 3 features, an expert width of 1) take the per-expert GEMMs instead, with the same results."""
+    from fusedrc.kernels import moe_experts
+
+    for T, K, I in ((5, 8, 1), (1, 3, 8)):
+        x = torch.randn(T, K)
+        idx, w = torch.zeros(T, 1, dtype=torch.long), torch.rand(T, 1)
+        gate_up, down = torch.randn(2, 2 * I, K), torch.randn(2, 8, I)
+        results = []
+        for grouped_mm in (True, False):
+            monkeypatch.setattr(moe_experts, "GROUPED_MM", grouped_mm)
+            leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
+            with fusedrc.use_backend("triton"):
+                y = F.moe_experts(leaves[0], idx, *leaves[1:])
+                results.append([y, *torch.autograd.grad(y.square().sum(), leaves)])
+        for a, b in zip(*results):
+            assert rel_err(a, b) < 1e-6, (T, K, I)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_parts_and_determinism(backend):
     """Gradients only where asked (frozen experts, fixed routing weights); two runs bitwise equal."""

@@ -38,6 +38,7 @@ act(h_g) and a at once.
 """
 from __future__ import annotations
 
+import collections
 import os
 from typing import NamedTuple
 
@@ -58,7 +59,7 @@ __all__ = ["moe_experts_forward", "moe_experts_backward"]
 # gets, a per-expert launch's for its own rows: the two may round differently, each forward and its
 # recompute alike). Ungated experts (Nemotron-H's) run per expert. FUSEDRC_GROUPED_EXPERTS=0 in the environment
 # sets it off at import (benchmarks time both).
-GROUPED_EXPERTS = os.environ.get("FUSEDRC_GROUPED_EXPERTS", "1") not in ("", "0")
+GROUPED_EXPERTS = os.environ.get("FUSEDRC_GROUPED_EXPERTS", "1").strip().lower() not in ("", "0", "false", "off", "no")
 # torch._grouped_mm for the grouped plain GEMMs: "auto", where it has its fast path (CUDA bf16 on sm_90+, the
 # aten GEMMs on, not deterministic: else the fallback loops as this module does); True, wherever torch has it
 # and the operands are 16-byte aligned (its CPU kernel since torch 2.9: tests); False, never.
@@ -131,11 +132,16 @@ def _torch_version():
 
 
 def _aligned(t):
-    """torch._grouped_mm's layout rule: a 16-byte aligned base, unit stride in one of the last two dims and
-    every other stride a multiple of 16 bytes."""
-    e = t.element_size()
-    return (t.data_ptr() % 16 == 0 and 1 in t.stride()[-2:]
-            and all(s * e % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1))
+    """torch._grouped_mm's layout rule: a 16-byte aligned base, unit stride in one of the last two dims, the other
+    (the pitch) and a batch stride multiples of 16 bytes."""
+    e, strides = t.element_size(), t.stride()
+    if strides[-1] == 1:  # row-major: the row pitch must be aligned (a size-1 dimension's too: torch checks it)
+        pitch = strides[-2]
+    elif strides[-2] == 1:
+        pitch = strides[-1]
+    else:
+        return False
+    return t.data_ptr() % 16 == 0 and all(s * e % 16 == 0 for s in (*strides[:-2], pitch))
 
 
 def _grouped_mm_takes(a, b):
@@ -150,12 +156,20 @@ def _grouped_mm_takes(a, b):
     return _aligned(a) and _aligned(b)
 
 
+_OFFSETS = collections.OrderedDict()  # (counts, device) -> int32 group ends: a layer's grouped GEMMs, both passes
+
+
 def _offsets(counts, device):
-    ends, total = [], 0
-    for n in counts:
-        total += n
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32).to(device)
+    key = (tuple(counts), device)
+    offs = _OFFSETS.get(key)
+    if offs is None:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+        _OFFSETS[key] = offs
+        if len(_OFFSETS) > 256:
+            _OFFSETS.popitem(last=False)
+    else:
+        _OFFSETS.move_to_end(key)
+    return offs
 
 
 def grouped_mm(a, b, counts, out_dtype=None, out=None):
@@ -233,29 +247,27 @@ def _grouped_plan(x, layout, gate_up, up, gate_up_bias):
     return _GroupedPlan((gates[0], ups[0], *biases), gates.stride(0), stride_b, gates, ups)
 
 
-def _grouped_outputs(xs, counts, plan, down, down_bias, activation):
-    """The experts' outputs (U, N) of the expert-sorted rows xs: both dual GEMMs in one launch, then the down
-    GEMM grouped."""
-    groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
-    a = gated_act(xs, *plan.first, activation, groups=groups)
-    y = grouped_mm(a, down.transpose(1, 2), counts)
-    if down_bias is not None:
-        start = 0
-        for e, n in enumerate(counts):
-            y[start:start + n] += down_bias[e]
-            start += n
-    return y
-
-
 def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activation, down_bias):
+    """The experts' weighted outputs: both dual GEMMs in one launch, then the down GEMM grouped, its rows scaled
+    into the fp32 slots (a down bias added there, in fp32, per expert: gpt-oss's)."""
     R = _reference()
     order, tokens, counts = R.route(top_k_index, gate_up.shape[0])
     U = sum(counts)
     acc = torch.promote_types(x.dtype, torch.float32)
     slots = torch.empty((order.numel(), down.shape[1]), device=x.device, dtype=acc)
     w = top_k_weights.reshape(-1)[order].to(acc)
-    y = _grouped_outputs(x[tokens[:U]], counts, plan, down, down_bias, activation)
-    torch.mul(y, w[:U, None], out=slots[:U])
+    a = gated_act(x[tokens[:U]], *plan.first, activation, groups=ExpertGroups(tuple(counts), plan.stride_w,
+                                                                                plan.stride_b))
+    y = grouped_mm(a, down.transpose(1, 2), counts)
+    del a
+    if down_bias is None:
+        torch.mul(y, w[:U, None], out=slots[:U])
+    else:
+        start = 0
+        for e, n in enumerate(counts):
+            rows = slice(start, start + n)
+            torch.mul(y[rows].to(acc) + down_bias[e].to(acc), w[rows, None], out=slots[rows])
+            start += n
     slots[U:].zero_()  # the skipped slots
     return R.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
