@@ -681,3 +681,32 @@ def test_ffn_floor_script_on_committed_results(capsys):
         assert abs(7 * r["gemm_s"] / r["checkpoint_s"] - r["floor"]) < 1e-12
         assert r["gemm_s"] < r["eager_s"] / 6  # the activation passes come off the eager step
     assert "floor" in capsys.readouterr().out
+
+
+def test_host_cost_experts_pattern(tmp_path):
+    """benchmarks/cpu_host_cost.py --pattern experts (in a process of its own: it stubs Triton's launches and
+    torch._grouped_mm for the whole process): every strategy timed, forward and backward, and the calls a step
+    as the launch plans say: per expert 7 an expert with tokens (2 forward, 5 backward), grouped with
+    per-expert GEMMs 2 + 5 an expert, grouped 7 in all."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_host_cost.py"
+    run = subprocess.run([sys.executable, str(script), "--pattern", "experts", "--steps", "2", "--batch", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.glob("host_cost_experts_cpu_*.json")
+    doc = json.loads(path.read_text())
+    records = {r["strategy"]: r for r in doc["records"]}
+    assert list(records) == ["eager", "torch_checkpoint", "fusedrc per expert", "fusedrc grouped, GEMMs per expert",
+                             "fusedrc grouped"]
+    for r in records.values():
+        assert len(r["forward_times_s"]) == len(r["backward_times_s"]) == 2
+        assert all(t > 0 for t in r["forward_times_s"] + r["backward_times_s"])
+    calls = {name: r["stubbed_calls_per_step"] for name, r in records.items()}
+    hit = calls["fusedrc per expert"] / 7
+    assert hit == int(hit) and 0 < hit <= 128
+    assert calls["fusedrc grouped, GEMMs per expert"] == 2 + 5 * hit
+    assert calls["fusedrc grouped"] == 7 and calls["eager"] == calls["torch_checkpoint"] == 0
