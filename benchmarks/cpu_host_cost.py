@@ -33,6 +33,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before fusedrc: the CPU runs the "triton" backend's code
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 
@@ -113,47 +114,57 @@ def main():
     module_name = "fusedrc.nn." + type(fused).__name__
     cases = {"eager": lambda: block(x), "torch_checkpoint": lambda: checkpoint(block, x, use_reentrant=False),
              "fusedrc.recompute": lambda: fusedrc.recompute(block, x), module_name: lambda: fused(x)}
-    records = []
     from fusedrc.kernels import conv_bn_act
 
     conv_z = args.conv_z or conv_bn_act.CONV_Z
-    times = {name: ([], []) for name in cases}
-    counts = dict.fromkeys(cases, 0)
-    rounds = 1 + -(-args.steps // args.batch)  # the first is warm-up
     with fusedrc.use_backend("triton"), measure.switches(conv_bn_act, CONV_Z=conv_z):
-        # strategies take turns, args.batch steps each: a shared machine's load drifts over seconds,
-        # and every strategy sees the same drift
-        for r in range(rounds):
-            for name, fwd in cases.items():
-                launches[0] = 0
-                for _ in range(args.batch):
-                    x.grad = None
-                    for p in block.parameters():
-                        p.grad = None
-                    t0 = time.perf_counter()
-                    y = fwd()
-                    t1 = time.perf_counter()
-                    y.backward(g)
-                    t2 = time.perf_counter()
-                    if r:
-                        times[name][0].append(t1 - t0)
-                        times[name][1].append(t2 - t1)
-                counts[name] = launches[0] / args.batch
-    eager_total = None
-    for name in cases:
-        f_times, b_times = times[name]
-        rec = dict(strategy=name, forward_times_s=f_times, backward_times_s=b_times,
-                   triton_launches_per_step=counts[name], batch=args.batch)
-        records.append(rec)
-        fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
-        eager_total = eager_total or fm + bm
-        print(f"{name:24s} forward {fm:7.1f} us  backward {bm:7.1f} us  total {fm + bm:7.1f} us  "
-              f"({(fm + bm) / eager_total:.2f}x eager; stubbed Triton launches a step: {counts[name]:.0f})", flush=True)
+        times, counts = _take_turns(cases, (x, *block.parameters()), g, args, launches)
+    records = _report(times, counts, args.batch, "triton_launches_per_step", "stubbed Triton launches a step")
     path = measure.write_results(args.out, f"host_cost_{args.pattern}_cpu", "host_cost", torch.device("cpu"),
                                  pattern=args.pattern, layer=layer, conv_z=conv_z,
                                  stubbed="fusedrc's Triton launches (its GEMMs on the CPU: the interpreter's "
                                          "kernels) and its aten.convolution_backward call", records=records)
     print("wrote", path)
+
+
+def _take_turns(cases, leaves, g, args, launches, switches=lambda name: contextlib.nullcontext()):
+    """Forward and backward times of each case (name -> forward), and its stubbed calls a step: the cases take
+    turns, ``args.batch`` steps each (a shared machine's load drifts over seconds, and every case sees the same
+    drift), the first round a warm-up; ``leaves``' gradients cleared before each step, ``switches(name)`` around it."""
+    times = {name: ([], []) for name in cases}
+    counts = dict.fromkeys(cases, 0)
+    for r in range(1 + -(-args.steps // args.batch)):
+        for name, fwd in cases.items():
+            launches[0] = 0
+            for _ in range(args.batch):
+                for t in leaves:
+                    t.grad = None
+                with switches(name):
+                    t0 = time.perf_counter()
+                    y = fwd()
+                    t1 = time.perf_counter()
+                    y.backward(g)
+                    t2 = time.perf_counter()
+                if r:
+                    times[name][0].append(t1 - t0)
+                    times[name][1].append(t2 - t1)
+            counts[name] = launches[0] / args.batch
+    return times, counts
+
+
+def _report(times, counts, batch, count_key, count_label):
+    """One record a case (its raw times, its calls a step as ``count_key``), each printed with its medians
+    against the first case's (eager)."""
+    records, eager_total = [], None
+    width = max(map(len, times))
+    for name, (f_times, b_times) in times.items():
+        records.append({"strategy": name, "forward_times_s": f_times, "backward_times_s": b_times,
+                        count_key: counts[name], "batch": batch})
+        fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
+        eager_total = eager_total or fm + bm
+        print(f"{name:{width}s} forward {fm:8.1f} us  backward {bm:8.1f} us  total {fm + bm:8.1f} us  "
+              f"({(fm + bm) / eager_total:.2f}x eager; {count_label}: {counts[name]:.0f})", flush=True)
+    return records
 
 
 def _experts(args, launches):
@@ -183,41 +194,17 @@ def _experts(args, launches):
     def fused():
         return F.moe_experts(x, idx, w, gate_up, down)
 
-    # (forward, the experts module's switches for its forward and backward)
-    cases = {"eager": (eager, {}), "torch_checkpoint": (lambda: checkpoint(eager, use_reentrant=False), {}),
-             "fusedrc per expert": (fused, dict(GROUPED_EXPERTS=False)),
-             "fusedrc grouped, GEMMs per expert": (fused, dict(GROUPED_EXPERTS=True, GROUPED_MM=False)),
-             "fusedrc grouped": (fused, dict(GROUPED_EXPERTS=True, GROUPED_MM=True))}
-    times = {name: ([], []) for name in cases}
-    counts = dict.fromkeys(cases, 0)
-    rounds = 1 + -(-args.steps // args.batch)
+    cases = {"eager": eager, "torch_checkpoint": lambda: checkpoint(eager, use_reentrant=False),
+             "fusedrc per expert": fused, "fusedrc grouped, GEMMs per expert": fused, "fusedrc grouped": fused}
+    # the experts module's switches, for a case's forward and backward
+    settings = {"fusedrc per expert": dict(GROUPED_EXPERTS=False),
+                "fusedrc grouped, GEMMs per expert": dict(GROUPED_EXPERTS=True, GROUPED_MM=False),
+                "fusedrc grouped": dict(GROUPED_EXPERTS=True, GROUPED_MM=True)}
     with fusedrc.use_backend("triton"):
-        for r in range(rounds):
-            for name, (fwd, settings) in cases.items():
-                launches[0] = 0
-                for _ in range(args.batch):
-                    for t in (x, w, *params):
-                        t.grad = None
-                    with measure.switches(moe_experts, **settings):
-                        t0 = time.perf_counter()
-                        y = fwd()
-                        t1 = time.perf_counter()
-                        y.backward(g)
-                        t2 = time.perf_counter()
-                    if r:
-                        times[name][0].append(t1 - t0)
-                        times[name][1].append(t2 - t1)
-                counts[name] = launches[0] / args.batch
-    records, eager_total = [], None
-    for name in cases:
-        f_times, b_times = times[name]
-        records.append(dict(strategy=name, forward_times_s=f_times, backward_times_s=b_times,
-                            stubbed_calls_per_step=counts[name], batch=args.batch))
-        fm, bm = (measure.quantile(t, 0.5) * 1e6 for t in (f_times, b_times))
-        eager_total = eager_total or fm + bm
-        print(f"{name:34s} forward {fm:8.1f} us  backward {bm:8.1f} us  total {fm + bm:8.1f} us  "
-              f"({(fm + bm) / eager_total:.2f}x eager; stubbed launches and _grouped_mm calls a step: "
-              f"{counts[name]:.0f})", flush=True)
+        times, counts = _take_turns(cases, (x, w, *params), g, args, launches,
+                                    lambda name: measure.switches(moe_experts, **settings.get(name, {})))
+    records = _report(times, counts, args.batch, "stubbed_calls_per_step",
+                      "stubbed launches and _grouped_mm calls a step")
     path = measure.write_results(args.out, "host_cost_experts_cpu", "host_cost", torch.device("cpu"),
                                  pattern="experts", layer=layer, stubbed="fusedrc's Triton launches (its GEMMs on "
                                  "the CPU: the interpreter's kernels) and torch._grouped_mm", records=records)

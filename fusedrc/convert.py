@@ -3469,15 +3469,17 @@ class FusedStep3p7Experts(_ExpertsCall):
         return _routed_flops(args, kwargs, self.gate_up_proj.shape[1:], self.down_proj.shape[1:])
 
     def _fusedrc_ok(self, hs, idx, w):
-        return (_step3p7_experts_reason(self) is None and _nohooks(self, self.act_fn)
+        return (_step3p7_experts_reason(self, self.__dict__["_fusedrc_gate_form"]) is None
+                and _nohooks(self, self.act_fn)
                 and _act_name(self.act_fn) == self.__dict__["_fusedrc_act"]
                 and _routing_ok(hs, idx, w, self.gate_up_proj, self.down_proj)
                 and _indices_below(idx, self.num_experts + 1))  # else the original's one_hot raises
 
     def _fusedrc_fused(self, h, i, r):
         # index num_experts, the expert-parallel sentinel, is skipped as the module's own loop skips it
+        gate = _gate_kwargs(self, self.__dict__["_fusedrc_gate_form"])
         return F.moe_experts(h, i, r, self.gate_up_proj, self.down_proj, self.__dict__["_fusedrc_act"],
-                             skip_out_of_range=True, **_gate_kwargs(self, _step3p7_form(self))).to(h.dtype)
+                             skip_out_of_range=True, **gate).to(h.dtype)
 
 
 _STEP3P7_EXPERTS_LINES = [
@@ -3497,19 +3499,9 @@ _STEP3P7_GATE_OPTIONAL_LINES = ["gate, up = gate_up.chunk(2, dim=-1)", "gate = s
                                 "up = up.clamp(min=-self.limit, max=self.limit)", "return gate * up"]
 
 
-def _step3p7_form(m):
-    """The gate form of Step-3.7's experts ``m``: transformers 5.25's (no clamp while limit is None) where its
-    ``_apply_gate`` reads so, else 5.24's (+inf for no clamp); a converted module keeps the one convert read."""
-    form = m.__dict__.get("_fusedrc_gate_form")
-    if form is None:
-        form = _STEP3P7_GATE_OPTIONAL if (_source_lines(m, "_apply_gate") or [])[1:] == _STEP3P7_GATE_OPTIONAL_LINES \
-            else _STEP3P7_GATE
-    return form
-
-
-def _step3p7_experts_reason(m):
-    """Why Step-3.7's experts module ``m`` cannot be one fused experts call now, or None."""
-    if _gate_kwargs(m, _step3p7_form(m)) is None:
+def _step3p7_experts_reason(m, form):
+    """Why Step-3.7's experts module ``m``, gating as ``form`` says, cannot be one fused experts call now, or None."""
+    if _gate_kwargs(m, form) is None:
         return f"its SwiGLU limit self.limit = {getattr(m, 'limit', None)!r} is not a number > 0"
     gate_up, down = m._parameters.get("gate_up_proj"), m._parameters.get("down_proj")
     E = getattr(m, "num_experts", None)
@@ -3527,13 +3519,14 @@ def _step3p7_experts(ctx, name, m):
     if lines is None:
         return m
     act, cls = getattr(m, "act_fn", None), _class_of(m).__name__
+    # transformers 5.25's gate clamps only while limit is not None; 5.24's takes +inf for no clamp
+    form = _STEP3P7_GATE_OPTIONAL if gate is not None and gate[1:] == _STEP3P7_GATE_OPTIONAL_LINES else _STEP3P7_GATE
     reason = _rule_reason(
         [(lines[0] == "def forward(" and _contains_run(lines, _STEP3P7_EXPERTS_LINES),
           f"{cls}.forward is not Step-3.7's experts loop"),
          (gate is not None and gate[1:] in (_STEP3P7_GATE_LINES, _STEP3P7_GATE_OPTIONAL_LINES),
           f"{cls}._apply_gate is not Step-3.7's clamped SwiGLU")],
-        act, (m, act), lambda: _step3p7_experts_reason(m))
-    form = _step3p7_form(m)
+        act, (m, act), lambda: _step3p7_experts_reason(m, form))
     new = _experts_unit(ctx, name, m, reason, FusedStep3p7Experts, _act_name(act))
     if isinstance(new, FusedStep3p7Experts):
         new.__dict__["_fusedrc_gate_form"] = form

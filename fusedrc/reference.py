@@ -547,6 +547,14 @@ def route(top_k_index, num_experts):
     return order, torch.div(order, top_k_index.shape[1], rounding_mode="floor"), counts
 
 
+def gate_and_up(t, layout):
+    """The gate and up parts (E, I, ...) of a stacked gate_up tensor (E, 2I, ...) laid out as ``layout`` says
+    (views): its alternating rows where interleaved, else its two halves."""
+    if layout.interleaved:
+        return t[:, 0::2], t[:, 1::2]
+    return t[:, :t.shape[1] // 2], t[:, t.shape[1] // 2:]
+
+
 def expert_weights(e, layout, gate_up, down, up=None, gate_up_bias=None, down_bias=None) -> Expert:
     """Expert ``e``'s ``Expert`` of the stacked weights (or of their stacked gradients) laid out as ``layout``
     says; ``up`` the up projections where ``layout.apart``. Any stacked tensor may be None."""
@@ -554,11 +562,7 @@ def expert_weights(e, layout, gate_up, down, up=None, gate_up_bias=None, down_bi
         return None if t is None else t[e]
 
     def halves(t):
-        if t is None:
-            return None, None
-        if layout.interleaved:
-            return t[e, 0::2], t[e, 1::2]
-        return t[e, :t.shape[1] // 2], t[e, t.shape[1] // 2:]
+        return (None, None) if t is None else tuple(u[e] for u in gate_and_up(t, layout))
 
     if not layout.gated:
         return Expert(None, pick(gate_up), pick(down), None, pick(gate_up_bias), pick(down_bias))

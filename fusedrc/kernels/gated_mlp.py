@@ -196,25 +196,24 @@ def _gated_preacts(
         e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
         row0 = tl.load(tiles_ptr + 3 * pid_m + 1)
         row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-        # the expert's rows from row0 as the main loop's matrix, its row tile 0 (a tensor: the loop takes .to)
-        hg, hu = _dual_mainloop(a_ptr + row0.to(tl.int64) * stride_am, bg_ptr + e * stride_be,
-                                bu_ptr + e * stride_be, row_end - row0, N, K, stride_am, stride_ak, stride_bk,
-                                stride_bn, row0 * 0, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
-                                INTERLEAVED)
-        col0 = pid_n * BLOCK_N
-        if HAS_BIAS:
-            hg = _add_bias(hg, biasg_ptr + e * stride_biase, N, col0, BLOCK_N)
-            hu = _add_bias(hu, biasu_ptr + e * stride_biase, N, col0, BLOCK_N)
+        # the main loop's matrix: the expert's rows from row0, its row tile 0 (a tensor: the loop takes .to)
+        a_ptr += row0.to(tl.int64) * stride_am
+        bg_ptr += e * stride_be
+        bu_ptr += e * stride_be
+        biasg_ptr += e * stride_biase
+        biasu_ptr += e * stride_biase
+        loop_m, loop_pid_m = row_end - row0, row0 * 0
     else:
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
         row0 = pid_m * BLOCK_M
         row_end = M
-        col0 = pid_n * BLOCK_N
-        if HAS_BIAS:
-            hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
-            hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
+        loop_m, loop_pid_m = M, pid_m
+    hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            loop_pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
+    col0 = pid_n * BLOCK_N
+    if HAS_BIAS:
+        hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
+        hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
     return hg, hu, pid_m, row0, col0, row_end
 
 

@@ -156,6 +156,15 @@ def _grouped_mm_takes(a, b):
     return _aligned(a) and _aligned(b)
 
 
+def _expert_rows(counts):
+    """(e, rows) of each expert with rows, in order: its slice of the expert-sorted rows."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, slice(start, start + n)
+            start += n
+
+
 _OFFSETS = collections.OrderedDict()  # (counts, device) -> int32 group ends: a layer's grouped GEMMs, both passes
 
 
@@ -183,17 +192,15 @@ def grouped_mm(a, b, counts, out_dtype=None, out=None):
         return res if out_dtype is None or res.dtype == out_dtype else res.to(out_dtype)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[2]), device=a.device, dtype=out_dtype or a.dtype)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            plain_gemm(a[start:start + n], b[e], out_dtype=out.dtype, out=out[start:start + n])
-            start += n
+    for e, rows in _expert_rows(counts):
+        plain_gemm(a[rows], b[e], out_dtype=out.dtype, out=out[rows])
     return out
 
 
-def grouped_weight_grad(a, b, counts, like):
+def grouped_weight_grad(a, b, counts, like, out=None):
     """(E, P, Q) laid out as ``like`` (a stacked weight, maybe stored transposed) in its dtype: [e] = the rows of
-    group e of a (M, P) transposed times those of b (M, Q); zeros for a group without rows."""
+    group e of a (M, P) transposed times those of b (M, Q); zeros for a group without rows. ``out``: a view of a
+    stacked gradient (laid out as ``like``) to write into."""
     transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
     lhs, rhs = (b.t(), a) if transposed else (a.t(), b)
     if a.shape[0] and _grouped_mm_takes(lhs, rhs):
@@ -202,13 +209,13 @@ def grouped_weight_grad(a, b, counts, like):
         if empty:  # no rows: nothing summed (zeros, whatever the kernel leaves there)
             res.index_fill_(0, torch.tensor(empty, device=res.device), 0)
         res = res.transpose(1, 2) if transposed else res
+        if out is not None:
+            return out.copy_(res)
         return res if res.dtype == like.dtype else res.to(like.dtype)
-    out = torch.zeros_like(like)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            plain_gemm(a[start:start + n].t(), b[start:start + n], out_dtype=like.dtype, out=out[e])
-            start += n
+    if out is None:
+        out = torch.zeros_like(like)
+    for e, rows in _expert_rows(counts):
+        plain_gemm(a[rows].t(), b[rows], out_dtype=like.dtype, out=out[e])
     return out
 
 
@@ -227,22 +234,13 @@ def _grouped_plan(x, layout, gate_up, up, gate_up_bias):
     meta call, stacks the dual kernels cannot step through with one expert stride)."""
     if not (GROUPED_EXPERTS and layout.gated) or x.device.type == "meta" or gate_up.shape[0] == 0:
         return None
-    if layout.apart:
-        gates, ups = gate_up, up
-    elif layout.interleaved:
-        gates, ups = gate_up[:, 0::2], gate_up[:, 1::2]
-    else:
-        half = gate_up.shape[1] // 2
-        gates, ups = gate_up[:, :half], gate_up[:, half:]
+    gates, ups = (gate_up, up) if layout.apart else _reference().gate_and_up(gate_up, layout)
     # one set of strides for both stacks; in-tile offsets well within int32 (the kernels' _tile_safe copies none)
     if gates.stride() != ups.stride() or gates.dtype != ups.dtype or max(gates.stride()[1:]) * 512 > 2 ** 31:
         return None
     biases, stride_b = (None, None), 0
     if gate_up_bias is not None and not layout.apart:
-        half = gate_up_bias.shape[1] // 2
-        pair = ((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]) if layout.interleaved
-                else (gate_up_bias[:, :half], gate_up_bias[:, half:]))
-        pair = tuple(b.contiguous() for b in pair)  # (E, I) each, tiny
+        pair = tuple(b.contiguous() for b in _reference().gate_and_up(gate_up_bias, layout))  # (E, I) each, tiny
         biases, stride_b = (pair[0][0], pair[1][0]), pair[0].stride(0)
     return _GroupedPlan((gates[0], ups[0], *biases), gates.stride(0), stride_b, gates, ups)
 
@@ -263,20 +261,10 @@ def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activat
     if down_bias is None:
         torch.mul(y, w[:U, None], out=slots[:U])
     else:
-        start = 0
-        for e, n in enumerate(counts):
-            rows = slice(start, start + n)
+        for e, rows in _expert_rows(counts):
             torch.mul(y[rows].to(acc) + down_bias[e].to(acc), w[rows, None], out=slots[rows])
-            start += n
     slots[U:].zero_()  # the skipped slots
     return R.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
-
-
-def _joint(t_gate, t_up, layout):
-    """Two (E, I, C) stacks as the gate_up layout's (E, 2I, C)."""
-    if layout.interleaved:
-        return torch.stack((t_gate, t_up), dim=2).flatten(1, 2)
-    return torch.cat((t_gate, t_up), dim=1)
 
 
 def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, layout, need, up,
@@ -314,25 +302,24 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
         elif layout.apart:
             dgu = grouped_weight_grad(ghg, xs, counts, gate_up)
             dup = grouped_weight_grad(ghu, xs, counts, up) if up is not None else None
-        else:
+        else:  # two buffers (gate and up rows the kernel could not read as one operand): into dgu's halves
             dgu = torch.zeros_like(gate_up)
-            dgu.copy_(_joint(grouped_weight_grad(ghg, xs, counts, plan.gates),
-                             grouped_weight_grad(ghu, xs, counts, plan.ups), layout))
+            for g_h, stack, part in zip((ghg, ghu), (plan.gates, plan.ups), R.gate_and_up(dgu, layout)):
+                grouped_weight_grad(g_h, xs, counts, stack, out=part)
     if need_dgub and gate_up_bias is not None:
-        dgub = _joint(dbg[..., None], dbu[..., None], layout)[..., 0]
+        dgub = torch.empty_like(gate_up_bias)
+        for grad, part in zip((dbg, dbu), R.gate_and_up(dgub, layout)):
+            part.copy_(grad)
     bias_dscale = None
     if down_bias is not None and (need_dw or need_ddb):  # a bias's small sums, per expert (gpt-oss's)
         bias_dscale = torch.empty(U, device=x.device, dtype=torch.float32) if need_dw else None
         ddb = torch.zeros_like(down_bias) if need_ddb else None
-        start = 0
-        for e, n in enumerate(counts):
-            rows = slice(start, start + n)
+        for e, rows in _expert_rows(counts):
             share, db_e = _down_bias_grads(gs[rows], w[rows], down_bias[e], need_dw, need_ddb)
             if need_dw:
                 bias_dscale[rows] = share
             if need_ddb:
                 ddb[e] = db_e
-            start += n
     if need_dw:
         dw_slots = torch.empty(S, device=x.device, dtype=acc)
         dw_slots[:U] = dscale if bias_dscale is None else dscale + bias_dscale
@@ -352,8 +339,8 @@ def moe_experts_forward(x, top_k_index, top_k_weights, gate_up, down, activation
     plan = _grouped_plan(x, layout, gate_up, up, gate_up_bias)
     if plan is not None:
         return _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activation, down_bias)
-    return R.moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation,
-                              R.ExpertsLayout(gated, up is not None, interleaved), up, gate_up_bias, down_bias)
+    return R.moe_forward_with(_expert_forward, x, top_k_index, top_k_weights, gate_up, down, activation, layout, up,
+                              gate_up_bias, down_bias)
 
 
 def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, output_mask=None,
@@ -367,5 +354,4 @@ def moe_experts_backward(x, top_k_index, top_k_weights, gate_up, down, grad_out,
         return _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, layout,
                                  R.wanted(output_mask, 6), up, gate_up_bias, down_bias)
     return R.moe_backward_with(_expert_backward, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation,
-                               R.ExpertsLayout(gated, up is not None, interleaved), output_mask, up, gate_up_bias,
-                               down_bias)
+                               layout, output_mask, up, gate_up_bias, down_bias)
