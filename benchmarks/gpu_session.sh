@@ -78,7 +78,10 @@
 #            (interleaved transposed weights, biases, its gate; compare its backward with session 35's layout:
 #            git stash or checkout 35e0936 for the before figure); session 37: the grouped experts (GROUPED in
 #            both dual kernels, torch._grouped_mm for the plain GEMMs: test_moe.py's grouped tests on real
-#            kernels first), then "kernels kernels_per_expert": grouped against per-expert launches
+#            kernels first), then "kernels kernels_per_expert": grouped against per-expert launches; session 38:
+#            ungated experts grouped too (GROUPED in the dense kernels, always one program per tile; the kernels
+#            step's new Nemotron-3-Nano case, 128 squared-ReLU experts of 1856, top-6) and a down bias's gradients
+#            in chunks of whole experts (test_moe.py's grouped tests again)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.

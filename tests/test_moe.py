@@ -406,6 +406,7 @@ def test_experts_backward_launches(monkeypatch, mode):
     each over the joint rows; 7 with the up projections apart. ``grouped`` (the default): one grad kernel launch
     for all experts, the plain GEMMs still per expert where torch._grouped_mm does not take them (here: its
     "auto" takes CUDA bf16 only); ``grouped_mm``: those GEMMs one torch._grouped_mm each, no launch per expert.
+    Ungated experts: the dense grad kernel the same way (one launch grouped), dX and dW_up one GEMM each.
     No elementwise pass scales the experts' rows for the routing weights (the grad kernel stores s a for dWd)."""
     from fusedrc.kernels import _common, gated_mlp, moe_experts
 
@@ -421,7 +422,8 @@ def test_experts_backward_launches(monkeypatch, mode):
     layouts = {"halves": (dict(gate_up_proj=gate_up), 2),
                "interleaved": (dict(gate_up_proj=gate_up.transpose(1, 2).contiguous().transpose(1, 2),
                                     interleaved=True), 2),
-               "apart": (dict(gate_up_proj=gate_up[:, :I].contiguous(), up_proj=gate_up[:, I:].contiguous()), 4)}
+               "apart": (dict(gate_up_proj=gate_up[:, :I].contiguous(), up_proj=gate_up[:, I:].contiguous()), 4),
+               "ungated": (dict(gate_up_proj=gate_up[:, :I].contiguous(), gated=False, activation="relu2"), 2)}
     for name, (weights, per_input) in layouts.items():
         weights = {key: v.requires_grad_() if torch.is_tensor(v) else v for key, v in weights.items()}
         with fusedrc.use_backend("triton"):
@@ -434,11 +436,14 @@ def test_experts_backward_launches(monkeypatch, mode):
         assert not [op for op in ops.ops if op.startswith("aten.mul")], name
         plain = 2 + per_input  # g_out Wd and dWd; dX and dW_gate_up (each two with the up rows apart)
         grouped = [op for op in ops.ops if "_grouped_mm" in op]
+        act_kernel = "_gated_act_grad_kernel" if name != "ungated" else "_gemm_act_grad_kernel"
+        act_launches = [n for n, _ in seen_gated + seen if n == act_kernel]
+        seen = [(n, kw) for n, kw in seen if n != act_kernel]  # the plain GEMMs
         if mode == "per_expert":
-            assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"] * hit, name
+            assert act_launches == [act_kernel] * hit, name
             assert len(seen) == plain * hit and not grouped, (name, seen)
         else:
-            assert [n for n, _ in seen_gated] == ["_gated_act_grad_kernel"], name
+            assert act_launches == [act_kernel], name
             if mode == "grouped":
                 assert len(seen) == plain * hit and not grouped, (name, seen)
             else:
@@ -448,10 +453,10 @@ def test_experts_backward_launches(monkeypatch, mode):
 def test_expert_tiles_table():
     """The grouped launch's row tiles: every expert-sorted row in exactly one tile, the tile's expert's own,
     at most BLOCK_M rows a tile, tiles in row order; an expert without rows has none."""
-    from fusedrc.kernels import gated_mlp
+    from fusedrc.kernels import _common
 
     counts, block = (5, 0, 17, 16, 1), 8
-    table, lengths, num = gated_mlp.expert_tiles(counts, block, torch.device("cpu"))
+    table, lengths, num = _common.expert_tiles(counts, block, torch.device("cpu"))
     tiles = table.view(-1, 3).tolist()
     assert num == len(tiles) == 7 and lengths.tolist() == [1, 0, 3, 2, 1]
     owner = [e for e, n in enumerate(counts) for _ in range(n)]
@@ -463,13 +468,14 @@ def test_expert_tiles_table():
     assert covered == list(range(sum(counts)))
 
 
-@pytest.mark.parametrize("layout", ["halves", "interleaved", "apart", "gpt_oss"])
+@pytest.mark.parametrize("layout", ["halves", "interleaved", "apart", "gpt_oss", "ungated"])
 def test_grouped_experts_match_per_expert(monkeypatch, layout):
-    """Every expert's rows in one launch of each dual kernel (GROUPED: several row and column tiles an expert,
+    """Every expert's rows in one launch of each act kernel (GROUPED: several row and column tiles an expert,
     an expert without tokens, skipped choices; one-program-per-tile and persistent launches) give the
     per-expert launches' output and gradients, and so with torch._grouped_mm for the plain GEMMs; layouts:
     gate/up halves, gpt-oss's interleaved transposed rows, up projections apart, gpt-oss's experts (biases, its
-    clamped gate). Two grouped runs are bitwise equal (no atomics)."""
+    clamped gate), ungated experts (the dense kernels; relu2, up and down biases). Down biases' gradients in
+    chunks of whole experts too. Two grouped runs are bitwise equal (no atomics)."""
     from fusedrc.kernels import _common, moe_experts
 
     T, K, I, N, E, k = 64, 16, 40, 16, 4, 2  # ~42 rows an expert; 16-byte aligned fp32 rows for _grouped_mm
@@ -477,8 +483,11 @@ def test_grouped_experts_match_per_expert(monkeypatch, layout):
     idx, w = _routing(T, k, E, skip=2)
     idx[3, 0] = E  # a skipped choice (an expert-parallel sentinel)
     w = w.float()
-    gate_up, down = (t.float() for t in _weights(E, K, I, N))
+    gate_up, down = (t.float() for t in _weights(E, K, I, N, layout != "ungated"))
     kwargs = dict(skip_out_of_range=True)
+    if layout == "ungated":
+        kwargs.update(gated=False, activation="relu2", gate_up_proj_bias=torch.randn(E, I),
+                      down_proj_bias=torch.randn(E, N))
     if layout in ("interleaved", "gpt_oss"):
         gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
         kwargs.update(interleaved=True)
@@ -504,10 +513,14 @@ def test_grouped_experts_match_per_expert(monkeypatch, layout):
 
     per_expert = run(False)
     grouped = run(True)
-    for got in (grouped, run(True, True), run(True, persistent=1)):
+    runs = [grouped, run(True, True), run(True, persistent=1)]
+    if "down_proj_bias" in kwargs:  # the down bias's gradients a chunk of whole experts at a time (one expert
+        monkeypatch.setattr(moe_experts, "_BIAS_CHUNK_ELEMENTS", 40 * N)  # past the limit: a chunk of its own)
+        runs.append(run(True))
+    for got in runs:
         for i, (a, b) in enumerate(zip(got, per_expert)):
             assert a.shape == b.shape and rel_err(a, b) < 1e-5, (layout, i)
-    assert all(torch.equal(a, b) for a, b in zip(run(True), grouped))
+    assert all(torch.equal(a, b) for a, b in zip(run(True), runs[-1]))
     assert not grouped[3][2].any()  # expert 2 got no token: no gradient of its gate and up rows
 
 

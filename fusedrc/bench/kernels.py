@@ -14,7 +14,9 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
   weights; in units of one of an expert's three GEMMs over all routed tokens): eager 9 (the experts loop
   as Hugging Face's eager forward writes it), checkpoint 12 (its recompute reruns the down projection,
   whose output the routing weights' gradient reads), fusedrc 11; shape ``layout="gpt_oss"``: gpt-oss's
-  experts (transposed weights, gate and up rows interleaved, biases, its clamped gate), the same counts
+  experts (transposed weights, gate and up rows interleaved, biases, its clamped gate), the same counts;
+  ``layout="ungated"``: Nemotron-H's squared-ReLU experts ``relu(x Wuᵀ)² Wdᵀ`` (two GEMMs an expert): eager 6,
+  checkpoint 8, fusedrc 7
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 * ``bn_act_conv`` (``BatchNorm2d → ReLU → Conv2d``, the pre-activation order; a DenseNet layer's 1×1
@@ -66,6 +68,8 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("moe_experts", dict(T=8192, d=2048, h=768, E=128, k=8)),
                 # gpt-oss-20b's: 32 experts of 2880, top-4, biases, interleaved gate/up rows read in place
                 ("moe_experts", dict(T=8192, d=2880, h=2880, E=32, k=4, layout="gpt_oss")),
+                # Nemotron-3-Nano-30B-A3B's: 128 ungated squared-ReLU experts of 1856, top-6 (the dense kernels)
+                ("moe_experts", dict(T=8192, d=2688, h=1856, E=128, k=6, layout="ungated")),
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3)),
                 # DenseNet-121's dense layer at 28x28 with 256 input channels: the 1x1 bottleneck to 128
                 ("bn_act_conv", dict(N=64, C=256, K=128, H=28, W=28, k=1))]
@@ -73,6 +77,7 @@ def shapes(device_type: str, quick: bool) -> list:
             ("fused_mlp_dropout", dict(M=1024, d=512, h=2048)), ("gated_mlp", dict(M=1024, d=512, h=1376)),
             ("norm_gated_mlp", dict(M=1024, d=512, h=1376)), ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
             ("moe_experts", dict(T=512, d=512, h=512, E=8, k=4, layout="gpt_oss")),
+            ("moe_experts", dict(T=512, d=512, h=768, E=16, k=4, layout="ungated")),
             ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
             ("bn_act_conv", dict(N=16, C=128, K=64, H=16, W=16, k=1))]
 
@@ -119,26 +124,30 @@ class _MoEExperts(nn.Module):
     as Hugging Face's eager experts forward computes them; ``fused`` is fusedrc's op on the same tensors.
     ``gpt_oss``: gpt-oss's experts, as its eager forward writes them (weights stored (E, in, out), gate and
     up columns interleaved, biases, the gate ``(up.clamp(-7, 7) + 1) * g * sigmoid(1.702 g)`` of
-    ``g = gate.clamp(max=7)``)."""
+    ``g = gate.clamp(max=7)``). ``ungated``: Nemotron-H's experts, ``relu(x Wu^T)^2 Wd^T``."""
 
     LIMIT, ALPHA = 7.0, 1.702
 
-    def __init__(self, T, d, h, E, k, generator, gpt_oss=False):
+    def __init__(self, T, d, h, E, k, generator, layout=None):
         super().__init__()
-        self.gpt_oss = gpt_oss
-        if gpt_oss:
+        self.gpt_oss, self.ungated = layout == "gpt_oss", layout == "ungated"
+        if self.gpt_oss:
             self.gate_up_proj = nn.Parameter(torch.randn(E, d, 2 * h, generator=generator) * d ** -0.5)
             self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * h, generator=generator) * 0.1)
             self.down_proj = nn.Parameter(torch.randn(E, h, d, generator=generator) * h ** -0.5)
             self.down_proj_bias = nn.Parameter(torch.randn(E, d, generator=generator) * 0.1)
-        else:
-            self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d, generator=generator) * d ** -0.5)
+        else:  # ungated: gate_up_proj holds the up projections alone
+            rows = h if self.ungated else 2 * h
+            self.gate_up_proj = nn.Parameter(torch.randn(E, rows, d, generator=generator) * d ** -0.5)
             self.down_proj = nn.Parameter(torch.randn(E, d, h, generator=generator) * h ** -0.5)
         scores = torch.rand(T, E, generator=generator)
         self.register_buffer("top_k_index", scores.topk(k, dim=1).indices)
         self.top_k_weights = nn.Parameter(torch.rand(T, k, generator=generator))
 
     def _expert(self, x, e):
+        if self.ungated:
+            return nn.functional.linear(torch.relu(nn.functional.linear(x, self.gate_up_proj[e])).square(),
+                                        self.down_proj[e])
         if not self.gpt_oss:
             gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
             return nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
@@ -156,7 +165,8 @@ class _MoEExperts(nn.Module):
     def fused(self, x):
         if not self.gpt_oss:
             return fusedrc.functional.moe_experts(x, self.top_k_index, self.top_k_weights, self.gate_up_proj,
-                                                  self.down_proj)
+                                                  self.down_proj, **(dict(gated=False, activation="relu2")
+                                                                     if self.ungated else {}))
         return fusedrc.functional.moe_experts(
             x, self.top_k_index, self.top_k_weights, self.gate_up_proj.transpose(1, 2),
             self.down_proj.transpose(1, 2), gate_up_proj_bias=self.gate_up_proj_bias,
@@ -192,10 +202,11 @@ class _Case:
             self.units = {"eager": 9, "torch_checkpoint": 11, "fusedrc": 11}  # FlopCounterMode agrees
         elif pattern == "moe_experts":
             T, d, h, E, k = (shape[n] for n in ("T", "d", "h", "E", "k"))
-            self.block = _MoEExperts(T, d, h, E, k, g, gpt_oss=shape.get("layout") == "gpt_oss")
+            self.block = _MoEExperts(T, d, h, E, k, g, layout=shape.get("layout"))
             xs, ys = (T, d), (T, d)
-            self.gemm_flops = 2 * T * k * d * h  # one of an expert's three GEMMs, over every routed token
-            self.units = {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
+            self.gemm_flops = 2 * T * k * d * h  # one of an expert's GEMMs, over every routed token
+            self.units = {"eager": 6, "torch_checkpoint": 8, "fusedrc": 7} if self.block.ungated else \
+                {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
         else:
             N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
             conv = nn.Conv2d(C, K, k, 1, k // 2, bias=False)

@@ -34,6 +34,7 @@ recompute take the same path.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -319,6 +320,29 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                 GROUPED: tl.constexpr):
+    """(pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m) of output tile ``tile``: its rows are [row0, row_end);
+    the main loop runs row tile ``loop_pid_m`` of ``loop_m`` rows. GROUPED (routed experts, one launch for all):
+    row tile pid_m of MT is ``tiles[pid_m]`` = (expert e, row0, row_end) of the expert-sorted rows (no tile spans
+    two experts), the main loop's matrix the expert's rows from row0 (its row tile 0: a tensor, the loop takes
+    .to); the caller moves the operands to row0 and to expert e's weights."""
+    if GROUPED:
+        pid_m, pid_n = _tile_ids(tile, MT * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        row0 = tl.load(tiles_ptr + 3 * pid_m + 1)
+        row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
+        loop_m, loop_pid_m = row_end - row0, row0 * 0
+    else:
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        e = 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+        loop_m, loop_pid_m = M, pid_m
+    return pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m
+
+
+@triton.jit
 def _mainloop(
     a_ptr, b_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn,
@@ -428,48 +452,52 @@ def _column_halves(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 # one 32-bit in-tile offset tensor serves all of them, from a 64-bit tile base.
 @triton.jit
 def _gemm_act_tile(
-    tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed,
+    tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
+                                                                      GROUP_M, GROUPED)
+    if GROUPED:  # the expert's rows and weights (pointer loads: the launcher sets no TMA)
+        a_ptr += row0.to(tl.int64) * stride_am
+        b_ptr += e * stride_be
+        bias_ptr += e * stride_biase
+    acc = _mainloop(a_ptr, b_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn, loop_pid_m, pid_n,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
-    row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
-    _fwd_epilogue(acc, c_ptr, seed, row0.to(tl.int64) * N + col0, M, N, row0, col0, 0,
+    _fwd_epilogue(acc, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
                   drop_threshold, drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
 def _gemm_act_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr,
+    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:  # a few programs per SM walk the tiles; flattened, the next tile's loads overlap this epilogue
-        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
-                             flatten=True):
-            _gemm_act_tile(tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, M, N, K,
-                           stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                           HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                           EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
+        num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
+            _gemm_act_tile(tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, M, N, K,
+                           stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
+                           stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
     else:
-        _gemm_act_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, c_ptr, seed, M, N, K,
-                       stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
-                       HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
+        _gemm_act_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, M, N, K,
+                       stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
+                       stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                       EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
 
 
 @triton.jit
@@ -525,28 +553,32 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, 
 
 @triton.jit
 def _gemm_act_grad_tile(
-    tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr, dscale_ptr,
+    tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # recompute the pre-activation exactly as _gemm_act_tile does
-    acc = _mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
+                                                                      GROUP_M, GROUPED)
+    if GROUPED:
+        a_ptr += row0.to(tl.int64) * stride_am
+        b_ptr += e * stride_be
+        bias_ptr += e * stride_biase
+    acc = _mainloop(a_ptr, b_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn, loop_pid_m, pid_n,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
-    row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
     base = row0.to(tl.int64) * N + col0
     offs_m = tl.arange(0, BLOCK_M)
-    rows = offs_m < M - row0
+    rows = offs_m < row_end - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
-    dot = _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, 0,
+    dot = _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, row_end, N, row0, col0, 0,
                          seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
                          ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
@@ -555,28 +587,30 @@ def _gemm_act_grad_tile(
 
 @triton.jit
 def _gemm_act_grad_kernel(
-    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr, scale_ptr, dscale_ptr,
+    a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr, scale_ptr, dscale_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:  # as _gemm_act_kernel's: each tile's K loop is the forward's, whichever program runs it
-        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
-                             flatten=True):
+        num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
             _gemm_act_grad_tile(tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr,
-                                dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold,
-                                drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
+                                dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT,
+                                ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                                PRECISION, UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
     else:
         _gemm_act_grad_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed,
-                            scale_ptr, dscale_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT)
+                            scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
+                            NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
+                            UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -843,11 +877,12 @@ def device_sms(t: torch.Tensor) -> int:
     return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def dense_grid(num_tiles: int, t: torch.Tensor, cfg: GemmConfig | None = None):
+def dense_grid(num_tiles: int, t: torch.Tensor, cfg: GemmConfig | None = None, grouped: bool = False):
     """(grid, PERSISTENT) of a dense launch of ``num_tiles`` output tiles of ``cfg`` on ``t``'s
-    device. A wide tile (``_wide_tile``) takes one program per tile whatever the switch: the tile
-    and its arithmetic stay the switch's, so a forward and its recompute agree bit for bit."""
-    if not GEMM_PERSISTENT or (cfg is not None and _wide_tile(cfg)):
+    device. A wide tile (``_wide_tile``) and a grouped launch (routed experts' tile table) take one program
+    per tile whatever the switch: the tile and its arithmetic stay the switch's, so a forward and its recompute
+    agree bit for bit. (Persistent, the grouped dense kernels spilled 360-776 bytes on sm_90, every table tile.)"""
+    if not GEMM_PERSISTENT or grouped or (cfg is not None and _wide_tile(cfg)):
         return (num_tiles,), False
     return (max(1, min(num_tiles, GEMM_PERSISTENT * device_sms(t))),), True
 
@@ -916,44 +951,97 @@ def dropout_args(dropout, fill):
     return True, seed, min(round(p * 2**24), 2**24), (1.0 / (1.0 - p) if p < 1 else 0.0)
 
 
-def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_kernel: bool):
+# --------------------------------------------------------------------------- routed experts, one launch
+class ExpertGroups(NamedTuple):
+    """Routed experts in one launch of a dense or dual kernel (GROUPED): x's rows sorted by expert, ``counts[e]`` of
+    them expert e's (host ints); the (H, K) weights and (H,) biases passed are expert 0's, of stacked
+    tensors whose expert e lies ``e * stride_w`` (``e * stride_b``) elements further; both biases or neither."""
+    counts: tuple
+    stride_w: int
+    stride_b: int = 0
+
+
+# (counts, BLOCK_M, device) -> (tile table, tiles per expert, count): a layer's forward and its backward (the
+# forwards of every MoE layer of a model run before the first backward: room for a few hundred)
+_TILES_CACHE = collections.OrderedDict()
+
+
+def expert_tiles(counts, block_m, device):
+    """(table, lengths, MT): the grouped launch's row tiles, (expert, first row, end row) as int32 triples of
+    the expert-sorted rows, no tile across two experts; ``lengths`` (E,) the tiles of each expert (int64)."""
+    key = (tuple(counts), block_m, device)
+    hit = _TILES_CACHE.get(key)
+    if hit is not None:
+        _TILES_CACHE.move_to_end(key)
+    else:  # on the host (the counts are there), a few vector ops whatever the expert count
+        n = torch.tensor(counts, dtype=torch.int64)
+        lengths = (n + block_m - 1) // block_m
+        expert = torch.repeat_interleave(torch.arange(len(counts)), lengths)
+        ends = torch.cumsum(n, 0)
+        tile_in_expert = torch.arange(expert.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
+                                                                               lengths)
+        table = torch.stack((expert, (ends - n)[expert] + tile_in_expert * block_m, ends[expert]), dim=1)
+        hit = table.to(torch.int32).reshape(-1).to(device), lengths.to(device), expert.numel()
+        _TILES_CACHE[key] = hit
+        if len(_TILES_CACHE) > 256:
+            _TILES_CACHE.popitem(last=False)
+    return hit
+
+
+def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_kernel: bool, groups=None):
     """What a launch of either dense kernel on a (M, K) @ b (K, N) needs besides its own outputs:
-    ``(cfg, pointers, seed, scalars, meta)``: the table entry, the A, B and bias arguments (the
-    operands made tile-safe, or TMA descriptors), the dropout seed pointer, the integer and float
-    arguments, and the constexprs and launch options. One builder for the forward and its recompute:
-    both take the same tiles, precision and loads. ``dropout`` is None or (p, seed), seed a
-    1-element int64 tensor on the operands' device."""
+    ``(cfg, pointers, seed, tiles, scalars, meta, num_m)``: the table entry, the A, B and bias arguments (the
+    operands made tile-safe, or TMA descriptors), the dropout seed pointer, the tile table (GROUPED; else an
+    unused input), the integer and float arguments, the constexprs and launch options, and the row tiles. One
+    builder for the forward and its recompute: both take the same tiles, precision and loads. ``dropout`` is None
+    or (p, seed), seed a 1-element int64 tensor on the operands' device.
+
+    ``groups`` (``ExpertGroups``): a's rows are routed experts', b and bias expert 0's: every expert in one launch,
+    the tile the table's for the mean rows an expert gets (never a wide one), pointer loads."""
     M, K = a.shape
     N = b.shape[1]
-    precision, cfg = _launch_params(a, M, N, K, narrow=dropout is not None and dropout[0] != 0)
+    rows = M if groups is None else max(1, M // max(1, sum(1 for n in groups.counts if n)))
+    precision, cfg = _launch_params(a, rows, N, K, narrow=dropout is not None and dropout[0] != 0
+                                    or groups is not None)
     cfg = config or cfg
     a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
-    b = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
+    b_safe = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
+    # a grouped launch reads every expert's weights and biases through expert 0's: no copy of them
+    assert groups is None or (b_safe is b and (bias is None or bias.is_contiguous())), \
+        "grouped experts' weights must be views of the stacked tensors (ExpertGroups)"
+    b = b_safe
     if bias is not None:
         bias = bias.contiguous()  # (N,): the kernels read it with unit stride
-    tma = _use_tma(a, b, precision)
+    tma = groups is None and _use_tma(a, b, precision)
     a_arg, b_arg = _operands(a, b, cfg, tma)
     has_dropout, seed, threshold, scale = dropout_args(dropout, a)
+    assert groups is None or not has_dropout, "grouped experts with dropout"
+    if groups is None:
+        tiles, num_m, grouping = a, cdiv(M, cfg.BLOCK_M), (0, 0, 0)
+    else:
+        tiles, _, num_m = expert_tiles(groups.counts, cfg.BLOCK_M, a.device)
+        grouping = (num_m, groups.stride_w, groups.stride_b)
     meta = dict(
         HAS_BIAS=bias is not None, DROPOUT=has_dropout,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a), TMA=tma,
-        EPILOGUE_SPLIT=_epilogue_split(cfg, grad_kernel, has_dropout),
+        EPILOGUE_SPLIT=_epilogue_split(cfg, grad_kernel, has_dropout), GROUPED=groups is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     pointers = (a_arg, b_arg, bias if bias is not None else a)
-    scalars = (M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale)
-    return cfg, pointers, seed, scalars, meta
+    scalars = (M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale, *grouping)
+    return cfg, pointers, seed, tiles, scalars, meta, num_m
 
 
 def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", out_dtype=None,
-             config: GemmConfig | None = None, dropout=None, out=None) -> torch.Tensor:
+             config: GemmConfig | None = None, dropout=None, out=None, groups=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N) of any strides; output (M, N) contiguous.
 
     ``dropout``: None or ``(p, seed)``: dropout on act(...), its mask a function of the seed
     and the element's index (``_dropout_factor``). ``config`` overrides the table (tests only:
     callers that recompute must not). ``out``: a contiguous (M, N) tensor of the output's dtype
-    to write into (a slice of a larger buffer: no copy afterwards).
+    to write into (a slice of a larger buffer: no copy afterwards). ``groups`` (``ExpertGroups``):
+    a's rows are routed experts' (sorted by expert), b and bias expert 0's of stacked tensors, one launch.
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
     M, K = a.shape
@@ -965,10 +1053,11 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
         assert out.shape == (M, N) and out.dtype == dtype and out.is_contiguous(), "gemm_act: out"
     if M == 0 or N == 0:
         return out
-    cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=False)
-    grid, persistent = dense_grid(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), a, cfg)
+    cfg, pointers, seed, tiles, scalars, meta, num_m = _dense_launch(a, b, bias, config, dropout, grad_kernel=False,
+                                                                     groups=groups)
+    grid, persistent = dense_grid(num_m * cdiv(N, cfg.BLOCK_N), a, cfg, groups is not None)
     with _device_guard(a):
-        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, *scalars, **act_meta(activation), **meta,
+        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, tiles, *scalars, **act_meta(activation), **meta,
                                             PERSISTENT=persistent)
     return out
 
@@ -1011,8 +1100,22 @@ def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype=None, bias=None, out=
     return res if out is None or res is out else out.copy_(res)
 
 
+def tile_bias_grad(part, bias, width, groups=None, lengths=None):
+    """A bias's gradient from a grad kernel's column sums per row tile ``part`` (None: no rows), in the bias's
+    dtype: their sum; grouped (``ExpertGroups``), (E, width), each expert's over its ``lengths`` row tiles. Tiny
+    fixed-order reductions, no atomics. None without a bias."""
+    if bias is None:
+        return None
+    if groups is not None:
+        if part is None:
+            return torch.zeros((len(groups.counts), width), device=bias.device, dtype=bias.dtype)
+        return torch.segment_reduce(part, "sum", lengths=lengths, axis=0).to(bias.dtype)
+    return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
+
+
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
-                  store_act: bool = False, config: GemmConfig | None = None, dropout=None, row_scale=None):
+                  store_act: bool = False, config: GemmConfig | None = None, dropout=None, row_scale=None,
+                  groups=None):
     """Recompute h = a @ b + bias in tiles and return (g_h, act(h) or None, dbias or None).
 
     g_h = act'(h) * grad, in a's dtype; dbias = sum over rows of g_h (fp32 partial
@@ -1025,6 +1128,9 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     dropout); ``grad`` is then the unscaled gradient, g_h and the stored activation are scaled (r_m
     act(h)_m: dW2 = g_out^T (r act(h)) needs no scaled copy of g_out), and a fourth value is returned:
     the gradient of ``row_scale``, act(h)_m . grad_m per row (fp32, from per-column-tile partials).
+
+    ``groups`` (``ExpertGroups``, as given to ``gemm_act``): one launch for every routed expert; dbias is then
+    (E, N), each expert's column sums over its row tiles.
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
     routed = row_scale is not None
@@ -1034,25 +1140,27 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     assert grad.shape == (M, N)
     gh = torch.empty((M, N), device=a.device, dtype=a.dtype)
     act = torch.empty((M, N), device=a.device, dtype=a.dtype) if store_act else None
+
     if M == 0 or N == 0:
-        dbias = torch.zeros((N,), device=a.device, dtype=bias.dtype) if bias is not None else None
+        dbias = tile_bias_grad(None, bias, N, groups)
         return (gh, act, dbias, torch.zeros(M, device=a.device, dtype=torch.float32)) if routed else (gh, act, dbias)
-    cfg, pointers, seed, scalars, meta = _dense_launch(a, b, bias, config, dropout, grad_kernel=True)
+    cfg, pointers, seed, tiles, scalars, meta, num_m = _dense_launch(a, b, bias, config, dropout, grad_kernel=True,
+                                                                     groups=groups)
     dscale = torch.empty((cdiv(N, cfg.BLOCK_N), M), device=a.device, dtype=torch.float32) if routed else None
-    num_pid_m = cdiv(M, cfg.BLOCK_M)
-    part = torch.empty((num_pid_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
-    grid, persistent = dense_grid(num_pid_m * cdiv(N, cfg.BLOCK_N), a, cfg)
+    part = torch.empty((num_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
+    grid, persistent = dense_grid(num_m * cdiv(N, cfg.BLOCK_N), a, cfg, groups is not None)
     if routed:
         meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
             *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed,
-            row_scale.contiguous() if routed else a, dscale if routed else a, *scalars,
+            row_scale.contiguous() if routed else a, dscale if routed else a, tiles, *scalars,
             STORE_ACT=store_act, ROW_SCALE=routed, **act_meta(activation), **meta, PERSISTENT=persistent,
         )
-    # tiny reductions over cdiv(M, BLOCK_M) rows (cdiv(N, BLOCK_N) for dscale); no atomics, deterministic
-    dbias = part.sum(0).to(bias.dtype) if bias is not None else None
+    # tiny reductions over the row tiles (the column tiles for dscale); no atomics, deterministic
+    lengths = expert_tiles(groups.counts, cfg.BLOCK_M, a.device)[1] if groups is not None else None
+    dbias = tile_bias_grad(part, bias, N, groups, lengths)
     return (gh, act, dbias, dscale.sum(0)) if routed else (gh, act, dbias)
 
 
@@ -1092,9 +1200,11 @@ def _inspect_signature(kernel, dtype: torch.dtype):
     sig["seed_ptr"] = "*i64"
     if kernel is _gemm_act_grad_kernel:
         sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
+    sig["tiles_ptr"] = ptr  # unused: a launch passes a there
     aligned = list(sig)
     sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
-                "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32"})
+                "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32",
+                "MT": "i32", "stride_be": "i32", "stride_biase": "i32"})
     aligned += ["M", "N", "K", "stride_am", "stride_bn"]
     return sig, aligned
 
@@ -1138,7 +1248,7 @@ def inspect_specs():
                 by_key[key]["source"] += "," + label
                 continue
             sig, aligned = _inspect_signature(kernel, dtype)
-            constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "DROPOUT": dropout}
+            constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "DROPOUT": dropout, "GROUPED": False}
             if tma:  # descriptors of A (M, K) and B^T (N, K) with the entry's boxes
                 elt = _TRITON_PTR[dtype][1:]
                 sig["a_ptr"] = f"tensordesc<{elt}[{entry.BLOCK_M}, {entry.BLOCK_K}]>"
@@ -1195,4 +1305,34 @@ def inspect_specs():
                           config=dict(spec["config"], activation="relu2", row_scale=True, EPILOGUE_SPLIT=split),
                           aligned=[n for n in spec["aligned"] if n not in ("scale_ptr", "M")],
                           source=spec["source"] + "/row_scale"))
+    # grouped launches (every routed ungated expert's rows in one launch, GROUPED's tile table) as moe_experts makes
+    # them: every sm_90 16-bit tile a grouped launch may take (the table's, narrow: _dense_launch), pointer loads,
+    # one program per tile (dense_grid); the forward and the row-scale grad kernel, bf16, Nemotron-H's relu2, with the up
+    # biases (their expert stride)
+    tiles = {}
+    for (family, opclass, bucket), cfg in _TABLE.items():
+        if family == "sm90" and opclass == "16bit":
+            tiles.setdefault(_NARROW.get((family, opclass, bucket), cfg), []).append(f"{family}/{opclass}/{bucket}")
+    for (entry, labels), (kernel, name), persistent in itertools.product(
+            tiles.items(), ((_gemm_act_kernel, "_gemm_act_kernel"), (_gemm_act_grad_kernel, "_gemm_act_grad_kernel")),
+            (False,)):
+        grad = kernel is _gemm_act_grad_kernel
+        split = _epilogue_split(entry, grad, False)
+        split = _routed_split(split, persistent) if grad else split
+        sig, aligned = _inspect_signature(kernel, torch.bfloat16)
+        constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "DROPOUT": False, "GROUPED": True,
+                      **act_meta("relu2"), "BLOCK_M": entry.BLOCK_M, "BLOCK_N": entry.BLOCK_N,
+                      "BLOCK_K": entry.BLOCK_K, "GROUP_M": entry.GROUP_M, "EVEN_K": True, "PRECISION": "ieee",
+                      "UPCAST": False, "TMA": False, "PERSISTENT": persistent, "EPILOGUE_SPLIT": split,
+                      **({"STORE_ACT": True, "ROW_SCALE": True} if grad else {})}
+        sig.update({c: "constexpr" for c in constexprs}, tiles_ptr="*i32")
+        config = {"BLOCK_M": entry.BLOCK_M, "BLOCK_N": entry.BLOCK_N, "BLOCK_K": entry.BLOCK_K,
+                  "GROUP_M": entry.GROUP_M, "num_warps": entry.num_warps, "num_stages": entry.num_stages,
+                  "EPILOGUE_SPLIT": split, "activation": "relu2", "grouped": True,
+                  **({"persistent": True} if persistent else {}), **({"row_scale": True} if grad else {})}
+        specs.append({"fn": kernel, "kernel": name, "arch": "sm_90", "dtype": torch.bfloat16, "config": config,
+                      "signature": sig, "constexprs": constexprs, "num_warps": entry.num_warps,
+                      "num_stages": entry.num_stages, "gemm": True,
+                      "aligned": [n for n in aligned if n not in ("scale_ptr", "M")],
+                      "source": ",".join(labels) + "/grouped"})
     return specs

@@ -30,7 +30,6 @@ found that faster (``_WHOLE``: the grad kernel's epilogue then in column slices,
 """
 from __future__ import annotations
 
-import collections
 import itertools
 from typing import NamedTuple
 
@@ -39,10 +38,10 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, GemmConfig, _act_fwd, _act_grad, _add_bias, _arch_family, _mainloop,
-    _sigmoid, _column_halves, _device_guard, _dropout_factor, _shape_bucket, _tile_ids, _tile_safe, _upcast_flag,
-    act_meta, cdiv, dense_grid, device_capability, dot_precision, dropout_args, gemm_config, launcher,
-    operand_class, plain_gemm, uses_aten_gemm, wanted,
+    _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, ExpertGroups, GemmConfig, _act_fwd, _act_grad, _add_bias,
+    _arch_family, _expert_tile, _mainloop, _sigmoid, _column_halves, _device_guard, _dropout_factor, _shape_bucket,
+    _tile_safe, _upcast_flag, act_meta, cdiv, dense_grid, device_capability, dot_precision, dropout_args,
+    expert_tiles, gemm_config, launcher, tile_bias_grad, operand_class, plain_gemm, uses_aten_gemm, wanted,
 )
 from fusedrc.reference import split_gated
 
@@ -188,26 +187,16 @@ def _gated_preacts(
 ):
     """(h_g, h_u, pid_m, row0, col0, row_end) of output tile ``tile``: one function for the forward and its
     recompute, so both compute the pre-activations alike, bit for bit; the tile's rows are [row0, row_end).
-    GROUPED (routed experts, one launch for all): row tile pid_m of MT is row ``tiles[pid_m]`` = (expert e,
-    row0, row_end) of the expert-sorted rows (no tile spans two experts); e's weights and biases lie e
-    expert strides past expert 0's."""
+    GROUPED (routed experts, one launch for all): ``_expert_tile``'s tile table; expert e's weights and biases
+    lie e expert strides past expert 0's."""
+    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
+                                                                      GROUP_M, GROUPED)
     if GROUPED:
-        pid_m, pid_n = _tile_ids(tile, MT * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
-        row0 = tl.load(tiles_ptr + 3 * pid_m + 1)
-        row_end = tl.load(tiles_ptr + 3 * pid_m + 2)
-        # the main loop's matrix: the expert's rows from row0, its row tile 0 (a tensor: the loop takes .to)
         a_ptr += row0.to(tl.int64) * stride_am
         bg_ptr += e * stride_be
         bu_ptr += e * stride_be
         biasg_ptr += e * stride_biase
         biasu_ptr += e * stride_biase
-        loop_m, loop_pid_m = row_end - row0, row0 * 0
-    else:
-        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        row_end = M
-        loop_m, loop_pid_m = M, pid_m
     hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                             loop_pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
     col0 = pid_n * BLOCK_N
@@ -572,42 +561,6 @@ def _joint_rows(first, second):
     return None
 
 
-class ExpertGroups(NamedTuple):
-    """Routed experts in one launch of a dual kernel (GROUPED): x's rows sorted by expert, ``counts[e]`` of
-    them expert e's (host ints); the (H, K) weights and (H,) biases passed are expert 0's, of stacked
-    tensors whose expert e lies ``e * stride_w`` (``e * stride_b``) elements further; both biases or neither."""
-    counts: tuple
-    stride_w: int
-    stride_b: int = 0
-
-
-# (counts, BLOCK_M, device) -> (tile table, tiles per expert, count): a layer's forward and its backward (the
-# forwards of every MoE layer of a model run before the first backward: room for a few hundred)
-_TILES_CACHE = collections.OrderedDict()
-
-
-def expert_tiles(counts, block_m, device):
-    """(table, lengths, MT): the grouped launch's row tiles, (expert, first row, end row) as int32 triples of
-    the expert-sorted rows, no tile across two experts; ``lengths`` (E,) the tiles of each expert (int64)."""
-    key = (tuple(counts), block_m, device)
-    hit = _TILES_CACHE.get(key)
-    if hit is not None:
-        _TILES_CACHE.move_to_end(key)
-    else:  # on the host (the counts are there), a few vector ops whatever the expert count
-        n = torch.tensor(counts, dtype=torch.int64)
-        lengths = (n + block_m - 1) // block_m
-        expert = torch.repeat_interleave(torch.arange(len(counts)), lengths)
-        ends = torch.cumsum(n, 0)
-        tile_in_expert = torch.arange(expert.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
-                                                                               lengths)
-        table = torch.stack((expert, (ends - n)[expert] + tile_in_expert * block_m, ends[expert]), dim=1)
-        hit = table.to(torch.int32).reshape(-1).to(device), lengths.to(device), expert.numel()
-        _TILES_CACHE[key] = hit
-        if len(_TILES_CACHE) > 256:
-            _TILES_CACHE.popitem(last=False)
-    return hit
-
-
 def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, groups=None):
     """Operands, table entry, constexprs, grid and tile table of a launch of either dual kernel on x (M, K)
     and the (H, K) weights: one builder, so the forward and its recompute take the same tiles.
@@ -717,22 +670,12 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     routed = row_scale is not None
     assert not (routed and dropout is not None and dropout[0]), "row_scale with dropout"
 
-    def bias_grad(part, bias):
-        if bias is None:
-            return None
-        if groups is not None:  # fixed-order sums over each expert's row tiles (no atomics)
-            E = len(groups.counts)
-            if part is None:
-                return torch.zeros((E, H), device=x.device, dtype=bias.dtype)
-            return torch.segment_reduce(part, "sum", lengths=tile_lengths, axis=0).to(bias.dtype)
-        return part.sum(0).to(bias.dtype) if part is not None else torch.zeros_like(bias)
-
     if M == 0 or H == 0:
-        out = *_gate_up_grads(x, H, None)[:2], act, bias_grad(None, b_gate), bias_grad(None, b_up)
+        out = *_gate_up_grads(x, H, None)[:2], act, *(tile_bias_grad(None, b, H, groups) for b in (b_gate, b_up))
         return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
     cfg, operands, seed, scalars, meta, grid, tiles = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout,
                                                                    groups)
-    num_m = cdiv(M, cfg.BLOCK_M)
+    num_m, tile_lengths = cdiv(M, cfg.BLOCK_M), None
     if groups is not None:
         _, tile_lengths, num_m = expert_tiles(groups.counts, cfg.BLOCK_M, x.device)
     joint = _joint_rows(w_gate, w_up)
@@ -762,7 +705,7 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
             *scalars, STORE_ACT=store_act, ROW_SCALE=routed, GH_HALVES=halves, **act_args, **meta,
         )
     # tiny fixed-order reductions over cdiv(M, BLOCK_M) rows (cdiv(H, BLOCK_N) for dscale): deterministic
-    out = ghg, ghu, act, bias_grad(parts[0], b_gate), bias_grad(parts[1], b_up)
+    out = ghg, ghu, act, *(tile_bias_grad(p, b, H, groups, tile_lengths) for p, b in zip(parts, (b_gate, b_up)))
     return out + (dscale.sum(0),) if routed else out
 
 

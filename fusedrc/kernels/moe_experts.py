@@ -1,4 +1,4 @@
-"""Routed gated experts (a Mixture-of-Experts layer's experts, Hugging Face's layout).
+"""Routed experts, gated or not (a Mixture-of-Experts layer's experts, Hugging Face's layout).
 
 Pure-torch reference: ``fusedrc.reference.moe_experts_forward`` / ``moe_experts_backward``; the
 loop over experts (slots sorted by expert, weighted sum over the k choices in fp32, no atomics)
@@ -10,11 +10,11 @@ experts call keeps. Per expert with rows r (its tokens) and routing weights s:
 
 Forward (3 GEMMs): ``_gated_act_kernel`` (gate and up in one main loop, a = act(h_g) * h_u
   written once), then the down GEMM; y * s summed into the output.
-Launches: gated experts run grouped by default (``GROUPED_EXPERTS``): each dual kernel is one launch over every
-  expert's rows (GROUPED: a table of row tiles, (expert, first row, end row), none across two experts; the expert's
+Launches: experts run grouped by default (``GROUPED_EXPERTS``): each act kernel (the dual kernels; ungated, the
+  dense ones) is one launch over every expert's rows (GROUPED: a table of row tiles, (expert, first row, end row), none across two experts; the expert's
   weights an expert stride past expert 0's), and each plain GEMM one torch._grouped_mm where it has its fast path
   (CUDA bf16 on sm_90+), else a launch per expert. Forward 2 launches and one scaling pass for the layer, backward 5
-  (joint gate/up rows) plus the routing's gathers: a fine-grained MoE layer (128 experts of 768, Qwen3-MoE's)
+  (joint gate/up rows) plus the routing's gathers; a down bias's a few more a layer (in chunks of whole experts): a fine-grained MoE layer (128 experts of 768, Qwen3-MoE's)
   launched ~10 kernels per expert per step before. Grouped and per-expert launches may take different tiles (the
   grouped one the table's for the mean rows an expert gets), so they agree to rounding, not bit for bit; a forward
   and its recompute always take the same path and tiles.
@@ -45,20 +45,19 @@ from typing import NamedTuple
 import torch
 
 from . import _common
-from ._common import _reference, device_capability, gemm_act_grad, plain_gemm
+from ._common import ExpertGroups, _reference, device_capability, gemm_act, gemm_act_grad, plain_gemm
 from fusedrc.reference import split_gated
 from .fused_mlp import fused_mlp_forward
-from .gated_mlp import ExpertGroups, _joint_rows, gated_act, gated_act_grad, gated_mlp_forward, input_grads
+from .gated_mlp import _joint_rows, gated_act, gated_act_grad, gated_mlp_forward, input_grads
 
 __all__ = ["moe_experts_forward", "moe_experts_backward"]
 
-# Gated experts' launches: True, every expert's rows in one launch of each dual kernel (their tile table,
-# ``gated_mlp.ExpertGroups``) and of each plain GEMM where torch._grouped_mm takes it (``GROUPED_MM``), else a
+# Experts' launches: True, every expert's rows in one launch of each act kernel (dual, or dense where ungated: their
+# tile table, ``_common.ExpertGroups``) and of each plain GEMM where torch._grouped_mm takes it (``GROUPED_MM``), else a
 # plain GEMM launch per expert; False, every launch per expert (the reference's loop, ``moe_forward_with``).
 # Either way the same arithmetic per row (the grouped launch's tile is the table's for the mean rows an expert
 # gets, a per-expert launch's for its own rows: the two may round differently, each forward and its
-# recompute alike). Ungated experts (Nemotron-H's) run per expert. FUSEDRC_GROUPED_EXPERTS=0 in the environment
-# sets it off at import (benchmarks time both).
+# recompute alike). FUSEDRC_GROUPED_EXPERTS=0 in the environment sets it off at import (benchmarks time both).
 GROUPED_EXPERTS = os.environ.get("FUSEDRC_GROUPED_EXPERTS", "1").strip().lower() not in ("", "0", "false", "off", "no")
 # torch._grouped_mm for the grouped plain GEMMs: "auto", where it has its fast path (CUDA bf16 on sm_90+, the
 # aten GEMMs on, not deterministic: else the fallback loops as this module does); True, wherever torch has it
@@ -165,20 +164,23 @@ def _expert_rows(counts):
             start += n
 
 
-_OFFSETS = collections.OrderedDict()  # (counts, device) -> int32 group ends: a layer's grouped GEMMs, both passes
+_GROUP_INDEX = collections.OrderedDict()  # (kind, counts, device) -> a layer's index tensor, both passes
 
 
-def _offsets(counts, device):
-    key = (tuple(counts), device)
-    offs = _OFFSETS.get(key)
-    if offs is None:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-        _OFFSETS[key] = offs
-        if len(_OFFSETS) > 256:
-            _OFFSETS.popitem(last=False)
+def _group_index(kind, counts, device):
+    """Index tensors of the expert-sorted rows on ``device``, cached: ``"ends"``, each group's end (int32:
+    torch._grouped_mm's offsets); ``"experts"``, each row's expert (int64)."""
+    key = (kind, tuple(counts), device)
+    t = _GROUP_INDEX.get(key)
+    if t is None:
+        n = torch.tensor(counts, dtype=torch.int64)
+        t = n.cumsum(0).to(torch.int32) if kind == "ends" else torch.repeat_interleave(torch.arange(len(counts)), n)
+        t = _GROUP_INDEX[key] = t.to(device)
+        if len(_GROUP_INDEX) > 512:
+            _GROUP_INDEX.popitem(last=False)
     else:
-        _OFFSETS.move_to_end(key)
-    return offs
+        _GROUP_INDEX.move_to_end(key)
+    return t
 
 
 def grouped_mm(a, b, counts, out_dtype=None, out=None):
@@ -186,7 +188,7 @@ def grouped_mm(a, b, counts, out_dtype=None, out=None):
     torch._grouped_mm where it takes them, else a ``plain_gemm`` per group; written into ``out`` where given
     (its dtype the result's)."""
     if a.shape[0] and _grouped_mm_takes(a, b):
-        res = torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
+        res = torch._grouped_mm(a, b, offs=_group_index("ends", counts, a.device))
         if out is not None:
             return out.copy_(res)
         return res if out_dtype is None or res.dtype == out_dtype else res.to(out_dtype)
@@ -204,7 +206,7 @@ def grouped_weight_grad(a, b, counts, like, out=None):
     transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
     lhs, rhs = (b.t(), a) if transposed else (a.t(), b)
     if a.shape[0] and _grouped_mm_takes(lhs, rhs):
-        res = torch._grouped_mm(lhs, rhs, offs=_offsets(counts, a.device))
+        res = torch._grouped_mm(lhs, rhs, offs=_group_index("ends", counts, a.device))
         empty = [e for e, n in enumerate(counts) if not n]
         if empty:  # no rows: nothing summed (zeros, whatever the kernel leaves there)
             res.index_fill_(0, torch.tensor(empty, device=res.device), 0)
@@ -220,49 +222,97 @@ def grouped_weight_grad(a, b, counts, like, out=None):
 
 
 class _GroupedPlan(NamedTuple):
-    """A grouped experts call: expert 0's weights and biases (views of the stacked ones, or of contiguous
-    copies of stacked biases), the expert strides, and the stacked gate and up weights (E, I, K)."""
+    """A grouped experts call: expert 0's weights and biases as the act kernel takes them (gated: gate, up and
+    their biases, views of the stacked ones or of contiguous copies of stacked biases; ungated: up and its bias),
+    the expert strides, and the stacked gate (None ungated) and up weights (E, I, K)."""
     first: tuple
     stride_w: int
     stride_b: int
-    gates: torch.Tensor
+    gates: torch.Tensor | None
     ups: torch.Tensor
 
 
 def _grouped_plan(x, layout, gate_up, up, gate_up_bias):
-    """How the gated experts run grouped, or None (per expert: ``GROUPED_EXPERTS`` off, ungated experts, a
-    meta call, stacks the dual kernels cannot step through with one expert stride)."""
-    if not (GROUPED_EXPERTS and layout.gated) or x.device.type == "meta" or gate_up.shape[0] == 0:
+    """How the experts run grouped, or None (per expert: ``GROUPED_EXPERTS`` off, a meta call, stacks the
+    kernels cannot step through with one expert stride)."""
+    if not GROUPED_EXPERTS or x.device.type == "meta" or gate_up.shape[0] == 0:
         return None
-    gates, ups = (gate_up, up) if layout.apart else _reference().gate_and_up(gate_up, layout)
-    # one set of strides for both stacks; in-tile offsets well within int32 (the kernels' _tile_safe copies none)
-    if gates.stride() != ups.stride() or gates.dtype != ups.dtype or max(gates.stride()[1:]) * 512 > 2 ** 31:
+    if not layout.gated:  # the dense kernels with GROUPED: the up projections (E, I, K) and their biases
+        gates, ups = None, gate_up
+    else:
+        gates, ups = (gate_up, up) if layout.apart else _reference().gate_and_up(gate_up, layout)
+        if gates.stride() != ups.stride() or gates.dtype != ups.dtype:  # one set of strides for both stacks
+            return None
+    if max(ups.stride()[1:]) * 512 > 2 ** 31:  # in-tile offsets well within int32 (_tile_safe copies none)
         return None
-    biases, stride_b = (None, None), 0
-    if gate_up_bias is not None and not layout.apart:
+    if gate_up_bias is None or layout.apart:
+        biases, stride_b = (None,) * (1 + layout.gated), 0
+    elif not layout.gated:
+        bias = gate_up_bias.contiguous()  # (E, I), tiny
+        biases, stride_b = (bias[0],), bias.stride(0)
+    else:
         pair = tuple(b.contiguous() for b in _reference().gate_and_up(gate_up_bias, layout))  # (E, I) each, tiny
         biases, stride_b = (pair[0][0], pair[1][0]), pair[0].stride(0)
-    return _GroupedPlan((gates[0], ups[0], *biases), gates.stride(0), stride_b, gates, ups)
+    weights = (ups[0],) if gates is None else (gates[0], ups[0])
+    return _GroupedPlan((*weights, *biases), ups.stride(0), stride_b, gates, ups)
+
+
+# rows of a chunk of the down bias's gradients: about 64 MiB of fp32 temporaries a piece at hidden size 2**10
+_BIAS_CHUNK_ELEMENTS = 2 ** 24
+
+
+def _grouped_down_bias_grads(gs, w, down_bias, counts, need_dw, need_ddb):
+    """The down bias's share of d scale (g_out . bd per row) and its gradient (each expert's scaled rows summed),
+    fp32, as ``_down_bias_grads`` per expert: over chunks of whole experts of at most ~``_BIAS_CHUNK_ELEMENTS``
+    elements of g_out (a few launches a chunk, bounded temporaries, fixed order: no atomics)."""
+    U, H = gs.shape
+    share = torch.empty(U, device=gs.device, dtype=torch.float32) if need_dw else None
+    ddb = torch.zeros_like(down_bias) if need_ddb else None
+    experts = _group_index("experts", counts, gs.device)
+    bias32 = down_bias.float()
+    limit, e0, start = max(1, _BIAS_CHUNK_ELEMENTS // max(1, H)), 0, 0
+    while e0 < len(counts):
+        e1, rows = e0 + 1, counts[e0]
+        while e1 < len(counts) and rows + counts[e1] <= limit:
+            rows += counts[e1]
+            e1 += 1
+        if rows:
+            g32 = gs[start:start + rows].float()
+            if need_dw:
+                share[start:start + rows] = (g32 * bias32.index_select(0, experts[start:start + rows])).sum(1)
+            if need_ddb:
+                g32.mul_(w[start:start + rows, None])
+                ddb[e0:e1] = torch.segment_reduce(g32, "sum", lengths=torch.tensor(counts[e0:e1], device=gs.device),
+                                                  axis=0)
+        e0, start = e1, start + rows
+    return share, ddb
 
 
 def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activation, down_bias):
-    """The experts' weighted outputs: both dual GEMMs in one launch, then the down GEMM grouped, its rows scaled
-    into the fp32 slots (a down bias added there, in fp32, per expert: gpt-oss's)."""
+    """The experts' weighted outputs: the act kernel (both dual GEMMs where gated) in one launch, then the down
+    GEMM grouped, its rows scaled into the fp32 slots (a down bias added there first, in fp32: gpt-oss's)."""
     R = _reference()
     order, tokens, counts = R.route(top_k_index, gate_up.shape[0])
     U = sum(counts)
     acc = torch.promote_types(x.dtype, torch.float32)
     slots = torch.empty((order.numel(), down.shape[1]), device=x.device, dtype=acc)
     w = top_k_weights.reshape(-1)[order].to(acc)
-    a = gated_act(x[tokens[:U]], *plan.first, activation, groups=ExpertGroups(tuple(counts), plan.stride_w,
-                                                                                plan.stride_b))
+    groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
+    if plan.gates is None:
+        a = gemm_act(x[tokens[:U]], plan.first[0].t(), plan.first[1] if len(plan.first) > 1 else None, activation,
+                     groups=groups)
+    else:
+        a = gated_act(x[tokens[:U]], *plan.first, activation, groups=groups)
     y = grouped_mm(a, down.transpose(1, 2), counts)
     del a
     if down_bias is None:
         torch.mul(y, w[:U, None], out=slots[:U])
     else:
-        for e, rows in _expert_rows(counts):
-            torch.mul(y[rows].to(acc) + down_bias[e].to(acc), w[rows, None], out=slots[rows])
+        rows = slots[:U]
+        rows.copy_(y)
+        del y
+        rows += down_bias.index_select(0, _group_index("experts", counts, x.device))
+        rows *= w[:U, None]
     slots[U:].zero_()  # the skipped slots
     return R.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
 
@@ -278,15 +328,20 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
     xs, gs = x[tokens[:U]], grad_out[tokens[:U]]
     grad_y = grouped_mm(gs, down, counts, out_dtype=x.dtype)             # unscaled: the kernel scales it
     groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
-    ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(xs, *plan.first, grad_y, activation, store_act=need_dd,
-                                                   row_scale=w[:U], groups=groups)
+    if plan.gates is None:  # ungated: one g_h, the up projections' rows
+        gh, a, dbu, dscale = gemm_act_grad(xs, plan.first[0].t(), plan.first[1] if len(plan.first) > 1 else None,
+                                           grad_y, activation, store_act=need_dd, row_scale=w[:U], groups=groups)
+        dbg = ghg = ghu = None
+    else:
+        ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(xs, *plan.first, grad_y, activation, store_act=need_dd,
+                                                       row_scale=w[:U], groups=groups)
+        # (U, 2I) in the weights' row order where the kernel laid the g_h's out so (gated_act_grad)
+        grads = None if layout.apart else _joint_rows(ghg.t(), ghu.t())
+        gh = grads[1].t() if grads is not None and grads[0] == ("interleaved" if layout.interleaved else "halves") \
+            else None
     del grad_y
     dd = grouped_weight_grad(gs, a, counts, down) if need_dd else None  # g_out^T (s a)
     del a
-    # (U, 2I) in the weights' row order where the kernel laid the g_h's out so (gated_act_grad)
-    grads = None if layout.apart else _joint_rows(ghg.t(), ghu.t())
-    gh = grads[1].t() if grads is not None and grads[0] == ("interleaved" if layout.interleaved else "halves") \
-        else None
     dx_slots = dw_slots = dgu = dup = dgub = ddb = None
     if need_dx:
         dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc)
@@ -307,19 +362,15 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
             for g_h, stack, part in zip((ghg, ghu), (plan.gates, plan.ups), R.gate_and_up(dgu, layout)):
                 grouped_weight_grad(g_h, xs, counts, stack, out=part)
     if need_dgub and gate_up_bias is not None:
-        dgub = torch.empty_like(gate_up_bias)
-        for grad, part in zip((dbg, dbu), R.gate_and_up(dgub, layout)):
-            part.copy_(grad)
+        if dbg is None:
+            dgub = dbu
+        else:
+            dgub = torch.empty_like(gate_up_bias)
+            for grad, part in zip((dbg, dbu), R.gate_and_up(dgub, layout)):
+                part.copy_(grad)
     bias_dscale = None
-    if down_bias is not None and (need_dw or need_ddb):  # a bias's small sums, per expert (gpt-oss's)
-        bias_dscale = torch.empty(U, device=x.device, dtype=torch.float32) if need_dw else None
-        ddb = torch.zeros_like(down_bias) if need_ddb else None
-        for e, rows in _expert_rows(counts):
-            share, db_e = _down_bias_grads(gs[rows], w[rows], down_bias[e], need_dw, need_ddb)
-            if need_dw:
-                bias_dscale[rows] = share
-            if need_ddb:
-                ddb[e] = db_e
+    if down_bias is not None and (need_dw or need_ddb):  # a bias's small sums (gpt-oss's)
+        bias_dscale, ddb = _grouped_down_bias_grads(gs, w, down_bias, counts, need_dw, need_ddb)
     if need_dw:
         dw_slots = torch.empty(S, device=x.device, dtype=acc)
         dw_slots[:U] = dscale if bias_dscale is None else dscale + bias_dscale
