@@ -451,6 +451,31 @@ def _column_halves(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 # Outputs (and the incoming gradient of the grad kernel) are contiguous (M, N):
 # one 32-bit in-tile offset tensor serves all of them, from a 64-bit tile base.
 @triton.jit
+def _preact(
+    tile, a_ptr, b_ptr, bias_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, MT, stride_be,
+    stride_biase, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
+    """(h, pid_m, pid_n, row0, col0, row_end) of output tile ``tile``: one function for the forward and its recompute, so
+    both compute the pre-activation alike, bit for bit; the tile's rows are [row0, row_end). GROUPED: the
+    routed experts' tile table (``_expert_tile``), expert e's weights and bias e expert strides past expert 0's
+    (pointer loads: the launcher sets no TMA)."""
+    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
+                                                                      GROUP_M, GROUPED)
+    if GROUPED:
+        a_ptr += row0.to(tl.int64) * stride_am
+        b_ptr += e * stride_be
+        bias_ptr += e * stride_biase
+    acc = _mainloop(a_ptr, b_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn, loop_pid_m, pid_n,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
+    col0 = pid_n * BLOCK_N
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
+    return acc, pid_m, pid_n, row0, col0, row_end
+
+
+@triton.jit
 def _gemm_act_tile(
     tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr,
     M, N, K,
@@ -460,17 +485,9 @@ def _gemm_act_tile(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
-                                                                      GROUP_M, GROUPED)
-    if GROUPED:  # the expert's rows and weights (pointer loads: the launcher sets no TMA)
-        a_ptr += row0.to(tl.int64) * stride_am
-        b_ptr += e * stride_be
-        bias_ptr += e * stride_biase
-    acc = _mainloop(a_ptr, b_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn, loop_pid_m, pid_n,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
-    col0 = pid_n * BLOCK_N
-    if HAS_BIAS:
-        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
+    acc, pid_m, pid_n, row0, col0, row_end = _preact(
+        tile, a_ptr, b_ptr, bias_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, MT, stride_be,
+        stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, GROUPED)
     _fwd_epilogue(acc, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
                   drop_threshold, drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
@@ -563,17 +580,9 @@ def _gemm_act_grad_tile(
     EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     # recompute the pre-activation exactly as _gemm_act_tile does
-    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
-                                                                      GROUP_M, GROUPED)
-    if GROUPED:
-        a_ptr += row0.to(tl.int64) * stride_am
-        b_ptr += e * stride_be
-        bias_ptr += e * stride_biase
-    acc = _mainloop(a_ptr, b_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn, loop_pid_m, pid_n,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, TMA)
-    col0 = pid_n * BLOCK_N
-    if HAS_BIAS:
-        acc = _add_bias(acc, bias_ptr, N, col0, BLOCK_N)
+    acc, pid_m, pid_n, row0, col0, row_end = _preact(
+        tile, a_ptr, b_ptr, bias_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, MT, stride_be,
+        stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, TMA, GROUPED)
     base = row0.to(tl.int64) * N + col0
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < row_end - row0
