@@ -288,6 +288,17 @@ def _grouped_down_bias_grads(gs, w, down_bias, counts, need_dw, need_ddb):
     return share, ddb
 
 
+def _token_sums(slots, order, top_k_index, dtype):
+    """Each token's sum over its k slots of the expert-sorted rows ``slots`` (S, C), in ``dtype``: k gathers of
+    (T, C) added in order, never a (T, k, C) copy of the slots (``unroute``'s, as large as they are)."""
+    T, k = top_k_index.shape
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device)).view(T, k)
+    out = slots.index_select(0, inverse[:, 0])
+    for j in range(1, k):
+        out += slots.index_select(0, inverse[:, j])
+    return out.to(dtype)
+
+
 def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activation, down_bias):
     """The experts' weighted outputs: the act kernel (both dual GEMMs where gated) in one launch, then the down
     GEMM grouped, its rows scaled into the fp32 slots (a down bias added there first, in fp32: gpt-oss's)."""
@@ -314,7 +325,7 @@ def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activat
         rows += down_bias.index_select(0, _group_index("experts", counts, x.device))
         rows *= w[:U, None]
     slots[U:].zero_()  # the skipped slots
-    return R.unroute(slots, order, top_k_index).sum(1).to(x.dtype)
+    return _token_sums(slots, order, top_k_index, x.dtype)
 
 
 def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_out, activation, layout, need, up,
@@ -331,7 +342,7 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
     if plan.gates is None:  # ungated: one g_h, the up projections' rows
         gh, a, dbu, dscale = gemm_act_grad(xs, plan.first[0].t(), plan.first[1] if len(plan.first) > 1 else None,
                                            grad_y, activation, store_act=need_dd, row_scale=w[:U], groups=groups)
-        dbg = ghg = ghu = None
+        dbg = ghg = ghu = grads = None
     else:
         ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(xs, *plan.first, grad_y, activation, store_act=need_dd,
                                                        row_scale=w[:U], groups=groups)
@@ -342,15 +353,11 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
     del grad_y
     dd = grouped_weight_grad(gs, a, counts, down) if need_dd else None  # g_out^T (s a)
     del a
-    dx_slots = dw_slots = dgu = dup = dgub = ddb = None
-    if need_dx:
-        dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc)
-        if gh is not None:
-            grouped_mm(gh, gate_up, counts, out=dx_slots[:U])
-        else:
-            grouped_mm(ghg, plan.gates, counts, out=dx_slots[:U])
-            dx_slots[:U] += grouped_mm(ghu, plan.ups, counts, out_dtype=acc)
-        dx_slots[U:].zero_()
+    # each gathered operand freed after its last GEMM: the dX slots (fp32, every routed row) come last
+    dw_slots = dgu = dup = dgub = ddb = bias_dscale = None
+    if down_bias is not None and (need_dw or need_ddb):  # a bias's small sums (gpt-oss's)
+        bias_dscale, ddb = _grouped_down_bias_grads(gs, w, down_bias, counts, need_dw, need_ddb)
+    del gs
     if need_dgu:
         if gh is not None:
             dgu = grouped_weight_grad(gh, xs, counts, gate_up)
@@ -361,6 +368,7 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
             dgu = torch.zeros_like(gate_up)
             for g_h, stack, part in zip((ghg, ghu), (plan.gates, plan.ups), R.gate_and_up(dgu, layout)):
                 grouped_weight_grad(g_h, xs, counts, stack, out=part)
+    del xs
     if need_dgub and gate_up_bias is not None:
         if dbg is None:
             dgub = dbu
@@ -368,14 +376,21 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
             dgub = torch.empty_like(gate_up_bias)
             for grad, part in zip((dbg, dbu), R.gate_and_up(dgub, layout)):
                 part.copy_(grad)
-    bias_dscale = None
-    if down_bias is not None and (need_dw or need_ddb):  # a bias's small sums (gpt-oss's)
-        bias_dscale, ddb = _grouped_down_bias_grads(gs, w, down_bias, counts, need_dw, need_ddb)
+    dx = None
+    if need_dx:
+        dx_slots = torch.empty((S, x.shape[1]), device=x.device, dtype=acc)
+        if gh is not None:
+            grouped_mm(gh, gate_up, counts, out=dx_slots[:U])
+        else:
+            grouped_mm(ghg, plan.gates, counts, out=dx_slots[:U])
+            dx_slots[:U] += grouped_mm(ghu, plan.ups, counts, out_dtype=acc)
+        del gh, ghg, ghu, grads  # (the joint rows' view too)
+        dx_slots[U:].zero_()
+        dx = _token_sums(dx_slots, order, top_k_index, x.dtype)
     if need_dw:
         dw_slots = torch.empty(S, device=x.device, dtype=acc)
         dw_slots[:U] = dscale if bias_dscale is None else dscale + bias_dscale
         dw_slots[U:].zero_()
-    dx = R.unroute(dx_slots, order, top_k_index).sum(1).to(x.dtype) if need_dx else None
     dw = R.unroute(dw_slots, order, top_k_index).to(top_k_weights.dtype) if need_dw else None
     return dx, dw, dgu, dd, dup, dgub, ddb
 
