@@ -52,7 +52,8 @@ How patterns are found
    LongCat-Flash's ``LongcatFlashExperts`` (identity experts), DBRX's ``DbrxExperts`` and Step-3.7's
    ``Step3p7Experts`` (its clamped SwiGLU) by name; DeepSeek-V4's, GLM-5-Next's, HY-V4's and MiniMax-M3's
    clamped ``_apply_gate`` under the interface, and gpt-oss's and the OpenAI privacy filter's (biases, gpt-oss's
-   interleaved gate/up rows), Beam's fp32 one and Inkling2's softcapped one; MiniMax-M3's dense MLP by name); timm's
+   interleaved gate/up rows), Beam's fp32 one and Inkling2's softcapped one; MiniMax-M3's dense MLP and Inkling's
+   shared experts by name); timm's
    MLPs of 1x1
    convolutions (``Mlp(use_conv=True)``, ``ConvMlp``, FastViT's ``ConvMlp`` after its Conv-BN and
    SwiftFormer's ``Mlp`` after its BatchNorm2d: a fused FFN
@@ -3358,6 +3359,92 @@ def _llama4_text_experts(ctx, name, m):
     if reason is None:
         new.__dict__["_fusedrc_arg"] = "hidden_states"
     return new
+
+
+class FusedInklingSharedExperts(Wrapper):
+    """Inkling's shared experts (``InklingSharedExperts``): every token through each of ``n_shared_experts`` gated
+    FFNs (stacked gate, up and down weights applied by ``bmm``), weighted by the router's per-token ``gammas`` and
+    summed in fp32, as one :func:`fusedrc.functional.moe_experts` call choosing every expert for every token with
+    the gammas as routing weights (the gate and up stacks apart): only the call's inputs kept, not the (n, T, I)
+    projections and their products. The gammas scale each expert's output rather than its product (the same
+    function, rounded once less in half precision)."""
+
+    def _fusedrc_flops(self, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor):
+            return 0, 0
+        n, inter, hidden = self.gate_proj.shape
+        rows = x.numel() // max(1, hidden) * n
+        rerun = 4 * rows * hidden * inter
+        return rerun + 2 * rows * hidden * inter, rerun
+
+    def _args(self, args, kwargs):
+        """(hidden_states, gammas) of a call by position or by the forward's names, else None."""
+        names = ("hidden_states", "gammas")
+        if len(args) + len(kwargs) != 2 or set(kwargs) - set(names[len(args):]):
+            return None
+        bound = dict(zip(names, args), **kwargs)
+        return bound["hidden_states"], bound["gammas"]
+
+    def forward(self, *args, **kwargs):
+        call = self._args(args, kwargs)
+        site, act = self.sites.get("experts"), self.__dict__["_fusedrc_act"]
+        if call is None or site is None or not site.enabled or inside_region() or not _nohooks(self, self.act_fn) \
+                or _act_name(self.act_fn) != act or _inkling_shared_reason(self) is not None:
+            return self.plain(*args, **kwargs)
+        x, gammas = call
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        n = gate.shape[0]
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.shape[-1] == gate.shape[2]
+                and isinstance(gammas, torch.Tensor) and gammas.is_floating_point() and gammas.numel() * x.shape[-1]
+                == x.numel() * n and x.device == gate.device == gammas.device
+                and (x.dtype == gate.dtype == up.dtype == down.dtype or torch.is_autocast_enabled(x.device.type))):
+            return self.plain(*args, **kwargs)
+
+        def fused(h, g):
+            flat = h.reshape(-1, h.shape[-1])
+            every = torch.arange(n, device=h.device).expand(flat.shape[0], n)
+            out = F.moe_experts(flat, every, g.reshape(-1, n), gate, down, act, up_proj=up)
+            return out.to(h.dtype).view(h.shape)
+
+        return _run_site(site, fused, self.plain, x, gammas)
+
+
+# InklingSharedExperts.forward's lines (transformers 5.25)
+_INKLING_SHARED_LINES = [
+    "input_shape = hidden_states.shape",
+    "hidden_states = hidden_states.reshape(1, -1, input_shape[-1]).expand(self.n_shared_experts, -1, -1)",
+    "gammas = gammas.reshape(-1, self.n_shared_experts, 1).transpose(0, 1)",
+    "gate = torch.bmm(hidden_states, self.gate_proj.transpose(1, 2))",
+    "up = torch.bmm(hidden_states, self.up_proj.transpose(1, 2))",
+    "activated = self.act_fn(gate) * up * gammas",
+    "down = torch.bmm(activated, self.down_proj.transpose(1, 2))",
+    "out = down.float().sum(dim=0).to(hidden_states.dtype)",
+    "return out.view(input_shape)"]
+
+
+def _inkling_shared_reason(m):
+    """Why Inkling's shared experts ``m`` cannot be one fused experts call now (its weights), or None."""
+    gate, up, down = (m._parameters.get(k) for k in ("gate_proj", "up_proj", "down_proj"))
+    if not (all(isinstance(t, nn.Parameter) and t.dim() == 3 for t in (gate, up, down))
+            and gate.shape == up.shape and down.shape == (gate.shape[0], gate.shape[2], gate.shape[1])
+            and getattr(m, "n_shared_experts", None) == gate.shape[0]):
+        return "gate_proj/up_proj/down_proj are not (n, I, hidden) / (n, hidden, I) parameters"
+    return None
+
+
+@register_rule("InklingSharedExperts")
+def _inkling_shared_experts(ctx, name, m):
+    """Inkling's shared experts (its forward checked line by line)."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    act = getattr(m, "act_fn", None)
+    reason = _rule_reason(
+        [(lines[0].startswith("def forward(self, hidden_states, gammas") and lines[1:] == _INKLING_SHARED_LINES,
+          f"{_class_of(m).__name__}.forward is not Inkling's bmm shared experts")],
+        act, (m, act), lambda: _inkling_shared_reason(m))
+    return _experts_unit(ctx, name, m, reason, FusedInklingSharedExperts, _act_name(act))
 
 
 class FusedLongcatFlashExperts(_ExpertsCall):

@@ -1011,6 +1011,53 @@ def test_convert_inkling2_softcapped_experts(backend):
     assert ops.count == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_convert_inkling_shared_experts(backend):
+    """Inkling's shared experts (every token through each of the stacked gated FFNs, weighted by the router's
+    gammas, bmm's in the original): one fused experts call choosing every expert for every token; output, input,
+    gammas and weight gradients the original's; a call by keyword fuses too, hooks or other arguments run the
+    module's forward; the whole MoE layer has two units, its routed and its shared experts."""
+    _transformers()
+    try:
+        from transformers.models.inkling import configuration_inkling as C
+        from transformers.models.inkling import modeling_inkling as M
+    except ImportError:
+        pytest.skip("this transformers has no Inkling")
+    cfg = C.InklingTextConfig(hidden_size=32, moe_intermediate_size=24, n_shared_experts=3)
+    torch.manual_seed(0)
+    experts = M.InklingSharedExperts(cfg)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    conv = fusedrc.convert(experts)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["moe_experts"], conv.fusedrc_plan
+    device = backend_device(backend)
+    experts.to(device), conv.to(device)
+    x, g = torch.randn(2, 5, 32, device=device), torch.rand(2, 5, 3, device=device)
+    for call in (lambda m, x, g: m(x, g), lambda m, x, g: m(hidden_states=x, gammas=g)):
+        for m in (experts, conv):
+            m.zero_grad()
+        leaves = [[t.clone().requires_grad_() for t in (x, g)] for _ in range(2)]
+        with fusedrc.use_backend(backend), _OpCount() as ops:
+            ya, yb = call(experts, *leaves[0]), call(conv, *leaves[1])
+            ya.square().sum().backward()
+            yb.square().sum().backward()
+        assert ops.count == 1 and yb.shape == ya.shape == x.shape
+        assert rel_err(yb, ya) < 1e-5
+        for a, b in zip(leaves[0], leaves[1]):
+            assert rel_err(b.grad, a.grad) < 1e-5
+        _grads_match(experts, conv)
+    handle = conv.act_fn.register_forward_hook(lambda *a: None)
+    with _OpCount() as ops:
+        conv(x, g)
+    assert ops.count == 0
+    handle.remove()
+    with pytest.raises(TypeError):
+        conv(x, g, 1)  # no such call: the module's own forward says so
+    moe = M.InklingMoE(C.InklingTextConfig(hidden_size=32, moe_intermediate_size=24, n_shared_experts=2,
+                                          n_routed_experts=4, num_experts_per_tok=2))
+    assert sorted(fusedrc.convert(moe).fusedrc_plan.fused) == ["experts", "shared_experts"]
+
+
 def test_convert_openai_privacy_filter_experts():
     """The OpenAI privacy filter's experts (gpt-oss's with the gate and up projections in halves, its eager
     forward in fp32): one fused call, output and every gradient the original's in fp32; the biases' dtype
