@@ -37,7 +37,8 @@ How patterns are found
    ``OPTDecoderLayer`` and the BART-style layers that inline their FFN the same way
    (``_INLINE_FFN_LAYERS``, and by shape any ``GradientCheckpointingLayer`` holding
    ``fc1``/``activation_fn``/``fc2``; the rule reads the forward's source and checks its lines),
-   ``GPT2MLP`` and its copies (``Conv1D`` layers), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
+   ``GPT2MLP`` and its copies (``Conv1D`` layers), SAM 3's ``Sam3MLP`` / ``Sam3LiteTextMLP`` (a dropout before the
+   activation), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
    ``AlbertLayer`` (its ``ff_chunk``);
    and, by shape rather than class name, every layer whose ``feed_forward_chunk``, ``intermediate``
    and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them; DeBERTa and
@@ -2524,6 +2525,54 @@ def _conv1d_mlp(ctx, name, m):
     new = FusedConv1DMLP.wrap(m)
     new.__dict__["_fusedrc_act"] = act
     _site_unit(ctx, new, name, "ffn", "ffn", (m.c_fc,))
+    return new
+
+
+class FusedPreDropoutMLP(Wrapper):
+    """Hugging Face's SAM 3 MLPs (``Sam3MLP``, ``Sam3LiteTextMLP``): ``fc2(activation_fn(dropout(fc1(x))))``, the
+    dropout before the activation. One fused FFN while that dropout does nothing (p = 0, SAM 3's default
+    ``hidden_dropout``, or eval mode); a dropout that acts there runs the module's forward (the op's dropout
+    comes after the activation: the same only for a ReLU)."""
+
+    def _fusedrc_site(self):
+        return self.sites.get("ffn")
+
+    def _fusedrc_fusable(self, x):
+        site, fc1, fc2, act = self._fusedrc_site(), self.fc1, self.fc2, self.__dict__["_fusedrc_act"]
+        return (site is not None and site.enabled and fused_dropout_p(self.dropout) == 0.0
+                and _nohooks(self, fc1, self.dropout, self.activation_fn, fc2)
+                and _still(act, self.activation_fn, fc1, fc2) and _dense_runtime_ok(x, fc1, fc2))
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        if x is None:
+            return self.plain(*args, **kwargs)
+        fc1, fc2, act = self.fc1, self.fc2, self.__dict__["_fusedrc_act"]
+        return _with_norm(self, x, lambda x, **norm: F.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act,
+                                                                 **norm), self.plain)
+
+
+@register_rule("Sam3MLP", "Sam3LiteTextMLP")
+def _pre_dropout_mlp(ctx, name, m):
+    """SAM 3's MLPs, their forward checked (fc1 -> dropout -> activation_fn -> fc2 on one variable)."""
+    body = _forward_lines(ctx, name, m)
+    if body is None:
+        return m
+    v = _forward_arg(body)
+    if v is None or _inlined_return(body) != f"self.fc2(self.activation_fn(self.dropout(self.fc1({v}))))":
+        ctx.skip(name, f"{_class_of(m).__name__}.forward is not fc1 -> dropout -> activation_fn -> fc2")
+        return m
+    act = _act_name(getattr(m, "activation_fn", None))
+    if act is None:
+        ctx.skip(name, f"activation {type(getattr(m, 'activation_fn', None)).__name__} has no fused form")
+        return m
+    if not (all(is_linear(m._modules.get(k)) for k in ("fc1", "fc2")) and type(m._modules.get("dropout")) is nn.Dropout
+            and m.fc2.in_features == m.fc1.out_features):
+        ctx.skip(name, "fc1/fc2 are not Linears of one hidden width, or dropout is not an nn.Dropout")
+        return m
+    new = FusedPreDropoutMLP.wrap(m)
+    new.__dict__["_fusedrc_act"], new.__dict__["_fusedrc_arg"] = act, v
+    _site_unit(ctx, new, name, "ffn", "ffn", (m.fc1,))
     return new
 
 

@@ -447,6 +447,48 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
+def test_sam3_mlp_dropout_before_the_activation():
+    """SAM 3's MLPs (fc1 -> dropout -> GELU -> fc2): one fused FFN while the dropout does nothing (p = 0, or eval
+    mode), output and gradients the module's; a dropout that acts there (training, p > 0) runs the module's forward;
+    a forward of another shape is reported and left."""
+    _transformers()
+    try:
+        from transformers.models.sam3 import modeling_sam3 as M
+    except ImportError:
+        pytest.skip("this transformers has no SAM 3")
+    cfg = types.SimpleNamespace(hidden_act="gelu", hidden_size=16, intermediate_size=40, hidden_dropout=0.0)
+    torch.manual_seed(0)
+    mlp = M.Sam3MLP(cfg).train()
+    conv = fusedrc.convert(mlp)
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["ffn"] and conv.fusedrc_plan.fused == [""]
+    x = torch.randn(3, 5, 16)
+    for p, train, fused in ((0.0, True, True), (0.3, False, True), (0.3, True, False)):
+        mlp.dropout.p = conv.dropout.p = p
+        mlp.train(train), conv.train(train)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(1)
+        ya = mlp(xa)
+        torch.manual_seed(1)
+        with FusedOpLog() as log:
+            yb = conv(xb)
+            yb.square().sum().backward()
+        ya.square().sum().backward()
+        assert bool(log.ops) == fused, (p, train, log.ops)
+        assert rel_err(yb, ya) < 1e-6 and rel_err(xb.grad, xa.grad) < 1e-6, (p, train)
+        for (n, a), b in zip(mlp.named_parameters(), conv.parameters()):
+            assert rel_err(b.grad, a.grad) < 1e-6, (n, p, train)
+            a.grad = b.grad = None
+
+    class Other(M.Sam3MLP):
+        def forward(self, hidden_states):
+            return self.fc2(self.dropout(self.activation_fn(self.fc1(hidden_states))) * 2)
+
+    Other.__name__ = Other.__qualname__ = "Sam3MLP"  # the rule's class name, another forward
+    plan = fusedrc.convert(Other(cfg)).fusedrc_plan
+    assert "ffn" not in [u.kind for u in plan.units]
+    assert any("fc1 -> dropout -> activation_fn -> fc2" in r for _, r in plan.skipped), plan
+
+
 @pytest.mark.parametrize("family", ["llama", "phi3", "moshi", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon",
                                     "biogpt", "fsmt"])
 def test_other_hugging_face_families(family):
