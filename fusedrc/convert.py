@@ -3066,6 +3066,20 @@ def _looks_experts(m):
             and (not isinstance(m, Wrapper) or isinstance(m, FusedExperts)))
 
 
+def _looks_own_experts(m):
+    """An experts module that has the interface's flags but a forward of its own (a subclass overriding the
+    decorated forward: Ergo's ``ErgoExperts``, its per-route norm after each expert): reported, left."""
+    return (all(isinstance(m.__dict__.get(f), bool) for f in _EXPERTS_FLAGS)
+            and isinstance(getattr(m, "num_experts", None), int) and not isinstance(m, Wrapper)
+            and not hasattr(_class_of(m).forward, "__wrapped__"))
+
+
+def _own_experts(ctx, name, m):
+    ctx.skip(name, f"{_class_of(m).__name__}.forward is its own, not transformers' experts interface "
+                   "(the experts computed some other way): no fused form")
+    return m
+
+
 def _experts(ctx, name, m):
     cls = _class_of(m)
     gate = _inspect.getattr_static(cls, "_apply_gate", None)
@@ -4797,7 +4811,7 @@ def _held_inline(module, prefix, unit):
 
 # the rules found by a module's shape and code rather than its class name, in the order they are tried
 _SHAPE_RULES = ((_looks_gated_mlp, _gated_mlp), (_looks_inline_ffn_layer, _inline_ffn_layer), (_looks_experts, _experts),
-                (_looks_split_ffn_layer, _split_ffn_layer), (_looks_gate_up_mlp, _gate_up_mlp),
+                (_looks_own_experts, _own_experts), (_looks_split_ffn_layer, _split_ffn_layer), (_looks_gate_up_mlp, _gate_up_mlp),
                 (_looks_inline_split_ffn_layer, _inline_split_ffn_layer), (_looks_conv1d_mlp, _conv1d_mlp))
 
 

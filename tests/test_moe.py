@@ -1058,6 +1058,22 @@ def test_convert_inkling_shared_experts(backend):
     assert sorted(fusedrc.convert(moe).fusedrc_plan.fused) == ["experts", "shared_experts"]
 
 
+def test_convert_reports_experts_with_a_forward_of_their_own():
+    """An experts class overriding the interface's forward (Ergo's: every route its own row, a norm after each
+    expert) is reported and left, not fused as its parent's layout says."""
+    _transformers()
+    try:
+        from transformers.models.ergo import configuration_ergo as C
+        from transformers.models.ergo import modeling_ergo as M
+    except ImportError:
+        pytest.skip("this transformers has no Ergo")
+    experts = M.ErgoExperts(C.ErgoConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
+    plan = fusedrc.convert(experts).fusedrc_plan
+    assert not plan.units
+    assert [r for _, r in plan.skipped] == ["ErgoExperts.forward is its own, not transformers' experts interface "
+                                            "(the experts computed some other way): no fused form"]
+
+
 def test_convert_openai_privacy_filter_experts():
     """The OpenAI privacy filter's experts (gpt-oss's with the gate and up projections in halves, its eager
     forward in fp32): one fused call, output and every gradient the original's in fp32; the biases' dtype
