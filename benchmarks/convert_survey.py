@@ -10,7 +10,7 @@ cover).
 
     python benchmarks/convert_survey.py [--only llama,qwen3_moe] [--out benchmarks/results]
 
-Writes ``convert_survey_<transformers version>.json``; prints the uncovered ones.
+Writes ``convert_survey_<UTC time>.json`` (versions, commit, one row per model type); prints the uncovered ones.
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import argparse
 import contextlib
 import importlib
 import io
-import json
-import os
 import re
 import sys
 import time
@@ -120,10 +118,10 @@ def main():
         if rec.get("uncovered") or "convert_error" in rec:
             print(f"{model_type:28s} units={rec.get('units')} uncovered={rec.get('uncovered')} "
                   f"{rec.get('convert_error', '')}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"convert_survey_transformers_{transformers.__version__}.json")
-    with open(path, "w") as f:
-        json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    from fusedrc.bench import measure
+
+    path = measure.write_results(args.out, "convert_survey", "convert_survey", torch.device("cpu"),
+                                 transformers=transformers.__version__, rows=rows)
     built = [r for r in rows if "build_error" not in r]
     fused = [r for r in built if r.get("units")]
     print(f"{len(rows)} model types, {len(built)} built on meta, {len(fused)} with fused units, "
