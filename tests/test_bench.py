@@ -710,3 +710,27 @@ def test_host_cost_experts_pattern(tmp_path):
     assert hit == int(hit) and 0 < hit <= 128
     assert calls["fusedrc grouped, GEMMs per expert"] == 2 + 5 * hit
     assert calls["fusedrc grouped"] == 7 and calls["eager"] == calls["torch_checkpoint"] == 0
+
+
+def test_convert_survey_script(tmp_path):
+    """benchmarks/convert_survey.py on a few model types (built on the meta device, converted): Llama's gated MLPs
+    fused, nothing left; GLPN's Mix-FFN (a depthwise conv between its Linears) listed as uncovered; a model type
+    transformers cannot build from its default config a row with its error; the results file carries the rows,
+    versions and commit."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "convert_survey.py"
+    run = subprocess.run([sys.executable, str(script), "--only", "llama,glpn,autoformer", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.glob("convert_survey_*.json")
+    doc = json.loads(path.read_text())
+    rows = {r["model_type"]: r for r in doc["rows"]}
+    assert set(rows) == {"llama", "glpn", "autoformer"} and doc["commit"] and doc["transformers"]
+    assert rows["llama"]["units"]["gated_ffn"] == 2 and rows["llama"]["uncovered"] == []
+    assert "GLPNMixFFN" in rows["glpn"]["uncovered"] and "gated_ffn" not in rows["glpn"]["units"]
+    assert "build_error" in rows["autoformer"]
+    assert "glpn" in run.stdout and "3 model types" in run.stdout
