@@ -2576,6 +2576,57 @@ def _pre_dropout_mlp(ctx, name, m):
     return new
 
 
+class FusedTFPaddedConvLayer(Wrapper):
+    """Hugging Face's MobileNet V1/V2 conv layers (``MobileNetV1ConvLayer``, ``MobileNetV2ConvLayer``): TensorFlow's
+    'SAME' padding of the input where ``config.tf_padding`` (the model module's own ``apply_tf_padding``, as the
+    layer calls it), then convolution -> BatchNorm2d [-> activation] as one fused Conv-BN[-act] unit (depthwise
+    convolutions too: the op's grouped path). The fused op keeps the padded input, as the conv did."""
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        if x is None:
+            return self.plain(*args, **kwargs)
+        if self.config.tf_padding:
+            x = self.__dict__["_fusedrc_pad"](x, self.convolution)
+        return _cbr(self.sites.get("conv"), self.convolution, self.normalization, self.activation, x)
+
+
+# MobileNetV1ConvLayer.forward's and MobileNetV2ConvLayer.forward's lines (transformers 4.x to 5.25)
+_TF_PADDED_CONV_LINES = [
+    "if self.config.tf_padding:", "features = apply_tf_padding(features, self.convolution)",
+    "features = self.convolution(features)", "if self.normalization is not None:",
+    "features = self.normalization(features)", "if self.activation is not None:",
+    "features = self.activation(features)", "return features"]
+
+
+@register_rule("MobileNetV1ConvLayer", "MobileNetV2ConvLayer")
+def _tf_padded_conv_layer(ctx, name, m):
+    """Hugging Face's MobileNet conv layers, their forward checked line by line."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    pad = getattr(_sys.modules.get(_class_of(m).__module__), "apply_tf_padding", None)
+    conv, bn, act = (m._modules.get(k) for k in ("convolution", "normalization", "activation"))
+    if _forward_arg(lines) != "features" or lines[1:] != _TF_PADDED_CONV_LINES or not callable(pad):
+        reason = f"{_class_of(m).__name__}.forward is not [tf padding] -> convolution -> [normalization] -> [activation]"
+    elif bn is None:
+        reason = "no normalization after the convolution: nothing to fuse"
+    elif getattr(getattr(m, "config", None), "tf_padding", None) not in (True, False):
+        reason = "config.tf_padding is not a bool"
+    elif conv is not None and m.config.tf_padding and tuple(getattr(conv, "padding", ())) != (0, 0):
+        reason = "a padded convolution after the tf padding"
+    else:
+        reason = _static_cbr(conv, bn, act) if isinstance(conv, nn.Module) else "no convolution module"
+        if reason is None and not _nohooks(conv, bn, act):
+            reason = "hooks registered on the modules"
+    kind = _cbr_kind(act) if reason is None else None
+    new = _wrapped_unit(ctx, name, m, reason, FusedTFPaddedConvLayer, _act_name(act) if act is not None else None,
+                        "conv", kind, (conv,))
+    if reason is None:
+        new.__dict__["_fusedrc_pad"], new.__dict__["_fusedrc_arg"] = pad, "features"
+    return new
+
+
 def _only_input(wrapper, args, kwargs):
     """A wrapped MLP's one input, by position or by its forward's own argument name (not always ``x``),
     or None for any other call (which the original forward takes as it is)."""

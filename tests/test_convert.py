@@ -447,6 +447,53 @@ def _hf_family(family):
     return model.train(), args, kwargs, units
 
 
+@pytest.mark.parametrize("tf_padding", [True, False], ids=["tf_padding", "symmetric"])
+def test_hugging_face_mobilenet_conv_layers(tf_padding):
+    """Hugging Face's MobileNet V1/V2 conv layers (TensorFlow 'SAME' padding by the input's size where the config
+    says, then Conv -> BatchNorm -> ReLU6, depthwise ones too): every layer with a norm one fused Conv-BN[-act]
+    unit; a training step's output, input and parameter gradients and the running statistics the original's (an
+    odd input size: the tf padding wider on one side); on the Triton backend too (one stride-2 depthwise layer)."""
+    tr = _transformers()
+    from transformers.models.mobilenet_v2 import modeling_mobilenet_v2 as M2
+
+    torch.manual_seed(0)
+    for cls, cfg in ((tr.MobileNetV2Model, tr.MobileNetV2Config(depth_multiplier=0.25, min_depth=4, image_size=33,
+                                                               tf_padding=tf_padding)),
+                     (tr.MobileNetV1Model, tr.MobileNetV1Config(depth_multiplier=0.25, min_depth=4, image_size=33,
+                                                               tf_padding=tf_padding))):
+        model = cls(cfg).train()
+        conv = fusedrc.convert(model)
+        kinds = collections.Counter(u.kind for u in conv.fusedrc_plan.units)
+        layers = [m for m in model.modules() if type(m).__name__.endswith("ConvLayer")]
+        assert kinds["conv_bn_act"] + kinds["conv_bn"] == sum(m.normalization is not None for m in layers) > 10
+        x = torch.randn(2, 3, 33, 33)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with FusedOpLog() as log:
+            yb = conv(xb).last_hidden_state
+            yb.square().sum().backward()
+        ya = model(xa).last_hidden_state
+        ya.square().sum().backward()
+        assert "conv_bn_act" in log.ops
+        assert rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5, cls.__name__
+        for (n, a), b in zip(model.named_parameters(), conv.parameters()):
+            assert rel_err(b.grad, a.grad) < 1e-5, n
+        for (n, a), b in zip(model.named_buffers(), conv.buffers()):
+            assert torch.allclose(b.double(), a.double(), rtol=1e-5, atol=1e-6), n
+    layer = M2.MobileNetV2ConvLayer(tr.MobileNetV2Config(tf_padding=tf_padding), 8, 8, 3, stride=2, groups=8).train()
+    fused = fusedrc.convert(layer)
+    device = backend_device("triton")
+    layer.to(device), fused.to(device)
+    x = torch.randn(2, 8, 9, 9, device=device)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with fusedrc.use_backend("triton"):
+        yb = fused(xb)
+        yb.square().sum().backward()
+    ya = layer(xa)
+    ya.square().sum().backward()
+    assert rel_err(yb, ya) < 1e-5 and rel_err(xb.grad, xa.grad) < 1e-5
+    assert rel_err(fused.convolution.weight.grad, layer.convolution.weight.grad) < 1e-5
+
+
 def test_sam3_mlp_dropout_before_the_activation():
     """SAM 3's MLPs (fc1 -> dropout -> GELU -> fc2): one fused FFN while the dropout does nothing (p = 0, or eval
     mode), output and gradients the module's; a dropout that acts there (training, p > 0) runs the module's forward;
