@@ -9,6 +9,9 @@ runs a forward, so a unit found here is a structural match (the tests check the 
 cover).
 
     python benchmarks/convert_survey.py [--only llama,qwen3_moe] [--out benchmarks/results]
+    python benchmarks/convert_survey.py --library timm [--only resnet50,vit_base_patch16_224]
+
+``--library timm``: every ``timm.list_models()`` architecture, built the same way (``timm.create_model``).
 
 Writes ``convert_survey_<UTC time>.json`` (versions, commit, one row per model type); prints the uncovered ones.
 """
@@ -59,7 +62,8 @@ def _build(model_type, class_name):
             return cls(AutoConfig.for_model(model_type))
 
 
-def survey_one(model_type, class_name):
+def survey_one(model_type, class_name, build=None):
+    """One row: ``build()`` (default: the transformers model type's bare model on meta) converted."""
     import fusedrc
 
     rec = {"model_type": model_type, "class": class_name}
@@ -67,7 +71,7 @@ def survey_one(model_type, class_name):
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            model = _build(model_type, class_name)
+            model = build() if build is not None else _build(model_type, class_name)
     except Exception as e:  # noqa: BLE001 (a survey: every failure is a row)
         rec["build_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         return rec
@@ -85,8 +89,7 @@ def survey_one(model_type, class_name):
     for u in plan.units:
         kinds[u.kind] = kinds.get(u.kind, 0) + 1
     names = [u.name for u in plan.units]
-    covered = lambda n: any(u == n or u.startswith(n + ".") or n.startswith(u + ".") or n.startswith(u)  # noqa: E731
-                            for u in names)
+    covered = lambda n: any(u == n or u.startswith(n + ".") or n.startswith(u + ".") for u in names)  # noqa: E731
     rec.update(units=kinds, skipped=[[n, r[:200]] for n, r in plan.skipped],
                uncovered=sorted({c for n, c in mlps.items() if not covered(n)}),
                warnings=sorted({str(w.message)[:200] for w in caught if "fusedrc" in str(w.message)})[:3],
@@ -94,34 +97,51 @@ def survey_one(model_type, class_name):
     return rec
 
 
+def _timm_models(only):
+    import timm
+
+    def build(name):
+        with torch.device("meta"):
+            return timm.create_model(name, pretrained=False)
+
+    for name in timm.list_models():
+        if not only or name in only:
+            yield name, name, lambda name=name: build(name)
+
+
+def _transformers_models(only):
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    for model_type, class_name in MODEL_MAPPING_NAMES.items():
+        if not only or model_type in only:
+            yield model_type, class_name[0] if isinstance(class_name, (list, tuple)) else class_name, None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="", help="comma-separated model types")
+    ap.add_argument("--library", default="transformers", choices=("transformers", "timm"))
+    ap.add_argument("--only", default="", help="comma-separated model types (timm: model names)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     from fusedrc.convert import _import_torchvision
 
     with contextlib.suppress(ModuleNotFoundError):  # PyPI's torchvision on CPU torch: transformers imports it
         _import_torchvision()
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
+    library = importlib.import_module(args.library)
     only = {s for s in args.only.split(",") if s}
     rows = []
-    for model_type, class_name in MODEL_MAPPING_NAMES.items():
-        if only and model_type not in only:
-            continue
-        if isinstance(class_name, (list, tuple)):
-            class_name = class_name[0]
-        rec = survey_one(model_type, class_name)
+    models = _timm_models(only) if args.library == "timm" else _transformers_models(only)
+    for model_type, class_name, build in models:
+        rec = survey_one(model_type, class_name, build)
         rows.append(rec)
         if rec.get("uncovered") or "convert_error" in rec:
             print(f"{model_type:28s} units={rec.get('units')} uncovered={rec.get('uncovered')} "
                   f"{rec.get('convert_error', '')}", flush=True)
     from fusedrc.bench import measure
 
-    path = measure.write_results(args.out, "convert_survey", "convert_survey", torch.device("cpu"),
-                                 transformers=transformers.__version__, rows=rows)
+    stem = "convert_survey" if args.library == "transformers" else f"convert_survey_{args.library}"
+    path = measure.write_results(args.out, stem, "convert_survey", torch.device("cpu"), library=args.library,
+                                 **{args.library: library.__version__}, rows=rows)
     built = [r for r in rows if "build_error" not in r]
     fused = [r for r in built if r.get("units")]
     print(f"{len(rows)} model types, {len(built)} built on meta, {len(fused)} with fused units, "
