@@ -716,7 +716,8 @@ def test_convert_survey_script(tmp_path):
     """benchmarks/convert_survey.py on a few model types (built on the meta device, converted): Llama's gated MLPs
     fused, nothing left; GLPN's Mix-FFN (a depthwise conv between its Linears) listed as uncovered; a model type
     transformers cannot build from its default config a row with its error; the results file carries the rows,
-    versions and commit."""
+    versions and commit. With --library timm: ResNet-18's 20 Conv-BN units, PVT-v2's MLP uncovered."""
+    import importlib.util
     import json
     import subprocess
     import sys
@@ -734,3 +735,13 @@ def test_convert_survey_script(tmp_path):
     assert "GLPNMixFFN" in rows["glpn"]["uncovered"] and "gated_ffn" not in rows["glpn"]["units"]
     assert "build_error" in rows["autoformer"]
     assert "glpn" in run.stdout and "3 model types" in run.stdout
+    if importlib.util.find_spec("timm") is None:  # (not imported here: the script imports it its own way)
+        pytest.skip("timm is not installed (test extra)")
+    run = subprocess.run([sys.executable, str(script), "--library", "timm", "--only", "resnet18,pvt_v2_b0", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.glob("convert_survey_timm_*.json")
+    rows = {r["model_type"]: r for r in json.loads(path.read_text())["rows"]}
+    units = rows["resnet18"]["units"]  # every one of its 20 convolutions' Conv-BN[-ReLU]
+    assert sum(units.values()) == 20 and all(k.startswith("conv_bn") for k in units), units
+    assert rows["pvt_v2_b0"]["uncovered"] == ["MlpWithDepthwiseConv"]  # a depthwise conv between its Linears
