@@ -310,8 +310,7 @@ def _grouped_forward(plan, x, top_k_index, top_k_weights, gate_up, down, activat
     w = top_k_weights.reshape(-1)[order].to(acc)
     groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
     if plan.gates is None:
-        a = gemm_act(x[tokens[:U]], plan.first[0].t(), plan.first[1] if len(plan.first) > 1 else None, activation,
-                     groups=groups)
+        a = gemm_act(x[tokens[:U]], plan.first[0].t(), plan.first[1], activation, groups=groups)
     else:
         a = gated_act(x[tokens[:U]], *plan.first, activation, groups=groups)
     y = grouped_mm(a, down.transpose(1, 2), counts)
@@ -340,8 +339,8 @@ def _grouped_backward(plan, x, top_k_index, top_k_weights, gate_up, down, grad_o
     grad_y = grouped_mm(gs, down, counts, out_dtype=x.dtype)             # unscaled: the kernel scales it
     groups = ExpertGroups(tuple(counts), plan.stride_w, plan.stride_b)
     if plan.gates is None:  # ungated: one g_h, the up projections' rows
-        gh, a, dbu, dscale = gemm_act_grad(xs, plan.first[0].t(), plan.first[1] if len(plan.first) > 1 else None,
-                                           grad_y, activation, store_act=need_dd, row_scale=w[:U], groups=groups)
+        gh, a, dbu, dscale = gemm_act_grad(xs, plan.first[0].t(), plan.first[1], grad_y, activation,
+                                           store_act=need_dd, row_scale=w[:U], groups=groups)
         dbg = ghg = ghu = grads = None
     else:
         ghg, ghu, a, dbg, dbu, dscale = gated_act_grad(xs, *plan.first, grad_y, activation, store_act=need_dd,
