@@ -128,20 +128,25 @@ def main():
     with contextlib.suppress(ModuleNotFoundError):  # PyPI's torchvision on CPU torch: transformers imports it
         _import_torchvision()
     library = importlib.import_module(args.library)
-    only = {s for s in args.only.split(",") if s}
-    rows = []
-    models = _timm_models(only) if args.library == "timm" else _transformers_models(only)
-    for model_type, class_name, build in models:
-        rec = survey_one(model_type, class_name, build)
-        rows.append(rec)
-        if rec.get("uncovered") or "convert_error" in rec:
-            print(f"{model_type:28s} units={rec.get('units')} uncovered={rec.get('uncovered')} "
-                  f"{rec.get('convert_error', '')}", flush=True)
     from fusedrc.bench import measure
 
+    only = {s for s in args.only.split(",") if s}
+    rows, complete = [], False
+    models = _timm_models(only) if args.library == "timm" else _transformers_models(only)
+    measure.interrupt_on_sigterm()  # cut by a timeout: the rows so far are written, complete False
+    try:
+        for model_type, class_name, build in models:
+            rec = survey_one(model_type, class_name, build)
+            rows.append(rec)
+            if rec.get("uncovered") or "convert_error" in rec:
+                print(f"{model_type:28s} units={rec.get('units')} uncovered={rec.get('uncovered')} "
+                      f"{rec.get('convert_error', '')}", flush=True)
+        complete = True
+    except KeyboardInterrupt:
+        print(f"interrupted after {len(rows)} model types", flush=True)
     stem = "convert_survey" if args.library == "transformers" else f"convert_survey_{args.library}"
     path = measure.write_results(args.out, stem, "convert_survey", torch.device("cpu"), library=args.library,
-                                 **{args.library: library.__version__}, rows=rows)
+                                 complete=complete, **{args.library: library.__version__}, rows=rows)
     built = [r for r in rows if "build_error" not in r]
     fused = [r for r in built if r.get("units")]
     print(f"{len(rows)} model types, {len(built)} built on meta, {len(fused)} with fused units, "
