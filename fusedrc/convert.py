@@ -2608,7 +2608,8 @@ def _tf_padded_conv_layer(ctx, name, m):
     pad = getattr(_sys.modules.get(_class_of(m).__module__), "apply_tf_padding", None)
     conv, bn, act = (m._modules.get(k) for k in ("convolution", "normalization", "activation"))
     if _forward_arg(lines) != "features" or lines[1:] != _TF_PADDED_CONV_LINES or not callable(pad):
-        reason = f"{_class_of(m).__name__}.forward is not [tf padding] -> convolution -> [normalization] -> [activation]"
+        reason = (f"{_class_of(m).__name__}.forward is not [tf padding] -> convolution -> [normalization] -> "
+                  "[activation]")
     elif bn is None:
         reason = "no normalization after the convolution: nothing to fuse"
     elif getattr(getattr(m, "config", None), "tf_padding", None) not in (True, False):
@@ -4862,7 +4863,8 @@ def _held_inline(module, prefix, unit):
 
 # the rules found by a module's shape and code rather than its class name, in the order they are tried
 _SHAPE_RULES = ((_looks_gated_mlp, _gated_mlp), (_looks_inline_ffn_layer, _inline_ffn_layer), (_looks_experts, _experts),
-                (_looks_own_experts, _own_experts), (_looks_split_ffn_layer, _split_ffn_layer), (_looks_gate_up_mlp, _gate_up_mlp),
+                (_looks_own_experts, _own_experts), (_looks_split_ffn_layer, _split_ffn_layer),
+                (_looks_gate_up_mlp, _gate_up_mlp),
                 (_looks_inline_split_ffn_layer, _inline_split_ffn_layer), (_looks_conv1d_mlp, _conv1d_mlp))
 
 

@@ -457,10 +457,10 @@ def _preact(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     GROUPED: tl.constexpr,
 ):
-    """(h, pid_m, pid_n, row0, col0, row_end) of output tile ``tile``: one function for the forward and its recompute, so
-    both compute the pre-activation alike, bit for bit; the tile's rows are [row0, row_end). GROUPED: the
-    routed experts' tile table (``_expert_tile``), expert e's weights and bias e expert strides past expert 0's
-    (pointer loads: the launcher sets no TMA)."""
+    """(h, pid_m, pid_n, row0, col0, row_end) of output tile ``tile``: one function for the forward and its
+    recompute, so both compute the pre-activation alike, bit for bit; the tile's rows are [row0, row_end).
+    GROUPED: the routed experts' tile table (``_expert_tile``), expert e's weights and bias e expert strides past
+    expert 0's (pointer loads: the launcher sets no TMA)."""
     pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
                                                                       GROUP_M, GROUPED)
     if GROUPED:
@@ -1316,8 +1316,8 @@ def inspect_specs():
                           source=spec["source"] + "/row_scale"))
     # grouped launches (every routed ungated expert's rows in one launch, GROUPED's tile table) as moe_experts makes
     # them: every sm_90 16-bit tile a grouped launch may take (the table's, narrow: _dense_launch), pointer loads,
-    # one program per tile (dense_grid); the forward and the row-scale grad kernel, bf16, Nemotron-H's relu2, with the up
-    # biases (their expert stride)
+    # one program per tile (dense_grid); the forward and the row-scale grad kernel, bf16, Nemotron-H's relu2, with
+    # the up biases (their expert stride)
     tiles = {}
     for (family, opclass, bucket), cfg in _TABLE.items():
         if family == "sm90" and opclass == "16bit":

@@ -11,10 +11,11 @@ experts call keeps. Per expert with rows r (its tokens) and routing weights s:
 Forward (3 GEMMs): ``_gated_act_kernel`` (gate and up in one main loop, a = act(h_g) * h_u
   written once), then the down GEMM; y * s summed into the output.
 Launches: experts run grouped by default (``GROUPED_EXPERTS``): each act kernel (the dual kernels; ungated, the
-  dense ones) is one launch over every expert's rows (GROUPED: a table of row tiles, (expert, first row, end row), none across two experts; the expert's
-  weights an expert stride past expert 0's), and each plain GEMM one torch._grouped_mm where it has its fast path
-  (CUDA bf16 on sm_90+), else a launch per expert. Forward 2 launches and one scaling pass for the layer, backward 5
-  (joint gate/up rows) plus the routing's gathers; a down bias's a few more a layer (in chunks of whole experts): a fine-grained MoE layer (128 experts of 768, Qwen3-MoE's)
+  dense ones) is one launch over every expert's rows (GROUPED: a table of row tiles, (expert, first row, end row),
+  none across two experts; the expert's weights an expert stride past expert 0's), and each plain GEMM one
+  torch._grouped_mm where it has its fast path (CUDA bf16 on sm_90+), else a launch per expert. Forward 2 launches
+  and one scaling pass for the layer, backward 5 (joint gate/up rows) plus the routing's gathers; a down bias's
+  sums a few more (per chunk of whole experts): a fine-grained MoE layer (128 experts of 768, Qwen3-MoE's)
   launched ~10 kernels per expert per step before. Grouped and per-expert launches may take different tiles (the
   grouped one the table's for the mean rows an expert gets), so they agree to rounding, not bit for bit; a forward
   and its recompute always take the same path and tiles.
