@@ -12,8 +12,11 @@ So the script
 - compiles forward and backward together (``force_non_lazy_backward_lowering``) with
   ``aot_autograd``, captures both graphs and stops before running them.
 
-Prints one JSON object: the call_function targets of the forward and backward graphs, and the
-warnings torch logged about its mutation analysis (none expected).
+Prints one JSON object: the call_function targets of the forward and backward graphs, the
+warnings torch logged about its mutation analysis (none expected) and, per kernel, the arguments
+that analysis found written (the kernel's outputs only: an operand counted as written is cloned in
+the forward and rejected in a joint graph). ``python _trace_triton_ops.py gated`` traces a gated FFN
+(the dual-GEMM kernels) instead of the converted Conv/FFN/Linear net.
 """
 import json
 import logging
@@ -61,6 +64,20 @@ def main():
     triton.runtime.driver.set_active(_Sm90Target())
     torch._functorch.config.force_non_lazy_backward_lowering = True
 
+    import torch._higher_order_ops.triton_kernel_wrap as kernel_wrap
+
+    written = {}
+    analyse = kernel_wrap.get_mutated_tensors
+
+    def recording(kernel_idx, *args):
+        names = analyse(kernel_idx, *args)
+        kernel = kernel_wrap.kernel_side_table.get_kernel(kernel_idx)
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+        written[name] = sorted(set(written.get(name, [])) | set(names))
+        return names
+
+    kernel_wrap.get_mutated_tensors = recording
+
     graphs = {}
 
     def capture(kind):
@@ -71,17 +88,22 @@ def main():
             return gm.forward
         return compiler
 
-    model = fusedrc.convert(_net())
+    if sys.argv[1:] == ["gated"]:
+        model = torch.nn.Sequential(fusedrc.nn.GatedMLP(16, 24, out_features=20),
+                                    fusedrc.nn.GatedMLP(20, 12, bias=False, activation="gelu_tanh"))
+        x = torch.randn(5, 16, requires_grad=True)
+    else:
+        model = fusedrc.convert(_net())
+        x = torch.randn(2, 3, 6, 6, requires_grad=True)
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=capture("forward"),
                                                          bw_compiler=capture("backward")), fullgraph=True)
-    x = torch.randn(2, 3, 6, 6, requires_grad=True)
     with fusedrc.use_backend("triton"):
         try:
             compiled(x)
         except Exception as e:  # dynamo wraps the backend's exception
             if not any(isinstance(c, _Captured) for c in _causes(e)):
                 raise
-    print(json.dumps({**graphs, "analysis_warnings": warnings}))
+    print(json.dumps({**graphs, "analysis_warnings": warnings, "written": written}))
 
 
 def _causes(e):

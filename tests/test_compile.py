@@ -245,25 +245,49 @@ def test_fake_implementations_match_triton_layouts(device):
             _fake_matches_real(op, *args)
 
 
-def test_triton_op_twins_compile_into_their_launches():
-    """torch.compile of a converted model through the triton_op twins, forward and backward
-    compiled together: the graphs that reach the compiler hold the Triton launches
+# What each kernel writes: its outputs, never an operand (torch's mutation analysis, on the TTIR).
+_KERNEL_OUTPUTS = {
+    "_conv_bn_fwd_kernel": {"y_ptr", "z_ptr", "pmean_ptr", "pm2_ptr"},
+    "_bn_stats_finalize_kernel": {"mean_ptr", "rstd_ptr"},
+    "_conv_bn_bwd_kernel": {"dz_ptr", "pg_ptr", "pgx_ptr"},
+    "_gemm_act_kernel": {"c_ptr"},
+    "_gemm_act_grad_kernel": {"gh_ptr", "act_ptr", "part_ptr", "dscale_ptr"},
+    "_gated_act_kernel": {"c_ptr"},
+    "_gated_act_grad_kernel": {"ghg_ptr", "ghu_ptr", "act_ptr", "partg_ptr", "partu_ptr", "dscale_ptr"},
+}
+
+
+@pytest.mark.parametrize("net,launches,kernels", [
+    # forward: conv+BN (conv with statistics, finalize, apply) 3, FFN 2, Linear+ReLU 1; backward:
+    # conv+BN 2 (+ aten.convolution_backward), FFN 5, Linear+ReLU 3 (plain GEMMs are Triton off CUDA)
+    ("ffn", [6, 10], {"_conv_bn_fwd_kernel", "_bn_stats_finalize_kernel", "_conv_bn_bwd_kernel", "_gemm_act_kernel",
+                      "_gemm_act_grad_kernel"}),
+    # two gated FFNs: forward dual GEMM + down GEMM each; backward dAct, the dual grad kernel, dW_down,
+    # dW_gate, dW_up and dX's two GEMMs each
+    ("gated", [4, 14], {"_gated_act_kernel", "_gemm_act_kernel", "_gated_act_grad_kernel"}),
+])
+def test_triton_op_twins_compile_into_their_launches(net, launches, kernels):
+    """torch.compile of a model through the triton_op twins, forward and backward compiled
+    together: the graphs that reach the compiler hold the Triton launches
     (triton_kernel_wrapper_functional) and aten ops, no opaque fusedrc op; torch's analysis of
-    which arguments each kernel writes succeeds (fresh buffers only: an input "written" in the
-    backward would make AOTAutograd reject the joint graph). Compiled on the CPU up to the graphs,
-    never run (tests/_trace_triton_ops.py); the GPU test below runs them."""
+    which arguments each kernel writes succeeds and finds only its outputs (an operand counted as
+    written is cloned in the forward; in the backward AOTAutograd rejects the joint graph).
+    Compiled on the CPU up to the graphs, never run (tests/_trace_triton_ops.py); the GPU test
+    below runs them."""
     _needs_triton_op()
     script = os.path.join(os.path.dirname(__file__), "_trace_triton_ops.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, script] + (["gated"] if net == "gated" else []), env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["analysis_warnings"] == []
-    # forward: conv+BN (conv with statistics, finalize, apply) 3, FFN 2, Linear+ReLU 1; backward:
-    # conv+BN 2 (+ aten.convolution_backward), FFN 5, Linear+ReLU 3 (plain GEMMs are Triton off CUDA)
-    launches = [_launch_count(out[kind]) for kind in ("forward", "backward")]
-    assert launches == [6, 10]
-    assert "aten.convolution_backward.default" in out["backward"]
+    assert [_launch_count(out[kind]) for kind in ("forward", "backward")] == launches
+    assert set(out["written"]) == kernels
+    for kernel, written in out["written"].items():
+        assert written and set(written) <= _KERNEL_OUTPUTS[kernel], (kernel, written)
+    if net == "ffn":
+        assert "aten.convolution_backward.default" in out["backward"]
 
 
 def _capturing_backend():

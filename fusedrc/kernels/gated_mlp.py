@@ -39,7 +39,8 @@ import triton.language as tl
 
 from ._common import (
     _INSPECT_ARCH, _NARROW, _TABLE, _TRITON_PTR, ExpertGroups, GemmConfig, _act_fwd, _act_grad, _add_bias,
-    _arch_family, _expert_tile, _mainloop, _sigmoid, _column_halves, _device_guard, _dropout_factor, _shape_bucket,
+    _arch_family, _dense_tile, _expert_tile, _mainloop, _sigmoid, _column_halves, _device_guard, _dropout_factor,
+    _shape_bucket,
     _tile_safe, _upcast_flag, act_meta, cdiv, dense_grid, device_capability, dot_precision, dropout_args,
     expert_tiles, gemm_config, launcher, tile_bias_grad, operand_class, plain_gemm, uses_aten_gemm, wanted,
 )
@@ -179,18 +180,17 @@ def _dual_mainloop(
 
 @triton.jit
 def _gated_preacts(
-    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-    stride_bn, MT, stride_be, stride_biase,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K, stride_am, stride_ak,
+    stride_bk, stride_bn, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    INTERLEAVED: tl.constexpr, GROUPED: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
-    """(h_g, h_u, pid_m, row0, col0, row_end) of output tile ``tile``: one function for the forward and its
-    recompute, so both compute the pre-activations alike, bit for bit; the tile's rows are [row0, row_end).
-    GROUPED (routed experts, one launch for all): ``_expert_tile``'s tile table; expert e's weights and biases
-    lie e expert strides past expert 0's."""
-    pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, M, N, MT, BLOCK_M, BLOCK_N,
-                                                                      GROUP_M, GROUPED)
+    """(h_g, h_u) of the output tile ``_expert_tile`` or ``_dense_tile`` placed: one function for the forward
+    and its recompute, so both compute the pre-activations alike, bit for bit. GROUPED (routed experts, one
+    launch for all): expert e's rows, weights and biases. The coordinates stay the caller's, as ``_preact``'s
+    do (torch's mutation analysis would count every operand of the call that produced a store's address as
+    written)."""
     if GROUPED:
         a_ptr += row0.to(tl.int64) * stride_am
         bg_ptr += e * stride_be
@@ -199,11 +199,11 @@ def _gated_preacts(
         biasu_ptr += e * stride_biase
     hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                             loop_pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
-    col0 = pid_n * BLOCK_N
     if HAS_BIAS:
+        col0 = pid_n * BLOCK_N
         hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
         hu = _add_bias(hu, biasu_ptr, N, col0, BLOCK_N)
-    return hg, hu, pid_m, row0, col0, row_end
+    return hg, hu
 
 
 @triton.jit
@@ -218,10 +218,15 @@ def _gated_act_tile(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    hg, hu, pid_m, row0, col0, row_end = _gated_preacts(
-        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-        stride_bn, MT, stride_be, stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
-        UPCAST, INTERLEAVED, GROUPED)
+    if GROUPED:
+        pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, N, MT, BLOCK_M, BLOCK_N,
+                                                                          GROUP_M)
+    else:
+        pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _dense_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    hg, hu = _gated_preacts(a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K,
+                            stride_am, stride_ak, stride_bk, stride_bn, stride_be, stride_biase, HAS_BIAS, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GROUPED)
+    col0 = pid_n * BLOCK_N
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
                         drop_threshold,
                         drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
@@ -482,10 +487,15 @@ def _gated_act_grad_tile(
     GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     # the forward's pre-activations, exactly as _gated_act_tile computes them
-    hg, hu, pid_m, row0, col0, row_end = _gated_preacts(
-        tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-        stride_bn, MT, stride_be, stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
-        UPCAST, INTERLEAVED, GROUPED)
+    if GROUPED:
+        pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, N, MT, BLOCK_M, BLOCK_N,
+                                                                          GROUP_M)
+    else:
+        pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _dense_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    hg, hu = _gated_preacts(a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K,
+                            stride_am, stride_ak, stride_bk, stride_bn, stride_be, stride_biase, HAS_BIAS, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GROUPED)
+    col0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < row_end - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
