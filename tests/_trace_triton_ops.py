@@ -15,8 +15,9 @@ So the script
 Prints one JSON object: the call_function targets of the forward and backward graphs, the
 warnings torch logged about its mutation analysis (none expected) and, per kernel, the arguments
 that analysis found written (the kernel's outputs only: an operand counted as written is cloned in
-the forward and rejected in a joint graph). ``python _trace_triton_ops.py gated`` traces a gated FFN
-(the dual-GEMM kernels) instead of the converted Conv/FFN/Linear net.
+the forward and rejected in a joint graph). ``python _trace_triton_ops.py gated`` traces two
+gated FFNs (the dual-GEMM kernels), ``... more`` the other kernels (``test_compile._More``),
+instead of the converted Conv/FFN/Linear net.
 """
 import json
 import logging
@@ -48,7 +49,7 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fusedrc
     from fusedrc import _backend, ops
-    from test_compile import _net
+    from test_compile import _More, _net
 
     warnings = []
     handler = logging.Handler()
@@ -92,6 +93,8 @@ def main():
         model = torch.nn.Sequential(fusedrc.nn.GatedMLP(16, 24, out_features=20),
                                     fusedrc.nn.GatedMLP(20, 12, bias=False, activation="gelu_tanh"))
         x = torch.randn(5, 16, requires_grad=True)
+    elif sys.argv[1:] == ["more"]:
+        model, x = _More(), torch.randn(2, 3, 6, 6, requires_grad=True)
     else:
         model = fusedrc.convert(_net())
         x = torch.randn(2, 3, 6, 6, requires_grad=True)
