@@ -81,7 +81,9 @@
 #            kernels first), then "kernels kernels_per_expert": grouped against per-expert launches; session 38:
 #            ungated experts grouped too (GROUPED in the dense kernels, always one program per tile; the kernels
 #            step's new Nemotron-3-Nano case, 128 squared-ReLU experts of 1856, top-6) and a down bias's gradients
-#            in chunks of whole experts (test_moe.py's grouped tests again)
+#            in chunks of whole experts (test_moe.py's grouped tests again); session 39: tests/test_compile.py
+#            (the gated FFN and test_compile._More compiled under inductor through the triton_op twins, which
+#            torch's mutation analysis rejected for the gated FFN before; never run on a GPU)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
