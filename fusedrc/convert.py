@@ -2643,7 +2643,8 @@ class FusedGatedMLP(Wrapper):
     with an ``nn.Dropout`` of the gated product (T5Gemma, GTE: the op's own dropout, its mask drawn
     from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it); a SwiGLU
     clamped at ``self.<attr>`` before the activation (DeepSeek-V4, GLM-5-Next) or after it (Step-3.7): the op's
-    ``swiglu_limit``, read at each call."""
+    ``swiglu_limit``, read at each call; or Falcon-H1's multipliers, ``down_proj(up_proj(x) * act_fn(gate_proj(x) *
+    self.<m_g>)) * self.<m_d>``: the op's ``gate_scale`` and a scale of its output, read at each call."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
@@ -2653,8 +2654,12 @@ class FusedGatedMLP(Wrapper):
         return self._modules.get("dropout") if self.__dict__["_fusedrc_form"][0] == "dropout" else None
 
     def _fusedrc_gate_kwargs(self):
-        """``gated_mlp``'s clamp arguments now (None where its limit is no number > 0)."""
+        """``gated_mlp``'s clamp arguments now (None where its limit is no number > 0), or its gate_scale (None
+        where a multiplier is no finite number other than 0)."""
         kind, attr = self.__dict__["_fusedrc_form"]
+        if kind == "scaled":
+            scales = _multipliers(self, attr)
+            return None if scales is None else dict(gate_scale=scales[0])
         form = _CLAMP_FORMS.get(kind)
         return _gate_kwargs(self, form and form._replace(limit=attr))
 
@@ -2678,6 +2683,8 @@ class FusedGatedMLP(Wrapper):
                               **self._fusedrc_gate_kwargs())  # the clamp's limit as it is now
             if kind == "out_dropout":  # after the op, as the module's forward applies it
                 out = torch.nn.functional.dropout(out, p=getattr(self, p_attr), training=self.training)
+            elif kind == "scaled":  # the down multiplier (autograd keeps nothing for a number's product)
+                out = out * getattr(self, p_attr[1])
             return out
 
         return _with_norm(self, x, fused, self.plain)
@@ -2771,6 +2778,21 @@ _CLAMPED_OPTIONAL = (r"(\w+), (\w+) = self\.act_fn\(self\.gate_proj\({v}\)\), se
                      r"return self\.down_proj\(\1 \* \2\)")
 
 
+# Falcon-H1's: the gate's pre-activation and the output each times a multiplier attribute
+_SCALED = r"self\.down_proj\(self\.up_proj\({v}\) \* self\.act_fn\(self\.gate_proj\({v}\) \* self\.(\w+)\)\) \* " \
+          r"self\.(\w+)"
+
+
+def _multipliers(m, attrs):
+    """Falcon-H1's ``(gate, down)`` multipliers, ``m``'s attributes ``attrs`` now, as floats; None where one is no
+    finite real number other than 0."""
+    values = [getattr(m, a, None) for a in attrs]
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v != 0
+               for v in values):
+        return None
+    return tuple(float(v) for v in values)
+
+
 def _gated_mlp_body(lines):
     """``(v, form, out-dropout attribute or None)`` when a forward of one argument ``v`` computes one of
     the gated forms above (straight, or through local variables); else None."""
@@ -2792,6 +2814,9 @@ def _gated_mlp_body(lines):
             return v, kind, clamped.group(1)
     if expr == f"self.down_proj(self.dropout({core}))":
         return v, "dropout", None
+    scaled = _re.fullmatch(_SCALED.format(v=_re.escape(v)), expr)
+    if scaled is not None and scaled.group(1) != scaled.group(2):
+        return v, "scaled", (scaled.group(1), scaled.group(2))
     out = _re.fullmatch(_OUT_DROPOUT.format(core=_re.escape(core)), expr)
     return (v, "out_dropout", out.group(1)) if out is not None else None
 
@@ -2811,7 +2836,7 @@ def _gated_mlp(ctx, name, m):
     form = _gated_mlp_body(lines)
     if form is None:
         ctx.skip(name, f"{_class_of(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x)) "
-                       "(with, at most, a dropout of the product or of the output)")
+                       "(with, at most, a dropout of the product or of the output, a SwiGLU clamp or multipliers)")
         return m
     arg, kind, p_attr = form
     dropout = m._modules.get("dropout")
@@ -2820,6 +2845,10 @@ def _gated_mlp(ctx, name, m):
         return m
     if kind == "out_dropout" and not isinstance(getattr(m, p_attr, None), numbers.Real):
         ctx.skip(name, f"the output dropout's p, self.{p_attr}, is not a number")
+        return m
+    if kind == "scaled" and _multipliers(m, p_attr) is None:
+        ctx.skip(name, f"its multipliers self.{p_attr[0]} = {getattr(m, p_attr[0], None)!r} and self.{p_attr[1]} = "
+                       f"{getattr(m, p_attr[1], None)!r} are not finite numbers other than 0")
         return m
     if kind in _CLAMP_FORMS and _gate_kwargs(m, _CLAMP_FORMS[kind]._replace(limit=p_attr)) is None:
         ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")

@@ -239,6 +239,7 @@ def gated_mlp(
     norm_weight: Tensor | None = None, norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
     swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
     up_offset: float = 0.0, gate_softcap: float | None = None, up_softcap: float | None = None,
+    gate_scale: float = 1.0,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -276,7 +277,7 @@ def gated_mlp(
                   (b_up, "b_up", 1, True), (w_down, "w_down", 2, False), (b_down, "b_down", 1, True),
                   (norm_weight, "norm_weight", 1, True), (norm_bias, "norm_bias", 1, True))
     activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset, gate_softcap,
-                                   up_softcap)
+                                   up_softcap, gate_scale)
     dropout_p = check_probability(dropout_p, "dropout_p")
     norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
     (x, w_gate, b_gate, w_up, b_up, w_down, b_down), x_ffn = _ffn_autocast(
@@ -320,11 +321,14 @@ _LIMIT_DOC = """swiglu_limit: a clamp of the gated product's operands at this fi
             ``s tanh(h_g / s) * sigmoid(h_g)`` (the sigmoid sees the raw h_g; with ``swiglu_alpha``,
             ``sigmoid(alpha h_g)``; Inkling2's); None: none.
         up_softcap: a finite cap s > 0 of the up projection, ``s tanh(h_u / s)`` after its clamp and before its
-            offset (Inkling2's); None: none."""
+            offset (Inkling2's); None: none.
+        gate_scale: a finite multiplier m != 0 of the gate's pre-activation, ``act(m h_g)``, applied before
+            everything above (Falcon-H1's ``gate_multiplier``), in the kernels' epilogues: no scaled copy of
+            the weights or of h_g; 1.0: none."""
 
 
 def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=None, up_offset=0.0, gate_softcap=None,
-                      up_softcap=None):
+                      up_softcap=None, gate_scale=1.0):
     """The gated ops' activation string (``reference.gated_name``) of a public call's arguments, checked."""
     check_activation(activation)
     if not isinstance(limit_after_act, bool):
@@ -346,8 +350,11 @@ def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=No
     if gate_cap is not None and activation != "silu":
         raise ValueError(f"gate_softcap caps the linear factor of silu's h * sigmoid(h): it needs activation='silu', "
                          f"got {activation!r}")
+    scale = real(gate_scale, "gate_scale", False)
+    if scale == 0.0:
+        raise ValueError("gate_scale must be a finite number other than 0, got 0.0")
     return reference.gated_name(activation, limit, limit_after_act, alpha, real(up_offset, "up_offset", False),
-                                gate_cap, up_cap)
+                                gate_cap, up_cap, scale)
 
 
 for _fn in (fused_mlp, gated_mlp):
@@ -407,6 +414,7 @@ def moe_experts(
     swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
     up_offset: float = 0.0, gate_up_proj_bias: Tensor | None = None, down_proj_bias: Tensor | None = None,
     interleaved: bool = False, gate_softcap: float | None = None, up_softcap: float | None = None,
+    gate_scale: float = 1.0,
 ) -> Tensor:
     """A Mixture-of-Experts layer's routed gated experts, keeping only the inputs for backward.
 
@@ -463,13 +471,13 @@ def moe_experts(
     _check_params(hidden_states, (gate_up_proj, "gate_up_proj", 3, False), (down_proj, "down_proj", 3, False),
                   name_x="hidden_states")
     activation = _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha, up_offset, gate_softcap,
-                                   up_softcap)
+                                   up_softcap, gate_scale)
     if not isinstance(gated, bool):
         raise TypeError(f"gated must be a bool, got {type(gated).__name__} {gated!r}")
     if (swiglu_limit is not None or swiglu_alpha is not None or up_offset or gate_softcap is not None
-            or up_softcap is not None) and not gated:
-        raise ValueError("swiglu_limit, swiglu_alpha, up_offset and the softcaps shape a gated product; ungated experts "
-                         "have none")
+            or up_softcap is not None or gate_scale != 1.0) and not gated:
+        raise ValueError("swiglu_limit, swiglu_alpha, up_offset, the softcaps and gate_scale shape a gated product; "
+                         "ungated experts have none")
     apart = up_proj is not None
     if apart:
         _check_params(hidden_states, (up_proj, "up_proj", 3, False), name_x="hidden_states")

@@ -110,7 +110,8 @@ def check_activation(activation, name="activation") -> str:
 #   gate_softcap=<s> the gate's activation s tanh(h / s) * sigmoid(a h): silu (a = alpha, or 1) with its linear
 #                    factor softcapped, the sigmoid seeing the raw h (Inkling2's)
 #   up_softcap=<s>   s tanh(h_u / s) after its clamp, before its offset (Inkling2's)
-# L, a and s finite and > 0, c finite. ``gated_name`` writes them.
+#   gate_scale=<m>   m h_g before all of the above (Falcon-H1's gate multiplier)
+# L, a and s finite and > 0, c finite, m finite and not 0. ``gated_name`` writes them.
 _re_number = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -122,6 +123,7 @@ class GatedSpec(NamedTuple):
     offset: float = 0.0
     gate_cap: float | None = None
     up_cap: float | None = None
+    scale: float = 1.0
 
 
 def split_gated(activation, name="activation") -> GatedSpec:
@@ -148,18 +150,22 @@ def split_gated(activation, name="activation") -> GatedSpec:
             spec = spec._replace(gate_cap=number)
         elif key == "up_softcap" and positive:
             spec = spec._replace(up_cap=number)
+        elif key == "gate_scale" and math.isfinite(number) and number != 0:
+            spec = spec._replace(scale=number)
         else:
             raise ValueError(f"{name}: a gated activation's options are '|limit=<L>' or '|limit_after=<L>', "
                              f"'|alpha=<a>' (silu), '|up_offset=<c>', '|gate_softcap=<s>' (silu) and "
-                             f"'|up_softcap=<s>', L, a and s finite > 0, c finite, each once; got {activation!r}")
+                             f"'|up_softcap=<s>' and '|gate_scale=<m>', L, a and s finite > 0, c finite, m finite "
+                             f"and not 0, each once; got {activation!r}")
     return spec
 
 
-def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0, gate_cap=None, up_cap=None) -> str:
+def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0, gate_cap=None, up_cap=None,
+               scale=1.0) -> str:
     """The gated ops' activation string of ``activation`` with a SwiGLU clamp at ``limit`` (None: none), after
     the activation where ``after``, the gate's activation ``h * sigmoid(alpha h)`` (None: ``activation``'s),
-    ``offset`` added to the (clamped) up projection, and the softcaps ``gate_cap`` of the gate's linear factor and
-    ``up_cap`` of the up projection (None: none)."""
+    ``offset`` added to the (clamped) up projection, the softcaps ``gate_cap`` of the gate's linear factor and
+    ``up_cap`` of the up projection (None: none), and the gate pre-activation's multiplier ``scale``."""
     parts = [activation]
     if limit is not None:
         parts.append(f"{'limit_after' if after else 'limit'}={float(limit)!r}")
@@ -171,6 +177,8 @@ def gated_name(activation, limit=None, after=False, alpha=None, offset=0.0, gate
         parts.append(f"gate_softcap={float(gate_cap)!r}")
     if up_cap is not None:
         parts.append(f"up_softcap={float(up_cap)!r}")
+    if scale != 1.0:
+        parts.append(f"gate_scale={float(scale)!r}")
     return "|".join(parts)
 
 
@@ -216,6 +224,8 @@ def gated_operands(hg, hu, activation) -> GatedOperands:
     """The operands of the gated product ``gate * up`` with the activation string's options (torch ops:
     differentiable); ``gated_product_backward`` reads them, so the activation runs once."""
     spec = split_gated(activation)
+    if spec.scale != 1.0:
+        hg = hg * spec.scale
     limit, keep_g, keep_u = spec.limit, None, None
     if limit is None:
         gate = _gate_forward(hg, spec)
@@ -255,10 +265,12 @@ def gated_product_backward(grad_a, o: GatedOperands):
     if o.keep_u is not None:
         grad_hu = torch.where(o.keep_u, grad_hu, 0.0)
     if o.keep_g is None:
-        return _gate_backward(grad_gate, o.hg, o.spec), grad_hu
-    if o.spec.after:
-        return _gate_backward(torch.where(o.keep_g, grad_gate, 0.0), o.hg, o.spec), grad_hu
-    return torch.where(o.keep_g, _gate_backward(grad_gate, o.hg, o.spec), 0.0), grad_hu
+        grad_hg = _gate_backward(grad_gate, o.hg, o.spec)
+    elif o.spec.after:
+        grad_hg = _gate_backward(torch.where(o.keep_g, grad_gate, 0.0), o.hg, o.spec)
+    else:
+        grad_hg = torch.where(o.keep_g, _gate_backward(grad_gate, o.hg, o.spec), 0.0)
+    return (grad_hg if o.spec.scale == 1.0 else grad_hg * o.spec.scale), grad_hu
 
 
 # "none": the conv+BN op without an activation (a projection or downsample Conv-BN); not a public

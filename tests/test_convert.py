@@ -2124,6 +2124,50 @@ def test_gated_mlp_forms_with_a_local_or_a_dropout(family, monkeypatch):
         assert rel_err(y_train.mean(0), y_eval.mean(0)) <= 0.1
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_falcon_h1_mlp_multipliers(backend):
+    """Falcon-H1's MLP, ``down_proj(up_proj(x) * act_fn(gate_proj(x) * m_g)) * m_d`` (biases on): one fused gated
+    FFN, m_g the op's gate_scale and m_d a scale of its output; output, input and every parameter gradient as
+    the module's, the multipliers read at each call (changed after convert); one that is no finite number other
+    than 0 runs the module's own forward, and at convert time such a one is reported."""
+    tr = _transformers()
+    if not hasattr(tr, "FalconH1Config"):
+        pytest.skip(f"transformers {tr.__version__} has no FalconH1Config")
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+
+    torch.manual_seed(0)
+    cfg = tr.FalconH1Config(hidden_size=16, intermediate_size=24, hidden_act="silu", mlp_bias=True,
+                            mlp_multipliers=[0.8838834764831843, 0.5859375])
+    mlp = FalconH1MLP(cfg)
+    conv = fusedrc.convert(mlp)
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units if u.selected] == [("", "gated_ffn")] and not plan.skipped
+    device = backend_device(backend)
+    mlp, conv = mlp.to(device), conv.to(device)
+    for scales, fused in (((0.8838834764831843, 0.5859375), True), ((-1.75, 2.0), True), ((0, 2.0), False),
+                          ((1.5, torch.tensor(2.0)), False)):
+        for m in (mlp, conv):
+            m.gate_multiplier, m.down_multiplier = scales
+            m.zero_grad()
+        x = torch.randn(3, 5, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        with fusedrc.use_backend(backend), FusedOpLog() as log:
+            y = conv(x)
+            y.square().sum().backward()
+        y_ref = mlp(xr)
+        y_ref.square().sum().backward()
+        ops = [op.removesuffix("_triton") for op in log.ops]  # the triton_op twins under the Triton backend
+        assert (ops == ["gated_mlp", "gated_mlp_backward"]) == fused, (scales, log.ops)
+        assert rel_err(y, y_ref) <= TOL and rel_err(x.grad, xr.grad) <= TOL, scales
+        _assert_close_models(mlp, conv)
+    bad = FalconH1MLP(cfg)
+    bad.down_multiplier = float("inf")
+    with pytest.warns(UserWarning, match="no pattern found"):
+        skipped = dict(fusedrc.convert(bad).fusedrc_plan.skipped)
+    assert skipped[""] == ("its multipliers self.gate_multiplier = 0.8838834764831843 and self.down_multiplier = inf "
+                           "are not finite numbers other than 0")
+
+
 def test_gated_mlp_dropout_forms_the_op_cannot_stand_for_are_reported():
     """A dropout of the gated product that is no nn.Dropout (its mask drawn otherwise), and an output
     dropout whose p is no number: left as they are, said why."""

@@ -433,6 +433,33 @@ def test_softcapped_swiglu(alpha, limit, device):
             R.split_gated(bad)
 
 
+@pytest.mark.parametrize("activation, scale, limit", [("silu", 0.37, None), ("gelu_tanh", -1.5, 0.5)],
+                         ids=["silu", "gelu_tanh_negative_limit"])
+def test_gate_scale(activation, scale, limit, device):
+    """Falcon-H1's gate multiplier ``act(m h_g) * h_u`` (and a negative one before a SwiGLU clamp): the reference
+    against the model's torch ops through autograd in float64, the kernels against the reference in fp32 and
+    fp16, the recomputed product equal to the forward's bit for bit; the op on both backends; bad multipliers
+    are named."""
+    act = R.gated_name(activation, limit, False, scale=scale)
+    fn = {"silu": TF.silu, "gelu_tanh": lambda h: TF.gelu(h, approximate="tanh")}[activation]
+
+    def model_ops(x, wg, bg, wu, bu, wd, bd):
+        gate, up = TF.linear(x, wg, bg) * scale, TF.linear(x, wu, bu)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return TF.linear(fn(gate) * up, wd, bd)
+
+    x, wg, bg, wu, bu, wd, bd, _ = _check_gated_form(model_ops, act, device, activation=activation,
+                                                     swiglu_limit=limit, gate_scale=scale)
+    for bad in (0, float("nan"), float("inf"), True, None):
+        with pytest.raises(ValueError, match="gate_scale"):
+            fusedrc.functional.gated_mlp(x, wg, bg, wu, bu, wd, bd, gate_scale=bad)
+    for bad in ("silu|gate_scale=0", "silu|gate_scale=2|gate_scale=3", "silu|gate_scale=inf"):
+        with pytest.raises(ValueError, match="gated activation's options"):
+            R.split_gated(bad)
+    assert R.split_gated(R.gated_name("silu", scale=1.0)) == R.GatedSpec("silu")  # 1.0 writes nothing
+
+
 @triton.jit
 def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)

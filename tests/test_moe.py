@@ -178,6 +178,33 @@ def test_swiglu_clamped_experts(backend):
         F.moe_experts(x, idx, w.float(), up, down, gated=False, swiglu_limit=1.0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_gate_scale(backend):
+    """A gate multiplier m on every expert, ``act(m h_g) * h_u``, equals the experts with m times their gate rows:
+    output, input and routing-weight gradients alike, and the gate rows' gradients m times those of the scaled
+    rows; ungated experts refuse it."""
+    device = backend_device(backend)
+    E, K, I, N, m = 4, 24, 20, 17, -0.6
+    x = torch.randn(13, K, device=device)
+    idx, w = _routing(13, 2, E, device=device)
+    gate_up, down = (t.float().to(device) for t in _weights(E, K, I, N))
+    scaled = gate_up.clone()
+    scaled[:, :I] *= m
+    outs = []
+    for weights, kwargs in ((gate_up, dict(gate_scale=m)), (scaled, {})):
+        leaves = [t.clone().requires_grad_() for t in (x, w.float(), weights, down)]
+        with fusedrc.use_backend(backend):
+            y = F.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], "silu", **kwargs)
+            y.square().sum().backward()
+        outs.append((y, *(t.grad for t in leaves)))
+    (y, dx, dw, dgu, dd), (y2, dx2, dw2, dgu2, dd2) = outs
+    for a, b in ((y, y2), (dx, dx2), (dw, dw2), (dd, dd2), (dgu[:, I:], dgu2[:, I:]), (dgu[:, :I], m * dgu2[:, :I])):
+        assert rel_err(a, b) < 1e-5
+    up, down_u = (t.float() for t in _weights(E, 8, 6, 8, gated=False))
+    with pytest.raises(ValueError, match="ungated experts"):
+        F.moe_experts(torch.randn(5, 8), idx[:5], w[:5].float(), up, down_u, gated=False, gate_scale=2.0)
+
+
 def _gpt_oss_oracle(x, idx, w, gate_up, down, gate_up_bias, down_bias, gated, interleaved, limit, alpha, offset):
     """Token by token, in float64, through autograd, as gpt-oss writes its experts: the gate and up rows
     alternating (or halves), biases on both projections (the down bias scaled with the expert's output), the

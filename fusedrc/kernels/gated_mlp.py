@@ -74,12 +74,13 @@ _WHOLE = {
 def gated_meta(activation: str) -> dict:
     """The dual kernels' activation constexprs: ``act_meta``'s, and the gated product's options of a gated
     activation string (``reference.split_gated``): the SwiGLU clamp's LIMIT (0.0: none; one compile per limit)
-    and LIMIT_AFTER, the gate's ALPHA (0.0: none), UP_OFFSET, and the softcaps GATE_CAP and UP_CAP (0.0: none)."""
+    and LIMIT_AFTER, the gate's ALPHA (0.0: none), UP_OFFSET, the softcaps GATE_CAP and UP_CAP (0.0: none) and the
+    gate's multiplier GATE_SCALE (1.0: none)."""
     spec = split_gated(activation)
     return dict(act_meta(spec.act), LIMIT=0.0 if spec.limit is None else spec.limit, LIMIT_AFTER=spec.after,
                 ALPHA=0.0 if spec.alpha is None else spec.alpha, UP_OFFSET=spec.offset,
                 GATE_CAP=0.0 if spec.gate_cap is None else spec.gate_cap,
-                UP_CAP=0.0 if spec.up_cap is None else spec.up_cap)
+                UP_CAP=0.0 if spec.up_cap is None else spec.up_cap, GATE_SCALE=spec.scale)
 
 
 def gated_config(cfg, key=None):
@@ -213,7 +214,7 @@ def _gated_act_tile(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
-    UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
+    UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
@@ -230,6 +231,7 @@ def _gated_act_tile(
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
                         drop_threshold,
                         drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
+                        GATE_SCALE,
                         DROPOUT, BLOCK_M,
                         BLOCK_N, EPILOGUE_SPLIT)
 
@@ -295,12 +297,14 @@ def _gate_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, ALPHA: t
 @triton.jit
 def _clamped_operands(hg, hu, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
                       LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
-                      UP_CAP: tl.constexpr):
+                      UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr):
     """(act, h_u, keep_g, keep_u, h_g, du) of the gated product act * h_u: a SwiGLU clamp at LIMIT (0.0: none)
     of the gate, before its activation or (LIMIT_AFTER) after it, and of h_u to [-LIMIT, LIMIT], then h_u's
     softcap UP_CAP tanh(h_u / UP_CAP) (0.0: none) and + UP_OFFSET; keep_g, keep_u where the clamps pass a
     gradient (torch's clamp_backward: inside the bounds, not NaN); h_g the value the activation's derivative
-    reads; du the softcap's derivative (1.0 without)."""
+    reads; du the softcap's derivative (1.0 without). h_g enters multiplied by GATE_SCALE (1.0: as it is)."""
+    if GATE_SCALE != 1.0:  # Falcon-H1's gate multiplier, before everything else
+        hg = hg * GATE_SCALE
     if LIMIT > 0.0:
         keep_u = (hu >= -LIMIT) & (hu <= LIMIT)
         hu = tl.where(hu < -LIMIT, -LIMIT, _clamp_max(hu, LIMIT))
@@ -330,7 +334,7 @@ def _clamped_operands(hg, hu, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
 def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
                         ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
                         LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
-                        GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
+                        GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr, DROPOUT: tl.constexpr,
                         BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The product act(h_g) * h_u on columns [c0, c0 + WIDTH) of the tile, dropped out and stored, in SPLIT
     column slices one after the other (as the grad kernel's epilogue)."""
@@ -338,16 +342,17 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
         hg0, hg1 = _column_halves(hg, BLOCK_M, WIDTH)
         hu0, hu1 = _column_halves(hu, BLOCK_M, WIDTH)
         _gated_fwd_epilogue(hg0, hu0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT,
+                            ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP,
+                            GATE_SCALE, DROPOUT,
                             BLOCK_M,
                             WIDTH // 2, SPLIT // 2)
         _gated_fwd_epilogue(hg1, hu1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold,
                             drop_scale, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP,
-                            UP_CAP, DROPOUT,
+                            UP_CAP, GATE_SCALE, DROPOUT,
                             BLOCK_M, WIDTH // 2, SPLIT // 2)
     else:
         act, hu, _, _, _, _ = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-                                                UP_OFFSET, GATE_CAP, UP_CAP)
+                                                UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE)
         y = act * hu
         offs_m = tl.arange(0, BLOCK_M)
         if DROPOUT:  # T5 v1.1's dropout on the product, the dense FFN's mask function of (row, column)
@@ -364,7 +369,7 @@ def _gated_act_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
-    UP_CAP: tl.constexpr, DROPOUT: tl.constexpr,
+    UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
@@ -377,13 +382,15 @@ def _gated_act_kernel(
             _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr, M, N, K,
                             stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
                             stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET,
-                            GATE_CAP, UP_CAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+                            GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                            PRECISION, UPCAST,
                             INTERLEAVED, EPILOGUE_SPLIT, GROUPED)
     else:
         _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr, M, N,
                         K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
                         stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP,
-                        UP_CAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED,
+                        UP_CAP, GATE_SCALE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
+                        INTERLEAVED,
                         EPILOGUE_SPLIT, GROUPED)
 
 
@@ -393,7 +400,7 @@ def _gated_grad_epilogue(
     seed, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
-    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr, INTERLEAVED: tl.constexpr, GH_HALVES: tl.constexpr,
     BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -411,12 +418,14 @@ def _gated_grad_epilogue(
         dot0 = _gated_grad_epilogue(
             hg0, hu0, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, LIMIT,
-            LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES, BLOCK_M,
+            LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES,
+            BLOCK_M,
             WIDTH // 2, SPLIT // 2)
         dot1 = _gated_grad_epilogue(
             hg1, hu1, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, base, pid_m, M, N, row0,
             col0, c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES,
+            LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE, INTERLEAVED,
+            GH_HALVES,
             BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1
     offs_m = tl.arange(0, BLOCK_M)
@@ -427,7 +436,7 @@ def _gated_grad_epilogue(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # act and hu as the product reads them (clamped, with LIMIT); hg as the activation's derivative reads it
     act, hu, keep_g, keep_u, hg, du = _clamped_operands(hg, hu, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA,
-                                                        UP_OFFSET, GATE_CAP, UP_CAP)
+                                                        UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE)
     dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if ROW_SCALE:  # a routed expert's output scaled per row by r: g is the unscaled g_out Wd
         # d r = a . (g_out Wd): this slice's share of the row dot
@@ -453,6 +462,8 @@ def _gated_grad_epilogue(
             ghg = tl.where(keep_g, _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP), 0.0)
     else:
         ghg = _gate_grad(hg, g * hu, ACTIVATION, NEG_SLOPE, ALPHA, GATE_CAP)
+    if GATE_SCALE != 1.0:  # h_g entered scaled (_clamped_operands)
+        ghg = ghg * GATE_SCALE
     if INTERLEAVED:  # rows 2N long, columns 2n and 2n + 1
         offs_2 = 2 * c0 + tl.arange(0, 2 * WIDTH)
         mask_2 = (offs_m[:, None] < M - row0) & (offs_2[None, :] < 2 * (N - col0))
@@ -480,7 +491,7 @@ def _gated_act_grad_tile(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
-    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -502,7 +513,8 @@ def _gated_act_grad_tile(
     dot = _gated_grad_epilogue(
         hg, hu, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, row_scale, row0.to(tl.int64) * N + col0,
         pid_m, row_end, N, row0, col0, 0, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
-        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, INTERLEAVED, GH_HALVES, BLOCK_M,
+        LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE, INTERLEAVED,
+        GH_HALVES, BLOCK_M,
         BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + (col0 // BLOCK_N).to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
@@ -516,7 +528,7 @@ def _gated_act_grad_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
-    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -531,14 +543,16 @@ def _gated_act_grad_kernel(
                 tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
                 partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
                 stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
-                NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M,
+                NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE,
+                BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED)
     else:
         _gated_act_grad_tile(
             tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
             partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
             stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
-            NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N,
+            NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE,
+            BLOCK_M, BLOCK_N,
             BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED)
 
 
@@ -838,6 +852,7 @@ def inspect_specs():
             constexprs = {
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "GATE_CAP": 0.0, "UP_CAP": 0.0,
+                "GATE_SCALE": 1.0,
                 "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "INTERLEAVED": False,
