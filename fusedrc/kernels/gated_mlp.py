@@ -918,6 +918,10 @@ def inspect_specs():
         constexprs = {**spec["constexprs"], "GATE_CAP": 4.0, "UP_CAP": 25.0, "EPILOGUE_SPLIT": split}
         specs.insert(len(variants) + 1, {**spec, "constexprs": constexprs, "config": {
             **spec["config"], "gate_softcap": 4.0, "up_softcap": 25.0, "EPILOGUE_SPLIT": split}})
+    # Falcon-H1's gate multiplier (its 0.88), the widest grad and forward entries
+    for spec in (base, fwd):
+        specs.insert(len(variants) + 1, {**spec, "constexprs": {**spec["constexprs"], "GATE_SCALE": 0.8838834764831843},
+                                         "config": {**spec["config"], "gate_scale": 0.8838834764831843}})
     # gpt-oss's experts: biases, its gate (limit 7, alpha 1.702, up + 1) and its interleaved gate/up rows of
     # transposed weights, one operand of 2 * BLOCK_N contiguous columns (stride_bn 1, stride_bk the row length);
     # the routed grad kernel and the widest forward
