@@ -2146,24 +2146,45 @@ _SPLIT_FFN_INTERMEDIATE = ["hidden_states = self.dense(hidden_states)",
                            "hidden_states = self.intermediate_act_fn(hidden_states)", "return hidden_states"]
 
 
+class _SplitTailForm(NamedTuple):
+    """What ``output``'s forward does after its dense: a dropout or not, and the norm module it applies to
+    ``h + residual`` ("": none)."""
+    dropout: bool
+    norm: str
+
+
 def _split_ffn_norm(lines):
-    """The name of the norm module ``output``'s forward applies to ``h + input_tensor`` when its body is
-    BERT's ``dense -> dropout -> norm(h + input_tensor)``; ``""`` when it is ``dense -> dropout -> h +
-    input_tensor`` (ESM's, after a pre-FFN norm); else None."""
-    if not lines or not lines[0].startswith("def forward(self, hidden_states") or len(lines) != 5:
+    """The :class:`_SplitTailForm` of ``output``'s forward of two arguments ``(x, r)`` when its body is BERT's
+    ``v = self.dense(x); v = self.dropout(v); v = self.<norm>(v + r); return v``, without the norm (ESM's,
+    after a pre-FFN norm: ``v = v + r``) or without the dropout (MobileBERT's ``FFNOutput``); else None."""
+    if not lines or not lines[0].startswith("def forward(self, ") or len(lines) not in (4, 5):
         return None
-    ok = lines[1:3] == ["hidden_states = self.dense(hidden_states)", "hidden_states = self.dropout(hidden_states)"] \
-        and lines[4] == "return hidden_states"
-    if ok and lines[3] == "hidden_states = hidden_states + input_tensor":
-        return ""
-    norm = _re.fullmatch(r"hidden_states = self\.(\w+)\(hidden_states \+ input_tensor\)", lines[3])
-    return norm.group(1) if ok and norm else None
+    try:
+        fn = _ast.parse(lines[0] + " pass").body[0]
+    except SyntaxError:  # a signature over several lines
+        return None
+    a = fn.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or len(a.args) != 3:
+        return None
+    x, r = (p.arg for p in a.args[1:])
+    head = _re.fullmatch(rf"(\w+) = self\.dense\({x}\)", lines[1])
+    v = head and head.group(1)
+    if v is None or v == r or lines[-1] != f"return {v}":
+        return None
+    dropout = len(lines) == 5
+    if dropout and lines[2] != f"{v} = self.dropout({v})":
+        return None
+    if lines[-2] == f"{v} = {v} + {r}":
+        return _SplitTailForm(dropout, "")
+    norm = _re.fullmatch(rf"{v} = self\.(\w+)\({v} \+ {r}\)", lines[-2])
+    return _SplitTailForm(dropout, norm.group(1)) if norm else None
 
 
-def _split_tail(out, norm, h, residual):
-    """``output``'s forward after its dense: dropout, the residual and its norm (``norm`` "": none)."""
-    y = out.dropout(h) + residual
-    return getattr(out, norm)(y) if norm else y
+def _split_tail(out, form, h, residual):
+    """``output``'s forward after its dense (``form``: a :class:`_SplitTailForm`): dropout, the residual and its
+    norm."""
+    y = (out.dropout(h) if form.dropout else h) + residual
+    return getattr(out, form.norm)(y) if form.norm else y
 
 
 def _split_ffn_act_fn(inter):
@@ -2223,7 +2244,8 @@ class _SplitFFN:
 
     def __init__(self, layer, method, arg, site, act, norm, classes, pre_norm=None, act_fn=None):
         self.layer, self.method, self.arg, self.site = layer, method, arg, site
-        self.act, self.norm, self.classes = act, norm, classes  # classes: the layer's, intermediate's, output's
+        # norm: output's _SplitTailForm; classes: the layer's, intermediate's, output's
+        self.act, self.norm, self.classes = act, norm, classes
         # pre_norm: the layer's norm module the method applies first (ESM's); act_fn: a function activation
         # the intermediate applies by name (None: its intermediate_act_fn module)
         self.pre_norm, self.act_fn = pre_norm, act_fn
@@ -2275,8 +2297,9 @@ def _split_ffns(m):
 
 
 def _split_ffn_reason(inter, out):
-    """Why ``intermediate``/``output`` cannot be one fused FFN (None: they can), the norm module's name
-    ("": none), the fused activation and the function activation (None: the intermediate_act_fn module)."""
+    """Why ``intermediate``/``output`` cannot be one fused FFN (None: they can), ``output``'s
+    :class:`_SplitTailForm`, the fused activation and the function activation (None: the intermediate_act_fn
+    module)."""
     norm = _split_ffn_norm(_source_lines(out))
     act, fn = _split_ffn_act_fn(inter)
     module_act = fn is getattr(inter, "intermediate_act_fn", None)
@@ -2284,9 +2307,9 @@ def _split_ffn_reason(inter, out):
         reason = "a forward set on the instance of intermediate or output: its code is not the class's"
     elif fn is None and act is None:
         reason = f"{_class_of(inter).__name__}.forward is not dense -> intermediate_act_fn (or a known function)"
-    elif norm is None or not isinstance(getattr(out, "dropout", None), nn.Module) \
-            or (norm and not isinstance(getattr(out, norm, None), nn.Module)):
-        reason = f"{_class_of(out).__name__}.forward is not dense -> dropout -> [norm](h + input_tensor)"
+    elif norm is None or (norm.dropout and not isinstance(getattr(out, "dropout", None), nn.Module)) \
+            or (norm.norm and not isinstance(getattr(out, norm.norm, None), nn.Module)):
+        reason = f"{_class_of(out).__name__}.forward is not dense -> [dropout] -> [norm](h + input_tensor)"
     elif act is None:
         reason = f"activation {type(fn).__name__ if module_act else fn.__name__} has no fused form"
     elif not (is_linear(getattr(inter, "dense", None)) and is_linear(getattr(out, "dense", None))) \

@@ -767,7 +767,7 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
     """The BERT rules' edges, for the feed_forward_chunk form (BERT) and the inline one (DeBERTa's
     stand-ins): chunked feed-forward (BERT: one fused FFN a chunk); a hook put on intermediate after
     convert (the layer runs its modules as they are: the hook sees the activation), and intermediate
-    called by hand (itself); a layer whose output is not dense -> dropout -> norm(h + input) (reported;
+    called by hand (itself); a layer whose output is not dense -> [dropout] -> norm(h + input) (reported;
     the fx pass fuses intermediate's Linear+act instead); converting again, torch.save / load, and a
     DataParallel replica on its own parameters."""
     tr = _transformers()
@@ -837,9 +837,30 @@ def test_split_ffn_fallbacks_chunks_copies_and_replicas(tmp_path, family):
     changed = copy.deepcopy(model)
     for layer in changed.encoder.layer:
         layer.output.__class__ = other
-    with pytest.warns(UserWarning, match=r"is not dense -> dropout -> \[norm\]"):
+    with pytest.warns(UserWarning, match=r"is not dense -> \[dropout\] -> \[norm\]"):
         plan = fusedrc.convert(changed).fusedrc_plan
     assert fused_without_norms(plan) == [f"encoder.layer.{i}.intermediate.dense" for i in range(2)]
+
+
+def test_mobilebert_ffn_stacks():
+    """MobileBERT's stacked FFNs (``FFNLayer``: ``intermediate`` then ``FFNOutput``, ``dense -> norm(h + residual)``
+    with no dropout and its own variable names; 3 a layer before the layer's own FFN): one fused FFN each, found
+    by the inline form; loss and every gradient as the original's; the layer's own FFN (a bottleneck after it)
+    stays as it was."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    cfg = tr.MobileBertConfig(vocab_size=100, hidden_size=64, embedding_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=48, intra_bottleneck_size=32,
+                              num_feedforward_networks=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = tr.MobileBertModel(cfg, add_pooling_layer=False).train()
+    conv = fusedrc.convert(model)
+    plan = conv.fusedrc_plan
+    stacked = [f"encoder.layer.{i}.ffn.{j}.intermediate" for i in range(2) for j in range(3)]
+    units = {u.name: u.kind for u in plan.units if u.selected}
+    assert all(units.get(n) == "ffn" for n in stacked), units
+    assert not any("FFNOutput" in reason for _, reason in plan.skipped), plan.skipped
+    ids = torch.randint(3, 100, (2, 12))
+    assert _same_seed_step(model, conv, ids).count("fused_mlp") >= len(stacked)
 
 
 def test_stand_ins_pair_per_thread():
