@@ -144,9 +144,9 @@ import torch
 from torch import nn
 
 from . import functional as F
-from ._patterns import (_conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
+from ._patterns import (_bn_call, _conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
                         bn_act_conv_call, conv_bn_act_call, conv_parts, conv_weight, fused_dropout_p, global_hooks,
-                        is_conv_same, is_linear, is_mixed_conv, norm_call_args, norm_kind, same_attributes)
+                        is_conv_same, is_linear, is_mixed_conv, norm_call_args, norm_kind, same_attributes, _uncount)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
@@ -2648,6 +2648,75 @@ def _tf_padded_conv_layer(ctx, name, m):
                         "conv", kind, (conv,))
     if reason is None:
         new.__dict__["_fusedrc_pad"], new.__dict__["_fusedrc_arg"] = pad, "features"
+    return new
+
+
+class FusedLinearBN(Wrapper):
+    """LeViT's Linear -> BatchNorm1d over the flattened tokens, ``bn(linear(x).flatten(0, 1)).reshape_as(...)``
+    (Hugging Face's ``MLPLayerWithBN``, timm's ``LinearNorm``: every projection of the model), as the fused
+    Conv-BN op on the ``(B * N, C, 1, 1)`` view of the tokens: a Linear is a 1x1 convolution, and BatchNorm1d
+    over the rows is BatchNorm2d over those images. It keeps the input and the per-channel statistics, not the
+    Linear's output; the running statistics are updated once, as the module does. A call of another rank
+    than 3 (where the module's flatten(0, 1) feeds BatchNorm1d something else) runs the module."""
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        lin_key, bn_key = self.__dict__["_fusedrc_keys"]
+        site, lin, bn = self.sites.get("linear_bn"), self._modules.get(lin_key), self._modules.get(bn_key)
+        if (x is None or site is None or not site.enabled or _static_linear_bn(lin, bn) is not None
+                or not _nohooks(lin, bn) or x.dim() != 3 or not x.is_floating_point()
+                or x.device != lin.weight.device or (x.dtype != lin.weight.dtype
+                                                     and not torch.is_autocast_enabled(x.device.type))):
+            return self.plain(*args, **kwargs)
+        return _run_site(site, lambda x: _linear_bn_call(lin, bn, x), lambda x: self.plain(x), x)
+
+
+def _linear_bn_call(lin, bn, x):
+    """``bn(lin(x).flatten(0, 1)).reshape_as(lin(x))`` through the fused Conv-BN op (views of x and the weight:
+    no copy kept), with the BatchNorm's bookkeeping once."""
+    training, factor, rm, rv, counted = _bn_call(bn)
+    try:
+        y = F.conv_bn_act(x.reshape(-1, x.shape[-1], 1, 1), lin.weight[:, :, None, None], bn.weight, bn.bias, rm, rv,
+                          training=training, momentum=factor, eps=bn.eps, bias=lin.bias, activation=None)
+    except Exception:
+        _uncount(bn, counted)
+        raise
+    return y.reshape(*x.shape[:-1], lin.out_features)
+
+
+def _static_linear_bn(lin, bn):
+    """Why ``lin`` -> ``bn`` over the flattened tokens is no fused Conv-BN unit (None: it is)."""
+    if not is_linear(lin):
+        return "the projection is not a plain nn.Linear"
+    if type(bn) is not nn.BatchNorm1d or bn.num_features != lin.out_features:
+        return "the norm is not an nn.BatchNorm1d over the Linear's features"
+    return None
+
+
+# LeViT's Linear-BN modules: (class, argument) -> (Linear key, BatchNorm key), the forward inlined
+_LINEAR_BN = r"self\.(\w+)\(self\.(\w+)\({v}\)\.flatten\(0, 1\)\)\.reshape_as\(self\.\2\({v}\)\)"
+
+
+@register_rule("MLPLayerWithBN", "LinearNorm")
+def _linear_bn(ctx, name, m):
+    """LeViT's Linear-BN modules (Hugging Face's and timm's), their forward checked."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    v = _forward_arg(lines)
+    expr = None if v is None else _inlined_return(lines)
+    form = None if expr is None else _re.fullmatch(_LINEAR_BN.format(v=_re.escape(v)), expr)
+    if form is None:
+        reason = f"{_class_of(m).__name__}.forward is not bn(linear(x).flatten(0, 1)).reshape_as(linear(x))"
+    else:
+        lin, bn = m._modules.get(form.group(2)), m._modules.get(form.group(1))
+        reason = _static_linear_bn(lin, bn)
+        if reason is None and not _nohooks(lin, bn):
+            reason = "hooks registered on the modules"
+    new = _wrapped_unit(ctx, name, m, reason, FusedLinearBN, None, "linear_bn", "linear_bn",
+                        (lin,) if reason is None else ())
+    if reason is None:
+        new.__dict__["_fusedrc_keys"], new.__dict__["_fusedrc_arg"] = (form.group(2), form.group(1)), v
     return new
 
 

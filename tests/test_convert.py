@@ -863,6 +863,82 @@ def test_mobilebert_ffn_stacks():
     assert _same_seed_step(model, conv, ids).count("fused_mlp") >= len(stacked)
 
 
+def test_levit_linear_bn():
+    """LeViT's Linear -> BatchNorm1d modules (Hugging Face's ``MLPLayerWithBN``: every projection of the model;
+    timm's ``LinearNorm``), forward checked: the fused Conv-BN op on the tokens as 1x1 images. A whole Hugging Face
+    LeViT on the reference backend (every projection a unit, output, gradients, running statistics and
+    num_batches_tracked as the original's, fewer bytes kept), each class on the Triton backend; a call of
+    another rank runs the module; a Linear-BN of another forward, or with a LayerNorm, is reported."""
+    tr = _transformers()
+    from transformers.models.levit.modeling_levit import LevitMLPLayer, MLPLayerWithBN
+
+    torch.manual_seed(0)
+    model = tr.LevitModel(tr.LevitConfig(image_size=64, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
+                                         depths=[1, 1, 1], key_dim=[8, 8, 8])).train()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    plan = conv.fusedrc_plan
+    kinds = collections.Counter(u.kind for u in plan.units)
+    assert kinds == {"linear_bn": 22, "conv_bn": 4} and not plan.skipped, (kinds, plan.skipped)
+    x = torch.randn(2, 3, 64, 64)
+    with fusedrc.use_backend("reference"):
+        assert saved_bytes(conv, (x,)) < 0.8 * saved_bytes(model, (x,))
+        for m in (model, conv):  # (saved_bytes ran a step: the statistics from here on)
+            m.load_state_dict(model.state_dict())
+        with FusedOpLog() as log:
+            y = conv(x).last_hidden_state
+            y.square().mean().backward()
+    y_ref = model(x).last_hidden_state
+    y_ref.square().mean().backward()
+    assert log.ops.count("conv_bn_act") == 26 and rel_err(y, y_ref) <= TOL
+    # 26 training-mode BatchNorms over 8 to 512 rows: this LeViT's fp32 gradients are ~1% off its float64 ones,
+    # the original's and the converted model's alike; between them a 1x1 conv's summation order shows at 1e-4,
+    # and a BatchNorm bias a later BatchNorm cancels has only rounding noise for a gradient (the floor)
+    ga, gb = _grads(model), _grads(conv)
+    floor = 1e-6 * max(g.double().norm() for g in ga.values())
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        assert (gb[n] - ga[n]).double().norm() <= 1e-3 * ga[n].double().norm() + floor, n
+    for (n, a), (_, b) in zip(model.named_buffers(), conv.named_buffers()):  # (running means of zero-mean
+        # inputs, a normalized tensor through a bias-free Linear, are rounding noise of ~1e-8: the floor)
+        assert torch.equal(a, b) if not a.is_floating_point() else (b - a).norm() <= TOL * a.norm() + 1e-6, n
+
+    pytest.importorskip("timm")
+    from timm.models.levit import LinearNorm
+
+    for make in (lambda: LevitMLPLayer(16, 32), lambda: nn.Sequential(LinearNorm(16, 32), nn.Hardswish(),
+                                                                       LinearNorm(32, 16))):
+        torch.manual_seed(0)
+        mlp = make().train()
+        fused = fusedrc.convert(copy.deepcopy(mlp))
+        assert [u.kind for u in fused.fusedrc_plan.units] == ["linear_bn", "linear_bn"]
+        h, g = torch.randn(2, 7, 16, requires_grad=True), torch.randn(2, 7, 16)
+        hr = h.detach().clone().requires_grad_(True)
+        with fusedrc.use_backend("triton"), FusedOpLog() as log:
+            out = fused(h)
+            out.backward(g)  # (not a sum of squares: that of a BatchNorm's output hardly depends on its input)
+        out_ref = mlp(hr)
+        out_ref.backward(g)
+        assert [op.removesuffix("_triton") for op in log.ops].count("conv_bn_act") == 2
+        assert rel_err(out, out_ref) <= TOL and rel_err(h.grad, hr.grad) <= TOL
+        _assert_close_models(mlp, fused)
+    one = fusedrc.convert(MLPLayerWithBN(16, 8).train())
+    with FusedOpLog() as log:  # a 4-D call: flatten(0, 1) hands BatchNorm1d (B * N, M, C), the module's own
+        with pytest.raises(RuntimeError):
+            one(torch.randn(2, 3, 5, 16))
+    assert log.ops == []
+
+    def forward(self, hidden_state):  # no reshape_as: another forward
+        return self.batch_norm(self.linear(hidden_state).flatten(0, 1))
+
+    layer_norm = MLPLayerWithBN(16, 8)
+    layer_norm.batch_norm = nn.LayerNorm(8)
+    other = type("MLPLayerWithBN", (MLPLayerWithBN,), {"forward": forward})(16, 8)  # the rule goes by class name
+    with pytest.warns(UserWarning, match="left these as they are"):
+        skipped = dict(fusedrc.convert(nn.ModuleDict({"a": layer_norm, "b": other})).fusedrc_plan.skipped)
+    assert skipped["a"] == "the norm is not an nn.BatchNorm1d over the Linear's features"
+    assert skipped["b"] == "MLPLayerWithBN.forward is not bn(linear(x).flatten(0, 1)).reshape_as(linear(x))"
+
+
 def test_stand_ins_pair_per_thread():
     """The stand-ins' pass-through flag is armed per thread: a converted DeBERTa shared by threads (each
     running its own forward, thread switches forced often) pairs every head with its own thread's tail."""
