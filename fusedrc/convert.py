@@ -2693,7 +2693,7 @@ def _static_linear_bn(lin, bn):
     return None
 
 
-# LeViT's Linear-BN modules: (class, argument) -> (Linear key, BatchNorm key), the forward inlined
+# LeViT's Linear-BN forward, inlined (_inlined_return): group 1 the BatchNorm's key, group 2 the Linear's
 _LINEAR_BN = r"self\.(\w+)\(self\.(\w+)\({v}\)\.flatten\(0, 1\)\)\.reshape_as\(self\.\2\({v}\)\)"
 
 
