@@ -2661,23 +2661,85 @@ class FusedLinearBN(Wrapper):
 
     def forward(self, *args, **kwargs):
         x = _only_input(self, args, kwargs)
+        if x is None:
+            return self.plain(*args, **kwargs)
+        return self._fusedrc_call(x, None, self.plain)
+
+    def _fusedrc_call(self, x, activation, plain):
+        """``activation`` (None: none) of the module's output, fused where the unit is on and the call modelled,
+        else ``plain(x)`` (LeViT's MLP hands its activation in: :class:`FusedLevitMLP`)."""
         lin_key, bn_key = self.__dict__["_fusedrc_keys"]
         site, lin, bn = self.sites.get("linear_bn"), self._modules.get(lin_key), self._modules.get(bn_key)
-        if (x is None or site is None or not site.enabled or _static_linear_bn(lin, bn) is not None
-                or not _nohooks(lin, bn) or x.dim() != 3 or not x.is_floating_point()
+        if (site is None or not site.enabled or _static_linear_bn(lin, bn) is not None
+                or not _nohooks(self, lin, bn) or x.dim() != 3 or not x.is_floating_point()
                 or x.device != lin.weight.device or (x.dtype != lin.weight.dtype
                                                      and not torch.is_autocast_enabled(x.device.type))):
+            return plain(x)
+        return _run_site(site, lambda x: _linear_bn_call(lin, bn, x, activation), plain, x)
+
+
+class FusedLevitMLP(Wrapper):
+    """LeViT's MLP, Linear-BN -> activation [-> a dropout that does nothing] -> Linear-BN (Hugging Face's
+    ``LevitMLPLayer``, timm's ``LevitMlp``): the first Linear-BN unit runs the activation in its fused op, so the
+    BatchNorm's output (the activation's input) is never kept; the second is its own unit. Where the first is no
+    longer the fused Linear-BN convert made, another activation is in place, a hook is on the activation or the
+    dropout acts, the module's forward runs."""
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        up_key, act_key, drop_key, down_key = self.__dict__["_fusedrc_keys"]
+        up, act, down = (self._modules.get(k) for k in (up_key, act_key, down_key))
+        drop = self._modules.get(drop_key) if drop_key else None
+        name = self.__dict__["_fusedrc_act"]
+        if (x is None or not isinstance(up, FusedLinearBN) or _act_name(act) != name or not _nohooks(self, act, drop)
+                or (drop_key and fused_dropout_p(drop) != 0.0)):
             return self.plain(*args, **kwargs)
-        return _run_site(site, lambda x: _linear_bn_call(lin, bn, x), lambda x: self.plain(x), x)
+        return down(up._fusedrc_call(x, name, lambda x: act(up.plain(x))))
 
 
-def _linear_bn_call(lin, bn, x):
-    """``bn(lin(x).flatten(0, 1)).reshape_as(lin(x))`` through the fused Conv-BN op (views of x and the weight:
-    no copy kept), with the BatchNorm's bookkeeping once."""
+# LeViT's MLP forwards, inlined: (Linear-BN, activation, dropout or None, Linear-BN) keys
+_LEVIT_MLPS = {"self.linear_down(self.activation(self.linear_up({v})))": ("linear_up", "activation", None,
+                                                                           "linear_down"),
+               "self.ln2(self.drop(self.act(self.ln1({v}))))": ("ln1", "act", "drop", "ln2")}
+
+
+@register_rule("LevitMLPLayer", "LevitMlp")
+def _levit_mlp(ctx, name, m):
+    """LeViT's MLPs (Hugging Face's and timm's), their forward checked: the activation into the first Linear-BN's
+    fused op (the two Linear-BN modules become units as every LeViT Linear-BN does)."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    v = _forward_arg(lines)
+    keys = None if v is None else next((k for e, k in _LEVIT_MLPS.items() if _inlined_return(lines) == e.format(v=v)),
+                                       None)
+    if keys is None:
+        ctx.skip(name, f"{_class_of(m).__name__}.forward is not Linear-BN -> activation -> [dropout] -> Linear-BN")
+        return m
+    up, act, drop, down = (m._modules.get(k) if k else None for k in keys)
+    if not all(_class_of(c).__name__ in ("MLPLayerWithBN", "LinearNorm") for c in (up, down)):
+        reason = "its Linear-BN modules are not LeViT's (timm's use_conv: Conv-BN units)"
+    elif _act_name(act) is None:
+        reason = f"activation {type(act).__name__} has no fused form"
+    elif drop is not None and type(drop) is not nn.Dropout:
+        reason = f"{type(drop).__name__} after the activation has no fused form"
+    else:
+        reason = None
+    if reason is not None:
+        ctx.skip(name, reason)
+        return m
+    new = FusedLevitMLP.wrap(m)
+    new.__dict__.update(_fusedrc_keys=keys, _fusedrc_act=_act_name(act), _fusedrc_arg=v)
+    return new
+
+
+def _linear_bn_call(lin, bn, x, activation=None):
+    """``act(bn(lin(x).flatten(0, 1)).reshape_as(lin(x)))`` (None: no act) through the fused Conv-BN op (views of x
+    and the weight: no copy kept), with the BatchNorm's bookkeeping once."""
     training, factor, rm, rv, counted = _bn_call(bn)
     try:
         y = F.conv_bn_act(x.reshape(-1, x.shape[-1], 1, 1), lin.weight[:, :, None, None], bn.weight, bn.bias, rm, rv,
-                          training=training, momentum=factor, eps=bn.eps, bias=lin.bias, activation=None)
+                          training=training, momentum=factor, eps=bn.eps, bias=lin.bias, activation=activation)
     except Exception:
         _uncount(bn, counted)
         raise

@@ -903,14 +903,22 @@ def test_levit_linear_bn():
         assert torch.equal(a, b) if not a.is_floating_point() else (b - a).norm() <= TOL * a.norm() + 1e-6, n
 
     pytest.importorskip("timm")
-    from timm.models.levit import LinearNorm
+    from timm.models.levit import LevitMlp, LinearNorm
 
-    for make in (lambda: LevitMLPLayer(16, 32), lambda: nn.Sequential(LinearNorm(16, 32), nn.Hardswish(),
-                                                                       LinearNorm(32, 16))):
+    def timm_mlp(drop=0.0):
+        mlp = LevitMlp(16, 32, act_layer=nn.Hardswish, drop=drop)
+        with torch.no_grad():
+            mlp.ln2.bn.weight.normal_()  # (timm starts it at 0: an output of zeros)
+        return mlp
+
+    # LeViT's MLPs (the activation inside the first unit's op), and the Linear-BN modules in a Sequential
+    for make, fused_act in ((lambda: LevitMLPLayer(16, 32), True), (timm_mlp, True),
+                            (lambda: nn.Sequential(LinearNorm(16, 32), nn.Hardswish(), LinearNorm(32, 16)), False)):
         torch.manual_seed(0)
         mlp = make().train()
         fused = fusedrc.convert(copy.deepcopy(mlp))
         assert [u.kind for u in fused.fusedrc_plan.units] == ["linear_bn", "linear_bn"]
+        assert (type(fused).__name__ == "FusedLevitMLP") == fused_act
         h, g = torch.randn(2, 7, 16, requires_grad=True), torch.randn(2, 7, 16)
         hr = h.detach().clone().requires_grad_(True)
         with fusedrc.use_backend("triton"), FusedOpLog() as log:
@@ -921,6 +929,22 @@ def test_levit_linear_bn():
         assert [op.removesuffix("_triton") for op in log.ops].count("conv_bn_act") == 2
         assert rel_err(out, out_ref) <= TOL and rel_err(h.grad, hr.grad) <= TOL
         _assert_close_models(mlp, fused)
+        if fused_act:  # the activation's input is not kept: less than the Linear-BN units alone keep
+            mlp.eval(), fused.eval()  # (dropout off, the statistics as they are)
+            parts = copy.deepcopy(nn.Sequential(*(c for c in fused.children() if not isinstance(c, nn.Dropout))))
+            with fusedrc.use_backend("reference"):
+                assert saved_bytes(fused, (h,)) + 14 * 32 * 4 <= saved_bytes(parts, (h,))
+            # another activation swapped in, or a dropout that acts: the module's forward, right
+            for m in (mlp, fused):
+                setattr(m, "act" if hasattr(m, "act") else "activation", nn.GELU())
+            with fusedrc.use_backend("triton"):
+                assert rel_err(fused(h), mlp(h)) <= TOL
+    mlp = timm_mlp(drop=0.25).train()
+    fused = fusedrc.convert(copy.deepcopy(mlp))
+    torch.manual_seed(3)
+    out = fused(h)
+    torch.manual_seed(3)
+    assert rel_err(out, mlp(h)) <= TOL  # the dropout acts: the module's own forward, the same mask
     one = fusedrc.convert(MLPLayerWithBN(16, 8).train())
     with FusedOpLog() as log:  # a 4-D call: flatten(0, 1) hands BatchNorm1d (B * N, M, C), the module's own
         with pytest.raises(RuntimeError):
