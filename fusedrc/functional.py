@@ -17,7 +17,7 @@ from ._state import inside_region, snapshot_buffers, traced
 from ._validate import (CheckedCalls, call_key, check_activation, check_device, check_int, check_no_overlap,
                         check_number, check_probability, check_same, check_tensor, check_vector, needs_unfused, pair)
 
-__all__ = ["linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "bn_act_conv"]
+__all__ = ["linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "moe_experts", "conv_bn_act", "bn_act_conv"]
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -360,6 +360,78 @@ def _gated_activation(activation, swiglu_limit, limit_after_act, swiglu_alpha=No
 for _fn in (fused_mlp, gated_mlp):
     if _fn.__doc__:  # None under python -OO
         _fn.__doc__ = _fn.__doc__.replace("{norm}", _NORM_DOC).replace("{limit}", _LIMIT_DOC)
+
+def _check_dwconv(w_dw, b_dw, hidden, x):
+    if w_dw.dim() != 4 or w_dw.shape[0] != hidden or w_dw.shape[1] != 1 or w_dw.shape[2] != w_dw.shape[3] \
+            or w_dw.shape[2] % 2 == 0:
+        raise ValueError(f"w_dw must be a depthwise conv weight of shape ({hidden}, 1, k, k) with k odd (one k x k "
+                         f"filter per hidden channel of w1), got {tuple(w_dw.shape)}")
+    check_same(x, "input", w_dw, "w_dw")
+    check_vector(b_dw, "b_dw", hidden, x)
+
+
+def mix_ffn(
+    x: Tensor, height: int, width: int, w1: Tensor, b1: Tensor | None, w_dw: Tensor, b_dw: Tensor | None,
+    w2: Tensor, b2: Tensor | None, activation: str = "gelu", dropout_p: float = 0.0,
+) -> Tensor:
+    """SegFormer's Mix-FFN, ``fc2(dropout(act(dwconv(fc1(x)))))``, keeping only ``x`` for backward.
+
+    ``dwconv`` is a depthwise k x k convolution with "same" padding (``nn.Conv2d(hidden, hidden, k,
+    padding=k // 2, groups=hidden)``) over each image's ``height x width`` grid of tokens, as SegFormer's,
+    GLPN's and PVT-v2's FFNs apply it. Neither the conv's output nor the activation is kept: backward
+    recomputes ``fc1`` (a GEMM), and one kernel recomputes the conv and the activation tile by tile
+    inside the activation's backward. Dropout as in :func:`fused_mlp` (its mask regenerated, never
+    stored).
+
+    Args:
+        x: ``(*, height * width, in_features)``: the tokens of each image in row-major order.
+        height, width: the token grid.
+        w1, b1: first layer, ``(hidden, in_features)`` and ``(hidden,)`` or None.
+        w_dw, b_dw: the depthwise conv, ``(hidden, 1, k, k)`` with k odd, and ``(hidden,)`` or None.
+        w2, b2: second layer, ``(out_features, hidden)`` and ``(out_features,)`` or None.
+        activation: as in :func:`linear_act`.
+        dropout_p: probability of zeroing an activated element, in ``[0, 1]``.
+
+    Returns:
+        ``(*, height * width, out_features)``, in the weights' dtype (x's, outside autocast).
+
+    Example::
+
+        >>> fc1, fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        >>> dw = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        >>> x = torch.randn(2, 6 * 8, 16, requires_grad=True)
+        >>> y = fusedrc.functional.mix_ffn(x, 6, 8, fc1.weight, fc1.bias, dw.weight, dw.bias, fc2.weight, fc2.bias)
+        >>> y.shape
+        torch.Size([2, 48, 16])
+    """
+    check_tensor(x, "input", min_ndim=2)
+    _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w_dw, "w_dw", 4, False), (b_dw, "b_dw", 1, True),
+                  (w2, "w2", 2, False), (b2, "b2", 1, True))
+    height, width = check_int(height, "height", min_value=1), check_int(width, "width", min_value=1)
+    if x.shape[-2] != height * width:
+        raise ValueError(f"input must have shape (*, height * width, in_features) = (*, {height * width}, "
+                         f"{x.shape[-1]}) for height {height} and width {width}, got {tuple(x.shape)}")
+    check_activation(activation)
+    dropout_p = check_probability(dropout_p, "dropout_p")
+    x, w1, b1, w_dw, b_dw, w2, b2 = _autocast(x, w1, b1, w_dw, b_dw, w2, b2)
+    _check_linear(x, w1, b1, "w1", "b1")
+    _check_dwconv(w_dw, b_dw, w1.shape[0], x)
+    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
+                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
+
+    def plain(x):
+        h = reference._dwconv_tokens(torch.nn.functional.linear(x, w1, b1), w_dw, b_dw, height, width)
+        a = torch.nn.functional.dropout(reference.activation_forward(h, activation), dropout_p)
+        return torch.nn.functional.linear(a, w2, b2)
+
+    if needs_unfused(x, w1, b1, w_dw, b_dw, w2, b2) or inside_region():
+        return _plain_rows(plain, x, w2.shape[0])
+    backend = resolve_backend(w1, "mix_ffn", "mix_ffn_forward")
+    seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None
+    y = ops.pick("mix_ffn", x, backend)(_rows(x), w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend,
+                                        float(dropout_p), seed)
+    return _unview(y, x.shape[:-1], w2.shape[0])
+
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

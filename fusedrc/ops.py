@@ -410,6 +410,63 @@ def _gated_mlp_backward(ctx, grad_out):
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
 
 
+# --------------------------------------------------------------------------- Mix-FFN
+# x holds the tokens of images of height x width (rows in row-major order); the depthwise conv's
+# weight is (hidden, 1, k, k), k odd, "same" padding. dropout_p and seed as the FFN's.
+def _mix_ffn_impl(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w_dw: Tensor, b_dw: Optional[Tensor], w2: Tensor,
+    b2: Optional[Tensor], height: int, width: int, activation: str, backend: str, dropout_p: float,
+    seed: Optional[Tensor],
+) -> Tensor:
+    return _laid_out(get_impl(backend, "mix_ffn", "mix_ffn_forward")(
+        x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p, seed))
+
+
+mix_ffn_op = _custom_op("mix_ffn", _mix_ffn_impl)
+
+
+@mix_ffn_op.register_fake
+def _(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend, dropout_p, seed):
+    return _empty((x.shape[0], w2.shape[0]), x, dtype=w1.dtype)
+
+
+def _mix_ffn_backward_impl(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w_dw: Tensor, b_dw: Optional[Tensor], w2: Tensor,
+    b2: Optional[Tensor], grad_out: Tensor, height: int, width: int, activation: str, backend: str,
+    dropout_p: float, seed: Optional[Tensor], output_mask: Optional[List[bool]] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = get_impl(backend, "mix_ffn", "mix_ffn_backward")(
+        x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, dropout_p, seed, output_mask)
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
+
+
+mix_ffn_backward_op = _custom_op("mix_ffn_backward", _mix_ffn_backward_impl)
+
+
+@mix_ffn_backward_op.register_fake
+def _(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, backend, dropout_p, seed,
+      output_mask=None):
+    return _fake_grads((x, w1, b1, w_dw, b_dw, w2, b2), output_mask, x)
+
+
+def _mix_ffn_setup(ctx, inputs, output):
+    x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend, dropout_p, seed = inputs
+    ctx.save_for_backward(x, w1, b1, w_dw, b_dw, w2, b2, seed)
+    ctx.size, ctx.activation, ctx.backend, ctx.dropout_p = (height, width), activation, backend, dropout_p
+
+
+def _mix_ffn_backward(ctx, grad_out):
+    _no_double_backward("mix_ffn")
+    *saved, seed = ctx.saved_tensors
+    mask = _output_mask(ctx, range(7))
+    grads = pick("mix_ffn_backward", saved[0], ctx.backend)(
+        *saved, grad_out.contiguous(), *ctx.size, ctx.activation, ctx.backend, ctx.dropout_p, seed, mask)
+    return (*_wanted_grads(grads, saved, mask), None, None, None, None, None, None)
+
+
+_AUTOGRAD["mix_ffn"] = (_mix_ffn_backward, _mix_ffn_setup)
+
+
 # --------------------------------------------------------------------------- routed experts (MoE)
 # The body loops over the experts a batch routes to (a host sync, data-dependent shapes): opaque
 # custom ops under torch.compile, no triton_op twin (its body would be traced as the fake one).

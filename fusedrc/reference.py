@@ -477,6 +477,70 @@ def fused_mlp_backward(x, w1, b1, w2, b2, grad_out, activation, dropout_p=0.0, s
     return dx, dw1, db1, dw2, db2
 
 
+# --------------------------------------------------------------------------- Mix-FFN
+# SegFormer's, GLPN's and PVT-v2's FFN: fc1 -> depthwise k x k conv over the token grid -> act ->
+# [dropout] -> fc2. x is (M, K), its rows the tokens of B images of height x width in row-major
+# order (M = B * height * width); the conv is "same" (padding k // 2, stride 1, one filter per
+# channel), its weight (hidden, 1, k, k).
+def _token_images(t, height, width):
+    """(M, C) tokens as the (B, C, height, width) view the modules hand their conv (channels last)."""
+    return t.view(-1, height * width, t.shape[1]).transpose(1, 2).view(-1, t.shape[1], height, width)
+
+
+def _image_tokens(t):
+    """The conv's (B, C, H, W) output back as (M, C) tokens, as the modules' ``flatten(2).transpose(1, 2)``."""
+    return t.flatten(2).transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def _dwconv_tokens(h, w_dw, b_dw, height, width):
+    return _image_tokens(F.conv2d(_token_images(h, height, width), w_dw, b_dw, padding=w_dw.shape[-1] // 2,
+                                  groups=w_dw.shape[0]))
+
+
+def mix_ffn_forward(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p=0.0, seed=None):
+    """out = dropout(act(dwconv(x W1^T + b1) + b_dw)) W2^T + b2, the conv over each image's token grid."""
+    h2 = _dwconv_tokens(F.linear(x, w1, b1), w_dw, b_dw, height, width)
+    return F.linear(_dropped(activation_forward(h2, activation), dropout_p, seed), w2, b2)
+
+
+def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, dropout_p=0.0, seed=None,
+                     output_mask=None):
+    """Recompute h1 = x W1^T + b1 and the conv's output h2 (not fc2); returns
+    (dx, dw1, db1, dw_dw, db_dw, dw2, db2), None for an absent bias or a gradient masked off."""
+    need_dx, need_dw1, need_db1, need_dwdw, need_dbdw, need_dw2, need_db2 = wanted(output_mask, 7)
+    need_gh2 = need_dx or need_dw1 or need_dwdw or (need_db1 and b1 is not None) or (need_dbdw and b_dw is not None)
+    h1 = F.linear(x, w1, b1)
+    h2 = _dwconv_tokens(h1, w_dw, b_dw, height, width)
+    factor = dropout_factor(seed, h2.shape, dropout_p, h2) if dropout_p != 0 else None
+    if need_dw2:
+        a = activation_forward(h2, activation)
+        dw2 = grad_out.t().mm(a if factor is None else a.mul_(factor))
+        del a
+    else:
+        dw2 = None
+    db2 = grad_out.sum(0) if b2 is not None and need_db2 else None
+    if not need_gh2:
+        return None, None, None, None, None, dw2, db2
+    grad_a = grad_out.mm(w2)
+    if factor is not None:
+        grad_a.mul_(factor)
+        del factor
+    grad_h2 = activation_backward(grad_a, h2, activation)
+    del grad_a, h2
+    need_gh1 = need_dx or need_dw1 or (need_db1 and b1 is not None)
+    k = w_dw.shape[-1]
+    g1, dw_dw, db_dw = aten.convolution_backward(
+        _token_images(grad_h2, height, width), _token_images(h1, height, width), w_dw,
+        [w_dw.shape[0]] if b_dw is not None else None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0],
+        w_dw.shape[0], [need_gh1, need_dwdw, need_dbdw and b_dw is not None])
+    del grad_h2, h1
+    grad_h1 = _image_tokens(g1) if need_gh1 else None
+    dx = grad_h1.mm(w1) if need_dx else None
+    dw1 = grad_h1.t().mm(x) if need_dw1 else None
+    db1 = grad_h1.sum(0) if b1 is not None and need_db1 else None
+    return dx, dw1, db1, dw_dw if need_dwdw else None, db_dw if need_dbdw and b_dw is not None else None, dw2, db2
+
+
 # --------------------------------------------------------------------------- gated FFN
 def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
     """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu, T5 v1.1's
