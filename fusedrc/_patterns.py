@@ -120,6 +120,19 @@ def _conv_padding(conv):
     return list(conv.padding)
 
 
+def is_same_depthwise(conv, channels=None):
+    """A plain ``nn.Conv2d`` that is a Mix-FFN's depthwise conv: one odd k x k filter per channel
+    (``channels`` of them, where given), stride 1, no dilation, zero "same" padding k // 2, no hooks of
+    its own: what :func:`fusedrc.functional.mix_ffn` computes."""
+    if type(conv) is not nn.Conv2d or _own_hooks(conv):
+        return False
+    k = conv.kernel_size
+    c = conv.in_channels
+    return (c == conv.out_channels == conv.groups and (channels is None or c == channels) and k[0] == k[1]
+            and k[0] % 2 == 1 and conv.stride == (1, 1) and conv.dilation == (1, 1)
+            and conv.padding_mode == "zeros" and _conv_padding(conv) == [k[0] // 2, k[0] // 2])
+
+
 def is_conv_same(m):
     """timm's ``Conv2dSame``: an ``nn.Conv2d`` (padding 0) whose forward pads its input the way
     TensorFlow's 'SAME' does, by the input's size (EfficientNet's and MobileNetV3's ``tf_`` models)."""

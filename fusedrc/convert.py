@@ -146,7 +146,8 @@ from torch import nn
 from . import functional as F
 from ._patterns import (_bn_call, _conv_padding, _foreign_forward, _has_hooks, _own_hooks, _user_hooks, activation_name,
                         bn_act_conv_call, conv_bn_act_call, conv_parts, conv_weight, fused_dropout_p, global_hooks,
-                        is_conv_same, is_linear, is_mixed_conv, norm_call_args, norm_kind, same_attributes, _uncount)
+                        is_conv_same, is_linear, is_mixed_conv, is_same_depthwise, norm_call_args, norm_kind,
+                        same_attributes, _uncount)
 from ._recomputed_norm import recomputed_norm, scope_enter, scope_exit
 from ._recomputed_norm import usable as recomputable
 from ._saved import SavedBytes
@@ -2599,6 +2600,139 @@ def _pre_dropout_mlp(ctx, name, m):
     return new
 
 
+class FusedMixFFN(Wrapper):
+    """SegFormer's Mix-FFN, ``fc1 -> depthwise conv over the token grid -> act -> dropout -> fc2 -> dropout``
+    (Hugging Face's ``SegformerMixMLP`` / ``SegformerMixFFN``, ``GLPNMixFFN``, ``PvtV2ConvFeedForwardNetwork``
+    with its ``relu`` an ``nn.Identity``; timm's PVT-v2 ``MlpWithDepthwiseConv``) as one fused op
+    (:func:`fusedrc.functional.mix_ffn`), the dropout after the activation inside it (its own mask stream,
+    as the FFN's), the one after fc2 the module's. Neither the conv's output nor the activation is kept.
+    A call the op does not model (a module swapped or hooked, another dropout, a token count other than
+    height x width) runs the module's forward."""
+
+    def _fusedrc_parts(self):
+        keys = self.__dict__["_fusedrc_keys"]
+        mods = {k: (self._modules.get(v) if v else None) for k, v in keys.items() if k != "conv"}
+        dw = mods["dw"]
+        mods["conv"] = dw._modules.get(keys["conv"]) if keys["conv"] and dw is not None else dw
+        return mods
+
+    def _fusedrc_size(self, args, kwargs):
+        """(x, height, width) of a call by the forward's own argument names, or None."""
+        names = self.__dict__["_fusedrc_args"]
+        if len(args) + len(kwargs) != len(names) or len(args) > len(names):
+            return None
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names or k in bound:
+                return None
+            bound[k] = v
+        if len(names) == 2:  # timm's (x, feat_size)
+            size = bound[names[1]]
+            if not isinstance(size, (list, tuple)) or len(size) != 2:
+                return None
+            return bound[names[0]], size[0], size[1]
+        return tuple(bound[n] for n in names)
+
+    def forward(self, *args, **kwargs):
+        call = self._fusedrc_size(args, kwargs)
+        site = self.sites.get("mix_ffn")
+        if call is None or site is None or not site.enabled:
+            return self.plain(*args, **kwargs)
+        x, height, width = call
+        m = self._fusedrc_parts()
+        fc1, conv, fc2, drop = m["fc1"], m["conv"], m["fc2"], m["drop"]
+        p = fused_dropout_p(drop)
+        if (p is None or not all(type(v) is int and v > 0 for v in (height, width))
+                or not _still(self.__dict__["_fusedrc_act"], m["act"], fc1, fc2)
+                or not is_same_depthwise(conv, fc1.out_features) or type(m["dw"]) is not self.__dict__["_fusedrc_dw"]
+                or (m["relu"] is not None and type(m["relu"]) is not nn.Identity)
+                or not _nohooks(self, *m.values()) or not _dense_runtime_ok(x, fc1, fc2)
+                or conv.weight.dtype != fc1.weight.dtype or x.dim() != 3 or x.shape[1] != height * width):
+            return self.plain(*args, **kwargs)
+
+        def fused(x):
+            return drop(F.mix_ffn(x, height, width, fc1.weight, fc1.bias, conv.weight, conv.bias, fc2.weight,
+                                  fc2.bias, self.__dict__["_fusedrc_act"], p))
+
+        return _run_site(site, fused, lambda x: self.plain(*args, **kwargs), x)
+
+
+# Hugging Face's Mix-FFN forward, inlined (_inlined_return), for arguments v, h, w: the dropout's, fc2's, the
+# activation's, the depthwise conv module's, [PVT-v2's relu's,] fc1's keys
+_HF_MIX_FFN = (r"self\.(?P<drop>\w+)\(self\.(?P<fc2>\w+)\(self\.(?P=drop)\(self\.(?P<act>\w+)\(self\.(?P<dw>\w+)\("
+               r"(?:self\.(?P<relu>\w+)\()?self\.(?P<fc1>\w+)\({v}\)(?(relu)\)), {h}, {w}\)\)\)\)\)")
+# its depthwise conv module's forward after the def line (arguments v, h, w; the conv's key)
+_HF_DWCONV = ["batch_size, seq_len, num_channels = {v}.shape",
+              "{v} = {v}.transpose(1, 2).view(batch_size, num_channels, {h}, {w})",
+              "{v} = self.{conv}({v})", "{v} = {v}.flatten(2).transpose(1, 2)", "return {v}"]
+# timm's MlpWithDepthwiseConv.forward after the def line (arguments v, s)
+_TIMM_MIX_FFN = ["{v} = self.fc1({v})", "B, N, C = {v}.shape", "{v} = {v}.transpose(1, 2).view(B, C, {s}[0], {s}[1])",
+                 "{v} = self.relu({v})", "{v} = self.dwconv({v})", "{v} = {v}.flatten(2).transpose(1, 2)",
+                 "{v} = self.act({v})", "{v} = self.drop({v})", "{v} = self.fc2({v})", "{v} = self.drop({v})",
+                 "return {v}"]
+
+
+def _hf_mix_ffn_keys(m, lines, args):
+    """The module keys of a Hugging Face Mix-FFN whose forward (and its conv module's) has the checked form,
+    else None."""
+    if args is None or len(args) != 3:
+        return None
+    expr = _inlined_return(lines)
+    form = None if expr is None else _re.fullmatch(_HF_MIX_FFN.format(**{k: _re.escape(a) for k, a in
+                                                                       zip("vhw", args)}), expr)
+    if form is None:
+        return None
+    keys = form.groupdict()
+    dw_lines = _source_lines(m._modules.get(keys["dw"])) if isinstance(m._modules.get(keys["dw"]), nn.Module) else None
+    dw_args = _forward_args(dw_lines)
+    if dw_args is None or len(dw_args) != 3 or len(dw_lines) != 6:
+        return None
+    conv = _re.fullmatch(r"\w+ = self\.(\w+)\(\w+\)", dw_lines[3])
+    v, h, w = dw_args
+    if conv is None or dw_lines[1:] != [t.format(v=v, h=h, w=w, conv=conv.group(1)) for t in _HF_DWCONV]:
+        return None
+    return dict(keys, conv=conv.group(1))
+
+
+@register_rule("SegformerMixMLP", "SegformerMixFFN", "GLPNMixFFN", "PvtV2ConvFeedForwardNetwork",
+               "MlpWithDepthwiseConv")
+def _mix_ffn(ctx, name, m):
+    """SegFormer's Mix-FFN in Hugging Face's classes and timm's PVT-v2, their forwards checked."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    args = _forward_args(lines)
+    if args is not None and len(args) == 2 and lines[1:] == [t.format(v=args[0], s=args[1]) for t in _TIMM_MIX_FFN]:
+        keys = dict(fc1="fc1", relu="relu", dw="dwconv", conv=None, act="act", drop="drop", fc2="fc2")
+    else:
+        keys = _hf_mix_ffn_keys(m, lines, args)
+    if keys is None:
+        ctx.skip(name, f"{_class_of(m).__name__}.forward is not fc1 -> depthwise conv over (height, width) -> act "
+                       "-> dropout -> fc2 -> dropout")
+        return m
+    fc1, fc2, act, relu, drop, dw = (m._modules.get(keys[k]) if keys[k] else None
+                                     for k in ("fc1", "fc2", "act", "relu", "drop", "dw"))
+    conv = dw._modules.get(keys["conv"]) if keys["conv"] and isinstance(dw, nn.Module) else dw
+    if not (is_linear(fc1) and is_linear(fc2) and fc2.in_features == fc1.out_features):
+        reason = "fc1/fc2 are not nn.Linears of one hidden width"
+    elif not is_same_depthwise(conv, fc1.out_features):
+        reason = "the conv is not a depthwise 'same' nn.Conv2d (odd square kernel, stride 1) over fc1's features"
+    elif relu is not None and type(relu) is not nn.Identity:
+        reason = f"a {type(relu).__name__} between fc1 and the depthwise conv (PVT-v2's linear variant) is not fused"
+    elif _act_name(act) is None:
+        reason = f"activation {type(act).__name__} has no fused form"
+    elif fused_dropout_p(drop, training=True) is None:
+        reason = f"{type(drop).__name__} after the activation has no fused form"
+    elif not _nohooks(fc1, fc2, act, relu, drop, dw, conv):
+        reason = "hooks registered on the modules"
+    else:
+        reason = None
+    new = _wrapped_unit(ctx, name, m, reason, FusedMixFFN, _act_name(act), "mix_ffn", "mix_ffn", (fc1, conv))
+    if reason is None:
+        new.__dict__.update(_fusedrc_keys=keys, _fusedrc_args=tuple(args), _fusedrc_dw=type(dw))
+    return new
+
+
 class FusedTFPaddedConvLayer(Wrapper):
     """Hugging Face's MobileNet V1/V2 conv layers (``MobileNetV1ConvLayer``, ``MobileNetV2ConvLayer``): TensorFlow's
     'SAME' padding of the input where ``config.tf_padding`` (the model module's own ``apply_tf_padding``, as the
@@ -2850,9 +2984,9 @@ _NORM_CONSUMERS = (FusedGatedMLP, FusedT5DenseActDense, FusedT5DenseGatedActDens
 _GATED_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
-def _forward_arg(lines):
-    """The one argument's name of a forward whose code lines start with ``def forward(self, v[: T])[ -> T]:``,
-    else None."""
+def _forward_args(lines):
+    """The argument names after ``self`` of a forward whose code lines start with ``def forward(self, a[: T],
+    ...)[ -> T]:`` (no defaults, no ``*``/``**``), else None."""
     if not lines or not lines[0].startswith("def forward("):
         return None
     try:
@@ -2860,10 +2994,16 @@ def _forward_arg(lines):
     except SyntaxError:  # a signature over several lines
         return None
     a = fn.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or [p.arg for p in a.args[:1]] != ["self"] \
-            or len(a.args) != 2:
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or [p.arg for p in a.args[:1]] != ["self"]:
         return None
-    return a.args[1].arg
+    return [p.arg for p in a.args[1:]]
+
+
+def _forward_arg(lines):
+    """The one argument's name of a forward whose code lines start with ``def forward(self, v[: T])[ -> T]:``,
+    else None."""
+    names = _forward_args(lines)
+    return names[0] if names is not None and len(names) == 1 else None
 
 
 def _inlined_return(lines):

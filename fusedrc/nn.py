@@ -3,7 +3,8 @@
 Parameters and buffers are laid out exactly as in the unfused modules, so
 state_dicts load both ways (``LinearReLU`` <-> ``nn.Linear``; ``FusedMLP`` holds
 ``fc1``/``fc2``; ``GatedMLP`` ``gate_proj``/``up_proj``/``down_proj`` as Llama's MLP;
-``MoEExperts`` ``gate_up_proj``/``down_proj`` as Hugging Face's experts; ``ConvBNReLU`` holds
+``MixFFN`` ``fc1``/``dwconv``/``fc2`` as timm's PVT-v2 MLP; ``MoEExperts`` ``gate_up_proj``/``down_proj`` as
+Hugging Face's experts; ``ConvBNReLU`` holds
 ``conv``/``bn``).
 """
 from __future__ import annotations
@@ -17,11 +18,11 @@ from torch.nn.utils import parametrize
 
 from . import functional as F
 from ._patterns import (_conv_padding, _own_hooks, activation_name, bn_act_conv_call, conv_bn_act_call, is_linear,
-                        norm_call_args, norm_kind)
+                        is_same_depthwise, norm_call_args, norm_kind)
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
 from .reference import ACTIVATIONS, activation_forward
 
-__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MoEExperts", "ConvBNReLU", "BNReLUConv"]
+__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "MoEExperts", "ConvBNReLU", "BNReLUConv"]
 
 
 def _act_name(act):
@@ -327,6 +328,67 @@ class GatedMLP(nn.Module):
 for _cls in (FusedMLP, GatedMLP):
     if _cls.__doc__:  # None under python -OO
         _cls.__doc__ = _cls.__doc__.replace("{norm}", _NORM_ARGS)
+
+
+class MixFFN(nn.Module):
+    """SegFormer's Mix-FFN ``fc2(dropout(act(dwconv(fc1(x)))))``, the depthwise conv over each image's
+    grid of tokens, keeping only ``x`` for backward (:func:`fusedrc.functional.mix_ffn`).
+
+    Holds ``fc1``, ``dwconv`` (``nn.Conv2d(hidden, hidden, kernel_size, padding=kernel_size // 2,
+    groups=hidden)``) and ``fc2``, named as in timm's PVT-v2 ``MlpWithDepthwiseConv``.
+
+    Args:
+        in_features, hidden_features: widths of the input and the hidden layer.
+        out_features: width of the output (default ``in_features``).
+        kernel_size: the depthwise conv's (odd) kernel size, 3 by default.
+        activation: as in :class:`FusedMLP`; ``"gelu"`` by default.
+        dropout: dropout probability after the activation in training mode, fused (as :class:`FusedMLP`'s).
+        bias, device, dtype: as in ``nn.Linear``, for the three layers.
+
+    Example::
+
+        >>> ffn = fusedrc.nn.MixFFN(32, 128)
+        >>> ffn(torch.randn(2, 4 * 6, 32), 4, 6).shape
+        torch.Size([2, 24, 32])
+    """
+
+    def __init__(self, in_features, hidden_features, out_features=None, kernel_size=3, activation="gelu",
+                 dropout=0.0, bias=True, device=None, dtype=None):
+        check_int(in_features, "in_features")
+        check_int(hidden_features, "hidden_features")
+        if out_features is not None:
+            check_int(out_features, "out_features")
+        if check_int(kernel_size, "kernel_size", min_value=1) % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (a 'same' depthwise conv), got {kernel_size}")
+        super().__init__()
+        out_features = in_features if out_features is None else out_features
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
+        self.dwconv = nn.Conv2d(hidden_features, hidden_features, kernel_size, padding=kernel_size // 2,
+                                groups=hidden_features, bias=bias, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.activation = check_activation(activation)
+        self.dropout = check_probability(dropout, "dropout")
+
+    def forward(self, x, height, width):
+        """``x`` of shape ``(*, height * width, in_features)``: each image's tokens in row-major order."""
+        _check_features(x, "in_features", self.fc1.in_features, type(self).__name__)
+        height, width = check_int(height, "height", min_value=1), check_int(width, "width", min_value=1)
+        if x.dim() < 2 or x.shape[-2] != height * width:
+            raise ValueError(f"input must have shape (*, height * width, in_features) = (*, {height * width}, "
+                             f"{x.shape[-1]}) for height {height} and width {width}, got {tuple(x.shape)}")
+        p = self.dropout if self.training else 0.0
+        conv = self.dwconv
+        if not (_as_built(self.fc1, self.fc2) and is_same_depthwise(conv, self.fc1.out_features)):
+            # a layer swapped or hooked: the modules as they are, on the (B, hidden, height, width) view
+            h = self.fc1(x)
+            images = h.reshape(-1, *h.shape[-2:]).transpose(1, 2).reshape(-1, h.shape[-1], height, width)
+            h = activation_forward(conv(images).flatten(2).transpose(1, 2), self.activation)
+            return self.fc2(TF.dropout(h, p)).reshape(*x.shape[:-1], self.fc2.out_features)
+        return F.mix_ffn(x, height, width, self.fc1.weight, self.fc1.bias, conv.weight, conv.bias, self.fc2.weight,
+                         self.fc2.bias, self.activation, p)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
 
 
 class MoEExperts(nn.Module):
