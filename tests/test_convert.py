@@ -963,6 +963,113 @@ def test_levit_linear_bn():
     assert skipped["b"] == "MLPLayerWithBN.forward is not bn(linear(x).flatten(0, 1)).reshape_as(linear(x))"
 
 
+def _mix_ffn_models(tr, dropout=0.0, linear=False):
+    common = dict(num_channels=3, num_encoder_blocks=2, depths=[1, 2], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                  patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[4, 4],
+                  hidden_dropout_prob=dropout, drop_path_rate=0.0)
+    return {"segformer": lambda: tr.SegformerForSemanticSegmentation(tr.SegformerConfig(
+                **common, decoder_hidden_size=32, num_labels=3)),
+            "pvt_v2": lambda: tr.PvtV2ForImageClassification(tr.PvtV2Config(
+                **common, num_labels=3, linear_attention=linear)),
+            "glpn": lambda: tr.GLPNForDepthEstimation(tr.GLPNConfig(**common, decoder_hidden_size=16))}
+
+
+@pytest.mark.parametrize("name", ["segformer", "pvt_v2", "glpn"])
+def test_mix_ffn_models(name):
+    """SegFormer's Mix-FFN (fc1 -> depthwise conv over the token grid -> act -> dropout -> fc2 -> dropout) in
+    Hugging Face's SegFormer, PVT-v2 and GLPN: one ``mix_ffn`` unit per layer, forward checked; on the reference
+    backend the converted model's output and gradients are the original's bit for bit (the same aten ops) and it
+    keeps fewer bytes; a whole step on the Triton backend against the original."""
+    tr = _transformers()
+    torch.manual_seed(0)
+    model = _mix_ffn_models(tr)[name]().train()
+    key = "predicted_depth" if name == "glpn" else "logits"
+    conv = fusedrc.convert(copy.deepcopy(model))
+    kinds = collections.Counter(u.kind for u in conv.fusedrc_plan.units)
+    assert kinds["mix_ffn"] == 3 and not conv.fusedrc_plan.skipped, (kinds, conv.fusedrc_plan.skipped)
+    x = torch.randn(2, 3, 32, 32)
+    with fusedrc.use_backend("reference"):
+        assert saved_bytes(conv, (x,)) < 0.9 * saved_bytes(model, (x,))
+        for m in (model, conv):  # (saved_bytes ran a step: a decode head's BatchNorm statistics from here on)
+            m.load_state_dict(model.state_dict())
+        with FusedOpLog() as log:
+            torch.manual_seed(1)  # (the decode head's and the attention's dropouts: the same masks)
+            y = conv(x)[key]
+            y.square().mean().backward()
+    torch.manual_seed(1)
+    y_ref = model(x)[key]
+    y_ref.square().mean().backward()
+    assert log.ops.count("mix_ffn") == 3 and log.ops.count("mix_ffn_backward") == 3
+    assert torch.equal(y, y_ref)
+    ga, gb = _grads(model), _grads(conv)
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+    if name != "segformer":
+        return
+    model.zero_grad(), conv.zero_grad()
+    with fusedrc.use_backend("triton"), FusedOpLog() as log:
+        torch.manual_seed(1)
+        y = conv(x)[key]
+        y.square().mean().backward()
+    torch.manual_seed(1)
+    y_ref = model(x)[key]
+    y_ref.square().mean().backward()
+    assert [op.removesuffix("_triton") for op in log.ops].count("mix_ffn") == 3
+    assert rel_err(y, y_ref) <= TOL
+    _assert_close_models(model, conv)
+
+
+def test_mix_ffn_calls_and_forms():
+    """Keyword calls are fused; a token count other than height x width, a swapped conv and a dropout in
+    training run the module's own forward or the fused op with that dropout; PVT-v2's linear variant (a ReLU
+    before the conv) and another forward are reported; timm's PVT-v2 MLP is fused too."""
+    tr = _transformers()
+    from transformers.models.segformer.modeling_segformer import SegformerMixMLP
+
+    torch.manual_seed(0)
+    config = tr.SegformerConfig(hidden_dropout_prob=0.25)
+    mlp = SegformerMixMLP(config, 8, 32).train()
+    fused = fusedrc.convert(copy.deepcopy(mlp))
+    assert type(fused).__name__ == "FusedMixFFN"
+    x = torch.randn(2, 12, 8)
+    mlp.eval(), fused.eval()
+    with FusedOpLog() as log:
+        assert torch.equal(fused(hidden_states=x, height=3, width=4), mlp(x, 3, 4))
+        with pytest.raises(RuntimeError):  # 12 tokens are no 3 x 5 grid: the module's own error
+            fused(x, 3, 5)
+    assert log.ops == ["mix_ffn"]
+    fused.train()
+    y = fused(x, 3, 4)  # both dropouts act (p = 0.25): about a quarter of the outputs zero
+    assert 0.1 < (y == 0).double().mean().item() < 0.4
+    fused.dwconv.dwconv.padding_mode = "circular"
+    mlp.dwconv.dwconv.padding_mode = "circular"
+    fused.eval(), mlp.eval()
+    with FusedOpLog() as log:
+        assert torch.equal(fused(x, 3, 4), mlp(x, 3, 4))
+    assert log.ops == []
+
+    with pytest.warns(UserWarning, match="left these as they are"):
+        linear = fusedrc.convert(_mix_ffn_models(tr, linear=True)["pvt_v2"]())
+    assert linear.fusedrc_plan.skipped and all("linear variant" in reason for _, reason in
+                                               linear.fusedrc_plan.skipped if "mlp" in _), linear.fusedrc_plan.skipped
+
+    def forward(self, hidden_states, height, width):  # the activation before the conv: another forward
+        return self.fc2(self.dwconv(self.activation_fn(self.fc1(hidden_states)), height, width))
+
+    other = type("SegformerMixMLP", (SegformerMixMLP,), {"forward": forward})(config, 8, 32)
+    with pytest.warns(UserWarning, match="left these as they are"):
+        kept = fusedrc.convert(other)
+    assert type(kept) is type(other) and "is not fc1 -> depthwise conv" in str(kept.fusedrc_plan.skipped)
+
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("pvt_v2_b0", pretrained=False, num_classes=3).eval()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    assert collections.Counter(u.kind for u in conv.fusedrc_plan.units)["mix_ffn"] == 8
+    x = torch.randn(1, 3, 64, 64)
+    with fusedrc.use_backend("reference"), FusedOpLog() as log:
+        assert torch.equal(conv(x), model(x))
+    assert log.ops.count("mix_ffn") == 8
+
+
 def test_stand_ins_pair_per_thread():
     """The stand-ins' pass-through flag is armed per thread: a converted DeBERTa shared by threads (each
     running its own forward, thread switches forced often) pairs every head with its own thread's tail."""
