@@ -119,17 +119,20 @@ def _net():
 
 
 class _More(nn.Module):
-    """The other kernels: BN -> ReLU -> Conv, a Conv-BN with a residual, an RMS-normed FFN with dropout."""
+    """The other kernels: BN -> ReLU -> Conv, a Conv-BN with a residual, a Mix-FFN over the pixels and an
+    RMS-normed FFN, both with dropout."""
 
     def __init__(self, dropout=0.1):
         super().__init__()
         self.pre = fusedrc.nn.BNReLUConv(3, 8, 3, padding=1)
         self.res = fusedrc.nn.ConvBNReLU(8, 8, 1)
+        self.mix = fusedrc.nn.MixFFN(8, 16, dropout=dropout)
         self.ffn = fusedrc.nn.FusedMLP(8 * 6 * 6, 32, out_features=16, dropout=dropout, norm="rms")
 
     def forward(self, x):
         y = self.pre(x)
-        return self.ffn(self.res(y, residual=y).flatten(1))
+        tokens = self.res(y, residual=y).flatten(2).transpose(1, 2)
+        return self.ffn(self.mix(tokens, 6, 6).flatten(1))
 
 
 _FUSED_NET_OPS = ("fusedrc.conv_bn_act", "fusedrc.fused_mlp", "fusedrc.linear_act")
@@ -275,6 +278,9 @@ _KERNEL_OUTPUTS = {
     "_gemm_act_grad_kernel": {"gh_ptr", "act_ptr", "part_ptr", "dscale_ptr"},
     "_gated_act_kernel": {"c_ptr"},
     "_gated_act_grad_kernel": {"ghg_ptr", "ghu_ptr", "act_ptr", "partg_ptr", "partu_ptr", "dscale_ptr"},
+    "_dwconv_act_kernel": {"a_ptr"},
+    "_dwconv_act_grad_kernel": {"gh_ptr", "act_ptr", "wpart_ptr", "bpart_ptr"},
+    "_dwconv_input_grad_kernel": {"out_ptr", "part_ptr"},
 }
 
 
@@ -286,12 +292,13 @@ _KERNEL_OUTPUTS = {
     # two gated FFNs: forward dual GEMM + down GEMM each; backward dAct, the dual grad kernel, dW_down,
     # dW_gate, dW_up and dX's two GEMMs each
     ("gated", [4, 14], {"_gated_act_kernel", "_gemm_act_kernel", "_gated_act_grad_kernel"}),
-    # BN-ReLU-Conv, a Conv-BN-ReLU with a residual and an RMS-normed FFN with dropout: three launches
-    # each forward; backward the rest of the kernels (and aten's conv backward)
-    ("more", [9, 12], {"_channel_stats_kernel", "_bn_stats_finalize_kernel", "_bn_act_conv_fwd_kernel",
-                       "_conv_bn_fwd_kernel", "_rms_norm_fwd_kernel", "_gemm_act_kernel", "_gemm_act_grad_kernel",
-                       "_rms_norm_bwd_kernel", "_conv_bn_bwd_kernel", "_bn_act_apply_kernel",
-                       "_bn_act_grad_reduce_kernel", "_bn_act_grad_dx_kernel"}),
+    # BN-ReLU-Conv, a Conv-BN-ReLU with a residual, a Mix-FFN and an RMS-normed FFN with dropout: three
+    # launches each forward; backward the rest of the kernels (and aten's conv backward), the Mix-FFN's 7
+    ("more", [12, 19], {"_channel_stats_kernel", "_bn_stats_finalize_kernel", "_bn_act_conv_fwd_kernel",
+                        "_conv_bn_fwd_kernel", "_rms_norm_fwd_kernel", "_gemm_act_kernel", "_gemm_act_grad_kernel",
+                        "_rms_norm_bwd_kernel", "_conv_bn_bwd_kernel", "_bn_act_apply_kernel",
+                        "_bn_act_grad_reduce_kernel", "_bn_act_grad_dx_kernel", "_dwconv_act_kernel",
+                        "_dwconv_act_grad_kernel", "_dwconv_input_grad_kernel"}),
 ])
 def test_triton_op_twins_compile_into_their_launches(net, launches, kernels):
     """torch.compile of a model through the triton_op twins, forward and backward compiled
