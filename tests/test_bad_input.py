@@ -56,6 +56,14 @@ def gated(x, wg, bg, wu, bu, wd, bd, **kw):
     return lambda: F.gated_mlp(c(x), c(wg), c(bg), c(wu), c(bu), c(wd), c(bd), **kw)
 
 
+def mix(x=None, size=(3, 4), w1=None, wd=None, bd=None, **kw):
+    """mix_ffn on 2 images of 3 x 4 tokens of 8 features, 16 hidden units, each default replaceable."""
+    x = r(2, 12, 8) if x is None else x
+    w1 = r(16, 8) if w1 is None else w1
+    wd = r(16, 1, 3, 3) if wd is None else wd
+    return lambda: F.mix_ffn(x, *size, w1, None, wd, bd, r(8, 16), None, **kw)
+
+
 def moe(x=None, idx=None, w=None, gate_up=None, down=None, **kw):
     """moe_experts on 3 tokens of 4 features, top-2 of 3 experts of 5 hidden units, each default replaceable."""
     def call():
@@ -359,6 +367,29 @@ CASES = [
     ("GatedMLP/from_modules-down_proj", lambda: fnn.GatedMLP.from_modules(nn.Linear(3, 8), nn.Linear(3, 8),
                                                                            nn.Linear(7, 3), "silu"),
      ValueError, r"down_proj\.in_features \(7\) must equal gate_proj\.out_features \(8\)"),
+    # ------------------------------------------------------------ functional.mix_ffn / nn.MixFFN
+    ("mix_ffn/tokens", mix(size=(3, 5)), ValueError,
+     r"input must have shape \(\*, height \* width, in_features\) = \(\*, 15, 8\) for height 3 and width 5, "
+     r"got \(2, 12, 8\)"),
+    ("mix_ffn/input-1d", mix(x=r(12)), ValueError, r"input must have at least 2 dimension\(s\), got shape \(12,\)"),
+    ("mix_ffn/height-float", mix(size=(3.0, 4)), TypeError, r"height must be an int, got float 3\.0"),
+    ("mix_ffn/width-zero", mix(size=(3, 0)), ValueError, r"width must be a positive int, got 0"),
+    ("mix_ffn/w_dw-even", mix(wd=r(16, 1, 2, 2)), ValueError,
+     r"w_dw must be a depthwise conv weight of shape \(16, 1, k, k\) with k odd .*got \(16, 1, 2, 2\)"),
+    ("mix_ffn/w_dw-channels", mix(wd=r(8, 1, 3, 3)), ValueError, r"w_dw must be a depthwise conv weight of shape "
+     r"\(16, 1, k, k\)"),
+    ("mix_ffn/w_dw-3d", mix(wd=r(16, 3, 3)), ValueError, r"w_dw must be 4-D, got 3-D"),
+    ("mix_ffn/w_dw-dtype", mix(wd=r(16, 1, 3, 3, dtype=f64)), TypeError, r"w_dw has dtype torch\.float64"),
+    ("mix_ffn/b_dw-size", mix(bd=r(5)), ValueError, r"b_dw must have shape \(16,\), got \(5,\)"),
+    ("mix_ffn/w1-features", mix(w1=r(16, 7)), ValueError, r"w1 must have shape \(out_features, 8\)"),
+    ("mix_ffn/activation", mix(activation="swish"), ValueError, ACT + ", got 'swish'"),
+    ("mix_ffn/dropout_p", mix(dropout_p=1.5), ValueError, r"dropout_p must be a probability in \[0, 1\]"),
+    ("MixFFN/kernel-even", lambda: fnn.MixFFN(8, 16, kernel_size=4), ValueError,
+     r"kernel_size must be odd \(a 'same' depthwise conv\), got 4"),
+    ("MixFFN/forward-tokens", lambda: fnn.MixFFN(8, 16)(r(2, 12, 8), 4, 4), ValueError,
+     r"input must have shape \(\*, height \* width, in_features\) = \(\*, 16, 8\)"),
+    ("MixFFN/forward-features", lambda: fnn.MixFFN(8, 16)(r(2, 12, 6), 3, 4), ValueError,
+     r"input must have last dimension in_features=8 for MixFFN, got shape \(2, 12, 6\)"),
     # ------------------------------------------------------------ nn.FusedMLP
     ("FusedMLP/hidden-negative", lambda: fnn.FusedMLP(3, -8), ValueError,
      r"hidden_features must be a non-negative int, got -8"),
@@ -583,7 +614,10 @@ def test_valid_unusual_inputs_are_accepted():
             z = F.fused_mlp(r(2, 3, device=META), r(8, 3, device=META), None, r(3, 8, device=META), None,
                             dropout_p=0.1)
             c = F.conv_bn_act(r(2, 3, 5, 5, device=META), r(4, 3, 3, 3, device=META), None, None, None, None)
+            m = F.mix_ffn(r(2, 6, 3, device=META), 2, 3, r(8, 3, device=META), None, r(8, 1, 3, 3, device=META),
+                          None, r(3, 8, device=META), None, dropout_p=0.1)
         assert y.shape == (2, 4) and z.shape == (2, 3) and c.shape == (2, 4, 3, 3) and y.device.type == META
+        assert m.shape == (2, 6, 3) and m.device.type == META
     x, model = r(2, 3, grad=True), _stack()
     assert torch.equal(fusedrc.recompute_sequential(model, np.int64(2), x), model(x))
     assert torch.equal(fusedrc.recompute(torch.sin, x, use_reentrant=None), torch.sin(x))
@@ -592,8 +626,8 @@ def test_valid_unusual_inputs_are_accepted():
 def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
-    public = {"linear_act", "fused_mlp", "gated_mlp", "moe_experts", "conv_bn_act", "bn_act_conv", "LinearReLU",
-              "FusedMLP", "GatedMLP", "MoEExperts", "ConvBNReLU", "BNReLUConv", "recompute",
+    public = {"linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "moe_experts", "conv_bn_act", "bn_act_conv",
+              "LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "MoEExperts", "ConvBNReLU", "BNReLUConv", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public
     assert {n for n in fusedrc.__all__ if callable(getattr(fusedrc, n))} - {"current_backend", "RecomputeError"} \

@@ -153,23 +153,3 @@ def test_module_and_dropout():
     ffn.eval()
     h = ffn.dwconv(ffn.fc1(x).transpose(1, 2).reshape(3, 16, 6, 4)).flatten(2).transpose(1, 2)
     assert torch.allclose(ffn(x, 6, 4), ffn.fc2(TF.gelu(h)), atol=1e-6)
-
-
-def test_bad_input():
-    x, w1, w2 = torch.randn(2, 12, 8), torch.randn(16, 8), torch.randn(8, 16)
-    wd = torch.randn(16, 1, 3, 3)
-    f = fusedrc.functional.mix_ffn
-    with pytest.raises(ValueError, match=r"input must have shape \(\*, height \* width"):
-        f(x, 3, 5, w1, None, wd, None, w2, None)
-    with pytest.raises(ValueError, match="w_dw must be a depthwise conv weight of shape \\(16, 1, k, k\\) with k odd"):
-        f(x, 3, 4, w1, None, torch.randn(16, 1, 2, 2), None, w2, None)
-    with pytest.raises(ValueError, match="w_dw must be"):
-        f(x, 3, 4, w1, None, torch.randn(8, 1, 3, 3), None, w2, None)
-    with pytest.raises(TypeError, match="height must be an int"):
-        f(x, 3.0, 4, w1, None, wd, None, w2, None)
-    with pytest.raises(ValueError, match="b_dw"):
-        f(x, 3, 4, w1, None, wd, torch.randn(5), w2, None)
-    with pytest.raises(TypeError, match="w_dw has dtype"):
-        f(x, 3, 4, w1, None, wd.double(), None, w2, None)
-    with pytest.raises(ValueError, match="kernel_size must be odd"):
-        fusedrc.nn.MixFFN(8, 16, kernel_size=4)
