@@ -144,9 +144,11 @@ def _dwconv_input_grad_kernel(
 
 # --------------------------------------------------------------------------- launchers
 # (BLOCK_M, BLOCK_C, num_warps): elementwise tiles with 9 shifted loads each, channels contiguous.
-# Untimed on a GPU: a starting point (64 x 64 fp32 on 4 warps: 32 accumulator registers a thread).
+# Untimed on a GPU. Static check (python -m fusedrc.inspect --kernel mix_ffn): on 4 warps the compiler keeps the
+# 9 taps' loads in flight at once and the grad kernel spills (sm_90 64 x 64: 8-256 bytes; 32 x 128: 200-920);
+# 64 x 64 on 8 warps spills nowhere (sm_90 bf16: 128 / 176 / 97 registers for the three kernels).
 # The interpreter's small tiles give the test shapes several tiles each way and ragged edges.
-_GPU_TILE = (64, 64, 4)
+_GPU_TILE = (64, 64, 8)
 _INTERPRETER_TILE = (16, 16, 4)
 
 
@@ -261,3 +263,36 @@ def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, act
         dx = plain_gemm(gh1, w1, out_dtype=x.dtype) if need_dx else None
         dw1 = plain_gemm(gh1.t(), x, out_dtype=w1.dtype) if need_dw1 else None
     return dx, dw1, db1, dw_dw, db_dw, dw2, db2
+
+
+# --------------------------------------------------------------------------- ahead-of-time inspection
+def inspect_specs():
+    """The three kernels on the GPU tile for sm_90 and sm_80, each 16-bit dtype and fp32, SegFormer's 3 x 3
+    conv and GELU: the forward with dropout, the grad kernel with every output (a, both gradients' partials,
+    dropout), the transposed conv with fc1's bias sums (``python -m fusedrc.inspect --kernel mix_ffn``)."""
+    from ._common import _INSPECT_ARCH, _TRITON_PTR
+
+    bm, bc, warps = _GPU_TILE
+    tile = {"BLOCK_M": bm, "BLOCK_C": bc, "KSIZE": 3}
+    ints = {"M": "i32", "C": "i32", "H": "i32", "W": "i32"}
+    act = {**act_meta("gelu"), "DROPOUT": True}
+    specs = []
+    for arch, dtype in ((a, d) for a in _INSPECT_ARCH.values() for d in (torch.float16, torch.bfloat16, torch.float32)):
+        p, f32 = _TRITON_PTR[dtype], "*fp32"
+        drop = {"seed_ptr": "*i64", **ints, "drop_threshold": "i32", "drop_scale": "fp32"}
+        kernels = (
+            (_dwconv_act_kernel, {"h_ptr": p, "w_ptr": p, "b_ptr": p, "a_ptr": p, **drop},
+             {"HAS_BIAS": True, **act}),
+            (_dwconv_act_grad_kernel, {"h_ptr": p, "w_ptr": p, "b_ptr": p, "g_ptr": p, "gh_ptr": p, "act_ptr": p,
+                                       "wpart_ptr": f32, "bpart_ptr": f32, **drop},
+             {"HAS_BIAS": True, "STORE_ACT": True, "WEIGHT_GRAD": True, "BIAS_GRAD": True, **act}),
+            (_dwconv_input_grad_kernel, {"g_ptr": p, "w_ptr": p, "out_ptr": p, "part_ptr": f32, **ints},
+             {"BIAS_GRAD": True}),
+        )
+        for fn, sig, flags in kernels:
+            specs.append({"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype,
+                          "config": {"BLOCK_M": bm, "BLOCK_C": bc, "num_warps": warps, "num_stages": 1},
+                          "signature": sig, "constexprs": {**tile, **flags}, "num_warps": warps, "num_stages": 1,
+                          "gemm": False, "aligned": [n for n in sig if n.endswith("_ptr")] + ["C"],
+                          "source": f"{arch}/gpu tile"})
+    return specs
