@@ -100,6 +100,8 @@ def test_quick_kernels(quick_run):
     # the pre-activation op keeps x (and 2 floats a channel), as checkpoint does; eager keeps the activation too
     assert saved["bn_act_conv", "fusedrc"] <= saved["bn_act_conv", "torch_checkpoint"] + 8 * 32
     assert saved["bn_act_conv", "torch_checkpoint"] < saved["bn_act_conv", "eager"]
+    # the Mix-FFN keeps x alone, as checkpoint does; eager keeps fc1's, the conv's and the activation's outputs
+    assert saved["mix_ffn", "fusedrc"] == saved["mix_ffn", "torch_checkpoint"] < saved["mix_ffn", "eager"] / 8
     # the routed experts keep the call's inputs (x, the routing index and weights), as checkpoint does
     assert saved["moe_experts", "fusedrc"] <= saved["moe_experts", "torch_checkpoint"] < saved["moe_experts", "eager"]
     if doc["device"]["type"] == "cpu":
@@ -523,7 +525,10 @@ def test_kernel_gemm_counts_match_the_flop_counter():
         for strategy in ("eager", "torch_checkpoint"):
             with FlopCounterMode(display=False) as fc:
                 case.forward(strategy).backward(case.grad)
-            assert fc.get_total_flops() == case.units[strategy] * case.gemm_flops, (pattern, strategy)
+            # the Mix-FFN's depthwise conv is no GEMM unit (the counter rates it as a dense conv, groups ignored)
+            flops = sum(n for op, n in fc.get_flop_counts()["Global"].items()
+                        if pattern != "mix_ffn" or "convolution" not in str(op))
+            assert flops == case.units[strategy] * case.gemm_flops, (pattern, strategy)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -714,9 +719,10 @@ def test_host_cost_experts_pattern(tmp_path):
 
 def test_convert_survey_script(tmp_path):
     """benchmarks/convert_survey.py on a few model types (built on the meta device, converted): Llama's gated MLPs
-    fused, nothing left; GLPN's Mix-FFN (a depthwise conv between its Linears) listed as uncovered; a model type
-    transformers cannot build from its default config a row with its error; the results file carries the rows,
-    versions and commit. With --library timm: ResNet-18's 20 Conv-BN units, PVT-v2's MLP uncovered."""
+    fused, nothing left; GLPN's Mix-FFNs fused; RWKV's feed-forward (a token shift and a receptance gate) listed as
+    uncovered; a model type transformers cannot build from its default config a row with its error; the results
+    file carries the rows, versions and commit. With --library timm: ResNet-18's 20 Conv-BN units, PVT-v2's MLPs
+    fused, Visformer's SpatialMlp uncovered."""
     import importlib.util
     import json
     import subprocess
@@ -724,24 +730,26 @@ def test_convert_survey_script(tmp_path):
 
     pytest.importorskip("transformers")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "convert_survey.py"
-    run = subprocess.run([sys.executable, str(script), "--only", "llama,glpn,autoformer", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, str(script), "--only", "llama,glpn,rwkv,autoformer", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     (path,) = tmp_path.glob("convert_survey_*.json")
     doc = json.loads(path.read_text())
     rows = {r["model_type"]: r for r in doc["rows"]}
-    assert set(rows) == {"llama", "glpn", "autoformer"} and doc["commit"] and doc["transformers"]
+    assert set(rows) == {"llama", "glpn", "rwkv", "autoformer"} and doc["commit"] and doc["transformers"]
     assert rows["llama"]["units"]["gated_ffn"] == 2 and rows["llama"]["uncovered"] == []
-    assert "GLPNMixFFN" in rows["glpn"]["uncovered"] and "gated_ffn" not in rows["glpn"]["units"]
+    assert rows["glpn"]["units"]["mix_ffn"] > 0 and rows["glpn"]["uncovered"] == []
+    assert rows["rwkv"]["uncovered"] == ["RwkvFeedForward"] and "gated_ffn" not in rows["rwkv"]["units"]
     assert "build_error" in rows["autoformer"]
-    assert "glpn" in run.stdout and "3 model types" in run.stdout
+    assert "rwkv" in run.stdout and "4 model types" in run.stdout
     if importlib.util.find_spec("timm") is None:  # (not imported here: the script imports it its own way)
         pytest.skip("timm is not installed (test extra)")
-    run = subprocess.run([sys.executable, str(script), "--library", "timm", "--only", "resnet18,pvt_v2_b0", "--out",
+    run = subprocess.run([sys.executable, str(script), "--library", "timm", "--only", "resnet18,pvt_v2_b0,visformer_tiny", "--out",
                           str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     (path,) = tmp_path.glob("convert_survey_timm_*.json")
     rows = {r["model_type"]: r for r in json.loads(path.read_text())["rows"]}
     units = rows["resnet18"]["units"]  # every one of its 20 convolutions' Conv-BN[-ReLU]
     assert sum(units.values()) == 20 and all(k.startswith("conv_bn") for k in units), units
-    assert rows["pvt_v2_b0"]["uncovered"] == ["MlpWithDepthwiseConv"]  # a depthwise conv between its Linears
+    assert rows["pvt_v2_b0"]["units"]["mix_ffn"] == 8 and rows["pvt_v2_b0"]["uncovered"] == []
+    assert rows["visformer_tiny"]["uncovered"] == ["SpatialMlp"]

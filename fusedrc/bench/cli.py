@@ -103,7 +103,8 @@ def kernels_parser():
     p = argparse.ArgumentParser(
         prog="fusedrc-bench kernels",
         description="Per-kernel microbenchmarks (forward + backward): fusedrc's fused op vs eager (unfused) vs "
-                    "torch.utils.checkpoint for linear_act, fused_mlp(_dropout), (norm_)gated_mlp, moe_experts, conv_bn_act and "
+                    "torch.utils.checkpoint for linear_act, fused_mlp(_dropout), (norm_)gated_mlp, moe_experts, mix_ffn, "
+                    "conv_bn_act and "
                     "bn_act_conv; achieved TFLOP/s counts "
                     "the recompute.")
     _common(p, "tiny shapes, 3 repeats")

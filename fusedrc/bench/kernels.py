@@ -17,6 +17,9 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
   experts (transposed weights, gate and up rows interleaved, biases, its clamped gate), the same counts;
   ``layout="ungated"``: Nemotron-H's squared-ReLU experts ``relu(x Wuᵀ)² Wdᵀ`` (two GEMMs an expert): eager 6,
   checkpoint 8, fusedrc 7
+* ``mix_ffn`` (SegFormer's Mix-FFN ``fc2(gelu(dwconv3x3(fc1(x))))`` over a grid of tokens, in units of one
+  of its two GEMMs; the depthwise conv's few FLOPs are not counted): eager 6, checkpoint 7, fusedrc 7 (fc1
+  rerun; the conv and the activation rebuilt inside the activation's backward kernel)
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 * ``bn_act_conv`` (``BatchNorm2d → ReLU → Conv2d``, the pre-activation order; a DenseNet layer's 1×1
@@ -40,7 +43,7 @@ from . import measure
 from .progress import bar
 
 PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "norm_gated_mlp", "moe_experts",
-            "conv_bn_act", "bn_act_conv")
+            "mix_ffn", "conv_bn_act", "bn_act_conv")
 DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
@@ -56,7 +59,7 @@ def shapes(device_type: str, quick: bool) -> list:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
                 ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
                 ("norm_gated_mlp", dict(M=256, d=128, h=344)), ("moe_experts", dict(T=128, d=128, h=172, E=8, k=2)),
-                ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3)),
+                ("mix_ffn", dict(B=2, H=8, W=8, d=32, h=128)), ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3)),
                 ("bn_act_conv", dict(N=4, C=32, K=16, H=8, W=8, k=1))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
@@ -70,6 +73,8 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("moe_experts", dict(T=8192, d=2880, h=2880, E=32, k=4, layout="gpt_oss")),
                 # Nemotron-3-Nano-30B-A3B's: 128 ungated squared-ReLU experts of 1856, top-6 (the dense kernels)
                 ("moe_experts", dict(T=8192, d=2688, h=1856, E=128, k=6, layout="ungated")),
+                # SegFormer-B2 at 512 x 512, batch 8: stage 1 (128 x 128 tokens of 64) and stage 3 (32 x 32 of 320)
+                ("mix_ffn", dict(B=8, H=128, W=128, d=64, h=256)), ("mix_ffn", dict(B=8, H=32, W=32, d=320, h=1280)),
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3)),
                 # DenseNet-121's dense layer at 28x28 with 256 input channels: the 1x1 bottleneck to 128
                 ("bn_act_conv", dict(N=64, C=256, K=128, H=28, W=28, k=1))]
@@ -78,7 +83,7 @@ def shapes(device_type: str, quick: bool) -> list:
             ("norm_gated_mlp", dict(M=1024, d=512, h=1376)), ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
             ("moe_experts", dict(T=512, d=512, h=512, E=8, k=4, layout="gpt_oss")),
             ("moe_experts", dict(T=512, d=512, h=768, E=16, k=4, layout="ungated")),
-            ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
+            ("mix_ffn", dict(B=4, H=16, W=16, d=64, h=256)), ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
             ("bn_act_conv", dict(N=16, C=128, K=64, H=16, W=16, k=1))]
 
 
@@ -174,6 +179,26 @@ class _MoEExperts(nn.Module):
             up_offset=1.0)
 
 
+class _MixFFN(nn.Module):
+    """SegFormer's Mix-FFN as Hugging Face's eager forward writes it, on a fixed token grid; ``fused`` is
+    fusedrc's op on the same parameters."""
+
+    def __init__(self, H, W, d, h):
+        super().__init__()
+        self.size = (H, W)
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+        self.dwconv = nn.Conv2d(h, h, 3, 1, 1, groups=h)
+
+    def forward(self, x):
+        B, N, C = x.shape[0], x.shape[1], self.fc1.out_features
+        h = self.dwconv(self.fc1(x).transpose(1, 2).view(B, C, *self.size)).flatten(2).transpose(1, 2)
+        return self.fc2(nn.functional.gelu(h))
+
+    def fused(self, x):
+        return fusedrc.functional.mix_ffn(x, *self.size, self.fc1.weight, self.fc1.bias, self.dwconv.weight,
+                                          self.dwconv.bias, self.fc2.weight, self.fc2.bias, "gelu")
+
+
 class _Case:
     """One pattern: its modules, inputs, output gradient and the three ways to run it."""
 
@@ -207,6 +232,12 @@ class _Case:
             self.gemm_flops = 2 * T * k * d * h  # one of an expert's GEMMs, over every routed token
             self.units = {"eager": 6, "torch_checkpoint": 8, "fusedrc": 7} if self.block.ungated else \
                 {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
+        elif pattern == "mix_ffn":
+            B, H, W, d, h = (shape[n] for n in ("B", "H", "W", "d", "h"))
+            self.block = _MixFFN(H, W, d, h)
+            xs, ys = (B, H * W, d), (B, H * W, d)
+            self.gemm_flops = 2 * B * H * W * d * h  # one of its two GEMMs
+            self.units = {"eager": 6, "torch_checkpoint": 7, "fusedrc": 7}
         else:
             N, C, K, H, W, k = (shape[n] for n in ("N", "C", "K", "H", "W", "k"))
             conv = nn.Conv2d(C, K, k, 1, k // 2, bias=False)
@@ -223,7 +254,7 @@ class _Case:
         self.grad = torch.randn(ys, generator=g).to(device=device, dtype=dtype)
         self.params = list(self.block.parameters())
         self.fused = self.block
-        if pattern == "moe_experts":
+        if pattern in ("moe_experts", "mix_ffn"):
             self.fused = self.block.fused
         if pattern in ("gated_mlp", "norm_gated_mlp"):  # the same parameters in fusedrc's module
             b = self.block
@@ -235,7 +266,7 @@ class _Case:
             return self.block(self.x)
         if strategy == "torch_checkpoint":
             return checkpoint(self.block, self.x, use_reentrant=False)
-        if self.pattern == "moe_experts":
+        if self.pattern in ("moe_experts", "mix_ffn"):
             return self.fused(self.x)
         return fusedrc.recompute(self.fused, self.x)  # a recognised pattern: the fused op
 
