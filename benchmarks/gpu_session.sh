@@ -83,7 +83,10 @@
 #            step's new Nemotron-3-Nano case, 128 squared-ReLU experts of 1856, top-6) and a down bias's gradients
 #            in chunks of whole experts (test_moe.py's grouped tests again); session 39: tests/test_compile.py
 #            (the gated FFN and test_compile._More compiled under inductor through the triton_op twins, which
-#            torch's mutation analysis rejected for the gated FFN before; never run on a GPU)
+#            torch's mutation analysis rejected for the gated FFN before; never run on a GPU); session 40:
+#            tests/test_mix_ffn.py and test_convert.py -k mix_ffn (the Mix-FFN's three kernels, never run on a
+#            GPU), then the kernels step's mix_ffn cases (SegFormer-B2 stage 1 and 3; if the grad kernel loses to
+#            eager's elementwise passes, try _GPU_TILE (32, 64, 4) / (64, 128, 8) in fusedrc/kernels/mix_ffn.py)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
