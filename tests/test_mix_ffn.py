@@ -153,3 +153,54 @@ def test_module_and_dropout():
     ffn.eval()
     h = ffn.dwconv(ffn.fc1(x).transpose(1, 2).reshape(3, 16, 6, 4)).flatten(2).transpose(1, 2)
     assert torch.allclose(ffn(x, 6, 4), ffn.fc2(TF.gelu(h)), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_frozen_parameters_and_views(backend):
+    """Gradients autograd does not want are not computed (output_mask): a frozen fc1 and conv, an input that needs
+    none, frozen fc2; each remaining gradient equals the full backward's; a strided view of x is taken as is."""
+    device = backend_device(backend)
+    m = _HFMixFFN(8, 24, 8, 3).to(device)
+    base = torch.randn(2, 8, 20, device=device)
+    for frozen in (("fc1.weight", "fc1.bias", "dwconv.weight"), ("fc2.weight", "fc2.bias", "dwconv.bias"), ()):
+        for n, p in m.named_parameters():
+            p.requires_grad_(n not in frozen)
+        x = base.transpose(1, 2).requires_grad_(not frozen)  # (2, 20, 8), not contiguous
+        args = (m.fc1.weight, m.fc1.bias, m.dwconv.weight, m.dwconv.bias, m.fc2.weight, m.fc2.bias)
+        with fusedrc.use_backend(backend):
+            y = fusedrc.functional.mix_ffn(x, 4, 5, *args)
+        g = torch.randn_like(y)
+        wanted = [t for t in (x, *args) if t.requires_grad]
+        got = torch.autograd.grad(y, wanted, g)
+        xd = x.detach().double().requires_grad_(x.requires_grad)
+        ref = R.mix_ffn_forward(xd.reshape(-1, 8), *(_d(t).requires_grad_(t.requires_grad) for t in args), 4, 5,
+                                "gelu")
+        assert rel_err(y.reshape(-1, 8), ref) < 1e-5
+        full = R.mix_ffn_backward(xd.detach().reshape(-1, 8), *map(_d, args), _d(g).reshape(-1, 8), 4, 5, "gelu")
+        expected = [f for t, f in zip((x, *args), full) if t.requires_grad]
+        for a, b in zip(got, expected):
+            assert rel_err(a.reshape(b.shape), b) < 1e-5
+
+
+def test_autocast_and_compile():
+    """Under CPU bf16 autocast the op casts as F.linear / F.conv2d do (outputs and gradients as the modules'
+    under the same autocast); torch.compile (aot_eager, reference backend) traces it without a graph break."""
+    m = _HFMixFFN(8, 24, 8, 3)
+    x = torch.randn(2, 20, 8, requires_grad=True)
+    args = (m.fc1.weight, m.fc1.bias, m.dwconv.weight, m.dwconv.bias, m.fc2.weight, m.fc2.bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fusedrc.functional.mix_ffn(x, 4, 5, *args)
+        y_ref = m(x, 4, 5)
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, [x, *args], g), torch.autograd.grad(y_ref, [x, *args], g)):
+        assert a.dtype == b.dtype and rel_err(a, b) < 1e-2
+
+    def f(x):
+        return fusedrc.functional.mix_ffn(x, 4, 5, *args, activation="relu").sum()
+
+    with fusedrc.use_backend("reference"):
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        (gc,) = torch.autograd.grad(compiled(x), x)
+        (ge,) = torch.autograd.grad(f(x), x)
+    assert torch.allclose(gc, ge, atol=1e-6)
