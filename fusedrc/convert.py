@@ -2932,7 +2932,8 @@ class FusedGatedMLP(Wrapper):
     from its own stream) or a dropout of the output (Seed-OSS: after the op, as the module has it); a SwiGLU
     clamped at ``self.<attr>`` before the activation (DeepSeek-V4, GLM-5-Next) or after it (Step-3.7): the op's
     ``swiglu_limit``, read at each call; or Falcon-H1's multipliers, ``down_proj(up_proj(x) * act_fn(gate_proj(x) *
-    self.<m_g>)) * self.<m_d>``: the op's ``gate_scale`` and a scale of its output, read at each call."""
+    self.<m_g>)) * self.<m_d>``: the op's ``gate_scale`` and a scale of its output, read at each call; or Gemma 3n's
+    MLP while its ``activation_sparsity`` is 0 (read at each call: the module's forward where it is not)."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
@@ -2945,6 +2946,8 @@ class FusedGatedMLP(Wrapper):
         """``gated_mlp``'s clamp arguments now (None where its limit is no number > 0), or its gate_scale (None
         where a multiplier is no finite number other than 0)."""
         kind, attr = self.__dict__["_fusedrc_form"]
+        if kind == "sparse":  # Gemma 3n's: fused while its activation sparsity is off
+            return {} if _sparsity_off(self, attr) else None
         if kind == "scaled":
             scales = _multipliers(self, attr)
             return None if scales is None else dict(gate_scale=scales[0])
@@ -3072,6 +3075,23 @@ _CLAMPED_OPTIONAL = (r"(\w+), (\w+) = self\.act_fn\(self\.gate_proj\({v}\)\), se
                      r"return self\.down_proj\(\1 \* \2\)")
 
 
+# Gemma 3n's: Llama's MLP through local variables, with activation sparsity (a row statistic of the gate's
+# pre-activation, ``_gaussian_topk``) where ``self.<attr>`` > 0: fused only where it is not (its later layers)
+_SPARSE = (r"(\w+) = self\.gate_proj\({v}\)\n"
+           r"if self\.(\w+) > 0\.0:\n"
+           r"\1 = self\._gaussian_topk\(\1\)\n"
+           r"(\w+) = self\.act_fn\(\1\)\n"
+           r"(\w+) = self\.up_proj\({v}\)\n"
+           r"(\w+) = self\.down_proj\(\3 \* \4\)\n"
+           r"return \5")
+
+
+def _sparsity_off(m, attr):
+    """Whether Gemma 3n's gate runs without its activation sparsity now (``self.<attr> > 0.0`` is false)."""
+    s = getattr(m, attr, None)
+    return isinstance(s, numbers.Real) and not s > 0.0
+
+
 # Falcon-H1's: the gate's pre-activation and the output each times a multiplier attribute
 _SCALED = r"self\.down_proj\(self\.up_proj\({v}\) \* self\.act_fn\(self\.gate_proj\({v}\) \* self\.(\w+)\)\) \* " \
           r"self\.(\w+)"
@@ -3094,6 +3114,9 @@ def _gated_mlp_body(lines):
     optional = None if v is None else _re.fullmatch(_CLAMPED_OPTIONAL.format(v=_re.escape(v)), "\n".join(lines[1:]))
     if optional is not None and optional.group(1) != optional.group(2):
         return v, "clamped_optional", optional.group(3)
+    sparse = None if v is None else _re.fullmatch(_SPARSE.format(v=_re.escape(v)), "\n".join(lines[1:]))
+    if sparse is not None and len({sparse.group(i) for i in (1, 3, 4, 5)}) == 4:
+        return v, "sparse", sparse.group(2)
     expr = None if v is None else _inlined_return(lines)
     if expr is None:
         return None
@@ -3130,7 +3153,8 @@ def _gated_mlp(ctx, name, m):
     form = _gated_mlp_body(lines)
     if form is None:
         ctx.skip(name, f"{_class_of(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x)) "
-                       "(with, at most, a dropout of the product or of the output, a SwiGLU clamp or multipliers)")
+                       "(with, at most, a dropout of the product or of the output, a SwiGLU clamp, multipliers or Gemma 3n's "
+                       "activation sparsity)")
         return m
     arg, kind, p_attr = form
     dropout = m._modules.get("dropout")
@@ -3143,6 +3167,10 @@ def _gated_mlp(ctx, name, m):
     if kind == "scaled" and _multipliers(m, p_attr) is None:
         ctx.skip(name, f"its multipliers self.{p_attr[0]} = {getattr(m, p_attr[0], None)!r} and self.{p_attr[1]} = "
                        f"{getattr(m, p_attr[1], None)!r} are not finite numbers other than 0")
+        return m
+    if kind == "sparse" and not _sparsity_off(m, p_attr):
+        ctx.skip(name, f"activation sparsity self.{p_attr} = {getattr(m, p_attr, None)!r} (a statistic of each row of "
+                       "the gate before the activation) has no fused form")
         return m
     if kind in _CLAMP_FORMS and _gate_kwargs(m, _CLAMP_FORMS[kind]._replace(limit=p_attr)) is None:
         ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")

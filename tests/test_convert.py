@@ -2396,6 +2396,58 @@ def test_falcon_h1_mlp_multipliers(backend):
                            "are not finite numbers other than 0")
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gemma3n_mlp_without_its_activation_sparsity(backend):
+    """Gemma 3n's MLP, Llama's through local variables with activation sparsity (``_gaussian_topk``, a row
+    statistic of the gate's pre-activation) where ``activation_sparsity > 0``: its layers without it (Gemma 3n's
+    later 25 of 35) one fused gated FFN each, those with it reported; sparsity switched on after convert runs
+    the module's forward; a 4-layer Gemma 3n text model's output as the original's."""
+    tr = _transformers()
+    if not hasattr(tr, "Gemma3nTextConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no Gemma3nTextConfig")
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextMLP
+
+    torch.manual_seed(0)
+    cfg = tr.Gemma3nTextConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                               activation_sparsity_pattern=[0.95, 0.0])
+    sparse, dense = Gemma3nTextMLP(cfg, 0), Gemma3nTextMLP(cfg, 1)
+    with pytest.warns(UserWarning, match="no pattern found"):
+        skipped = dict(fusedrc.convert(sparse).fusedrc_plan.skipped)
+    assert skipped[""].startswith("activation sparsity self.activation_sparsity = 0.95 (a statistic of each row")
+    conv = fusedrc.convert(copy.deepcopy(dense))
+    assert [u.kind for u in conv.fusedrc_plan.units] == ["gated_ffn"] and not conv.fusedrc_plan.skipped
+    device = backend_device(backend)
+    dense, conv = dense.to(device), conv.to(device)
+    for sparsity, fused in ((0.0, True), (0.9, False)):
+        for m in (dense, conv):
+            m.activation_sparsity = sparsity
+            m.zero_grad()
+        x = torch.randn(3, 5, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        with fusedrc.use_backend(backend), FusedOpLog() as log:
+            y = conv(x)
+            y.square().sum().backward()
+        y_ref = dense(xr)
+        y_ref.square().sum().backward()
+        assert ([op.removesuffix("_triton") for op in log.ops] == ["gated_mlp", "gated_mlp_backward"]) == fused
+        assert rel_err(y, y_ref) <= TOL and rel_err(x.grad, xr.grad) <= TOL, sparsity
+        _assert_close_models(dense, conv)
+    if backend == "triton":
+        return
+    small = tr.Gemma3nTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=16, vocab_size=64, vocab_size_per_layer_input=64,
+                                 hidden_size_per_layer_input=8, activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+                                 layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=0,
+                                 laurel_rank=4, altup_num_inputs=2)
+    model = tr.Gemma3nTextModel(small).train()
+    with pytest.warns(UserWarning, match="left these as they are"):
+        conv = fusedrc.convert(copy.deepcopy(model))
+    kinds = collections.Counter(u.kind for u in conv.fusedrc_plan.units)
+    assert kinds["norm_gated_ffn"] == 2 and [n for n, _ in conv.fusedrc_plan.skipped] == ["layers.0.mlp", "layers.1.mlp"]
+    ids = torch.randint(0, 64, (2, 7))
+    assert torch.equal(conv(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
 def test_gated_mlp_dropout_forms_the_op_cannot_stand_for_are_reported():
     """A dropout of the gated product that is no nn.Dropout (its mask drawn otherwise), and an output
     dropout whose p is no number: left as they are, said why."""
