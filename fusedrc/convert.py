@@ -2733,6 +2733,73 @@ def _mix_ffn(ctx, name, m):
     return new
 
 
+class FusedXIELUMLP(Wrapper):
+    """Apertus's MLP, ``down_proj(act_fn(up_proj(x)))`` with Hugging Face's ``XIELUActivation`` (learned alphas), as
+    one fused op (:func:`fusedrc.functional.xielu_mlp`): the alphas as the module computes them at each call,
+    ``softplus(alpha_p)`` and ``beta + softplus(alpha_n)``, so they train through the op; beta and eps read at
+    convert time (buffers, constant). A module swapped or hooked runs the module's forward."""
+
+    def forward(self, *args, **kwargs):
+        x = _only_input(self, args, kwargs)
+        site, up, down, act = self.sites.get("ffn"), self.up_proj, self.down_proj, self.act_fn
+        if (x is None or site is None or not site.enabled or not (is_linear(up) and is_linear(down))
+                or type(act) is not self.__dict__["_fusedrc_act_class"] or not _nohooks(self, up, down, act)
+                or not _dense_runtime_ok(x, up, down) or act.alpha_p.device != x.device):
+            return self.plain(*args, **kwargs)
+        beta, eps = self.__dict__["_fusedrc_consts"]
+
+        def fused(x):
+            softplus = torch.nn.functional.softplus
+            return F.xielu_mlp(x, up.weight, up.bias, down.weight, down.bias, softplus(act.alpha_p),
+                               act.beta + softplus(act.alpha_n), beta, eps)
+
+        return _run_site(site, fused, self.plain, x)
+
+
+# XIELUActivation._xielu_python's lines after its def (transformers 4.56 to 5.25): what the op computes
+_XIELU_LINES = ["alpha_p = nn.functional.softplus(self.alpha_p)",
+                "alpha_n = self.beta + nn.functional.softplus(self.alpha_n)",
+                "return torch.where(", "x > 0,", "alpha_p * x * x + self.beta * x,",
+                "(torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x,", ")"]
+
+
+@register_rule("ApertusMLP", "Apertus1p5TextMLP")
+def _xielu_mlp(ctx, name, m):
+    """Apertus's MLPs, their forward and the activation's formula checked."""
+    lines = _forward_lines(ctx, name, m)
+    if lines is None:
+        return m
+    v = _forward_arg(lines)
+    act = m._modules.get("act_fn")
+    if v is None or _inlined_return(lines) != f"self.down_proj(self.act_fn(self.up_proj({v})))":
+        reason = f"{_class_of(m).__name__}.forward is not down_proj(act_fn(up_proj(x)))"
+    elif not (is_linear(m._modules.get("up_proj")) and is_linear(m._modules.get("down_proj"))
+              and m.down_proj.in_features == m.up_proj.out_features):
+        reason = "up_proj/down_proj are not nn.Linears of one hidden width"
+    elif type(act).__name__ != "XIELUActivation":
+        # another activation: Llama-style MLPs without a gate are torch.fx's (it traces them)
+        reason = f"activation {type(act).__name__} is not xIELU (the fx pass fuses the others)"
+    elif (_source_lines(act, "_xielu_python") or [])[1:] != _XIELU_LINES:
+        reason = "XIELUActivation._xielu_python is not the xIELU formula fusedrc computes"
+    elif not all(isinstance(getattr(act, a, None), torch.Tensor) and getattr(act, a).numel() == 1
+                 for a in ("alpha_p", "alpha_n", "beta", "eps")):
+        reason = "xIELU's alpha_p, alpha_n, beta and eps are not one-element tensors"
+    else:
+        reason = None
+    new = _wrapped_unit(ctx, name, m, reason, FusedXIELUMLP, None, "ffn", "ffn", (m._modules.get("up_proj"),))
+    if reason is None:
+        new.__dict__.update(_fusedrc_arg=v, _fusedrc_act_class=type(act), _fusedrc_consts=_xielu_consts(act))
+    return new
+
+
+def _xielu_consts(act):
+    """(beta, eps) of an XIELUActivation as its python path uses them (its buffers' values); on the meta device
+    (no values) the scalars it keeps beside them."""
+    if act.beta.device.type == "meta" or act.eps.device.type == "meta":
+        return float(act._beta_scalar), float(act._eps_scalar)
+    return float(act.beta), float(act.eps)
+
+
 class FusedTFPaddedConvLayer(Wrapper):
     """Hugging Face's MobileNet V1/V2 conv layers (``MobileNetV1ConvLayer``, ``MobileNetV2ConvLayer``): TensorFlow's
     'SAME' padding of the input where ``config.tf_padding`` (the model module's own ``apply_tf_padding``, as the

@@ -17,7 +17,7 @@ from ._state import inside_region, snapshot_buffers, traced
 from ._validate import (CheckedCalls, call_key, check_activation, check_device, check_int, check_no_overlap,
                         check_number, check_probability, check_same, check_tensor, check_vector, needs_unfused, pair)
 
-__all__ = ["linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "moe_experts", "conv_bn_act", "bn_act_conv"]
+__all__ = ["linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "xielu_mlp", "moe_experts", "conv_bn_act", "bn_act_conv"]
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -430,6 +430,58 @@ def mix_ffn(
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None
     y = ops.pick("mix_ffn", x, backend)(_rows(x), w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend,
                                         float(dropout_p), seed)
+    return _unview(y, x.shape[:-1], w2.shape[0])
+
+
+def xielu_mlp(
+    x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, alpha_p: Tensor, alpha_n: Tensor,
+    beta: float = 0.5, eps: float = -1e-6,
+) -> Tensor:
+    """Apertus's FFN ``F.linear(xielu(F.linear(x, w1, b1)), w2, b2)``, keeping only ``x`` for backward.
+
+    xIELU (arXiv 2411.13010) is ``alpha_p h² + beta h`` for ``h > 0`` and ``alpha_n (expm1(min(h, eps)) - h) +
+    beta h`` otherwise. Its learned alphas are trained through the op: pass their effective values as Hugging
+    Face's ``XIELUActivation`` computes them, ``softplus(act.alpha_p)`` and ``act.beta + softplus(act.alpha_n)``.
+    The module's eager form keeps about seven hidden-sized tensors a layer; backward here reruns the first GEMM and
+    one elementwise kernel rebuilds the activation while it emits the gradients (the alphas' as partial sums).
+
+    Args:
+        x: ``(*, in_features)``, floating point.
+        w1, b1, w2, b2: the two Linears, as in :func:`fused_mlp`.
+        alpha_p, alpha_n: 1-element floating tensors on x's device (any dtype: the activation runs in fp32 on the
+            Triton backend, in the promoted dtype on the reference one, as the module does).
+        beta, eps: xIELU's constants (0.5 and -1e-6 in Apertus; pass ``float(act.eps)``, the buffer's rounded value,
+            to match a bf16 module).
+
+    Returns:
+        ``(*, out_features)``, in the weights' dtype (x's, outside autocast).
+
+    Example::
+
+        >>> up, down = torch.nn.Linear(16, 64, bias=False), torch.nn.Linear(64, 16, bias=False)
+        >>> a_p, a_n = torch.full((1,), 0.8, requires_grad=True), torch.full((1,), 0.8, requires_grad=True)
+        >>> y = fusedrc.functional.xielu_mlp(torch.randn(2, 5, 16), up.weight, None, down.weight, None, a_p, a_n)
+        >>> y.sum().backward()
+        >>> a_p.grad.shape
+        torch.Size([1])
+    """
+    check_tensor(x, "input", min_ndim=1)
+    _check_params(x, (w1, "w1", 2, False), (b1, "b1", 1, True), (w2, "w2", 2, False), (b2, "b2", 1, True))
+    for t, name in ((alpha_p, "alpha_p"), (alpha_n, "alpha_n")):
+        check_tensor(t, name)
+        check_device(x, "input", t, name)
+        if t.numel() != 1:
+            raise ValueError(f"{name} must hold one element (xIELU's effective alpha), got shape {tuple(t.shape)}")
+    beta, eps = float(check_number(beta, "beta")), float(check_number(eps, "eps"))
+    x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
+    _check_linear(x, w1, b1, "w1", "b1")
+    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
+                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
+    if needs_unfused(x, w1, b1, w2, b2, alpha_p, alpha_n) or inside_region():
+        return _plain_rows(lambda r: reference.xielu_mlp_forward(r, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps), x,
+                           w2.shape[0])
+    backend = resolve_backend(w1, "xielu_mlp", "xielu_mlp_forward")
+    y = ops.pick("xielu_mlp", x, backend)(_rows(x), w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, backend)
     return _unview(y, x.shape[:-1], w2.shape[0])
 
 

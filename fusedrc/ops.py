@@ -467,6 +467,59 @@ def _mix_ffn_backward(ctx, grad_out):
 _AUTOGRAD["mix_ffn"] = (_mix_ffn_backward, _mix_ffn_setup)
 
 
+# --------------------------------------------------------------------------- xIELU FFN
+# alpha_p, alpha_n: xIELU's effective alphas (1-element tensors, differentiable); beta, eps: its constants.
+def _xielu_mlp_impl(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], alpha_p: Tensor, alpha_n: Tensor,
+    beta: float, eps: float, backend: str,
+) -> Tensor:
+    return _laid_out(get_impl(backend, "xielu_mlp", "xielu_mlp_forward")(x, w1, b1, w2, b2, alpha_p, alpha_n, beta,
+                                                                        eps))
+
+
+xielu_mlp_op = _custom_op("xielu_mlp", _xielu_mlp_impl)
+
+
+@xielu_mlp_op.register_fake
+def _(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, backend):
+    return _empty((x.shape[0], w2.shape[0]), x, dtype=w1.dtype)
+
+
+def _xielu_mlp_backward_impl(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], alpha_p: Tensor, alpha_n: Tensor,
+    beta: float, eps: float, grad_out: Tensor, backend: str, output_mask: Optional[List[bool]] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = get_impl(backend, "xielu_mlp", "xielu_mlp_backward")(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps,
+                                                                 grad_out, output_mask)
+    return tuple(_laid_out(_or_empty(g, x)) for g in grads)
+
+
+xielu_mlp_backward_op = _custom_op("xielu_mlp_backward", _xielu_mlp_backward_impl)
+
+
+@xielu_mlp_backward_op.register_fake
+def _(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, grad_out, backend, output_mask=None):
+    return _fake_grads((x, w1, b1, w2, b2, alpha_p, alpha_n), output_mask, x)
+
+
+def _xielu_mlp_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, backend = inputs
+    ctx.save_for_backward(x, w1, b1, w2, b2, alpha_p, alpha_n)
+    ctx.constants, ctx.backend = (beta, eps), backend
+
+
+def _xielu_mlp_backward(ctx, grad_out):
+    _no_double_backward("xielu_mlp")
+    saved = ctx.saved_tensors
+    mask = _output_mask(ctx, range(7))
+    grads = pick("xielu_mlp_backward", saved[0], ctx.backend)(
+        *saved, *ctx.constants, grad_out.contiguous(), ctx.backend, mask)
+    return (*_wanted_grads(grads, saved, mask), None, None, None)
+
+
+_AUTOGRAD["xielu_mlp"] = (_xielu_mlp_backward, _xielu_mlp_setup)
+
+
 # --------------------------------------------------------------------------- routed experts (MoE)
 # The body loops over the experts a batch routes to (a host sync, data-dependent shapes): opaque
 # custom ops under torch.compile, no triton_op twin (its body would be traced as the fake one).

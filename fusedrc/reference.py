@@ -541,6 +541,43 @@ def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, act
     return dx, dw1, db1, dw_dw if need_dwdw else None, db_dw if need_dbdw and b_dw is not None else None, dw2, db2
 
 
+# --------------------------------------------------------------------------- xIELU FFN
+# Apertus's MLP: down(xielu(up(x))), xIELU (arXiv 2411.13010) with learned alpha_p, alpha_n (their effective,
+# positive values: softplus of the parameters, alpha_n with beta added, as the module computes them) and fixed
+# beta, eps:  xielu(h) = alpha_p h^2 + beta h  (h > 0),  alpha_n (expm1(min(h, eps)) - h) + beta h  (else).
+def xielu(h, alpha_p, alpha_n, beta, eps):
+    """Hugging Face's ``XIELUActivation._xielu_python`` with the effective alphas given."""
+    eps = torch.tensor(eps, dtype=h.dtype, device=h.device)
+    return torch.where(h > 0, alpha_p * h * h + beta * h, (torch.expm1(torch.minimum(h, eps)) - h) * alpha_n + beta * h)
+
+
+def xielu_mlp_forward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps):
+    """out = xielu(x W1^T + b1) W2^T + b2; x is (M, K), alpha_p and alpha_n 1-element tensors."""
+    return F.linear(xielu(F.linear(x, w1, b1), alpha_p, alpha_n, beta, eps), w2, b2)
+
+
+def xielu_mlp_backward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, grad_out, output_mask=None):
+    """Recompute h = x W1^T + b1 (not the output GEMM); returns (dx, dw1, db1, dw2, db2, dalpha_p, dalpha_n),
+    None for an absent bias or a gradient masked off. The activation's derivatives are autograd's of the module's
+    formula (torch.minimum's tie at eps included)."""
+    need_dx, need_dw1, need_db1, need_dw2, need_db2, need_dap, need_dan = wanted(output_mask, 7)
+    need_gh = need_dx or need_dw1 or (need_db1 and b1 is not None)
+    h = F.linear(x, w1, b1).detach().requires_grad_(need_gh)
+    ap, an = (t.detach().requires_grad_(need) for t, need in ((alpha_p, need_dap), (alpha_n, need_dan)))
+    with torch.enable_grad():
+        a = xielu(h, ap, an, beta, eps)
+    dw2 = grad_out.t().mm(a.detach()) if need_dw2 else None
+    db2 = grad_out.sum(0) if b2 is not None and need_db2 else None
+    inputs = [t for t in (h, ap, an) if t.requires_grad]
+    grads = dict(zip(map(id, inputs), torch.autograd.grad(a, inputs, grad_out.mm(w2)))) if inputs else {}
+    del a
+    grad_h, dap, dan = (grads.get(id(t)) for t in (h, ap, an))
+    dx = grad_h.mm(w1) if need_dx else None
+    dw1 = grad_h.t().mm(x) if need_dw1 else None
+    db1 = grad_h.sum(0) if b1 is not None and need_db1 else None
+    return dx, dw1, db1, dw2, db2, dap, dan
+
+
 # --------------------------------------------------------------------------- gated FFN
 def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
     """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu, T5 v1.1's
