@@ -558,20 +558,28 @@ def xielu_mlp_forward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps):
 
 def xielu_mlp_backward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, grad_out, output_mask=None):
     """Recompute h = x W1^T + b1 (not the output GEMM); returns (dx, dw1, db1, dw2, db2, dalpha_p, dalpha_n),
-    None for an absent bias or a gradient masked off. The activation's derivatives are autograd's of the module's
-    formula (torch.minimum's tie at eps included)."""
+    None for an absent bias or a gradient masked off. The derivatives are autograd's of the module's formula
+    (torch.minimum's tie at eps splits the gradient in half), written out: the op's backward runs below autograd."""
     need_dx, need_dw1, need_db1, need_dw2, need_db2, need_dap, need_dan = wanted(output_mask, 7)
     need_gh = need_dx or need_dw1 or (need_db1 and b1 is not None)
-    h = F.linear(x, w1, b1).detach().requires_grad_(need_gh)
-    ap, an = (t.detach().requires_grad_(need) for t, need in ((alpha_p, need_dap), (alpha_n, need_dan)))
-    with torch.enable_grad():
-        a = xielu(h, ap, an, beta, eps)
-    dw2 = grad_out.t().mm(a.detach()) if need_dw2 else None
+    h = F.linear(x, w1, b1)
+    dw2 = grad_out.t().mm(xielu(h, alpha_p, alpha_n, beta, eps).to(grad_out.dtype)) if need_dw2 else None
     db2 = grad_out.sum(0) if b2 is not None and need_db2 else None
-    inputs = [t for t in (h, ap, an) if t.requires_grad]
-    grads = dict(zip(map(id, inputs), torch.autograd.grad(a, inputs, grad_out.mm(w2)))) if inputs else {}
-    del a
-    grad_h, dap, dan = (grads.get(id(t)) for t in (h, ap, an))
+    if not (need_gh or need_dap or need_dan):
+        return None, None, None, dw2, db2, None, None
+    grad_a = grad_out.mm(w2)
+    pos = h > 0
+    eps_t = torch.tensor(eps, dtype=h.dtype, device=h.device)
+    m = torch.minimum(h, eps_t)
+    dap = dan = grad_h = None
+    if need_dap:
+        dap = torch.where(pos, grad_a * h * h, 0).sum().to(alpha_p.dtype).reshape(alpha_p.shape)
+    if need_dan:
+        dan = torch.where(pos, 0, grad_a * (torch.expm1(m) - h)).sum().to(alpha_n.dtype).reshape(alpha_n.shape)
+    if need_gh:
+        dmin = torch.exp(m) * torch.where(h < eps_t, 1.0, torch.where(h == eps_t, 0.5, 0.0)).to(h.dtype)
+        grad_h = grad_a * torch.where(pos, 2 * alpha_p * h + beta, alpha_n * (dmin - 1) + beta).to(h.dtype)
+    del grad_a, h, m
     dx = grad_h.mm(w1) if need_dx else None
     dw1 = grad_h.t().mm(x) if need_dw1 else None
     db1 = grad_h.sum(0) if b1 is not None and need_db1 else None

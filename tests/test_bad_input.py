@@ -390,6 +390,17 @@ CASES = [
      r"input must have shape \(\*, height \* width, in_features\) = \(\*, 16, 8\)"),
     ("MixFFN/forward-features", lambda: fnn.MixFFN(8, 16)(r(2, 12, 6), 3, 4), ValueError,
      r"input must have last dimension in_features=8 for MixFFN, got shape \(2, 12, 6\)"),
+    # ------------------------------------------------------------ functional.xielu_mlp
+    ("xielu_mlp/alpha-shape", lambda: F.xielu_mlp(r(2, 3), r(8, 3), None, r(3, 8), None, r(2), r(1)), ValueError,
+     r"alpha_p must hold one element \(xIELU's effective alpha\), got shape \(2,\)"),
+    ("xielu_mlp/alpha-int", lambda: F.xielu_mlp(r(2, 3), r(8, 3), None, r(3, 8), None, r(1), torch.ones(1, dtype=torch.int64)),
+     TypeError, r"alpha_n must be a floating-point tensor"),
+    ("xielu_mlp/alpha-device", lambda: F.xielu_mlp(r(2, 3), r(8, 3), None, r(3, 8), None, r(1, device=META), r(1)),
+     ValueError, r"alpha_p is on meta"),
+    ("xielu_mlp/beta-nan", lambda: F.xielu_mlp(r(2, 3), r(8, 3), None, r(3, 8), None, r(1), r(1), beta=float("nan")),
+     ValueError, r"beta must be a finite"),
+    ("xielu_mlp/w2-hidden", lambda: F.xielu_mlp(r(2, 3), r(8, 3), None, r(3, 6), None, r(1), r(1)), ValueError,
+     r"w2 must have shape \(out_features, 8\)"),
     # ------------------------------------------------------------ nn.FusedMLP
     ("FusedMLP/hidden-negative", lambda: fnn.FusedMLP(3, -8), ValueError,
      r"hidden_features must be a non-negative int, got -8"),
@@ -626,7 +637,7 @@ def test_valid_unusual_inputs_are_accepted():
 def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
-    public = {"linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "moe_experts", "conv_bn_act", "bn_act_conv",
+    public = {"linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "xielu_mlp", "moe_experts", "conv_bn_act", "bn_act_conv",
               "LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "MoEExperts", "ConvBNReLU", "BNReLUConv", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public

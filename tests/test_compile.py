@@ -120,7 +120,7 @@ def _net():
 
 class _More(nn.Module):
     """The other kernels: BN -> ReLU -> Conv, a Conv-BN with a residual, a Mix-FFN over the pixels and an
-    RMS-normed FFN, both with dropout."""
+    RMS-normed FFN, both with dropout, and an xIELU FFN (its alphas trained through the op)."""
 
     def __init__(self, dropout=0.1):
         super().__init__()
@@ -128,11 +128,15 @@ class _More(nn.Module):
         self.res = fusedrc.nn.ConvBNReLU(8, 8, 1)
         self.mix = fusedrc.nn.MixFFN(8, 16, dropout=dropout)
         self.ffn = fusedrc.nn.FusedMLP(8 * 6 * 6, 32, out_features=16, dropout=dropout, norm="rms")
+        self.up, self.down = nn.Linear(16, 24, bias=False), nn.Linear(24, 16)
+        self.alphas = nn.Parameter(torch.tensor([0.3, -0.2]))
 
     def forward(self, x):
         y = self.pre(x)
         tokens = self.res(y, residual=y).flatten(2).transpose(1, 2)
-        return self.ffn(self.mix(tokens, 6, 6).flatten(1))
+        h = self.ffn(self.mix(tokens, 6, 6).flatten(1))
+        a = nn.functional.softplus(self.alphas)
+        return fusedrc.functional.xielu_mlp(h, self.up.weight, None, self.down.weight, self.down.bias, a[0], a[1] + 0.5)
 
 
 _FUSED_NET_OPS = ("fusedrc.conv_bn_act", "fusedrc.fused_mlp", "fusedrc.linear_act")
@@ -182,6 +186,18 @@ def _layout_cases(device, backend, ops_by_name):
     seed = torch.tensor([7], device=device)
     yield op("fused_mlp"), (x, w1, b1, w2, b2, "gelu", backend, 0.25, seed)
     yield op("fused_mlp_backward"), (x, w1, b1, w2, b2, t(4, 5), "gelu", backend, 0.25, seed)
+    # the Mix-FFN on x's 4 rows as one 2 x 2 image, a 3 x 3 depthwise conv; with and without biases and dropout
+    wd, bd = t(8, 1, 3, 3), t(8)
+    yield op("mix_ffn"), (x, w1, b1, wd, bd, w2, b2, 2, 2, "gelu", backend, 0.0, None)
+    yield op("mix_ffn_backward"), (x, w1, None, wd, None, w2, b2, t(4, 5), 2, 2, "gelu", backend, 0.25, seed)
+    yield op("mix_ffn_backward"), (x, w1, b1, wd, bd, w2, None, t(4, 5), 2, 2, "relu", backend, 0.0, None,
+                                   [True, False, True, True, False, True, False])
+    # xIELU's FFN: the alphas 1-element tensors (one bf16, as Apertus's default makes them)
+    alphas = (t(1).abs(), t(1, dtype=torch.bfloat16).abs())
+    yield op("xielu_mlp"), (x, w1, b1, w2, None, *alphas, 0.5, -1e-6, backend)
+    yield op("xielu_mlp_backward"), (x, w1, b1, w2, None, *alphas, 0.5, -1e-6, t(4, 5), backend)
+    yield op("xielu_mlp_backward"), (x, w1, None, w2, b2, *alphas, 0.5, -1e-6, t(4, 5), backend,
+                                     [False, True, False, True, False, True, False])
     if "moe_experts" in ops_by_name:  # no triton_op twin: it loops over the routed experts
         idx, wts = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1]], device=device), t(4, 2)
         gate_up, down = t(3, 6, 16).transpose(1, 2).contiguous().transpose(1, 2), t(3, 5, 3)  # strided gate_up
@@ -281,6 +297,8 @@ _KERNEL_OUTPUTS = {
     "_dwconv_act_kernel": {"a_ptr"},
     "_dwconv_act_grad_kernel": {"gh_ptr", "act_ptr", "wpart_ptr", "bpart_ptr"},
     "_dwconv_input_grad_kernel": {"out_ptr", "part_ptr"},
+    "_xielu_kernel": {"a_ptr"},
+    "_xielu_grad_kernel": {"gh_ptr", "a_ptr", "part_ptr"},
 }
 
 
@@ -292,13 +310,15 @@ _KERNEL_OUTPUTS = {
     # two gated FFNs: forward dual GEMM + down GEMM each; backward dAct, the dual grad kernel, dW_down,
     # dW_gate, dW_up and dX's two GEMMs each
     ("gated", [4, 14], {"_gated_act_kernel", "_gemm_act_kernel", "_gated_act_grad_kernel"}),
-    # BN-ReLU-Conv, a Conv-BN-ReLU with a residual, a Mix-FFN and an RMS-normed FFN with dropout: three
-    # launches each forward; backward the rest of the kernels (and aten's conv backward), the Mix-FFN's 7
-    ("more", [12, 19], {"_channel_stats_kernel", "_bn_stats_finalize_kernel", "_bn_act_conv_fwd_kernel",
+    # BN-ReLU-Conv, a Conv-BN-ReLU with a residual, a Mix-FFN, an RMS-normed FFN with dropout and an xIELU FFN:
+    # three launches each forward; backward the rest of the kernels (and aten's conv backward), the Mix-FFN's 7,
+    # the xIELU FFN's 6
+    ("more", [15, 25], {"_channel_stats_kernel", "_bn_stats_finalize_kernel", "_bn_act_conv_fwd_kernel",
                         "_conv_bn_fwd_kernel", "_rms_norm_fwd_kernel", "_gemm_act_kernel", "_gemm_act_grad_kernel",
                         "_rms_norm_bwd_kernel", "_conv_bn_bwd_kernel", "_bn_act_apply_kernel",
                         "_bn_act_grad_reduce_kernel", "_bn_act_grad_dx_kernel", "_dwconv_act_kernel",
-                        "_dwconv_act_grad_kernel", "_dwconv_input_grad_kernel"}),
+                        "_dwconv_act_grad_kernel", "_dwconv_input_grad_kernel", "_xielu_kernel",
+                        "_xielu_grad_kernel"}),
 ])
 def test_triton_op_twins_compile_into_their_launches(net, launches, kernels):
     """torch.compile of a model through the triton_op twins, forward and backward compiled

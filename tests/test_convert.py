@@ -2448,6 +2448,45 @@ def test_gemma3n_mlp_without_its_activation_sparsity(backend):
     assert torch.equal(conv(ids).last_hidden_state, model(ids).last_hidden_state)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_apertus_xielu_mlp(backend):
+    """Apertus's MLP, ``down_proj(act_fn(up_proj(x)))`` with xIELU (learned alphas): one fused ``xielu_mlp`` unit
+    per layer, the activation's formula checked; a 2-layer Apertus's output and every gradient (the alphas'
+    included) as the original's, and far fewer bytes kept; another activation in an Apertus MLP is left to fx; an
+    activation swapped in after convert runs the module."""
+    tr = _transformers()
+    if not hasattr(tr, "ApertusConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no ApertusConfig")
+    torch.manual_seed(0)
+    cfg = tr.ApertusConfig(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=64)
+    model = tr.ApertusModel(cfg).train()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    kinds = collections.Counter(u.kind for u in conv.fusedrc_plan.units)
+    assert kinds["ffn"] == 2 and not conv.fusedrc_plan.skipped, (kinds, conv.fusedrc_plan.skipped)
+    ids = torch.randint(0, 64, (2, 7))
+    if backend == "reference":
+        with fusedrc.use_backend("reference"):
+            assert saved_bytes(conv, (ids,)) < 0.4 * saved_bytes(model, (ids,))
+    device = backend_device(backend)
+    model, conv, ids = model.to(device), conv.to(device), ids.to(device)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        y = conv(ids).last_hidden_state
+        y.square().mean().backward()
+    y_ref = model(ids).last_hidden_state
+    y_ref.square().mean().backward()
+    assert [op.removesuffix("_triton") for op in log.ops].count("xielu_mlp") == 2
+    assert rel_err(y, y_ref) <= TOL
+    _assert_close_models(model, conv)
+    assert conv.layers[0].mlp.act_fn.alpha_p.grad.abs().sum() > 0
+    mlp = conv.layers[1].mlp
+    mlp.act_fn = model.layers[1].mlp.act_fn = nn.SiLU()
+    x = torch.randn(3, 32, device=device)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        assert torch.equal(mlp(x), model.layers[1].mlp(x))
+    assert log.ops == []
+
+
 def test_gated_mlp_dropout_forms_the_op_cannot_stand_for_are_reported():
     """A dropout of the gated product that is no nn.Dropout (its mask drawn otherwise), and an output
     dropout whose p is no number: left as they are, said why."""

@@ -104,9 +104,9 @@ def xielu_act_grad(h, grad_a, alpha_p, alpha_n, beta, eps, store_act=False):
             launcher(_xielu_grad_kernel, h)[(programs,)](
                 h, grad_a.contiguous(), gh, act if act is not None else h, _alphas(alpha_p, alpha_n), part, h.numel(),
                 BETA=float(beta), EPS=float(eps), STORE_ACT=store_act, BLOCK=block, num_warps=4)
-    dalpha = part.sum(0)
-    return gh, act, dalpha[0].reshape(alpha_p.shape).to(alpha_p.dtype), \
-        dalpha[1].reshape(alpha_n.shape).to(alpha_n.dtype)
+    # two separate sums: outputs of an op may not alias one another
+    return gh, act, part[:, 0].sum().reshape(alpha_p.shape).to(alpha_p.dtype), \
+        part[:, 1].sum().reshape(alpha_n.shape).to(alpha_n.dtype)
 
 
 def xielu_mlp_forward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps):

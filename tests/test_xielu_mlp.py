@@ -1,0 +1,125 @@
+"""Apertus's FFN with xIELU (two learned alphas): the reference against the module's formula, the Triton kernels
+against float64 (Triton's interpreter on the CPU), the op's gradients (the alphas' included) and saved bytes.
+"""
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import fusedrc
+from fusedrc import reference as R
+from _utils import SavedBytes, backend_device, rel_err
+from test_kernels_dense import _check, _d, _rand
+
+NAMES = ["out", "dx", "dw1", "db1", "dw2", "db2", "dalpha_p", "dalpha_n"]
+BETA, EPS = 0.5, -1e-6
+
+
+def _module_xielu(h, alpha_p_raw, alpha_n_raw, beta, eps):
+    """Hugging Face's XIELUActivation._xielu_python, written out on its parameters and buffers."""
+    alpha_p = TF.softplus(alpha_p_raw)
+    alpha_n = beta + TF.softplus(alpha_n_raw)
+    return torch.where(h > 0, alpha_p * h * h + beta * h, (torch.expm1(torch.min(h, eps)) - h) * alpha_n + beta * h)
+
+
+def _inputs(M, K, H, N, dtype, device, bias=True):
+    x = _rand(M, K, dtype=dtype, device=device)
+    w1 = _rand(H, K, dtype=dtype, device=device, scale=K ** -0.5 * 2)
+    w2 = _rand(N, H, dtype=dtype, device=device, scale=H ** -0.5)
+    b1, b2 = ((_rand(n, dtype=dtype, device=device, scale=0.5) if bias else None) for n in (H, N))
+    alphas = (torch.tensor([0.8], device=device), torch.tensor([1.3], device=device))
+    return (x, w1, b1, w2, b2, *alphas), _rand(M, N, dtype=dtype, device=device)
+
+
+def test_reference_is_the_module():
+    """The reference's xIELU is the module's formula bit for bit, its gradients autograd's of it (the alphas' through
+    softplus included), the tie at eps too; a masked-off gradient is None and the others unchanged."""
+    h = torch.cat([torch.randn(200), torch.tensor([0.0, EPS, -1e-7, -30.0])]).requires_grad_()
+    raw_p, raw_n = torch.tensor([0.3], requires_grad=True), torch.tensor([-0.2], requires_grad=True)
+    beta, eps = torch.tensor(BETA), torch.tensor(EPS)
+    ap, an = TF.softplus(raw_p), beta + TF.softplus(raw_n)
+    assert torch.equal(R.xielu(h, ap, an, BETA, EPS), _module_xielu(h, raw_p, raw_n, beta, eps))
+    x, w1, w2 = torch.randn(6, 4), torch.randn(10, 4), torch.randn(3, 10)
+    g = torch.randn(6, 3)
+    full = R.xielu_mlp_backward(x, w1, None, w2, None, ap.detach(), an.detach(), BETA, EPS, g)
+    params = [t.requires_grad_() for t in (x.clone(), w1.clone(), w2.clone(), ap.detach().clone(), an.detach().clone())]
+    expected = torch.autograd.grad(R.xielu_mlp_forward(params[0], params[1], None, params[2], None, *params[3:], BETA,
+                                                       EPS), params, g)
+    got = [full[i] for i in (0, 1, 3, 5, 6)]
+    for a, b in zip(got, expected):  # (autograd adds h's two factors of alpha_p h h apart: rounding apart)
+        assert rel_err(a, b) < 1e-6
+    assert full[2] is None and full[4] is None
+    mask = [False, True, False, False, False, True, False]
+    masked = R.xielu_mlp_backward(x, w1, None, w2, None, ap.detach(), an.detach(), BETA, EPS, g, mask)
+    assert [t is None for t in masked] == [True, False, True, True, True, False, True]
+    assert torch.equal(masked[1], full[1]) and torch.equal(masked[5], full[5])
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(37, 16, 40, 12), (3, 5, 7, 2)], ids=str)
+def test_kernels_against_float64(shape, dtype, bias, device):
+    """Several blocks and a ragged last one; pre-activations spread over both branches and the far negative side."""
+    from fusedrc.kernels import xielu_mlp
+
+    args, g = _inputs(*shape, dtype, device, bias)
+    out = xielu_mlp.xielu_mlp_forward(*args, BETA, EPS)
+    grads = xielu_mlp.xielu_mlp_backward(*args, BETA, EPS, g)
+    ref_args = [_d(t) for t in args]
+    ref = [R.xielu_mlp_forward(*ref_args, BETA, EPS), *R.xielu_mlp_backward(*ref_args, BETA, EPS, _d(g))]
+    # the alphas' gradients are fp32 whatever x's dtype (their own dtype): checked at the outputs' tolerance
+    _check([out, *grads[:5]], ref[:6], dtype, NAMES[:6])
+    for got, want, name in zip(grads[5:], ref[6:], NAMES[6:]):
+        assert got.dtype == torch.float32 and rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), name
+
+
+def test_activation_across_its_range(device):
+    """The kernel's xIELU against float64 from -60 to 4 and near 0 (where expm1(h) - h cancels): as close as torch's
+    own fp32 evaluation of the formula, relative to the value or 1e-7 of |h|."""
+    from fusedrc.kernels import xielu_mlp
+
+    h = torch.cat([torch.linspace(-60, 4, 20001, dtype=torch.float64), -torch.logspace(-9, 0, 500, dtype=torch.float64),
+                   torch.logspace(-9, 0, 500, dtype=torch.float64), torch.tensor([EPS], dtype=torch.float64)])
+    ap, an = torch.tensor([0.8], dtype=torch.float64), torch.tensor([1.3], dtype=torch.float64)
+    ref = R.xielu(h, ap, an, BETA, EPS)
+    got = xielu_mlp.xielu_act(h.float().to(device), ap.float().to(device), an.float().to(device), BETA, EPS).double()
+    torch_fp32 = R.xielu(h.float(), ap.float(), an.float(), BETA, EPS).double()
+
+    def err(t):
+        return ((t.cpu() - ref).abs() / (ref.abs() + 1e-7 * h.abs() + 1e-30)).max().item()
+
+    assert err(got) <= max(2 * err(torch_fp32), 1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_op_trains_the_alphas_and_keeps_only_x(backend):
+    """Through autograd from the module's raw parameters (bf16 ones, as Apertus's default dtype makes them, and an
+    fp32 input): outputs and every gradient, the alphas' through softplus, as the module's formula in eager; the
+    op keeps x (the eager form about seven hidden-sized tensors); a frozen first layer and input skip their GEMMs
+    and the rest is unchanged."""
+    device = backend_device(backend)
+    up, down = torch.nn.Linear(8, 32, bias=False).to(device), torch.nn.Linear(32, 8, bias=False).to(device)
+    raw_p = torch.tensor([0.4], dtype=torch.bfloat16, device=device, requires_grad=True)
+    raw_n = torch.tensor([-0.3], dtype=torch.bfloat16, device=device, requires_grad=True)
+    beta = torch.tensor(BETA, dtype=torch.bfloat16, device=device)
+    eps = torch.tensor(EPS, dtype=torch.bfloat16, device=device)
+    x = torch.randn(3, 5, 8, device=device, requires_grad=True)
+    params = [x, up.weight, down.weight, raw_p, raw_n]
+    with SavedBytes() as eager_saved:
+        y = down(_module_xielu(up(x), raw_p, raw_n, beta, eps))
+    g = torch.randn_like(y)
+    expected = torch.autograd.grad(y, params, g)
+    with fusedrc.use_backend(backend), SavedBytes() as fused_saved:
+        yf = fusedrc.functional.xielu_mlp(x, up.weight, None, down.weight, None, TF.softplus(raw_p),
+                                          beta + TF.softplus(raw_n), float(beta), float(eps))
+    assert rel_err(yf, y) < 1e-5
+    for a, b, n in zip(torch.autograd.grad(yf, params, g), expected, ("x", "up", "down", "alpha_p", "alpha_n")):
+        assert a.dtype == b.dtype and rel_err(a, b) < (1e-2 if a.dtype == torch.bfloat16 else 1e-5), n
+    # x, plus the alphas' softplus inputs autograd keeps outside the op (1-element tensors)
+    assert fused_saved.bytes <= x.numel() * 4 + 16
+    assert eager_saved.bytes >= 5 * 3 * 5 * 32 * 4
+    up.weight.requires_grad_(False)
+    with fusedrc.use_backend(backend):
+        yf = fusedrc.functional.xielu_mlp(x.detach(), up.weight, None, down.weight, None, TF.softplus(raw_p),
+                                          beta + TF.softplus(raw_n), float(beta), float(eps))
+    for a, b in zip(torch.autograd.grad(yf, params[2:], g), expected[2:]):
+        assert rel_err(a, b) < 1e-2
