@@ -102,6 +102,9 @@ def test_quick_kernels(quick_run):
     assert saved["bn_act_conv", "torch_checkpoint"] < saved["bn_act_conv", "eager"]
     # the Mix-FFN keeps x alone, as checkpoint does; eager keeps fc1's, the conv's and the activation's outputs
     assert saved["mix_ffn", "fusedrc"] == saved["mix_ffn", "torch_checkpoint"] < saved["mix_ffn", "eager"] / 8
+    # the xIELU FFN keeps x (and the alphas' 1-element softplus inputs); eager about seven hidden-sized tensors
+    assert saved["xielu_mlp", "fusedrc"] <= saved["xielu_mlp", "torch_checkpoint"] + 16
+    assert saved["xielu_mlp", "torch_checkpoint"] < saved["xielu_mlp", "eager"] / 8
     # the routed experts keep the call's inputs (x, the routing index and weights), as checkpoint does
     assert saved["moe_experts", "fusedrc"] <= saved["moe_experts", "torch_checkpoint"] < saved["moe_experts", "eager"]
     if doc["device"]["type"] == "cpu":

@@ -104,6 +104,7 @@ def kernels_parser():
         prog="fusedrc-bench kernels",
         description="Per-kernel microbenchmarks (forward + backward): fusedrc's fused op vs eager (unfused) vs "
                     "torch.utils.checkpoint for linear_act, fused_mlp(_dropout), (norm_)gated_mlp, moe_experts, mix_ffn, "
+                    "xielu_mlp, "
                     "conv_bn_act and "
                     "bn_act_conv; achieved TFLOP/s counts "
                     "the recompute.")

@@ -20,6 +20,7 @@ recompute included (DESIGN.md section 4), in units of the layer's GEMM:
 * ``mix_ffn`` (SegFormer's Mix-FFN ``fc2(gelu(dwconv3x3(fc1(x))))`` over a grid of tokens, in units of one
   of its two GEMMs; the depthwise conv's few FLOPs are not counted): eager 6, checkpoint 7, fusedrc 7 (fc1
   rerun; the conv and the activation rebuilt inside the activation's backward kernel)
+* ``xielu_mlp`` (Apertus's MLP ``down(xielu(up(x)))``, its alphas learned): eager 6, checkpoint 7, fusedrc 7
 * ``conv_bn_act`` (``Conv2d → BatchNorm2d → ReLU``): eager 3, checkpoint 4, fusedrc 4 on the
   reference backend; the Triton kernels' count follows their recompute switches.
 * ``bn_act_conv`` (``BatchNorm2d → ReLU → Conv2d``, the pre-activation order; a DenseNet layer's 1×1
@@ -43,7 +44,7 @@ from . import measure
 from .progress import bar
 
 PATTERNS = ("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "norm_gated_mlp", "moe_experts",
-            "mix_ffn", "conv_bn_act", "bn_act_conv")
+            "mix_ffn", "xielu_mlp", "conv_bn_act", "bn_act_conv")
 DROPOUT_P = 0.1
 STRATEGIES = ("eager", "torch_checkpoint", "fusedrc")
 CPU_NOTE = ("CPU: fusedrc runs its reference backend (pure PyTorch); Triton kernels are only timed on a GPU, "
@@ -59,7 +60,8 @@ def shapes(device_type: str, quick: bool) -> list:
         return [("linear_act", dict(M=256, K=128, N=512)), ("fused_mlp", dict(M=256, d=128, h=512)),
                 ("fused_mlp_dropout", dict(M=256, d=128, h=512)), ("gated_mlp", dict(M=256, d=128, h=344)),
                 ("norm_gated_mlp", dict(M=256, d=128, h=344)), ("moe_experts", dict(T=128, d=128, h=172, E=8, k=2)),
-                ("mix_ffn", dict(B=2, H=8, W=8, d=32, h=128)), ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3)),
+                ("mix_ffn", dict(B=2, H=8, W=8, d=32, h=128)), ("xielu_mlp", dict(M=256, d=128, h=512)),
+                ("conv_bn_act", dict(N=4, C=16, K=16, H=16, W=16, k=3)),
                 ("bn_act_conv", dict(N=4, C=32, K=16, H=8, W=8, k=1))]
     if device_type == "cuda":
         return [("linear_act", dict(M=8192, K=4096, N=16384)), ("fused_mlp", dict(M=8192, d=4096, h=16384)),
@@ -75,6 +77,7 @@ def shapes(device_type: str, quick: bool) -> list:
                 ("moe_experts", dict(T=8192, d=2688, h=1856, E=128, k=6, layout="ungated")),
                 # SegFormer-B2 at 512 x 512, batch 8: stage 1 (128 x 128 tokens of 64) and stage 3 (32 x 32 of 320)
                 ("mix_ffn", dict(B=8, H=128, W=128, d=64, h=256)), ("mix_ffn", dict(B=8, H=32, W=32, d=320, h=1280)),
+                ("xielu_mlp", dict(M=8192, d=4096, h=21504)),  # Apertus-8B's MLP, 8192 tokens
                 ("conv_bn_act", dict(N=64, C=128, K=128, H=56, W=56, k=3)),
                 # DenseNet-121's dense layer at 28x28 with 256 input channels: the 1x1 bottleneck to 128
                 ("bn_act_conv", dict(N=64, C=256, K=128, H=28, W=28, k=1))]
@@ -83,7 +86,8 @@ def shapes(device_type: str, quick: bool) -> list:
             ("norm_gated_mlp", dict(M=1024, d=512, h=1376)), ("moe_experts", dict(T=512, d=512, h=1792, E=8, k=2)),
             ("moe_experts", dict(T=512, d=512, h=512, E=8, k=4, layout="gpt_oss")),
             ("moe_experts", dict(T=512, d=512, h=768, E=16, k=4, layout="ungated")),
-            ("mix_ffn", dict(B=4, H=16, W=16, d=64, h=256)), ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
+            ("mix_ffn", dict(B=4, H=16, W=16, d=64, h=256)), ("xielu_mlp", dict(M=1024, d=512, h=2048)),
+            ("conv_bn_act", dict(N=16, C=64, K=64, H=32, W=32, k=3)),
             ("bn_act_conv", dict(N=16, C=128, K=64, H=16, W=16, k=1))]
 
 
@@ -199,6 +203,29 @@ class _MixFFN(nn.Module):
                                           self.dwconv.bias, self.fc2.weight, self.fc2.bias, "gelu")
 
 
+class _XIELUMLP(nn.Module):
+    """Apertus's MLP as Hugging Face's eager forward writes it (XIELUActivation's python formula on its raw
+    parameters); ``fused`` is fusedrc's op on the same parameters."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+        self.alpha_p, self.alpha_n = nn.Parameter(torch.tensor([0.3])), nn.Parameter(torch.tensor([-0.2]))
+
+    def _alphas(self):
+        return nn.functional.softplus(self.alpha_p), 0.5 + nn.functional.softplus(self.alpha_n)
+
+    def forward(self, x):
+        h, (ap, an) = self.up_proj(x), self._alphas()
+        eps = torch.tensor(-1e-6, dtype=h.dtype, device=h.device)
+        return self.down_proj(torch.where(h > 0, ap * h * h + 0.5 * h, (torch.expm1(torch.min(h, eps)) - h) * an
+                                          + 0.5 * h))
+
+    def fused(self, x):
+        return fusedrc.functional.xielu_mlp(x, self.up_proj.weight, None, self.down_proj.weight, None,
+                                            *self._alphas())
+
+
 class _Case:
     """One pattern: its modules, inputs, output gradient and the three ways to run it."""
 
@@ -232,6 +259,12 @@ class _Case:
             self.gemm_flops = 2 * T * k * d * h  # one of an expert's GEMMs, over every routed token
             self.units = {"eager": 6, "torch_checkpoint": 8, "fusedrc": 7} if self.block.ungated else \
                 {"eager": 9, "torch_checkpoint": 12, "fusedrc": 11}
+        elif pattern == "xielu_mlp":
+            M, d, h = shape["M"], shape["d"], shape["h"]
+            self.block = _XIELUMLP(d, h)
+            xs, ys = (M, d), (M, d)
+            self.gemm_flops = 2 * M * d * h  # one of its two GEMMs
+            self.units = {"eager": 6, "torch_checkpoint": 7, "fusedrc": 7}
         elif pattern == "mix_ffn":
             B, H, W, d, h = (shape[n] for n in ("B", "H", "W", "d", "h"))
             self.block = _MixFFN(H, W, d, h)
@@ -254,7 +287,7 @@ class _Case:
         self.grad = torch.randn(ys, generator=g).to(device=device, dtype=dtype)
         self.params = list(self.block.parameters())
         self.fused = self.block
-        if pattern in ("moe_experts", "mix_ffn"):
+        if pattern in ("moe_experts", "mix_ffn", "xielu_mlp"):
             self.fused = self.block.fused
         if pattern in ("gated_mlp", "norm_gated_mlp"):  # the same parameters in fusedrc's module
             b = self.block
@@ -266,7 +299,7 @@ class _Case:
             return self.block(self.x)
         if strategy == "torch_checkpoint":
             return checkpoint(self.block, self.x, use_reentrant=False)
-        if self.pattern in ("moe_experts", "mix_ffn"):
+        if self.pattern in ("moe_experts", "mix_ffn", "xielu_mlp"):
             return self.fused(self.x)
         return fusedrc.recompute(self.fused, self.x)  # a recognised pattern: the fused op
 

@@ -107,7 +107,7 @@ KERNELS = {
     "complete?": bool,
     "configs": [{
         "pattern": Enum("linear_act", "fused_mlp", "fused_mlp_dropout", "gated_mlp", "norm_gated_mlp", "moe_experts",
-                        "mix_ffn", "conv_bn_act", "bn_act_conv"),
+                        "mix_ffn", "xielu_mlp", "conv_bn_act", "bn_act_conv"),
         "strategy": Enum("eager", "torch_checkpoint", "fusedrc"), "shape": dict, "gemm_units": NUM,
         "flops": int, **TIMING, "tflops": NUM, "fraction_of_gemm_rate": NUM, "saved_activation_bytes": int,
     }],
