@@ -2603,7 +2603,7 @@ def _pre_dropout_mlp(ctx, name, m):
 class FusedMixFFN(Wrapper):
     """SegFormer's Mix-FFN, ``fc1 -> depthwise conv over the token grid -> act -> dropout -> fc2 -> dropout``
     (Hugging Face's ``SegformerMixMLP`` / ``SegformerMixFFN``, ``GLPNMixFFN``, ``PvtV2ConvFeedForwardNetwork``
-    with its ``relu`` an ``nn.Identity``; timm's PVT-v2 ``MlpWithDepthwiseConv``) as one fused op
+    with its ``relu``, an ``nn.ReLU`` in its linear variant; timm's PVT-v2 ``MlpWithDepthwiseConv``) as one fused op
     (:func:`fusedrc.functional.mix_ffn`), the dropout after the activation inside it (its own mask stream,
     as the FFN's), the one after fc2 the module's. Neither the conv's output nor the activation is kept.
     A call the op does not model (a module swapped or hooked, another dropout, a token count other than
@@ -2645,14 +2645,14 @@ class FusedMixFFN(Wrapper):
         if (p is None or not all(type(v) is int and v > 0 for v in (height, width))
                 or not _still(self.__dict__["_fusedrc_act"], m["act"], fc1, fc2)
                 or not is_same_depthwise(conv, fc1.out_features) or type(m["dw"]) is not self.__dict__["_fusedrc_dw"]
-                or (m["relu"] is not None and type(m["relu"]) is not nn.Identity)
+                or type(m["relu"]) not in (type(None), nn.Identity, nn.ReLU)
                 or not _nohooks(self, *m.values()) or not _dense_runtime_ok(x, fc1, fc2)
                 or conv.weight.dtype != fc1.weight.dtype or x.dim() != 3 or x.shape[1] != height * width):
             return self.plain(*args, **kwargs)
 
         def fused(x):
             return drop(F.mix_ffn(x, height, width, fc1.weight, fc1.bias, conv.weight, conv.bias, fc2.weight,
-                                  fc2.bias, self.__dict__["_fusedrc_act"], p))
+                                  fc2.bias, self.__dict__["_fusedrc_act"], p, relu_first=type(m["relu"]) is nn.ReLU))
 
         return _run_site(site, fused, lambda x: self.plain(*args, **kwargs), x)
 
@@ -2717,8 +2717,8 @@ def _mix_ffn(ctx, name, m):
         reason = "fc1/fc2 are not nn.Linears of one hidden width"
     elif not is_same_depthwise(conv, fc1.out_features):
         reason = "the conv is not a depthwise 'same' nn.Conv2d (odd square kernel, stride 1) over fc1's features"
-    elif relu is not None and type(relu) is not nn.Identity:
-        reason = f"a {type(relu).__name__} between fc1 and the depthwise conv (PVT-v2's linear variant) is not fused"
+    elif type(relu) not in (type(None), nn.Identity, nn.ReLU):
+        reason = f"a {type(relu).__name__} between fc1 and the depthwise conv has no fused form"
     elif _act_name(act) is None:
         reason = f"activation {type(act).__name__} has no fused form"
     elif fused_dropout_p(drop, training=True) is None:

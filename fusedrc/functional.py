@@ -372,7 +372,7 @@ def _check_dwconv(w_dw, b_dw, hidden, x):
 
 def mix_ffn(
     x: Tensor, height: int, width: int, w1: Tensor, b1: Tensor | None, w_dw: Tensor, b_dw: Tensor | None,
-    w2: Tensor, b2: Tensor | None, activation: str = "gelu", dropout_p: float = 0.0,
+    w2: Tensor, b2: Tensor | None, activation: str = "gelu", dropout_p: float = 0.0, *, relu_first: bool = False,
 ) -> Tensor:
     """SegFormer's Mix-FFN, ``fc2(dropout(act(dwconv(fc1(x)))))``, keeping only ``x`` for backward.
 
@@ -391,6 +391,7 @@ def mix_ffn(
         w2, b2: second layer, ``(out_features, hidden)`` and ``(out_features,)`` or None.
         activation: as in :func:`linear_act`.
         dropout_p: probability of zeroing an activated element, in ``[0, 1]``.
+        relu_first: a ReLU between fc1 and the conv, ``dwconv(relu(fc1(x)))`` (PVT-v2's linear variant).
 
     Returns:
         ``(*, height * width, out_features)``, in the weights' dtype (x's, outside autocast).
@@ -413,6 +414,8 @@ def mix_ffn(
                          f"{x.shape[-1]}) for height {height} and width {width}, got {tuple(x.shape)}")
     check_activation(activation)
     dropout_p = check_probability(dropout_p, "dropout_p")
+    if not isinstance(relu_first, bool):
+        raise TypeError(f"relu_first must be a bool, got {type(relu_first).__name__}")
     x, w1, b1, w_dw, b_dw, w2, b2 = _autocast(x, w1, b1, w_dw, b_dw, w2, b2)
     _check_linear(x, w1, b1, "w1", "b1")
     _check_dwconv(w_dw, b_dw, w1.shape[0], x)
@@ -420,7 +423,8 @@ def mix_ffn(
                   what=f"w1's out_features (the hidden size {w1.shape[0]})")
 
     def plain(x):
-        h = reference._dwconv_tokens(torch.nn.functional.linear(x, w1, b1), w_dw, b_dw, height, width)
+        h = reference._dwconv_tokens(reference._conv_input(torch.nn.functional.linear(x, w1, b1), relu_first), w_dw,
+                                     b_dw, height, width)
         a = torch.nn.functional.dropout(reference.activation_forward(h, activation), dropout_p)
         return torch.nn.functional.linear(a, w2, b2)
 
@@ -429,7 +433,7 @@ def mix_ffn(
     backend = resolve_backend(w1, "mix_ffn", "mix_ffn_forward")
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None
     y = ops.pick("mix_ffn", x, backend)(_rows(x), w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend,
-                                        float(dropout_p), seed)
+                                        float(dropout_p), seed, relu_first)
     return _unview(y, x.shape[:-1], w2.shape[0])
 
 

@@ -342,6 +342,7 @@ class MixFFN(nn.Module):
         out_features: width of the output (default ``in_features``).
         kernel_size: the depthwise conv's (odd) kernel size, 3 by default.
         activation: as in :class:`FusedMLP`; ``"gelu"`` by default.
+        relu_first: a ReLU between fc1 and the conv (PVT-v2's linear variant, timm's ``extra_relu``).
         dropout: dropout probability after the activation in training mode, fused (as :class:`FusedMLP`'s).
         bias, device, dtype: as in ``nn.Linear``, for the three layers.
 
@@ -353,7 +354,7 @@ class MixFFN(nn.Module):
     """
 
     def __init__(self, in_features, hidden_features, out_features=None, kernel_size=3, activation="gelu",
-                 dropout=0.0, bias=True, device=None, dtype=None):
+                 dropout=0.0, bias=True, device=None, dtype=None, *, relu_first=False):
         check_int(in_features, "in_features")
         check_int(hidden_features, "hidden_features")
         if out_features is not None:
@@ -368,6 +369,9 @@ class MixFFN(nn.Module):
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
         self.activation = check_activation(activation)
         self.dropout = check_probability(dropout, "dropout")
+        if not isinstance(relu_first, bool):
+            raise TypeError(f"relu_first must be a bool, got {type(relu_first).__name__}")
+        self.relu_first = relu_first
 
     def forward(self, x, height, width):
         """``x`` of shape ``(*, height * width, in_features)``: each image's tokens in row-major order."""
@@ -380,15 +384,16 @@ class MixFFN(nn.Module):
         conv = self.dwconv
         if not (_as_built(self.fc1, self.fc2) and is_same_depthwise(conv, self.fc1.out_features)):
             # a layer swapped or hooked: the modules as they are, on the (B, hidden, height, width) view
-            h = self.fc1(x)
+            h = torch.relu(self.fc1(x)) if self.relu_first else self.fc1(x)
             images = h.reshape(-1, *h.shape[-2:]).transpose(1, 2).reshape(-1, h.shape[-1], height, width)
             h = activation_forward(conv(images).flatten(2).transpose(1, 2), self.activation)
             return self.fc2(TF.dropout(h, p)).reshape(*x.shape[:-1], self.fc2.out_features)
         return F.mix_ffn(x, height, width, self.fc1.weight, self.fc1.bias, conv.weight, conv.bias, self.fc2.weight,
-                         self.fc2.bias, self.activation, p)
+                         self.fc2.bias, self.activation, p, relu_first=self.relu_first)
 
     def extra_repr(self):
-        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
+        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "") \
+            + (", relu_first=True" if self.relu_first else "")
 
 
 class MoEExperts(nn.Module):

@@ -416,27 +416,27 @@ _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)
 def _mix_ffn_impl(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w_dw: Tensor, b_dw: Optional[Tensor], w2: Tensor,
     b2: Optional[Tensor], height: int, width: int, activation: str, backend: str, dropout_p: float,
-    seed: Optional[Tensor],
+    seed: Optional[Tensor], relu_first: bool = False,
 ) -> Tensor:
     return _laid_out(get_impl(backend, "mix_ffn", "mix_ffn_forward")(
-        x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p, seed))
+        x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p, seed, relu_first))
 
 
 mix_ffn_op = _custom_op("mix_ffn", _mix_ffn_impl)
 
 
 @mix_ffn_op.register_fake
-def _(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend, dropout_p, seed):
+def _(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend, dropout_p, seed, relu_first=False):
     return _empty((x.shape[0], w2.shape[0]), x, dtype=w1.dtype)
 
 
 def _mix_ffn_backward_impl(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w_dw: Tensor, b_dw: Optional[Tensor], w2: Tensor,
     b2: Optional[Tensor], grad_out: Tensor, height: int, width: int, activation: str, backend: str,
-    dropout_p: float, seed: Optional[Tensor], output_mask: Optional[List[bool]] = None,
+    dropout_p: float, seed: Optional[Tensor], output_mask: Optional[List[bool]] = None, relu_first: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = get_impl(backend, "mix_ffn", "mix_ffn_backward")(
-        x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, dropout_p, seed, output_mask)
+        x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, dropout_p, seed, output_mask, relu_first)
     return tuple(_laid_out(_or_empty(g, x)) for g in grads)
 
 
@@ -445,14 +445,15 @@ mix_ffn_backward_op = _custom_op("mix_ffn_backward", _mix_ffn_backward_impl)
 
 @mix_ffn_backward_op.register_fake
 def _(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, backend, dropout_p, seed,
-      output_mask=None):
+      output_mask=None, relu_first=False):
     return _fake_grads((x, w1, b1, w_dw, b_dw, w2, b2), output_mask, x)
 
 
 def _mix_ffn_setup(ctx, inputs, output):
-    x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend, dropout_p, seed = inputs
+    x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, backend, dropout_p, seed, relu_first = inputs
     ctx.save_for_backward(x, w1, b1, w_dw, b_dw, w2, b2, seed)
     ctx.size, ctx.activation, ctx.backend, ctx.dropout_p = (height, width), activation, backend, dropout_p
+    ctx.relu_first = relu_first
 
 
 def _mix_ffn_backward(ctx, grad_out):
@@ -460,8 +461,9 @@ def _mix_ffn_backward(ctx, grad_out):
     *saved, seed = ctx.saved_tensors
     mask = _output_mask(ctx, range(7))
     grads = pick("mix_ffn_backward", saved[0], ctx.backend)(
-        *saved, grad_out.contiguous(), *ctx.size, ctx.activation, ctx.backend, ctx.dropout_p, seed, mask)
-    return (*_wanted_grads(grads, saved, mask), None, None, None, None, None, None)
+        *saved, grad_out.contiguous(), *ctx.size, ctx.activation, ctx.backend, ctx.dropout_p, seed, mask,
+        ctx.relu_first)
+    return (*_wanted_grads(grads, saved, mask), None, None, None, None, None, None, None)
 
 
 _AUTOGRAD["mix_ffn"] = (_mix_ffn_backward, _mix_ffn_setup)

@@ -497,19 +497,25 @@ def _dwconv_tokens(h, w_dw, b_dw, height, width):
                                   groups=w_dw.shape[0]))
 
 
-def mix_ffn_forward(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p=0.0, seed=None):
-    """out = dropout(act(dwconv(x W1^T + b1) + b_dw)) W2^T + b2, the conv over each image's token grid."""
-    h2 = _dwconv_tokens(F.linear(x, w1, b1), w_dw, b_dw, height, width)
+def _conv_input(h1, relu_first):
+    return torch.relu(h1) if relu_first else h1
+
+
+def mix_ffn_forward(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p=0.0, seed=None,
+                    relu_first=False):
+    """out = dropout(act(dwconv(x W1^T + b1) + b_dw)) W2^T + b2, the conv over each image's token grid;
+    ``relu_first``: the conv of relu(x W1^T + b1) (PVT-v2's linear variant)."""
+    h2 = _dwconv_tokens(_conv_input(F.linear(x, w1, b1), relu_first), w_dw, b_dw, height, width)
     return F.linear(_dropped(activation_forward(h2, activation), dropout_p, seed), w2, b2)
 
 
 def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, dropout_p=0.0, seed=None,
-                     output_mask=None):
+                     output_mask=None, relu_first=False):
     """Recompute h1 = x W1^T + b1 and the conv's output h2 (not fc2); returns
     (dx, dw1, db1, dw_dw, db_dw, dw2, db2), None for an absent bias or a gradient masked off."""
     need_dx, need_dw1, need_db1, need_dwdw, need_dbdw, need_dw2, need_db2 = wanted(output_mask, 7)
     need_gh2 = need_dx or need_dw1 or need_dwdw or (need_db1 and b1 is not None) or (need_dbdw and b_dw is not None)
-    h1 = F.linear(x, w1, b1)
+    h1 = _conv_input(F.linear(x, w1, b1), relu_first)  # the conv's input (relu'd: torch's relu backward reads it)
     h2 = _dwconv_tokens(h1, w_dw, b_dw, height, width)
     factor = dropout_factor(seed, h2.shape, dropout_p, h2) if dropout_p != 0 else None
     if need_dw2:
@@ -533,8 +539,11 @@ def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, act
         _token_images(grad_h2, height, width), _token_images(h1, height, width), w_dw,
         [w_dw.shape[0]] if b_dw is not None else None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0],
         w_dw.shape[0], [need_gh1, need_dwdw, need_dbdw and b_dw is not None])
-    del grad_h2, h1
+    del grad_h2
     grad_h1 = _image_tokens(g1) if need_gh1 else None
+    if need_gh1 and relu_first:
+        grad_h1 = aten.threshold_backward(grad_h1, h1, 0)
+    del h1
     dx = grad_h1.mm(w1) if need_dx else None
     dw1 = grad_h1.t().mm(x) if need_dw1 else None
     db1 = grad_h1.sum(0) if b1 is not None and need_db1 else None

@@ -1021,7 +1021,8 @@ def test_mix_ffn_models(name):
 def test_mix_ffn_calls_and_forms():
     """Keyword calls are fused; a token count other than height x width, a swapped conv and a dropout in
     training run the module's own forward or the fused op with that dropout; PVT-v2's linear variant (a ReLU
-    before the conv) and another forward are reported; timm's PVT-v2 MLP is fused too."""
+    before the conv) is fused too (on both backends, against the original), another module there and another
+    forward are reported; timm's PVT-v2 MLP is fused too."""
     tr = _transformers()
     from transformers.models.segformer.modeling_segformer import SegformerMixMLP
 
@@ -1047,10 +1048,30 @@ def test_mix_ffn_calls_and_forms():
         assert torch.equal(fused(x, 3, 4), mlp(x, 3, 4))
     assert log.ops == []
 
+    # PVT-v2's linear variant: a ReLU between fc1 and the conv, inside the op (relu_first); a GELU there is left
+    torch.manual_seed(0)
+    model = _mix_ffn_models(tr, linear=True)["pvt_v2"]().train()
+    linear = fusedrc.convert(copy.deepcopy(model))
+    assert collections.Counter(u.kind for u in linear.fusedrc_plan.units)["mix_ffn"] == 3
+    x = torch.randn(2, 3, 32, 32)
+    for backend in ("reference", "triton"):
+        model.zero_grad(), linear.zero_grad()
+        with fusedrc.use_backend(backend), FusedOpLog() as log:
+            torch.manual_seed(1)
+            y = linear(x).logits
+            y.square().mean().backward()
+        torch.manual_seed(1)
+        y_ref = model(x).logits
+        y_ref.square().mean().backward()
+        assert [op.removesuffix("_triton") for op in log.ops].count("mix_ffn") == 3
+        assert rel_err(y, y_ref) <= TOL
+        _assert_close_models(model, linear)
+    gelu = _mix_ffn_models(tr, linear=True)["pvt_v2"]()
+    gelu.pvt_v2.encoder.layers[0].blocks[0].mlp.relu = nn.GELU()
     with pytest.warns(UserWarning, match="left these as they are"):
-        linear = fusedrc.convert(_mix_ffn_models(tr, linear=True)["pvt_v2"]())
-    assert linear.fusedrc_plan.skipped and all("linear variant" in reason for _, reason in
-                                               linear.fusedrc_plan.skipped if "mlp" in _), linear.fusedrc_plan.skipped
+        skipped = dict(fusedrc.convert(gelu).fusedrc_plan.skipped)
+    assert skipped == {"pvt_v2.encoder.layers.0.blocks.0.mlp": "a GELU between fc1 and the depthwise conv has no "
+                                                                "fused form"}
 
     def forward(self, hidden_states, height, width):  # the activation before the conv: another forward
         return self.fc2(self.dwconv(self.activation_fn(self.fc1(hidden_states)), height, width))

@@ -204,3 +204,40 @@ def test_autocast_and_compile():
         (gc,) = torch.autograd.grad(compiled(x), x)
         (ge,) = torch.autograd.grad(f(x), x)
     assert torch.allclose(gc, ge, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_relu_first(backend):
+    """PVT-v2's linear variant, ``dwconv(relu(fc1(x)))``: the reference as the modules bit for bit, the Triton
+    kernels against float64 (the ReLU in every tap's load and through the conv's transpose), through autograd;
+    with pre-activations at exactly 0 (relu's kink: torch passes no gradient there)."""
+    device = backend_device(backend)
+    B, height, width, K, H, N = 2, 5, 7, 12, 40, 9
+    m = _HFMixFFN(K, H, N, 3).to(device)
+    with torch.no_grad():
+        m.fc1.weight[:3] = 0.0  # three channels of h1 exactly fc1's bias
+        m.fc1.bias[:2] = 0.0  # two of them exactly 0
+    x = torch.randn(B, height * width, K, device=device, requires_grad=True)
+    params = [x, m.fc1.weight, m.fc1.bias, m.dwconv.weight, m.dwconv.bias, m.fc2.weight, m.fc2.bias]
+
+    def module(x):
+        h = torch.relu(m.fc1(x))
+        h = m.dwconv(h.transpose(1, 2).reshape(B, H, height, width)).flatten(2).transpose(1, 2)
+        return m.fc2(TF.gelu(h))
+
+    y = module(x)
+    g = torch.randn_like(y)
+    expected = torch.autograd.grad(y, params, g)
+    with fusedrc.use_backend(backend):
+        yf = fusedrc.functional.mix_ffn(x, height, width, *params[1:], "gelu", relu_first=True)
+    got = torch.autograd.grad(yf, params, g)
+    if backend == "reference":
+        assert torch.equal(yf, y) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    else:
+        d = [_d(t.detach()) for t in params]
+        ref = R.mix_ffn_backward(d[0].reshape(-1, K), *d[1:], _d(g).reshape(-1, N), height, width, "gelu",
+                                 relu_first=True)
+        assert rel_err(yf, y) < 1e-5
+        for a, b in zip(got, ref):
+            assert rel_err(a.reshape(b.shape), b) < 1e-5
+        assert got[0].abs().sum() > 0

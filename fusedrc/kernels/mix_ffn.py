@@ -36,11 +36,12 @@ __all__ = ["mix_ffn_forward", "mix_ffn_backward", "dwconv_act", "dwconv_act_grad
 
 @triton.jit
 def _dwconv_tile(src_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                 RELU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """fp32 (BLOCK_M, BLOCK_C) tile of the depthwise "same" conv of the (M, C) tokens at ``src_ptr``:
     sum over taps (dy, dx) of w[c, tap] * src[token shifted by (dy, dx)], zero past the image's edge.
-    TRANSPOSED: the shifts mirrored (the conv's input gradient from its output's). Taps in a fixed
-    order: the forward and its recompute add them alike."""
+    TRANSPOSED: the shifts mirrored (the conv's input gradient from its output's). RELU_IN: of relu(src)
+    (PVT-v2's linear variant; NaN kept, as torch.relu). Taps in a fixed order: the forward and its recompute
+    add them alike."""
     px = rows % W
     py = (rows // W) % H
     col_ok = cols < C
@@ -50,17 +51,20 @@ def _dwconv_tile(src_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE: tl.constexpr, TR
         dx = (tap % KSIZE - KSIZE // 2) * (1 - 2 * TRANSPOSED)
         ok = (rows < M) & (py + dy >= 0) & (py + dy < H) & (px + dx >= 0) & (px + dx < W)
         src = rows.to(tl.int64) + (dy * W + dx)
-        v = tl.load(src_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & col_ok[None, :], other=0.0)
+        v = tl.load(src_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if RELU_IN:
+            v = tl.where(v < 0.0, 0.0, v)
         w = tl.load(w_ptr + cols * (KSIZE * KSIZE) + tap, mask=col_ok, other=0.0).to(tl.float32)
-        acc += v.to(tl.float32) * w[None, :]
+        acc += v * w[None, :]
     return acc
 
 
 @triton.jit
 def _conv_preact(h_ptr, w_ptr, b_ptr, rows, cols, M, C, H, W, HAS_BIAS: tl.constexpr, KSIZE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """h2 = dwconv(h1) + b_dw on one tile: the forward's and the recompute's one function."""
-    h = _dwconv_tile(h_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE, False, BLOCK_M, BLOCK_C)
+                 RELU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """h2 = dwconv([relu](h1)) + b_dw on one tile: the forward's and the recompute's one function."""
+    h = _dwconv_tile(h_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE, False, RELU_IN, BLOCK_M, BLOCK_C)
     if HAS_BIAS:
         h += tl.load(b_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
     return h
@@ -70,12 +74,12 @@ def _conv_preact(h_ptr, w_ptr, b_ptr, rows, cols, M, C, H, W, HAS_BIAS: tl.const
 def _dwconv_act_kernel(
     h_ptr, w_ptr, b_ptr, a_ptr, seed_ptr, M, C, H, W, drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
-    KSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    KSIZE: tl.constexpr, RELU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c0 = tl.program_id(1) * BLOCK_C
     cols = c0 + tl.arange(0, BLOCK_C)
-    h = _conv_preact(h_ptr, w_ptr, b_ptr, rows, cols, M, C, H, W, HAS_BIAS, KSIZE, BLOCK_M, BLOCK_C)
+    h = _conv_preact(h_ptr, w_ptr, b_ptr, rows, cols, M, C, H, W, HAS_BIAS, KSIZE, RELU_IN, BLOCK_M, BLOCK_C)
     a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
     if DROPOUT:
         a = a * _dropout_factor(tl.load(seed_ptr), rows, c0, drop_threshold, drop_scale, BLOCK_M, BLOCK_C)
@@ -89,7 +93,7 @@ def _dwconv_act_grad_kernel(
     drop_threshold, drop_scale,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
     ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr, KSIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    RELU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,7 +102,7 @@ def _dwconv_act_grad_kernel(
     col_ok = cols < C
     mask = (rows < M)[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    h = _conv_preact(h_ptr, w_ptr, b_ptr, rows, cols, M, C, H, W, HAS_BIAS, KSIZE, BLOCK_M, BLOCK_C)
+    h = _conv_preact(h_ptr, w_ptr, b_ptr, rows, cols, M, C, H, W, HAS_BIAS, KSIZE, RELU_IN, BLOCK_M, BLOCK_C)
     if DROPOUT:  # the forward's mask, regenerated
         factor = _dropout_factor(tl.load(seed_ptr), rows, c0, drop_threshold, drop_scale, BLOCK_M, BLOCK_C)
     if STORE_ACT:
@@ -120,23 +124,30 @@ def _dwconv_act_grad_kernel(
             dx = tap % KSIZE - KSIZE // 2
             ok = (rows < M) & (py + dy >= 0) & (py + dy < H) & (px + dx >= 0) & (px + dx < W)
             src = rows.to(tl.int64) + (dy * W + dx)
-            v = tl.load(h_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & col_ok[None, :], other=0.0)
-            tl.store(wpart_ptr + part + tap * C + cols, tl.sum(gh * v.to(tl.float32), axis=0), mask=col_ok)
+            v = tl.load(h_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            if RELU_IN:
+                v = tl.where(v < 0.0, 0.0, v)
+            tl.store(wpart_ptr + part + tap * C + cols, tl.sum(gh * v, axis=0), mask=col_ok)
     if BIAS_GRAD:
         tl.store(bpart_ptr + pid_m.to(tl.int64) * C + cols, tl.sum(gh, axis=0), mask=col_ok)
 
 
 @triton.jit
 def _dwconv_input_grad_kernel(
-    g_ptr, w_ptr, out_ptr, part_ptr, M, C, H, W,
-    BIAS_GRAD: tl.constexpr, KSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    g_ptr, w_ptr, h_ptr, out_ptr, part_ptr, M, C, H, W,
+    BIAS_GRAD: tl.constexpr, KSIZE: tl.constexpr, RELU_IN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     mask = (rows < M)[:, None] & col_ok[None, :]
-    g = _dwconv_tile(g_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE, True, BLOCK_M, BLOCK_C)
+    g = _dwconv_tile(g_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE, True, False, BLOCK_M, BLOCK_C)
+    if RELU_IN:  # through the ReLU before the conv: threshold_backward, 0 where h1 <= 0 (a NaN h1 lets g through)
+        h = tl.load(h_ptr + (rows.to(tl.int64)[:, None] * C + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
+        g = tl.where(h <= 0.0, 0.0, g)
     tl.store(out_ptr + (rows.to(tl.int64)[:, None] * C + cols[None, :]), g.to(out_ptr.dtype.element_ty), mask=mask)
     if BIAS_GRAD:  # fc1's bias gradient: this row tile's column sums, from the fp32 values
         tl.store(part_ptr + pid_m.to(tl.int64) * C + cols, tl.sum(tl.where(mask, g, 0.0), axis=0), mask=col_ok)
@@ -162,8 +173,8 @@ def _conv_args(h, w_dw, height, width):
     return M, C, w_dw.contiguous(), w_dw.shape[-1]
 
 
-def dwconv_act(h1, w_dw, b_dw, height, width, activation, dropout=None):
-    """a = dropout(act(dwconv(h1) + b_dw)) for the (M, C) tokens h1; (M, C) in h1's dtype."""
+def dwconv_act(h1, w_dw, b_dw, height, width, activation, dropout=None, relu_first=False):
+    """a = dropout(act(dwconv([relu](h1)) + b_dw)) for the (M, C) tokens h1; (M, C) in h1's dtype."""
     M, C, w, k = _conv_args(h1, w_dw, height, width)
     a = torch.empty_like(h1)
     if M == 0 or C == 0:
@@ -173,15 +184,15 @@ def dwconv_act(h1, w_dw, b_dw, height, width, activation, dropout=None):
     with _device_guard(h1):
         launcher(_dwconv_act_kernel, h1)[(cdiv(M, bm), cdiv(C, bc))](
             h1, w, b_dw if b_dw is not None else h1, a, seed, M, C, height, width, threshold, scale,
-            HAS_BIAS=b_dw is not None, **act_meta(activation), DROPOUT=drop, KSIZE=k, BLOCK_M=bm, BLOCK_C=bc,
-            num_warps=warps)
+            HAS_BIAS=b_dw is not None, **act_meta(activation), DROPOUT=drop, KSIZE=k, RELU_IN=relu_first,
+            BLOCK_M=bm, BLOCK_C=bc, num_warps=warps)
     return a
 
 
 def dwconv_act_grad(h1, w_dw, b_dw, grad_a, height, width, activation, store_act=False, weight_grad=True,
-                    bias_grad=True, dropout=None):
+                    bias_grad=True, dropout=None, relu_first=False):
     """(g_h2, a or None, dw_dw or None, db_dw or None) from h1 and the gradient of a, recomputing
-    h2 = dwconv(h1) + b_dw in tiles (the forward's function): g_h2 = act'(h2) * mask * grad_a in h1's
+    h2 = dwconv([relu](h1)) + b_dw in tiles (the forward's function): g_h2 = act'(h2) * mask * grad_a in h1's
     dtype, a = dropout(act(h2)); the conv's weight and bias gradients (fp32 per-row-tile partials,
     reduced here in a fixed order) in their parameters' dtypes."""
     M, C, w, k = _conv_args(h1, w_dw, height, width)
@@ -199,16 +210,16 @@ def dwconv_act_grad(h1, w_dw, b_dw, grad_a, height, width, activation, store_act
                 h1, w, b_dw if b_dw is not None else h1, grad_a.contiguous(), gh, act if act is not None else h1,
                 wpart if wpart is not None else h1, bpart if bpart is not None else h1, seed, M, C, height, width,
                 threshold, scale, HAS_BIAS=b_dw is not None, STORE_ACT=store_act, WEIGHT_GRAD=weight_grad,
-                BIAS_GRAD=bias_grad, **act_meta(activation), DROPOUT=drop, KSIZE=k, BLOCK_M=bm, BLOCK_C=bc,
-                num_warps=warps)
+                BIAS_GRAD=bias_grad, **act_meta(activation), DROPOUT=drop, KSIZE=k, RELU_IN=relu_first,
+                BLOCK_M=bm, BLOCK_C=bc, num_warps=warps)
     dw = wpart.sum(0).t().reshape(C, 1, k, k).to(w_dw.dtype) if weight_grad else None
     db = bpart.sum(0).to(b_dw.dtype) if bias_grad else None
     return gh, act, dw, db
 
 
-def dwconv_input_grad(g_h2, w_dw, height, width, bias=None):
+def dwconv_input_grad(g_h2, w_dw, height, width, bias=None, h1=None):
     """(g_h1, the column sums of g_h1 in ``bias``'s dtype or None): the conv's input gradient from its
-    output's, the taps mirrored."""
+    output's, the taps mirrored; with ``h1`` (a ReLU before the conv), through that ReLU."""
     M, C, w, k = _conv_args(g_h2, w_dw, height, width)
     out = torch.empty_like(g_h2)
     bm, bc, warps = _tile(g_h2)
@@ -217,24 +228,26 @@ def dwconv_input_grad(g_h2, w_dw, height, width, bias=None):
     if M and C:
         with _device_guard(g_h2):
             launcher(_dwconv_input_grad_kernel, g_h2)[(num_m, cdiv(C, bc))](
-                g_h2, w, out, part if part is not None else g_h2, M, C, height, width, BIAS_GRAD=bias is not None,
-                KSIZE=k, BLOCK_M=bm, BLOCK_C=bc, num_warps=warps)
+                g_h2, w, h1 if h1 is not None else g_h2, out, part if part is not None else g_h2, M, C, height,
+                width, BIAS_GRAD=bias is not None, KSIZE=k, RELU_IN=h1 is not None, BLOCK_M=bm, BLOCK_C=bc,
+                num_warps=warps)
     return out, (part.sum(0).to(bias.dtype) if bias is not None else None)
 
 
-def mix_ffn_forward(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p=0.0, seed=None):
-    """out = dropout(act(dwconv(x W1^T + b1) + b_dw)) W2^T + b2; x (M, K), w_dw (hidden, 1, k, k); ``seed`` a
-    1-element int64 tensor when ``dropout_p > 0``."""
+def mix_ffn_forward(x, w1, b1, w_dw, b_dw, w2, b2, height, width, activation, dropout_p=0.0, seed=None,
+                    relu_first=False):
+    """out = dropout(act(dwconv([relu](x W1^T + b1)) + b_dw)) W2^T + b2; x (M, K), w_dw (hidden, 1, k, k); ``seed`` a
+    1-element int64 tensor when ``dropout_p > 0``; ``relu_first``: PVT-v2's linear variant."""
     assert x.dim() == 2, "mix_ffn_forward expects a 2-D x"
     check_activation(activation)
     h1 = plain_gemm(x, w1.t(), bias=b1)
-    a = dwconv_act(h1, w_dw, b_dw, height, width, activation, dropout=(dropout_p, seed))
+    a = dwconv_act(h1, w_dw, b_dw, height, width, activation, dropout=(dropout_p, seed), relu_first=relu_first)
     del h1
     return plain_gemm(a, w2.t(), bias=b2)
 
 
 def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, activation, dropout_p=0.0, seed=None,
-                     output_mask=None):
+                     output_mask=None, relu_first=False):
     """Returns (dx, dw1, db1, dw_dw, db_dw, dw2, db2); None for an absent bias or a gradient ``output_mask``
     masks off (the work only it needs skipped)."""
     assert x.dim() == 2, "mix_ffn_backward expects a 2-D x"
@@ -243,22 +256,25 @@ def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, act
     need_db1, need_dbdw = need_db1 and b1 is not None, need_dbdw and b_dw is not None
     need_gh1 = need_dx or need_dw1 or need_db1
     db2 = grad_out.sum(0, dtype=torch.float32).to(b2.dtype) if b2 is not None and need_db2 else None
-    dropout = (dropout_p, seed)
+    conv = dict(dropout=(dropout_p, seed), relu_first=relu_first)
     h1 = plain_gemm(x, w1.t(), bias=b1)  # the forward's GEMM: the same h1, bit for bit
     if not (need_gh1 or need_dwdw or need_dbdw):
-        a = dwconv_act(h1, w_dw, b_dw, height, width, activation, dropout=dropout) if need_dw2 else None
+        a = dwconv_act(h1, w_dw, b_dw, height, width, activation, **conv) if need_dw2 else None
         del h1
         dw2 = plain_gemm(grad_out.t(), a, out_dtype=w2.dtype) if need_dw2 else None
         return None, None, None, None, None, dw2, db2
     grad_a = plain_gemm(grad_out, w2, out_dtype=x.dtype)
     gh2, a, dw_dw, db_dw = dwconv_act_grad(h1, w_dw, b_dw, grad_a, height, width, activation, store_act=need_dw2,
-                                           weight_grad=need_dwdw, bias_grad=need_dbdw, dropout=dropout)
-    del grad_a, h1
+                                           weight_grad=need_dwdw, bias_grad=need_dbdw, **conv)
+    del grad_a
+    if not relu_first:  # (the ReLU's backward reads h1)
+        del h1
     dw2 = plain_gemm(grad_out.t(), a, out_dtype=w2.dtype) if need_dw2 else None
     del a
     dx = dw1 = db1 = None
     if need_gh1:
-        gh1, db1 = dwconv_input_grad(gh2, w_dw, height, width, bias=b1 if need_db1 else None)
+        gh1, db1 = dwconv_input_grad(gh2, w_dw, height, width, bias=b1 if need_db1 else None,
+                                     h1=h1 if relu_first else None)
         del gh2
         dx = plain_gemm(gh1, w1, out_dtype=x.dtype) if need_dx else None
         dw1 = plain_gemm(gh1.t(), x, out_dtype=w1.dtype) if need_dw1 else None
@@ -268,12 +284,12 @@ def mix_ffn_backward(x, w1, b1, w_dw, b_dw, w2, b2, grad_out, height, width, act
 # --------------------------------------------------------------------------- ahead-of-time inspection
 def inspect_specs():
     """The three kernels on the GPU tile for sm_90 and sm_80, each 16-bit dtype and fp32, SegFormer's 3 x 3
-    conv and GELU: the forward with dropout, the grad kernel with every output (a, both gradients' partials,
+    conv and GELU after PVT-v2's linear variant's ReLU (the most work): the forward with dropout, the grad kernel with every output (a, both gradients' partials,
     dropout), the transposed conv with fc1's bias sums (``python -m fusedrc.inspect --kernel mix_ffn``)."""
     from ._common import _INSPECT_ARCH, _TRITON_PTR
 
     bm, bc, warps = _GPU_TILE
-    tile = {"BLOCK_M": bm, "BLOCK_C": bc, "KSIZE": 3}
+    tile = {"BLOCK_M": bm, "BLOCK_C": bc, "KSIZE": 3, "RELU_IN": True}
     ints = {"M": "i32", "C": "i32", "H": "i32", "W": "i32"}
     act = {**act_meta("gelu"), "DROPOUT": True}
     specs = []
@@ -286,8 +302,8 @@ def inspect_specs():
             (_dwconv_act_grad_kernel, {"h_ptr": p, "w_ptr": p, "b_ptr": p, "g_ptr": p, "gh_ptr": p, "act_ptr": p,
                                        "wpart_ptr": f32, "bpart_ptr": f32, **drop},
              {"HAS_BIAS": True, "STORE_ACT": True, "WEIGHT_GRAD": True, "BIAS_GRAD": True, **act}),
-            (_dwconv_input_grad_kernel, {"g_ptr": p, "w_ptr": p, "out_ptr": p, "part_ptr": f32, **ints},
-             {"BIAS_GRAD": True}),
+            (_dwconv_input_grad_kernel, {"g_ptr": p, "w_ptr": p, "h_ptr": p, "out_ptr": p, "part_ptr": f32,
+                                         **ints}, {"BIAS_GRAD": True}),
         )
         for fn, sig, flags in kernels:
             specs.append({"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype,
