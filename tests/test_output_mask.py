@@ -208,3 +208,28 @@ def test_frozen_under_compile():
     assert mlp.fc1.weight.grad is None and mlp.fc1.bias.grad is None
     for p, e in zip(mlp.fc2.parameters(), eager):
         torch.testing.assert_close(p.grad, e)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("op", ["mix_ffn", "mix_ffn_relu_first", "xielu_mlp"])
+def test_mix_ffn_and_xielu_output_mask(op, backend, device):
+    """The Mix-FFN's (dropout on; PVT-v2's ReLU first) and the xIELU FFN's backward: each mask's wanted gradients
+    bit for bit the full backward's, the others None."""
+    import importlib
+
+    M, K, H, N = 2 * 3 * 4, 12, 20, 7
+    x = _rand(M, K, dtype=torch.float32, device=device)
+    w1, b1 = _rand(H, K, dtype=torch.float32, device=device, scale=K ** -0.5), _rand(H, dtype=torch.float32,
+                                                                                    device=device, scale=0.5)
+    w2, b2 = _rand(N, H, dtype=torch.float32, device=device, scale=H ** -0.5), _rand(N, dtype=torch.float32,
+                                                                                    device=device, scale=0.5)
+    g = _rand(M, N, dtype=torch.float32, device=device)
+    module = R if backend == "reference" else importlib.import_module(f"fusedrc.kernels.{op[:7] if 'mix' in op else op}")
+    if op.startswith("mix_ffn"):
+        wd, bd = _rand(H, 1, 3, 3, dtype=torch.float32, device=device, scale=0.3), _rand(H, dtype=torch.float32,
+                                                                                        device=device, scale=0.5)
+        args = (x, w1, b1, wd, bd, w2, b2, g, 3, 4, "gelu", 0.25, torch.tensor([99], device=device))
+        _check_masks(module, "mix_ffn_backward", args, {"relu_first": op.endswith("relu_first")})
+    else:
+        alphas = (torch.tensor([0.8], device=device), torch.tensor([1.2], device=device))
+        _check_masks(module, "xielu_mlp_backward", (x, w1, b1, w2, b2, *alphas, 0.5, -1e-6, g), {})
