@@ -3,7 +3,8 @@
 Parameters and buffers are laid out exactly as in the unfused modules, so
 state_dicts load both ways (``LinearReLU`` <-> ``nn.Linear``; ``FusedMLP`` holds
 ``fc1``/``fc2``; ``GatedMLP`` ``gate_proj``/``up_proj``/``down_proj`` as Llama's MLP;
-``MixFFN`` ``fc1``/``dwconv``/``fc2`` as timm's PVT-v2 MLP; ``MoEExperts`` ``gate_up_proj``/``down_proj`` as
+``MixFFN`` ``fc1``/``dwconv``/``fc2`` as timm's PVT-v2 MLP; ``XIELUMLP`` ``up_proj``/``act_fn``/``down_proj`` as
+Apertus's MLP; ``MoEExperts`` ``gate_up_proj``/``down_proj`` as
 Hugging Face's experts; ``ConvBNReLU`` holds
 ``conv``/``bn``).
 """
@@ -20,9 +21,10 @@ from . import functional as F
 from ._patterns import (_conv_padding, _own_hooks, activation_name, bn_act_conv_call, conv_bn_act_call, is_linear,
                         is_same_depthwise, norm_call_args, norm_kind)
 from ._validate import check_activation, check_int, check_module, check_number, check_probability, check_tensor, pair
-from .reference import ACTIVATIONS, activation_forward
+from .reference import ACTIVATIONS, activation_forward, xielu
 
-__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "MoEExperts", "ConvBNReLU", "BNReLUConv"]
+__all__ = ["LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "XIELU", "XIELUMLP", "MoEExperts", "ConvBNReLU",
+           "BNReLUConv"]
 
 
 def _act_name(act):
@@ -394,6 +396,81 @@ class MixFFN(nn.Module):
     def extra_repr(self):
         return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "") \
             + (", relu_first=True" if self.relu_first else "")
+
+
+class XIELU(nn.Module):
+    """The xIELU activation (arXiv 2411.13010) with its learned alphas, laid out as Hugging Face's
+    ``XIELUActivation`` (parameters ``alpha_p``, ``alpha_n``, buffers ``beta``, ``eps``): ``alpha_p h² + beta h``
+    for ``h > 0``, ``alpha_n (expm1(min(h, eps)) - h) + beta h`` otherwise, with ``alpha_p = softplus(self.alpha_p)``
+    and ``alpha_n = beta + softplus(self.alpha_n)``. Alone it runs eagerly; inside :class:`XIELUMLP` it is fused."""
+
+    def __init__(self, alpha_p_init=0.8, alpha_n_init=0.8, beta=0.5, eps=-1e-6, device=None, dtype=None):
+        for v, name in ((alpha_p_init, "alpha_p_init"), (alpha_n_init - beta, "alpha_n_init - beta")):
+            if not check_number(v, name) > 0:
+                raise ValueError(f"{name} must be > 0 (the softplus of a parameter), got {v}")
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        inv_softplus = lambda v: torch.log(torch.expm1(torch.tensor(float(v), **kw))).reshape(1)  # noqa: E731
+        self.alpha_p = nn.Parameter(inv_softplus(alpha_p_init))
+        self.alpha_n = nn.Parameter(inv_softplus(alpha_n_init - beta))
+        self.register_buffer("beta", torch.tensor(float(check_number(beta, "beta")), **kw))
+        self.register_buffer("eps", torch.tensor(float(check_number(eps, "eps")), **kw))
+        self._scalars()
+
+    def _scalars(self):
+        # the buffers' values as floats for the fused op (read here, not at each call: no device sync)
+        if self.beta.device.type != "meta":
+            self._beta_scalar, self._eps_scalar = float(self.beta), float(self.eps)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._scalars()
+
+    def alphas(self):
+        """(alpha_p, alpha_n): the effective values, differentiable in the parameters."""
+        return TF.softplus(self.alpha_p), self.beta + TF.softplus(self.alpha_n)
+
+    def forward(self, h):
+        return xielu(h, *self.alphas(), self.beta, self._eps_scalar)
+
+
+class XIELUMLP(nn.Module):
+    """Apertus's MLP ``down_proj(act_fn(up_proj(x)))`` with :class:`XIELU`, keeping only ``x`` for backward
+    (:func:`fusedrc.functional.xielu_mlp`); its state_dict is Hugging Face's ``ApertusMLP``'s.
+
+    Args:
+        in_features, hidden_features: widths of the input and the hidden layer.
+        out_features: width of the output (default ``in_features``).
+        bias, device, dtype: as in ``nn.Linear`` (Apertus: no biases, the default).
+        alpha_p_init, alpha_n_init, beta, eps: :class:`XIELU`'s.
+
+    Example::
+
+        >>> mlp = fusedrc.nn.XIELUMLP(16, 64)
+        >>> mlp(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(self, in_features, hidden_features, out_features=None, bias=False, device=None, dtype=None, *,
+                 alpha_p_init=0.8, alpha_n_init=0.8, beta=0.5, eps=-1e-6):
+        check_int(in_features, "in_features")
+        check_int(hidden_features, "hidden_features")
+        if out_features is not None:
+            check_int(out_features, "out_features")
+        super().__init__()
+        out_features = in_features if out_features is None else out_features
+        self.up_proj = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.act_fn = XIELU(alpha_p_init, alpha_n_init, beta, eps, device=device, dtype=dtype)
+
+    def forward(self, x):
+        _check_features(x, "in_features", self.up_proj.in_features, type(self).__name__)
+        if not (_as_built(self.up_proj, self.down_proj) and type(self.act_fn) is XIELU
+                and not _own_hooks(self.act_fn)):
+            return self.down_proj(self.act_fn(self.up_proj(x)))
+        act = self.act_fn
+        return F.xielu_mlp(x, self.up_proj.weight, self.up_proj.bias, self.down_proj.weight, self.down_proj.bias,
+                           *act.alphas(), act._beta_scalar, act._eps_scalar)
 
 
 class MoEExperts(nn.Module):

@@ -401,6 +401,12 @@ CASES = [
      ValueError, r"beta must be a finite"),
     ("xielu_mlp/w2-hidden", lambda: F.xielu_mlp(r(2, 3), r(8, 3), None, r(3, 6), None, r(1), r(1)), ValueError,
      r"w2 must have shape \(out_features, 8\)"),
+    ("XIELU/alpha_p_init", lambda: fnn.XIELU(alpha_p_init=0.0), ValueError,
+     r"alpha_p_init must be > 0 \(the softplus of a parameter\), got 0\.0"),
+    ("XIELU/alpha_n_init", lambda: fnn.XIELU(alpha_n_init=0.4), ValueError, r"alpha_n_init - beta must be > 0"),
+    ("XIELUMLP/hidden-str", lambda: fnn.XIELUMLP(8, "16"), TypeError, r"hidden_features must be an int, got str"),
+    ("XIELUMLP/forward-features", lambda: fnn.XIELUMLP(8, 16)(r(2, 6)), ValueError,
+     r"input must have last dimension in_features=8 for XIELUMLP, got shape \(2, 6\)"),
     # ------------------------------------------------------------ nn.FusedMLP
     ("FusedMLP/hidden-negative", lambda: fnn.FusedMLP(3, -8), ValueError,
      r"hidden_features must be a non-negative int, got -8"),
@@ -638,7 +644,7 @@ def test_table_covers_every_public_callable():
     """Every public function, module and constructor appears in the table."""
     covered = {c[0].split("/")[0] for c in CASES}
     public = {"linear_act", "fused_mlp", "gated_mlp", "mix_ffn", "xielu_mlp", "moe_experts", "conv_bn_act", "bn_act_conv",
-              "LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "MoEExperts", "ConvBNReLU", "BNReLUConv", "recompute",
+              "LinearReLU", "FusedMLP", "GatedMLP", "MixFFN", "XIELU", "XIELUMLP", "MoEExperts", "ConvBNReLU", "BNReLUConv", "recompute",
               "recompute_sequential", "mark", "unmark", "use_backend", "convert", "register_rule"}
     assert set(F.__all__) | set(fnn.__all__) <= public
     assert {n for n in fusedrc.__all__ if callable(getattr(fusedrc, n))} - {"current_backend", "RecomputeError"} \

@@ -123,3 +123,39 @@ def test_op_trains_the_alphas_and_keeps_only_x(backend):
                                           beta + TF.softplus(raw_n), float(beta), float(eps))
     for a, b in zip(torch.autograd.grad(yf, params[2:], g), expected[2:]):
         assert rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_module_loads_apertus_and_trains(backend):
+    """``fusedrc.nn.XIELUMLP`` takes Hugging Face's ApertusMLP state_dict key for key and computes its output; a
+    training step gives every parameter the module's gradient (the alphas' included); a hook on the activation
+    runs it eagerly; ``fusedrc.nn.XIELU`` alone is the module's activation."""
+    from test_convert import _transformers
+
+    tr = _transformers()
+    if not hasattr(tr, "ApertusConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no ApertusConfig")
+    from transformers.models.apertus.modeling_apertus import ApertusMLP
+
+    device = backend_device(backend)
+    torch.manual_seed(0)
+    hf = ApertusMLP(tr.ApertusConfig(hidden_size=16, intermediate_size=48)).to(device)
+    mlp = fusedrc.nn.XIELUMLP(16, 48, device=device)
+    mlp.load_state_dict(hf.state_dict())
+    assert sorted(mlp.state_dict()) == sorted(hf.state_dict())
+    x = torch.randn(2, 5, 16, device=device)
+    h = torch.randn(40, device=device)
+    assert torch.equal(mlp.act_fn(h), hf.act_fn(h))
+    with fusedrc.use_backend(backend):
+        y = mlp(x)
+        y.square().sum().backward()
+    y_ref = hf(x)
+    y_ref.square().sum().backward()
+    assert rel_err(y, y_ref) < 1e-5
+    for (n, p), (_, q) in zip(sorted(mlp.named_parameters()), sorted(hf.named_parameters())):
+        assert rel_err(p.grad, q.grad) < 1e-5, n
+    seen = []
+    mlp.act_fn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with fusedrc.use_backend(backend):
+        assert rel_err(mlp(x), y_ref) < 1e-5
+    assert seen == [torch.Size([2, 5, 48])]
