@@ -431,6 +431,7 @@ class XIELU(nn.Module):
         return TF.softplus(self.alpha_p), self.beta + TF.softplus(self.alpha_n)
 
     def forward(self, h):
+        """xIELU of ``h``, elementwise (the module's formula, in ``h``'s promoted dtype)."""
         return xielu(h, *self.alphas(), self.beta, self._eps_scalar)
 
 
@@ -464,6 +465,8 @@ class XIELUMLP(nn.Module):
         self.act_fn = XIELU(alpha_p_init, alpha_n_init, beta, eps, device=device, dtype=dtype)
 
     def forward(self, x):
+        """``down_proj(act_fn(up_proj(x)))`` for ``x`` of shape ``(*, in_features)``; fused while the three modules
+        are as built (no hooks of their own, not swapped)."""
         _check_features(x, "in_features", self.up_proj.in_features, type(self).__name__)
         if not (_as_built(self.up_proj, self.down_proj) and type(self.act_fn) is XIELU
                 and not _own_hooks(self.act_fn)):
