@@ -2373,6 +2373,19 @@ def test_gated_mlp_forms_with_a_local_or_a_dropout(family, monkeypatch):
         assert rel_err(y_train.mean(0), y_eval.mean(0)) <= 0.1
 
 
+def _step_both(original, converted, backend, device, shape=(3, 5, 16)):
+    """One step of a sum of squares through both models on the same random input: (x, its copy, the converted
+    model's output, the original's, the fused ops that ran, ``_triton`` twins named as their ops)."""
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        y = converted(x)
+        y.square().sum().backward()
+    y_ref = original(xr)
+    y_ref.square().sum().backward()
+    return x, xr, y, y_ref, [op.removesuffix("_triton") for op in log.ops]
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_falcon_h1_mlp_multipliers(backend):
     """Falcon-H1's MLP, ``down_proj(up_proj(x) * act_fn(gate_proj(x) * m_g)) * m_d`` (biases on): one fused gated
@@ -2398,14 +2411,7 @@ def test_falcon_h1_mlp_multipliers(backend):
         for m in (mlp, conv):
             m.gate_multiplier, m.down_multiplier = scales
             m.zero_grad()
-        x = torch.randn(3, 5, 16, device=device, requires_grad=True)
-        xr = x.detach().clone().requires_grad_(True)
-        with fusedrc.use_backend(backend), FusedOpLog() as log:
-            y = conv(x)
-            y.square().sum().backward()
-        y_ref = mlp(xr)
-        y_ref.square().sum().backward()
-        ops = [op.removesuffix("_triton") for op in log.ops]  # the triton_op twins under the Triton backend
+        x, xr, y, y_ref, ops = _step_both(mlp, conv, backend, device)
         assert (ops == ["gated_mlp", "gated_mlp_backward"]) == fused, (scales, log.ops)
         assert rel_err(y, y_ref) <= TOL and rel_err(x.grad, xr.grad) <= TOL, scales
         _assert_close_models(mlp, conv)
@@ -2443,14 +2449,8 @@ def test_gemma3n_mlp_without_its_activation_sparsity(backend):
         for m in (dense, conv):
             m.activation_sparsity = sparsity
             m.zero_grad()
-        x = torch.randn(3, 5, 16, device=device, requires_grad=True)
-        xr = x.detach().clone().requires_grad_(True)
-        with fusedrc.use_backend(backend), FusedOpLog() as log:
-            y = conv(x)
-            y.square().sum().backward()
-        y_ref = dense(xr)
-        y_ref.square().sum().backward()
-        assert ([op.removesuffix("_triton") for op in log.ops] == ["gated_mlp", "gated_mlp_backward"]) == fused
+        x, xr, y, y_ref, ops = _step_both(dense, conv, backend, device)
+        assert (ops == ["gated_mlp", "gated_mlp_backward"]) == fused
         assert rel_err(y, y_ref) <= TOL and rel_err(x.grad, xr.grad) <= TOL, sparsity
         _assert_close_models(dense, conv)
     if backend == "triton":
