@@ -415,6 +415,7 @@ class XIELU(nn.Module):
         self.alpha_n = nn.Parameter(inv_softplus(alpha_n_init - beta))
         self.register_buffer("beta", torch.tensor(float(check_number(beta, "beta")), **kw))
         self.register_buffer("eps", torch.tensor(float(check_number(eps, "eps")), **kw))
+        self._beta_scalar, self._eps_scalar = float(beta), float(eps)  # (a meta module keeps these)
         self._scalars()
 
     def _scalars(self):

@@ -159,3 +159,17 @@ def test_module_loads_apertus_and_trains(backend):
     with fusedrc.use_backend(backend):
         assert rel_err(mlp(x), y_ref) < 1e-5
     assert seen == [torch.Size([2, 5, 48])]
+
+
+def test_module_on_meta_and_state_dict_constants():
+    """A meta-device XIELUMLP (shapes only) runs; beta and eps loaded from a state_dict are what the fused op gets."""
+    meta = fusedrc.nn.XIELUMLP(8, 16, device="meta")
+    assert meta(torch.empty(2, 8, device="meta")).shape == (2, 8)
+    mlp = fusedrc.nn.XIELUMLP(8, 16)
+    state = dict(mlp.state_dict(), **{"act_fn.beta": torch.tensor(0.25), "act_fn.eps": torch.tensor(-1e-3)})
+    mlp.load_state_dict(state)
+    assert (mlp.act_fn._beta_scalar, mlp.act_fn._eps_scalar) == (0.25, float(torch.tensor(-1e-3)))
+    x = torch.randn(3, 8)
+    h = mlp.up_proj(x)
+    ap, an = mlp.act_fn.alphas()
+    assert torch.allclose(mlp(x), mlp.down_proj(R.xielu(h, ap, an, 0.25, float(torch.tensor(-1e-3)))), atol=1e-6)
