@@ -1,4 +1,5 @@
-"""Mix-FFN (SegFormer, GLPN, PVT-v2): out = dropout(act(dwconv(x W1^T + b1) + b_dw)) W2^T + b2.
+"""Mix-FFN (SegFormer, GLPN, PVT-v2): out = dropout(act(dwconv(x W1^T + b1) + b_dw)) W2^T + b2
+(PVT-v2's linear variant, ``relu_first``: dwconv(relu(x W1^T + b1)), the ReLU applied in each tap's load).
 
 The depthwise k x k conv runs over each image's grid of tokens: x is (M, K), its rows the tokens of
 B images of height x width in row-major order, so (M, hidden) is the channels-last layout of the
