@@ -2158,16 +2158,10 @@ def _split_ffn_norm(lines):
     """The :class:`_SplitTailForm` of ``output``'s forward of two arguments ``(x, r)`` when its body is BERT's
     ``v = self.dense(x); v = self.dropout(v); v = self.<norm>(v + r); return v``, without the norm (ESM's,
     after a pre-FFN norm: ``v = v + r``) or without the dropout (MobileBERT's ``FFNOutput``); else None."""
-    if not lines or not lines[0].startswith("def forward(self, ") or len(lines) not in (4, 5):
+    args = _forward_args(lines)
+    if args is None or len(args) != 2 or len(lines) not in (4, 5):
         return None
-    try:
-        fn = _ast.parse(lines[0] + " pass").body[0]
-    except SyntaxError:  # a signature over several lines
-        return None
-    a = fn.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or len(a.args) != 3:
-        return None
-    x, r = (p.arg for p in a.args[1:])
+    x, r = args
     head = _re.fullmatch(rf"(\w+) = self\.dense\({x}\)", lines[1])
     v = head and head.group(1)
     if v is None or v == r or lines[-1] != f"return {v}":

@@ -75,6 +75,13 @@ def _check_linear(x, weight, bias, name_w="weight", name_b="bias", name_x="input
     check_vector(bias, name_b, weight.shape[0], x, name_x)
 
 
+def _check_two_linears(x, w1, b1, w2, b2):
+    """An FFN's two layers: w1 (hidden, in_features) with b1, w2 (out_features, hidden) with b2."""
+    _check_linear(x, w1, b1, "w1", "b1")
+    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
+                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
+
+
 def _check_norm(x, norm, norm_weight, norm_bias, norm_eps):
     """The FFN ops' norm arguments (before autocast): ``norm_eps`` as a float."""
     reference.check_norm(norm)
@@ -212,9 +219,7 @@ def fused_mlp(
     dropout_p = check_probability(dropout_p, "dropout_p")
     norm_eps = _check_norm(x, norm, norm_weight, norm_bias, norm_eps)
     (x, w1, b1, w2, b2), x_ffn = _ffn_autocast(x, norm, w1, b1, w2, b2)
-    _check_linear(x_ffn, w1, b1, "w1", "b1")
-    _check_linear(x_ffn, w2, b2, "w2", "b2", in_features=w1.shape[0],
-                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
+    _check_two_linears(x_ffn, w1, b1, w2, b2)
     def plain(x):
         x = ops._ffn_input(x, w1, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
         a = torch.nn.functional.dropout(reference.linear_act_forward(x, w1, b1, activation), dropout_p)
@@ -417,10 +422,8 @@ def mix_ffn(
     if not isinstance(relu_first, bool):
         raise TypeError(f"relu_first must be a bool, got {type(relu_first).__name__}")
     x, w1, b1, w_dw, b_dw, w2, b2 = _autocast(x, w1, b1, w_dw, b_dw, w2, b2)
-    _check_linear(x, w1, b1, "w1", "b1")
+    _check_two_linears(x, w1, b1, w2, b2)
     _check_dwconv(w_dw, b_dw, w1.shape[0], x)
-    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
-                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
 
     def plain(x):
         h = reference._dwconv_tokens(reference._conv_input(torch.nn.functional.linear(x, w1, b1), relu_first), w_dw,
@@ -478,9 +481,7 @@ def xielu_mlp(
             raise ValueError(f"{name} must hold one element (xIELU's effective alpha), got shape {tuple(t.shape)}")
     beta, eps = float(check_number(beta, "beta")), float(check_number(eps, "eps"))
     x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
-    _check_linear(x, w1, b1, "w1", "b1")
-    _check_linear(x, w2, b2, "w2", "b2", in_features=w1.shape[0],
-                  what=f"w1's out_features (the hidden size {w1.shape[0]})")
+    _check_two_linears(x, w1, b1, w2, b2)
     if needs_unfused(x, w1, b1, w2, b2, alpha_p, alpha_n) or inside_region():
         return _plain_rows(lambda r: reference.xielu_mlp_forward(r, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps), x,
                            w2.shape[0])

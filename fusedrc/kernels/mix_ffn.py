@@ -36,6 +36,19 @@ __all__ = ["mix_ffn_forward", "mix_ffn_backward", "dwconv_act", "dwconv_act_grad
 
 
 @triton.jit
+def _shifted(src_ptr, rows, cols, px, py, M, C, H, W, DY: tl.constexpr, DX: tl.constexpr, RELU_IN: tl.constexpr):
+    """fp32 tile of the (M, C) tokens at ``src_ptr`` shifted by (DY, DX) on each image's grid, zero past its edge
+    (and past M, C); of relu(src) with RELU_IN (NaN kept, as torch.relu)."""
+    ok = (rows < M) & (py + DY >= 0) & (py + DY < H) & (px + DX >= 0) & (px + DX < W)
+    src = rows.to(tl.int64) + (DY * W + DX)
+    v = tl.load(src_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & (cols < C)[None, :],
+                other=0.0).to(tl.float32)
+    if RELU_IN:
+        v = tl.where(v < 0.0, 0.0, v)
+    return v
+
+
+@triton.jit
 def _dwconv_tile(src_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
                  RELU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """fp32 (BLOCK_M, BLOCK_C) tile of the depthwise "same" conv of the (M, C) tokens at ``src_ptr``:
@@ -50,12 +63,7 @@ def _dwconv_tile(src_ptr, w_ptr, rows, cols, M, C, H, W, KSIZE: tl.constexpr, TR
     for tap in tl.static_range(KSIZE * KSIZE):
         dy = (tap // KSIZE - KSIZE // 2) * (1 - 2 * TRANSPOSED)
         dx = (tap % KSIZE - KSIZE // 2) * (1 - 2 * TRANSPOSED)
-        ok = (rows < M) & (py + dy >= 0) & (py + dy < H) & (px + dx >= 0) & (px + dx < W)
-        src = rows.to(tl.int64) + (dy * W + dx)
-        v = tl.load(src_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if RELU_IN:
-            v = tl.where(v < 0.0, 0.0, v)
+        v = _shifted(src_ptr, rows, cols, px, py, M, C, H, W, dy, dx, RELU_IN)
         w = tl.load(w_ptr + cols * (KSIZE * KSIZE) + tap, mask=col_ok, other=0.0).to(tl.float32)
         acc += v * w[None, :]
     return acc
@@ -121,14 +129,8 @@ def _dwconv_act_grad_kernel(
         px = rows % W
         py = (rows // W) % H
         for tap in tl.static_range(KSIZE * KSIZE):
-            dy = tap // KSIZE - KSIZE // 2
-            dx = tap % KSIZE - KSIZE // 2
-            ok = (rows < M) & (py + dy >= 0) & (py + dy < H) & (px + dx >= 0) & (px + dx < W)
-            src = rows.to(tl.int64) + (dy * W + dx)
-            v = tl.load(h_ptr + (src[:, None] * C + cols[None, :]), mask=ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-            if RELU_IN:
-                v = tl.where(v < 0.0, 0.0, v)
+            v = _shifted(h_ptr, rows, cols, px, py, M, C, H, W, tap // KSIZE - KSIZE // 2, tap % KSIZE - KSIZE // 2,
+                         RELU_IN)
             tl.store(wpart_ptr + part + tap * C + cols, tl.sum(gh * v, axis=0), mask=col_ok)
     if BIAS_GRAD:
         tl.store(bpart_ptr + pid_m.to(tl.int64) * C + cols, tl.sum(gh, axis=0), mask=col_ok)
@@ -202,8 +204,9 @@ def dwconv_act_grad(h1, w_dw, b_dw, grad_a, height, width, activation, store_act
     act = torch.empty_like(h1) if store_act else None
     bm, bc, warps = _tile(h1)
     num_m = cdiv(M, bm)
-    wpart = torch.zeros((num_m, k * k, C), device=h1.device, dtype=torch.float32) if weight_grad else None
-    bpart = torch.zeros((num_m, C), device=h1.device, dtype=torch.float32) if bias_grad else None
+    # every entry written by the launch (each row tile, column tile and tap): no zero-fill pass
+    wpart = torch.empty((num_m, k * k, C), device=h1.device, dtype=torch.float32) if weight_grad else None
+    bpart = torch.empty((num_m, C), device=h1.device, dtype=torch.float32) if bias_grad else None
     if M and C:
         drop, seed, threshold, scale = dropout_args(dropout, h1)
         with _device_guard(h1):
@@ -225,7 +228,7 @@ def dwconv_input_grad(g_h2, w_dw, height, width, bias=None, h1=None):
     out = torch.empty_like(g_h2)
     bm, bc, warps = _tile(g_h2)
     num_m = cdiv(M, bm)
-    part = torch.zeros((num_m, C), device=g_h2.device, dtype=torch.float32) if bias is not None else None
+    part = torch.empty((num_m, C), device=g_h2.device, dtype=torch.float32) if bias is not None else None
     if M and C:
         with _device_guard(g_h2):
             launcher(_dwconv_input_grad_kernel, g_h2)[(num_m, cdiv(C, bc))](

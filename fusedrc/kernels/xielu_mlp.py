@@ -98,7 +98,9 @@ def xielu_act_grad(h, grad_a, alpha_p, alpha_n, beta, eps, store_act=False):
     act = torch.empty_like(h) if store_act else None
     block = _block(h)
     programs = cdiv(h.numel(), block)
-    part = torch.zeros((max(programs, 1), 2), device=h.device, dtype=torch.float32)
+    # each program writes its row; zeros only where nothing runs (no elements)
+    part = torch.empty((programs, 2), device=h.device, dtype=torch.float32) if programs else \
+        torch.zeros((1, 2), device=h.device, dtype=torch.float32)
     if h.numel():
         with _device_guard(h):
             launcher(_xielu_grad_kernel, h)[(programs,)](
