@@ -449,8 +449,9 @@ def xielu_mlp(
     xIELU (arXiv 2411.13010) is ``alpha_p h² + beta h`` for ``h > 0`` and ``alpha_n (expm1(min(h, eps)) - h) +
     beta h`` otherwise. Its learned alphas are trained through the op: pass their effective values as Hugging
     Face's ``XIELUActivation`` computes them, ``softplus(act.alpha_p)`` and ``act.beta + softplus(act.alpha_n)``.
-    The module's eager form keeps about seven hidden-sized tensors a layer; backward here reruns the first GEMM and
-    one elementwise kernel rebuilds the activation while it emits the gradients (the alphas' as partial sums).
+    The module's eager form keeps about seven hidden-sized tensors a layer. On the Triton backend xIELU is the
+    first GEMM's epilogue, as :func:`fused_mlp`'s activations: backward's recompute kernel rebuilds the activation
+    tile by tile while it emits the gradients (the alphas' as per-tile partial sums).
 
     Args:
         x: ``(*, in_features)``, floating point.

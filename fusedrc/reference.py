@@ -560,6 +560,23 @@ def xielu(h, alpha_p, alpha_n, beta, eps):
     return torch.where(h > 0, alpha_p * h * h + beta * h, (torch.expm1(torch.minimum(h, eps)) - h) * alpha_n + beta * h)
 
 
+def xielu_grad(h, grad_a, alpha_p, alpha_n, beta, eps, need_gh=True, need_dap=True, need_dan=True):
+    """(g_h, dalpha_p, dalpha_n) of a = xielu(h) given dL/da, each None unless needed: autograd's derivatives of the
+    module's formula (torch.minimum's tie at eps splits the gradient in half), written out. Where h = -inf, autograd
+    gives NaN (the h > 0 branch's zero gradient times h h) and this the limit, beta - alpha_n (a is NaN there)."""
+    pos = h > 0
+    eps_t = torch.tensor(eps, dtype=h.dtype, device=h.device)
+    m = torch.minimum(h, eps_t)
+    dap = torch.where(pos, grad_a * h * h, 0).sum().to(alpha_p.dtype).reshape(alpha_p.shape) if need_dap else None
+    dan = torch.where(pos, 0, grad_a * (torch.expm1(m) - h)).sum().to(alpha_n.dtype).reshape(alpha_n.shape) \
+        if need_dan else None
+    grad_h = None
+    if need_gh:
+        dmin = torch.exp(m) * torch.where(h < eps_t, 1.0, torch.where(h == eps_t, 0.5, 0.0)).to(h.dtype)
+        grad_h = grad_a * torch.where(pos, 2 * alpha_p * h + beta, alpha_n * (dmin - 1) + beta).to(h.dtype)
+    return grad_h, dap, dan
+
+
 def xielu_mlp_forward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps):
     """out = xielu(x W1^T + b1) W2^T + b2; x is (M, K), alpha_p and alpha_n 1-element tensors."""
     return F.linear(xielu(F.linear(x, w1, b1), alpha_p, alpha_n, beta, eps), w2, b2)
@@ -567,8 +584,8 @@ def xielu_mlp_forward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps):
 
 def xielu_mlp_backward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, grad_out, output_mask=None):
     """Recompute h = x W1^T + b1 (not the output GEMM); returns (dx, dw1, db1, dw2, db2, dalpha_p, dalpha_n),
-    None for an absent bias or a gradient masked off. The derivatives are autograd's of the module's formula
-    (torch.minimum's tie at eps splits the gradient in half), written out: the op's backward runs below autograd."""
+    None for an absent bias or a gradient masked off. The derivatives are ``xielu_grad``'s: the op's backward runs
+    below autograd."""
     need_dx, need_dw1, need_db1, need_dw2, need_db2, need_dap, need_dan = wanted(output_mask, 7)
     need_gh = need_dx or need_dw1 or (need_db1 and b1 is not None)
     h = F.linear(x, w1, b1)
@@ -576,19 +593,8 @@ def xielu_mlp_backward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, grad_out,
     db2 = grad_out.sum(0) if b2 is not None and need_db2 else None
     if not (need_gh or need_dap or need_dan):
         return None, None, None, dw2, db2, None, None
-    grad_a = grad_out.mm(w2)
-    pos = h > 0
-    eps_t = torch.tensor(eps, dtype=h.dtype, device=h.device)
-    m = torch.minimum(h, eps_t)
-    dap = dan = grad_h = None
-    if need_dap:
-        dap = torch.where(pos, grad_a * h * h, 0).sum().to(alpha_p.dtype).reshape(alpha_p.shape)
-    if need_dan:
-        dan = torch.where(pos, 0, grad_a * (torch.expm1(m) - h)).sum().to(alpha_n.dtype).reshape(alpha_n.shape)
-    if need_gh:
-        dmin = torch.exp(m) * torch.where(h < eps_t, 1.0, torch.where(h == eps_t, 0.5, 0.0)).to(h.dtype)
-        grad_h = grad_a * torch.where(pos, 2 * alpha_p * h + beta, alpha_n * (dmin - 1) + beta).to(h.dtype)
-    del grad_a, h, m
+    grad_h, dap, dan = xielu_grad(h, grad_out.mm(w2), alpha_p, alpha_n, beta, eps, need_gh, need_dap, need_dan)
+    del h
     dx = grad_h.mm(w1) if need_dx else None
     dw1 = grad_h.t().mm(x) if need_dw1 else None
     db1 = grad_h.sum(0) if b1 is not None and need_db1 else None

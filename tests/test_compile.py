@@ -291,14 +291,12 @@ _KERNEL_OUTPUTS = {
     "_rms_norm_fwd_kernel": {"y_ptr", "rstd_ptr"},
     "_rms_norm_bwd_kernel": {"dx_ptr", "pdw_ptr"},
     "_gemm_act_kernel": {"c_ptr"},
-    "_gemm_act_grad_kernel": {"gh_ptr", "act_ptr", "part_ptr", "dscale_ptr"},
+    "_gemm_act_grad_kernel": {"gh_ptr", "act_ptr", "part_ptr", "dscale_ptr", "xielu_part_ptr"},
     "_gated_act_kernel": {"c_ptr"},
     "_gated_act_grad_kernel": {"ghg_ptr", "ghu_ptr", "act_ptr", "partg_ptr", "partu_ptr", "dscale_ptr"},
     "_dwconv_act_kernel": {"a_ptr"},
     "_dwconv_act_grad_kernel": {"gh_ptr", "act_ptr", "wpart_ptr", "bpart_ptr"},
     "_dwconv_input_grad_kernel": {"out_ptr", "part_ptr"},
-    "_xielu_kernel": {"a_ptr"},
-    "_xielu_grad_kernel": {"gh_ptr", "a_ptr", "part_ptr"},
 }
 
 
@@ -311,14 +309,13 @@ _KERNEL_OUTPUTS = {
     # dW_gate, dW_up and dX's two GEMMs each
     ("gated", [4, 14], {"_gated_act_kernel", "_gemm_act_kernel", "_gated_act_grad_kernel"}),
     # BN-ReLU-Conv, a Conv-BN-ReLU with a residual, a Mix-FFN, an RMS-normed FFN with dropout and an xIELU FFN:
-    # three launches each forward; backward the rest of the kernels (and aten's conv backward), the Mix-FFN's 7,
-    # the xIELU FFN's 6
-    ("more", [15, 25], {"_channel_stats_kernel", "_bn_stats_finalize_kernel", "_bn_act_conv_fwd_kernel",
+    # three launches each forward (the xIELU FFN two: its activation is a GEMM epilogue); backward the rest of the
+    # kernels (and aten's conv backward), the Mix-FFN's 7, the xIELU FFN's 5
+    ("more", [14, 24], {"_channel_stats_kernel", "_bn_stats_finalize_kernel", "_bn_act_conv_fwd_kernel",
                         "_conv_bn_fwd_kernel", "_rms_norm_fwd_kernel", "_gemm_act_kernel", "_gemm_act_grad_kernel",
                         "_rms_norm_bwd_kernel", "_conv_bn_bwd_kernel", "_bn_act_apply_kernel",
                         "_bn_act_grad_reduce_kernel", "_bn_act_grad_dx_kernel", "_dwconv_act_kernel",
-                        "_dwconv_act_grad_kernel", "_dwconv_input_grad_kernel", "_xielu_kernel",
-                        "_xielu_grad_kernel"}),
+                        "_dwconv_act_grad_kernel", "_dwconv_input_grad_kernel"}),
 ])
 def test_triton_op_twins_compile_into_their_launches(net, launches, kernels):
     """torch.compile of a model through the triton_op twins, forward and backward compiled

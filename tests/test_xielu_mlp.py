@@ -72,16 +72,63 @@ def test_kernels_against_float64(shape, dtype, bias, device):
         assert got.dtype == torch.float32 and rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), name
 
 
+def test_epilogue_gemms_and_recompute(device, monkeypatch):
+    """xIELU is the dense kernels' epilogue: 2 GEMMs forward, 5 backward with one recomputing h (no GEMM writes h);
+    the activation the backward rebuilds for dW2 is the forward's bit for bit; only dW2 wanted: the forward's kernel
+    rebuilds it and g_a is never formed; NaN and inf pre-activations reach the output as torch's formula takes them
+    and g_h and the alphas' gradients as the reference's (``R.xielu_grad``)."""
+    from fusedrc.kernels import _common, xielu_mlp
+    from test_kernels_dense import spy_launches
+
+    calls = []
+    monkeypatch.setattr(_common, "PLAIN_GEMM", "triton")  # on CUDA too: count every GEMM here
+    spy_launches(monkeypatch, calls, _common, _gemm_act_kernel="gemm", _gemm_act_grad_kernel="recompute")
+    args, g = _inputs(37, 16, 40, 12, torch.float32, device)
+    xielu_mlp.xielu_mlp_forward(*args, BETA, EPS)
+    assert calls == ["gemm", "gemm"]
+    calls.clear()
+    xielu_mlp.xielu_mlp_backward(*args, BETA, EPS, g)
+    assert sorted(calls) == ["gemm"] * 4 + ["recompute"]
+    calls.clear()
+    xielu_mlp.xielu_mlp_backward(*args, BETA, EPS, g, [False, False, False, True, True, False, False])
+    assert calls == ["gemm", "gemm"]
+
+    x, w1, b1 = args[:3]
+    alphas = (torch.cat(args[5:7]), BETA, EPS)
+    a = _common.gemm_act(x, w1.t(), b1, "xielu", xielu=alphas)
+    _, a_again, _, _ = _common.gemm_act_grad(x, w1.t(), b1, torch.ones_like(a), "xielu", store_act=True,
+                                             xielu=alphas)
+    assert torch.equal(a, a_again)
+
+    x = x.clone()
+    x[3, 0], x[5, 0] = float("nan"), float("inf")
+    a = _common.gemm_act(x, w1.t(), b1, "xielu", xielu=alphas)
+    gh, _, _, dalphas = _common.gemm_act_grad(x, w1.t(), b1, torch.ones_like(a), "xielu", xielu=alphas)
+    h = TF.linear(x.double(), w1.double(), b1.double())
+    want_a = R.xielu(h, args[5].double(), args[6].double(), BETA, EPS)
+    want_gh, *want_dalphas = R.xielu_grad(h, torch.ones_like(h), args[5].double(), args[6].double(), BETA, EPS)
+    assert h[5].isinf().all() and (h[5] < 0).any() and (h[5] > 0).any()  # both infinities
+    for got, want in ((a, want_a), (gh, want_gh), (dalphas, torch.cat(want_dalphas))):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+        ok = want.isfinite()
+        assert rel_err(got[ok], want[ok]) < 1e-5
+    assert gh[3].isnan().all() and not gh[:3].isnan().any() and dalphas[0].isinf() and dalphas[1].isnan()
+
+
 def test_activation_across_its_range(device):
-    """The kernel's xIELU against float64 from -60 to 4 and near 0 (where expm1(h) - h cancels): as close as torch's
-    own fp32 evaluation of the formula, relative to the value or 1e-7 of |h|."""
-    from fusedrc.kernels import xielu_mlp
+    """The GEMM epilogue's xIELU against float64 from -60 to 4 and near 0 (where expm1(h) - h cancels): as close as
+    torch's own fp32 evaluation of the formula, relative to the value or 1e-7 of |h|. The pre-activations are h
+    times an identity (exact in fp32), 64 a row."""
+    from fusedrc.kernels._common import gemm_act
 
     h = torch.cat([torch.linspace(-60, 4, 20001, dtype=torch.float64), -torch.logspace(-9, 0, 500, dtype=torch.float64),
                    torch.logspace(-9, 0, 500, dtype=torch.float64), torch.tensor([EPS], dtype=torch.float64)])
+    h = torch.cat([h, h[:-h.numel() % 64]])  # whole rows of 64
     ap, an = torch.tensor([0.8], dtype=torch.float64), torch.tensor([1.3], dtype=torch.float64)
     ref = R.xielu(h, ap, an, BETA, EPS)
-    got = xielu_mlp.xielu_act(h.float().to(device), ap.float().to(device), an.float().to(device), BETA, EPS).double()
+    alphas = torch.cat([ap, an]).float().to(device)
+    got = gemm_act(h.float().reshape(-1, 64).to(device), torch.eye(64, device=device), None, "xielu",
+                   xielu=(alphas, BETA, EPS)).reshape(-1).double()
     torch_fp32 = R.xielu(h.float(), ap.float(), an.float(), BETA, EPS).double()
 
     def err(t):

@@ -187,8 +187,8 @@ def gemm_config(M: int, N: int, K: int, dtype: torch.dtype, precision: str, capa
     """Tile configuration for an (M, K) @ (K, N) GEMM; a pure function of its arguments.
 
     ``capability`` is the CUDA (major, minor) or None for the interpreter. ``narrow``: ``_NARROW``'s
-    tile where the table's is wide (a launch with dropout: an argument of the op, so its forward and
-    its recompute ask alike).
+    tile where the table's is wide (a launch with dropout, grouped experts or xIELU: arguments of the op,
+    so its forward and its recompute ask alike).
     """
     if capability is None:
         return _INTERPRETER_CONFIG
@@ -302,6 +302,44 @@ def _act_grad(h, g, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr):
         s = _sigmoid(h)
         gh = g * (s * (1.0 + h * (1.0 - s)))
     return gh
+
+
+# xIELU (Apertus; arXiv 2411.13010): xielu(h) = alpha_p h^2 + beta h for h > 0, alpha_n (expm1(min(h, eps)) - h)
+# + beta h otherwise. The alphas are learned (read from xielu_alpha_ptr: they change every step, and a scalar
+# argument would need a host sync), beta and eps are fixed floats passed by value. ACTIVATION="xielu" in the dense
+# kernels only: their epilogues take it apart from _act_fwd/_act_grad, which know no parameters.
+@triton.jit
+def _xielu_parts(h, eps):
+    """(h > 0, the alpha_p factor h^2, the alpha_n factor expm1(min(h, eps)) - h) in fp32. With m = min(h, eps),
+    expm1(m) - h = (expm1(m) - m) - (h - m): the first term by its series where |m| < 1 (exp(m) - 1 - m cancels
+    to nothing near 0, where most h lie), the second exact. m keeps a NaN h (torch.minimum's), as tl.minimum
+    would not."""
+    pos = h > 0.0
+    m = tl.where(h > eps, eps, h)
+    series = 0.5 * m * m * (1.0 + m / 3.0 * (1.0 + m / 4.0 * (1.0 + m / 5.0 * (1.0 + m / 6.0 * (
+        1.0 + m / 7.0 * (1.0 + m / 8.0 * (1.0 + m / 9.0 * (1.0 + m / 10.0))))))))
+    em1_m = tl.where(m > -1.0, series, tl.exp(m) - 1.0 - m)
+    return pos, h * h, em1_m - (h - m)
+
+
+@triton.jit
+def _xielu_fwd(h, alpha_ptr, beta, eps):
+    pos, p, n = _xielu_parts(h, eps)
+    return tl.where(pos, tl.load(alpha_ptr) * p, tl.load(alpha_ptr + 1) * n) + beta * h
+
+
+@triton.jit
+def _xielu_grad(h, g, mask, alpha_ptr, beta, eps):
+    """(xielu'(h) g, the sums over the tile's elements in ``mask`` of g h^2 where h > 0 and of
+    g (expm1(min(h, eps)) - h) elsewhere: the alphas' gradients' shares). Masked, not by g = 0: the main loop's
+    clamped loads fill the columns past N with real ones, whose h may be infinite."""
+    pos, p, n = _xielu_parts(h, eps)
+    # d expm1(min(h, eps)) / dh: exp(h) below eps, half of it at the tie (torch.minimum's), 0 above; NaN for a
+    # NaN h, as autograd's (0 times exp(NaN))
+    dmin = tl.where(h < eps, 1.0, tl.where(h == eps, 0.5, 0.0)) * tl.exp(tl.where(h > eps, eps, h))
+    gh = g * (tl.where(pos, 2.0 * tl.load(alpha_ptr) * h, tl.load(alpha_ptr + 1) * (dmin - 1.0)) + beta)
+    return gh, tl.sum(tl.sum(tl.where(mask & pos, g * p, 0.0), axis=1), axis=0), \
+        tl.sum(tl.sum(tl.where(mask & ~pos, g * n, 0.0), axis=1), axis=0)
 
 
 # --------------------------------------------------------------------------- main loop
@@ -420,20 +458,24 @@ def _dropout_factor(seed, rows, col_start, threshold, scale, ROWS: tl.constexpr,
 
 
 @triton.jit
-def _fwd_epilogue(h, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                  ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
+def _fwd_epilogue(h, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale, xielu_alpha_ptr,
+                  xielu_beta, xielu_eps, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
                   BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """Activate and store columns [c0, c0 + WIDTH) of the forward's tile (h holds them), through
     dropout, in SPLIT column slices one after the other (the activation's and the mask's
     temporaries live per slice)."""
     if SPLIT > 1:
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
-        _fwd_epilogue(h0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale,
-                      ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        _fwd_epilogue(h0, c_ptr, seed, base, M, N, row0, col0, c0, drop_threshold, drop_scale, xielu_alpha_ptr,
+                      xielu_beta, xielu_eps, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
         _fwd_epilogue(h1, c_ptr, seed, base, M, N, row0, col0, c0 + WIDTH // 2, drop_threshold, drop_scale,
-                      ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2, SPLIT // 2)
+                      xielu_alpha_ptr, xielu_beta, xielu_eps, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, WIDTH // 2,
+                      SPLIT // 2)
     else:
-        y = _act_fwd(h, ACTIVATION, NEG_SLOPE)
+        if ACTIVATION == "xielu":
+            y = _xielu_fwd(h, xielu_alpha_ptr, xielu_beta, xielu_eps)
+        else:
+            y = _act_fwd(h, ACTIVATION, NEG_SLOPE)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = c0 + tl.arange(0, WIDTH)
         if DROPOUT:
@@ -476,9 +518,10 @@ def _preact(
 
 @triton.jit
 def _gemm_act_tile(
-    tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr,
+    tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, xielu_alpha_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    xielu_beta, xielu_eps,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
@@ -494,14 +537,16 @@ def _gemm_act_tile(
                   TMA, GROUPED)
     col0 = pid_n * BLOCK_N
     _fwd_epilogue(acc, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
-                  drop_threshold, drop_scale, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+                  drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, ACTIVATION, NEG_SLOPE, DROPOUT,
+                  BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
 @triton.jit
 def _gemm_act_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr, tiles_ptr,
+    a_ptr, b_ptr, bias_ptr, c_ptr, seed_ptr, tiles_ptr, xielu_alpha_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    xielu_beta, xielu_eps,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
@@ -511,35 +556,38 @@ def _gemm_act_kernel(
     if PERSISTENT:  # a few programs per SM walk the tiles; flattened, the next tile's loads overlap this epilogue
         num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
-            _gemm_act_tile(tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, M, N, K,
+            _gemm_act_tile(tile, a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, xielu_alpha_ptr, M, N, K,
                            stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
-                           stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           stride_biase, xielu_beta, xielu_eps, HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                            EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
     else:
-        _gemm_act_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, M, N, K,
+        _gemm_act_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, c_ptr, seed, tiles_ptr, xielu_alpha_ptr, M, N, K,
                        stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
-                       stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                       stride_biase, xielu_beta, xielu_eps, HAS_BIAS, ACTIVATION, NEG_SLOPE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                        EVEN_K, PRECISION, UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
 
 
 @triton.jit
 def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
-                   seed, drop_threshold, drop_scale,
+                   seed, drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps,
                    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
                    NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
     """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them), in
     SPLIT column slices one after the other (halving recursively: each slice's temporaries are
-    live alone). Returns the slices' share of the row dot act(h) . g (ROW_SCALE; zeros without)."""
+    live alone). Returns the slices' share of the row dot act(h) . g (ROW_SCALE; zeros without) and, for
+    xIELU, their sums of the alphas' gradients (0.0 for other activations)."""
     if SPLIT > 1:
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
-        dot0 = _grad_epilogue(h0, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
-                              seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
-                              ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
-        dot1 = _grad_epilogue(h1, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0,
-                              c0 + WIDTH // 2, seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION,
-                              NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
-        return dot0 + dot1
+        dot0, ap0, an0 = _grad_epilogue(
+            h0, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0, seed, drop_threshold,
+            drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
+            ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        dot1, ap1, an1 = _grad_epilogue(
+            h1, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2, seed,
+            drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
+            NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+        return dot0 + dot1, ap0 + ap1, an0 + an1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
     mask_n = offs_n < N - col0
@@ -549,7 +597,10 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, 
         # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
         factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
     if STORE_ACT or ROW_SCALE:
-        a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
+        if ACTIVATION == "xielu":
+            a = _xielu_fwd(h, xielu_alpha_ptr, xielu_beta, xielu_eps)
+        else:
+            a = _act_fwd(h, ACTIVATION, NEG_SLOPE)
     if STORE_ACT and ROW_SCALE:  # r act(h): dW2 = (r g_out)^T act(h) = g_out^T (r act(h)), g_out read as it is
         tl.store(act_ptr + base + offs, (a * row_scale[:, None]).to(act_ptr.dtype.element_ty), mask=mask)
     elif STORE_ACT:
@@ -564,20 +615,26 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, 
         g = g * row_scale[:, None]
     if DROPOUT:
         g = g * factor
-    gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
+    if ACTIVATION == "xielu":
+        gh, dalpha_p, dalpha_n = _xielu_grad(h, g, mask, xielu_alpha_ptr, xielu_beta, xielu_eps)
+    else:
+        gh = _act_grad(h, g, ACTIVATION, NEG_SLOPE)
+        dalpha_p, dalpha_n = 0.0, 0.0
     tl.store(gh_ptr + base + offs, gh.to(gh_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         # partial bias gradient of this row tile: part[pid_m, n] = sum over its rows of g_h
         col_sum = tl.sum(tl.where(mask, gh, 0.0), axis=0)
         tl.store(part_ptr + (pid_m.to(tl.int64) * N + col0) + offs_n, col_sum, mask=mask_n)
-    return dot
+    return dot, dalpha_p, dalpha_n
 
 
 @triton.jit
 def _gemm_act_grad_tile(
     tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr,
+    xielu_alpha_ptr, xielu_part_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    xielu_beta, xielu_eps,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -598,18 +655,24 @@ def _gemm_act_grad_tile(
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < row_end - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
-    dot = _grad_epilogue(acc, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, row_end, N, row0, col0, 0,
-                         seed, drop_threshold, drop_scale, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
-                         ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+    dot, dalpha_p, dalpha_n = _grad_epilogue(
+        acc, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, row_end, N, row0, col0, 0, seed,
+        drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
+        NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + pid_n.to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
+    if ACTIVATION == "xielu":  # the alphas' gradients, one pair per tile (summed in a fixed order: no atomics)
+        tl.store(xielu_part_ptr + 2 * tile, dalpha_p)
+        tl.store(xielu_part_ptr + 2 * tile + 1, dalpha_n)
 
 
 @triton.jit
 def _gemm_act_grad_kernel(
     a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed_ptr, scale_ptr, dscale_ptr, tiles_ptr,
+    xielu_alpha_ptr, xielu_part_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    xielu_beta, xielu_eps,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -621,14 +684,16 @@ def _gemm_act_grad_kernel(
         num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
             _gemm_act_grad_tile(tile, a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed, scale_ptr,
-                                dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT,
+                                dscale_ptr, tiles_ptr, xielu_alpha_ptr, xielu_part_ptr, M, N, K, stride_am,
+                                stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
+                                stride_biase, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT,
                                 ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
                                 PRECISION, UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
     else:
         _gemm_act_grad_tile(tl.program_id(0), a_ptr, b_ptr, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, seed,
-                            scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
+                            scale_ptr, dscale_ptr, tiles_ptr, xielu_alpha_ptr, xielu_part_ptr, M, N, K, stride_am,
+                            stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+                            xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
                             NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION,
                             UPCAST, TMA, EPILOGUE_SPLIT, GROUPED)
 
@@ -1008,21 +1073,25 @@ def expert_tiles(counts, block_m, device):
     return hit
 
 
-def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_kernel: bool, groups=None):
+def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_kernel: bool, groups=None,
+                  xielu=None):
     """What a launch of either dense kernel on a (M, K) @ b (K, N) needs besides its own outputs:
     ``(cfg, pointers, seed, tiles, scalars, meta, num_m)``: the table entry, the A, B and bias arguments (the
     operands made tile-safe, or TMA descriptors), the dropout seed pointer, the tile table (GROUPED; else an
-    unused input), the integer and float arguments, the constexprs and launch options, and the row tiles. One
-    builder for the forward and its recompute: both take the same tiles, precision and loads. ``dropout`` is None
-    or (p, seed), seed a 1-element int64 tensor on the operands' device.
+    unused input) and xIELU's alphas (else an unused input), the integer and float arguments, the constexprs and
+    launch options, and the row tiles. One builder for the forward and its recompute: both take the same tiles,
+    precision and loads. ``dropout`` is None or (p, seed), seed a 1-element int64 tensor on the operands' device.
+    ``xielu``: None or (alphas, beta, eps), alphas the (2,) fp32 effective (alpha_p, alpha_n) on that device.
 
     ``groups`` (``ExpertGroups``): a's rows are routed experts', b and bias expert 0's: every expert in one launch,
     the tile the table's for the mean rows an expert gets (never a wide one), pointer loads."""
     M, K = a.shape
     N = b.shape[1]
     rows = M if groups is None else max(1, M // max(1, sum(1 for n in groups.counts if n)))
+    # dropout's mask, experts' tables and xIELU's epilogue take the narrow tile where the table's is wide (a wide
+    # grad kernel spills with them: 40 bytes on sm_90 for xIELU in eighths)
     precision, cfg = _launch_params(a, rows, N, K, narrow=dropout is not None and dropout[0] != 0
-                                    or groups is not None)
+                                    or groups is not None or xielu is not None)
     cfg = config or cfg
     a = _tile_safe(a, cfg.BLOCK_M, cfg.BLOCK_K, "a")
     b_safe = _tile_safe(b, cfg.BLOCK_K, cfg.BLOCK_N, "b")
@@ -1049,12 +1118,23 @@ def _dense_launch(a: torch.Tensor, b: torch.Tensor, bias, config, dropout, grad_
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     pointers = (a_arg, b_arg, bias if bias is not None else a)
-    scalars = (M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale, *grouping)
-    return cfg, pointers, seed, tiles, scalars, meta, num_m
+    alphas, beta, eps = xielu if xielu is not None else (a, 0.0, 0.0)
+    scalars = (M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), threshold, scale, *grouping,
+               float(beta), float(eps))
+    return cfg, pointers, seed, (tiles, alphas), scalars, meta, num_m
+
+
+def _xielu_args(activation, xielu, dropout, groups, row_scale=None):
+    """``xielu`` checked against ``activation``: the parameters come with "xielu" and only with it; no dropout,
+    experts or row scale with it (nothing uses them)."""
+    assert (activation == "xielu") == (xielu is not None), "activation 'xielu' takes its xielu=(alphas, beta, eps)"
+    assert xielu is None or ((dropout is None or not dropout[0]) and groups is None and row_scale is None), \
+        "xielu with dropout, experts or a row scale"
+    assert xielu is None or (xielu[0].dtype == torch.float32 and xielu[0].shape == (2,)), "xielu alphas: (2,) fp32"
 
 
 def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", out_dtype=None,
-             config: GemmConfig | None = None, dropout=None, out=None, groups=None) -> torch.Tensor:
+             config: GemmConfig | None = None, dropout=None, out=None, groups=None, xielu=None) -> torch.Tensor:
     """act(a @ b + bias) for a (M, K), b (K, N) of any strides; output (M, N) contiguous.
 
     ``dropout``: None or ``(p, seed)``: dropout on act(...), its mask a function of the seed
@@ -1062,8 +1142,10 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
     callers that recompute must not). ``out``: a contiguous (M, N) tensor of the output's dtype
     to write into (a slice of a larger buffer: no copy afterwards). ``groups`` (``ExpertGroups``):
     a's rows are routed experts' (sorted by expert), b and bias expert 0's of stacked tensors, one launch.
+    ``xielu``: with ``activation="xielu"``, its (alphas, beta, eps) (``_dense_launch``).
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    _xielu_args(activation, xielu, dropout, groups)
     M, K = a.shape
     N = b.shape[1]
     dtype = out_dtype or a.dtype
@@ -1073,12 +1155,12 @@ def gemm_act(a: torch.Tensor, b: torch.Tensor, bias, activation: str = "none", o
         assert out.shape == (M, N) and out.dtype == dtype and out.is_contiguous(), "gemm_act: out"
     if M == 0 or N == 0:
         return out
-    cfg, pointers, seed, tiles, scalars, meta, num_m = _dense_launch(a, b, bias, config, dropout, grad_kernel=False,
-                                                                     groups=groups)
+    cfg, pointers, seed, (tiles, alphas), scalars, meta, num_m = _dense_launch(
+        a, b, bias, config, dropout, grad_kernel=False, groups=groups, xielu=xielu)
     grid, persistent = dense_grid(num_m * cdiv(N, cfg.BLOCK_N), a, cfg, groups is not None)
     with _device_guard(a):
-        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, tiles, *scalars, **act_meta(activation), **meta,
-                                            PERSISTENT=persistent)
+        launcher(_gemm_act_kernel, a)[grid](*pointers, out, seed, tiles, alphas, *scalars, **act_meta(activation),
+                                            **meta, PERSISTENT=persistent)
     return out
 
 
@@ -1135,7 +1217,7 @@ def tile_bias_grad(part, bias, width, groups=None, lengths=None):
 
 def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, activation: str,
                   store_act: bool = False, config: GemmConfig | None = None, dropout=None, row_scale=None,
-                  groups=None):
+                  groups=None, xielu=None):
     """Recompute h = a @ b + bias in tiles and return (g_h, act(h) or None, dbias or None).
 
     g_h = act'(h) * grad, in a's dtype; dbias = sum over rows of g_h (fp32 partial
@@ -1151,8 +1233,12 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
 
     ``groups`` (``ExpertGroups``, as given to ``gemm_act``): one launch for every routed expert; dbias is then
     (E, N), each expert's column sums over its row tiles.
+
+    ``xielu`` (as given to ``gemm_act``, ``activation="xielu"``): a fourth value is returned, the alphas'
+    gradients (2,) fp32, from per-tile partials.
     """
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    _xielu_args(activation, xielu, dropout, groups, row_scale)
     routed = row_scale is not None
     assert not (routed and dropout is not None and dropout[0]), "row_scale with dropout"
     M, K = a.shape
@@ -1163,33 +1249,39 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
 
     if M == 0 or N == 0:
         dbias = tile_bias_grad(None, bias, N, groups)
-        return (gh, act, dbias, torch.zeros(M, device=a.device, dtype=torch.float32)) if routed else (gh, act, dbias)
-    cfg, pointers, seed, tiles, scalars, meta, num_m = _dense_launch(a, b, bias, config, dropout, grad_kernel=True,
-                                                                     groups=groups)
+        if routed:
+            return gh, act, dbias, torch.zeros(M, device=a.device, dtype=torch.float32)
+        return (gh, act, dbias) if xielu is None else (gh, act, dbias, torch.zeros(2, device=a.device))
+    cfg, pointers, seed, (tiles, alphas), scalars, meta, num_m = _dense_launch(
+        a, b, bias, config, dropout, grad_kernel=True, groups=groups, xielu=xielu)
     dscale = torch.empty((cdiv(N, cfg.BLOCK_N), M), device=a.device, dtype=torch.float32) if routed else None
     part = torch.empty((num_m, N), device=a.device, dtype=torch.float32) if bias is not None else None
-    grid, persistent = dense_grid(num_m * cdiv(N, cfg.BLOCK_N), a, cfg, groups is not None)
+    num_tiles = num_m * cdiv(N, cfg.BLOCK_N)
+    xielu_part = torch.empty((num_tiles, 2), device=a.device, dtype=torch.float32) if xielu is not None else None
+    grid, persistent = dense_grid(num_tiles, a, cfg, groups is not None)
     if routed:
         meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
             *pointers, grad, gh, act if act is not None else a, part if part is not None else a, seed,
-            row_scale.contiguous() if routed else a, dscale if routed else a, tiles, *scalars,
-            STORE_ACT=store_act, ROW_SCALE=routed, **act_meta(activation), **meta, PERSISTENT=persistent,
+            row_scale.contiguous() if routed else a, dscale if routed else a, tiles, alphas,
+            xielu_part if xielu_part is not None else a, *scalars, STORE_ACT=store_act, ROW_SCALE=routed, **act_meta(activation), **meta, PERSISTENT=persistent,
         )
     # tiny reductions over the row tiles (the column tiles for dscale); no atomics, deterministic
     lengths = expert_tiles(groups.counts, cfg.BLOCK_M, a.device)[1] if groups is not None else None
     dbias = tile_bias_grad(part, bias, N, groups, lengths)
-    return (gh, act, dbias, dscale.sum(0)) if routed else (gh, act, dbias)
+    if routed:
+        return gh, act, dbias, dscale.sum(0)
+    return (gh, act, dbias) if xielu is None else (gh, act, dbias, xielu_part.sum(0))
 
 
 def act_meta(activation: str) -> dict:
     """The kernels' activation constexprs of an activation name: ``"leaky_relu:0.1"`` is
     ACTIVATION="leaky_relu", NEG_SLOPE=0.1 (one compile per slope); NEG_SLOPE is 0.0 for the
     others, so each of them compiles once."""
-    if activation == "none":
-        return dict(ACTIVATION="none", NEG_SLOPE=0.0)
+    if activation in ("none", "xielu"):  # xielu: the dense kernels only, its parameters their arguments
+        return dict(ACTIVATION=activation, NEG_SLOPE=0.0)
     kind, slope = split_activation(activation)
     return dict(ACTIVATION=kind, NEG_SLOPE=slope)
 
@@ -1221,10 +1313,13 @@ def _inspect_signature(kernel, dtype: torch.dtype):
     if kernel is _gemm_act_grad_kernel:
         sig.update(scale_ptr="*fp32", dscale_ptr="*fp32")
     sig["tiles_ptr"] = ptr  # unused: a launch passes a there
+    sig["xielu_alpha_ptr"] = "*fp32"  # read with ACTIVATION="xielu" only (else a launch passes a)
+    if kernel is _gemm_act_grad_kernel:
+        sig["xielu_part_ptr"] = "*fp32"
     aligned = list(sig)
     sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                 "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32",
-                "MT": "i32", "stride_be": "i32", "stride_biase": "i32"})
+                "MT": "i32", "stride_be": "i32", "stride_biase": "i32", "xielu_beta": "fp32", "xielu_eps": "fp32"})
     aligned += ["M", "N", "K", "stride_am", "stride_bn"]
     return sig, aligned
 
@@ -1315,6 +1410,20 @@ def inspect_specs():
             meta = act_meta("leaky_relu:0.1" if act == "leaky_relu" else act)
             specs.append(dict(base, constexprs=dict(base["constexprs"], **meta),
                               config=dict(base["config"], activation=act), source=base["source"] + "/activation"))
+    # xIELU (Apertus: the alphas' loads, two exps and the alphas' partial sums) on both kernels of every
+    # sm_90/sm_80 16-bit entry as xielu_mlp launches them: the dropout specs' narrow tiles (_dense_launch), bf16,
+    # pointer loads, no dropout
+    for spec in [s for s in specs if s["config"].get("dropout")]:
+        c = spec["constexprs"]
+        entry = GemmConfig(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], spec["num_warps"],
+                           spec["num_stages"], c["EPILOGUE_SPLIT"])
+        grad = spec["kernel"] == "_gemm_act_grad_kernel"
+        split = _epilogue_split(entry, grad, False)
+        config = {k: v for k, v in spec["config"].items() if k not in ("dropout", "EPILOGUE_SPLIT")}
+        if split > 1 or grad:
+            config["EPILOGUE_SPLIT"] = split
+        specs.append(dict(spec, constexprs=dict(c, DROPOUT=False, EPILOGUE_SPLIT=split, **act_meta("xielu")),
+                          config=dict(config, activation="xielu"), source=spec["source"] + "/xielu"))
     # the routed ungated experts' variant (row scale and its gradient in the epilogue) on every sm_90 bf16 grad
     # entry with pointer loads: Nemotron-H's relu2, no bias, the scales a slice at any offset, any row count
     for spec in [s for s in specs if s["kernel"] == "_gemm_act_grad_kernel" and s["arch"] == "sm_90"
