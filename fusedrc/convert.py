@@ -39,7 +39,8 @@ How patterns are found
    ``fc1``/``activation_fn``/``fc2``; the rule reads the forward's source and checks its lines),
    ``GPT2MLP`` and its copies (``Conv1D`` layers), SAM 3's ``Sam3MLP`` / ``Sam3LiteTextMLP`` (a dropout before the
    activation), ``T5DenseActDense`` / ``T5DenseGatedActDense`` / ``T5Block``,
-   ``AlbertLayer`` (its ``ff_chunk``);
+   ``AlbertLayer`` (its ``ff_chunk``), RWKV's ``RwkvFeedForward`` (its ``key -> relu^2 -> value``; the time shift,
+   receptance gate and state as the module has them);
    and, by shape rather than class name, every layer whose ``feed_forward_chunk``, ``intermediate``
    and ``output`` are BERT's (``_split_ffn_layer``: RoBERTa, XLM-R, ELECTRA, ... copy them; DeBERTa and
    MPNet call the two inline, ``_inline_split_ffn_layer``), every module
@@ -2792,6 +2793,141 @@ def _xielu_consts(act):
     if act.beta.device.type == "meta" or act.eps.device.type == "meta":
         return float(act._beta_scalar), float(act._eps_scalar)
     return float(act.beta), float(act.eps)
+
+
+class FusedRwkvFeedForward(Wrapper):
+    """Hugging Face's RWKV channel mix, ``RwkvFeedForward``: its ``key -> relu^2 -> value`` as one fused FFN
+    (:func:`fusedrc.functional.fused_mlp`, activation "relu2"), which keeps only the mixed key for backward,
+    not the two hidden-sized tensors (the ReLU's output and its square) autograd keeps; the time shift and the
+    mixing, the receptance gate and the ``state`` (read, and written in place) are the module's forward, line
+    for line (``_RWKV_FFN``). A call the op does not model runs the module's forward: hooks on the module or
+    its key/value (or either marked with :func:`fusedrc.mark`), a key/value that is no longer a plain Linear;
+    a mixed key of a dtype or device the op does not take runs the module's own key -> relu^2 -> value lines."""
+
+    def _fusedrc_call(self, args, kwargs):
+        """``(hidden, state)`` of a call by the forward's own argument names (state defaulting to None), or None
+        for a call the forward would not bind (which it takes as it is, raising its own error)."""
+        names = self.__dict__["_fusedrc_args"]
+        if len(args) > len(names):
+            return None
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names or k in bound:
+                return None
+            bound[k] = v
+        return (bound[names[0]], bound.get(names[1])) if names[0] in bound else None
+
+    def forward(self, *args, **kwargs):
+        call = self._fusedrc_call(args, kwargs)
+        site, k, v = self.sites.get("ffn"), self._modules.get("key"), self._modules.get("value")
+        if (call is None or site is None or not site.enabled or not (is_linear(k) and is_linear(v))
+                or not _nohooks(self) or not _free(k, v)):
+            return self.plain(*args, **kwargs)
+        hidden, state = call
+
+        def chain(key):  # the module's lines
+            key = torch.square(torch.relu(k(key)))
+            return v(key)
+
+        # RwkvFeedForward.forward (as in transformers 5.25), its key -> relu^2 -> value through the fused op
+        if hidden.size(1) == 1 and state is not None:
+            shifted = state[0][:, :, self.layer_id]
+        else:
+            shifted = self.time_shift(hidden)
+            if state is not None:
+                shifted[:, 0] = state[0][:, :, self.layer_id]
+        key = hidden * self.time_mix_key + shifted * (1 - self.time_mix_key)
+        receptance = hidden * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+
+        if _dense_runtime_ok(key, k, v) and k.out_features == v.in_features:
+            act = self.__dict__["_fusedrc_act"]
+            value = _run_site(site, lambda x: F.fused_mlp(x, k.weight, k.bias, v.weight, v.bias, act), chain, key)
+        else:
+            value = chain(key)
+        receptance = torch.sigmoid(self.receptance(receptance))
+
+        if state is not None:
+            state[0][:, :, self.layer_id] = hidden[:, -1]
+
+        return receptance * value, state
+
+
+# RwkvFeedForward.forward (as in transformers 5.25) for arguments h, s: what FusedRwkvFeedForward computes,
+# compared as syntax trees (the nesting of its branches included; annotations and a docstring aside)
+_RWKV_FFN = """\
+def forward(self, {h}, {s}=None):
+    if {h}.size(1) == 1 and {s} is not None:
+        shifted = {s}[0][:, :, self.layer_id]
+    else:
+        shifted = self.time_shift({h})
+        if {s} is not None:
+            shifted[:, 0] = {s}[0][:, :, self.layer_id]
+    key = {h} * self.time_mix_key + shifted * (1 - self.time_mix_key)
+    receptance = {h} * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+    key = torch.square(torch.relu(self.key(key)))
+    value = self.value(key)
+    receptance = torch.sigmoid(self.receptance(receptance))
+    if {s} is not None:
+        {s}[0][:, :, self.layer_id] = {h}[:, -1]
+    return receptance * value, {s}
+"""
+
+
+def _function_tree(fn):
+    """``fn``'s definition as a syntax tree without annotations or a leading docstring, or None where its source
+    cannot be read or is not one plain ``def``."""
+    try:
+        tree = _ast.parse(_textwrap.dedent(_inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    node = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(node, _ast.FunctionDef) or node.decorator_list:
+        return None
+    a = node.args
+    for p in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg]:
+        if p is not None:
+            p.annotation = None
+    node.returns = None
+    body = node.body
+    if len(body) > 1 and isinstance(body[0], _ast.Expr) and isinstance(body[0].value, _ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        node.body = body[1:]
+    return node
+
+
+def _rwkv_ffn_args(m):
+    """The argument names ``(hidden, state)`` of ``m``'s forward where it is ``_RWKV_FFN``, else None."""
+    fn = _function_tree(getattr(_class_of(m), "forward", None))
+    if fn is None or [p.arg for p in fn.args.args[:1]] != ["self"] or len(fn.args.args) != 3:
+        return None
+    h, s = (p.arg for p in fn.args.args[1:])
+    if h == s or "self" in (h, s):
+        return None
+    fn.name = "forward"  # the class's forward whatever name its function was defined under
+    expected = _ast.parse(_RWKV_FFN.format(h=h, s=s)).body[0]
+    return (h, s) if _ast.dump(fn) == _ast.dump(expected) else None
+
+
+@register_rule("RwkvFeedForward")
+def _rwkv_feed_forward(ctx, name, m):
+    """RWKV's channel mix: its key -> relu^2 -> value one fused FFN, the rest of its forward (checked) as it is."""
+    if _forward_lines(ctx, name, m) is None:
+        return m
+    args = _rwkv_ffn_args(m)
+    key, value = m._modules.get("key"), m._modules.get("value")
+    if args is None:
+        reason = (f"{_class_of(m).__name__}.forward is not transformers' RWKV channel mix (time shift and mixing, "
+                  "value(square(relu(key(k)))), sigmoid(receptance(r)) gate, state)")
+    elif not (is_linear(key) and is_linear(value) and value.in_features == key.out_features):
+        reason = "key/value are not nn.Linears of one hidden width"
+    elif not _nohooks(key, value):
+        reason = "hooks registered on the modules"
+    else:
+        reason = None
+    new = _wrapped_unit(ctx, name, m, reason, FusedRwkvFeedForward, "relu2", "ffn", "ffn", (key,))
+    if reason is None:
+        new.__dict__["_fusedrc_args"] = args
+    return new
 
 
 class FusedTFPaddedConvLayer(Wrapper):

@@ -722,8 +722,9 @@ def test_host_cost_experts_pattern(tmp_path):
 
 def test_convert_survey_script(tmp_path):
     """benchmarks/convert_survey.py on a few model types (built on the meta device, converted): Llama's gated MLPs
-    fused, nothing left; GLPN's Mix-FFNs fused; RWKV's feed-forward (a token shift and a receptance gate) listed as
-    uncovered; a model type transformers cannot build from its default config a row with its error; the results
+    fused, nothing left; GLPN's Mix-FFNs fused; RWKV's feed-forward (a token shift and a receptance gate) fused
+    round its key -> relu^2 -> value, nothing left; I-BERT's quantized intermediate listed as uncovered; a model
+    type transformers cannot build from its default config a row with its error; the results
     file carries the rows, versions and commit. With --library timm: ResNet-18's 20 Conv-BN units, PVT-v2's MLPs
     fused, Visformer's SpatialMlp uncovered."""
     import importlib.util
@@ -733,18 +734,19 @@ def test_convert_survey_script(tmp_path):
 
     pytest.importorskip("transformers")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "convert_survey.py"
-    run = subprocess.run([sys.executable, str(script), "--only", "llama,glpn,rwkv,autoformer", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(script), "--only", "llama,glpn,rwkv,ibert,autoformer", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     (path,) = tmp_path.glob("convert_survey_*.json")
     doc = json.loads(path.read_text())
     rows = {r["model_type"]: r for r in doc["rows"]}
-    assert set(rows) == {"llama", "glpn", "rwkv", "autoformer"} and doc["commit"] and doc["transformers"]
+    assert set(rows) == {"llama", "glpn", "rwkv", "ibert", "autoformer"} and doc["commit"] and doc["transformers"]
     assert rows["llama"]["units"]["gated_ffn"] == 2 and rows["llama"]["uncovered"] == []
     assert rows["glpn"]["units"]["mix_ffn"] > 0 and rows["glpn"]["uncovered"] == []
-    assert rows["rwkv"]["uncovered"] == ["RwkvFeedForward"] and "gated_ffn" not in rows["rwkv"]["units"]
+    assert rows["rwkv"]["units"]["ffn"] == 2 and rows["rwkv"]["uncovered"] == [] and not rows["rwkv"]["skipped"]
+    assert rows["ibert"]["uncovered"] == ["IBertIntermediate"]
     assert "build_error" in rows["autoformer"]
-    assert "rwkv" in run.stdout and "4 model types" in run.stdout
+    assert "ibert" in run.stdout and "rwkv" not in run.stdout and "5 model types" in run.stdout
     if importlib.util.find_spec("timm") is None:  # (not imported here: the script imports it its own way)
         pytest.skip("timm is not installed (test extra)")
     run = subprocess.run([sys.executable, str(script), "--library", "timm", "--only", "resnet18,pvt_v2_b0,visformer_tiny", "--out",

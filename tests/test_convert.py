@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import fusedrc
-from fusedrc.convert import _import_torchvision, _set_impl, saved_bytes
+from fusedrc.convert import _Frozen, _import_torchvision, _set_impl, saved_bytes
 from fusedrc.recompute import _is_marked
 
 from _utils import (FusedOpLog, GemmCounter, SavedBytes, backend_device, fused_without_norms, norm_units, rel_err,
@@ -438,6 +438,11 @@ def _hf_family(family):
                             activation_dropout=0.0, use_cache=False)
         model, args, kwargs = tr.FSMTForConditionalGeneration(cfg), (ids,), {"decoder_input_ids": dec}
         units = ["model.encoder.layers.0.fc1", "model.decoder.layers.0.fc1"]
+    elif family == "rwkv":  # RWKV's channel mix by name: key -> relu^2 -> value fused, its time shift and gate kept
+        cfg = tr.RwkvConfig(vocab_size=100, context_length=32, hidden_size=32, attention_hidden_size=32,
+                            num_hidden_layers=2)
+        model, args, kwargs = tr.RwkvForCausalLM(cfg), (ids,), {}
+        units = [f"rwkv.blocks.{i}.feed_forward" for i in range(2)]
     else:  # BART inlines its FFN as x = act(fc1(x)): the inline-FFN rule
         cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
                             decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -537,7 +542,7 @@ def test_sam3_mlp_dropout_before_the_activation():
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "moshi", "bert", "gpt2", "bart", "starcoder2", "bloom", "falcon",
-                                    "biogpt", "fsmt"])
+                                    "biogpt", "fsmt", "rwkv"])
 def test_other_hugging_face_families(family):
     """Beyond the OPT and T5 rules: fx on the submodules that trace (one graph per training mode
     where the forward reads it), the rules for GPT-2's MLP and BART-style layers (named, or by
@@ -2508,6 +2513,256 @@ def test_apertus_xielu_mlp(backend):
     assert log.ops == []
 
 
+def _rwkv(tr):
+    """A tiny RWKV language model (no download): hidden 16, key/value width 64 (4 x hidden), two blocks."""
+    torch.manual_seed(0)
+    cfg = tr.RwkvConfig(vocab_size=64, context_length=32, hidden_size=16, attention_hidden_size=16,
+                        num_hidden_layers=2)
+    return tr.RwkvForCausalLM(cfg)
+
+
+_RWKV_UNITS = ["rwkv.blocks.0.feed_forward", "rwkv.blocks.1.feed_forward"]
+
+
+def _kept_bytes(model, args):
+    """saved_bytes, each saved tensor held until the end: RWKV's attention drops the graph of its last state update
+    (no return_state), whose freed storages saved_bytes could meet again at the same address, a few bytes off
+    at random; held, the count is exact."""
+    params, kept = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept.setdefault(storage.data_ptr(), (storage.nbytes(), t))
+        return t
+
+    with _Frozen(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args)
+    return sum(n for n, _ in kept.values())
+
+
+def _assert_same(a, b, exact):
+    """Bit for bit (``exact``: the reference backend computes the chain with the module's aten ops), else
+    within TOL (the Triton kernels accumulate in another order)."""
+    assert torch.equal(a, b) if exact else rel_err(a, b) <= TOL
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_rwkv_feed_forward(backend):
+    """RWKV's channel mix, ``RwkvFeedForward``: its key -> relu^2 -> value one fused FFN (activation relu2, no
+    biases) per block, its time shift, mixing and receptance gate as the module's; the logits and every parameter
+    gradient of a training step as the original model's (bit for bit on the reference backend), the same
+    state_dict (an inplace convert keeps the very tensors), and each unit keeps the two hidden-sized tensors less
+    (relu's output and its square, 2 x batch x tokens x 64 floats)."""
+    tr = _transformers()
+    model = _rwkv(tr).train()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    plan = conv.fusedrc_plan
+    assert fused_without_norms(plan) == _RWKV_UNITS and not plan.skipped, plan
+    assert [u.kind for u in plan.units if u.name in _RWKV_UNITS] == ["ffn", "ffn"]
+    assert type(conv.rwkv.blocks[1].feed_forward).__name__ == "FusedRwkvFeedForward"
+    assert list(conv.state_dict()) == list(model.state_dict())
+    conv.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 7))
+    exact = backend == "reference"
+    if exact:
+        with fusedrc.use_backend("reference"):
+            off = copy.deepcopy(conv)
+            for u in off.fusedrc_plan.units:
+                if u.kind == "ffn":
+                    u.disable()
+            kept, kept_off = _kept_bytes(conv, (ids,)), _kept_bytes(off, (ids,))
+            assert kept_off - kept == 2 * (2 * 2 * 7 * 64 * 4)  # two blocks, two (2, 7, 64) float32 tensors each
+            assert kept < 0.75 * _kept_bytes(model, (ids,))
+    device = backend_device(backend)
+    model, conv, ids = model.to(device), conv.to(device), ids.to(device)
+    # a random projection of the logits: a sum of their squares would send ln_out a gradient along its output
+    # (the head is orthogonal at init), which its backward all but cancels, leaving the blocks ill-conditioned ones
+    weights = torch.randn(2, 7, 64, device=device)
+    with fusedrc.use_backend(backend), FusedOpLog() as log:
+        y = conv(ids).logits
+        (y * weights).sum().backward()
+    y_ref = model(ids).logits
+    (y_ref * weights).sum().backward()
+    ops = [op.removesuffix("_triton") for op in log.ops]
+    assert ops.count("fused_mlp") == 2 and ops.count("fused_mlp_backward") == 2, ops
+    _assert_same(y, y_ref, exact)
+    grads, grads_ref = _grads(conv), _grads(model)
+    assert grads.keys() == grads_ref.keys() and "rwkv.blocks.0.feed_forward.key.weight" in grads
+    for n in grads_ref:
+        _assert_same(grads[n], grads_ref[n], exact)
+    if exact:  # inplace: the module objects and parameters themselves
+        same = _rwkv(tr)
+        params = dict(same.named_parameters())
+        assert fusedrc.convert(same, inplace=True) is same
+        assert type(same.rwkv.blocks[0].feed_forward).__name__ == "FusedRwkvFeedForward"
+        assert all(p is params[n] for n, p in same.named_parameters()) and len(params) == len(list(same.parameters()))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_rwkv_feed_forward_with_state(backend):
+    """Inference with RWKV's state: a prompt with ``use_cache=True`` (the state made and written), then one token
+    (the shift read from the state itself) and then three (the state in the shift's first row), each call's
+    logits and all five state tensors as the original's, the fused op run; greedy generation gives the same
+    tokens. The module called with a state with autograd on (forward only; HF's own backward through a state
+    written in place fails): output and the state it writes as the module's."""
+    tr = _transformers()
+    model = _rwkv(tr).eval()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    assert fused_without_norms(conv.fusedrc_plan) == _RWKV_UNITS
+    exact = backend == "reference"
+    device = backend_device(backend)
+    model, conv = model.to(device), conv.to(device)
+    ids = torch.randint(0, 64, (2, 9), device=device)
+    state = state_ref = None
+    with fusedrc.use_backend(backend), torch.no_grad():
+        for part in (ids[:, :5], ids[:, 5:6], ids[:, 6:]):
+            with FusedOpLog() as log:
+                out = conv(part, state=state, use_cache=True)
+            ref = model(part, state=state_ref, use_cache=True)
+            assert [op.removesuffix("_triton") for op in log.ops] == ["fused_mlp"] * 2
+            _assert_same(out.logits, ref.logits, exact)
+            assert len(out.state) == len(ref.state) == 5
+            for s, s_ref in zip(out.state, ref.state):
+                _assert_same(s, s_ref, exact)
+            state, state_ref = out.state, ref.state
+        if exact:
+            assert torch.equal(conv.generate(ids[:, :4], max_new_tokens=4, do_sample=False),
+                               model.generate(ids[:, :4], max_new_tokens=4, do_sample=False))
+    ff, ff_ref = conv.rwkv.blocks[1].feed_forward, model.rwkv.blocks[1].feed_forward
+    for tokens in (1, 3):
+        hidden = torch.randn(2, tokens, 16, device=device)
+        st = [torch.randn(2, 16, 2, device=device) for _ in range(5)]
+        st_ref = [t.clone() for t in st]
+        with fusedrc.use_backend(backend), FusedOpLog() as log:
+            y, st_out = ff(hidden, state=st)
+        y_ref, st_ref_out = ff_ref(hidden, st_ref)
+        assert log.ops and st_out is st and st_ref_out is st_ref
+        _assert_same(y, y_ref, exact)
+        assert torch.equal(st[0], st_ref[0]) and torch.equal(st[0][:, :, 1], hidden[:, -1])
+        assert all(torch.equal(a, b) for a, b in zip(st[1:], st_ref[1:]))
+
+
+def test_rwkv_feed_forward_fallbacks():
+    """What the fused op does not model runs the module's own forward, and still matches: a hook on the module,
+    on key or value, key marked with fusedrc.mark, a LoRA adapter swapped in for value, the unit switched off, a
+    call the forward does not bind (its own error). At convert time, a forward of another shape (the same lines,
+    the state's write into the shift's first row outside the else: a nesting the stripped lines do not show),
+    hooks and a value that is no Linear are reported, not fused; arguments of other names are bound by name."""
+    tr = _transformers()
+    from transformers.models.rwkv.modeling_rwkv import RwkvFeedForward
+
+    model = _rwkv(tr).train()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    ff, ff_ref = conv.rwkv.blocks[0].feed_forward, model.rwkv.blocks[0].feed_forward
+    x = torch.randn(2, 5, 16)
+
+    def check(fused, **kw):
+        for m in (ff, ff_ref):
+            m.zero_grad()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fusedrc.use_backend("reference"), FusedOpLog() as log:
+            y, _ = ff(xa, **kw)
+            y.square().sum().backward()
+        y_ref, _ = ff_ref(xb)
+        y_ref.square().sum().backward()
+        assert (log.ops == ["fused_mlp", "fused_mlp_backward"]) == fused, log.ops
+        assert rel_err(y, y_ref) <= TOL and rel_err(xa.grad, xb.grad) <= TOL
+        _assert_close_models(ff_ref, ff)
+
+    check(True)
+    check(True, state=None)
+    for target in (ff, ff.key, ff.value):
+        handle = target.register_forward_hook(lambda *a: None)
+        check(False)
+        handle.remove()
+    handle = ff.register_forward_pre_hook(lambda *a: None)
+    check(False)
+    handle.remove()
+    check(True)
+    unit = next(u for u in conv.fusedrc_plan.units if u.name == _RWKV_UNITS[0])
+    unit.disable()
+    check(False)
+    unit.enable()
+    fusedrc.mark(ff.key)
+    check(False)
+    fusedrc.unmark(ff.key)
+    check(True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
+        ff(x=x)
+    for m in (ff, ff_ref):
+        torch.manual_seed(1)
+        _swap(m, "value", lambda base: _LoraLinear(base))
+    check(False)
+
+    # at convert time: another forward, hooks, a value that is no Linear
+    def shift_outside_else(self, hidden, state=None):
+        if hidden.size(1) == 1 and state is not None:
+            shifted = state[0][:, :, self.layer_id]
+        else:
+            shifted = self.time_shift(hidden)
+        if state is not None:
+            shifted[:, 0] = state[0][:, :, self.layer_id]
+        key = hidden * self.time_mix_key + shifted * (1 - self.time_mix_key)
+        receptance = hidden * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+
+        key = torch.square(torch.relu(self.key(key)))
+        value = self.value(key)
+        receptance = torch.sigmoid(self.receptance(receptance))
+
+        if state is not None:
+            state[0][:, :, self.layer_id] = hidden[:, -1]
+
+        return receptance * value, state
+
+    def renamed(self, hidden_states: torch.Tensor, cache=None) -> tuple:
+        """RWKV's channel mix, its arguments renamed (and annotated)."""
+        if hidden_states.size(1) == 1 and cache is not None:
+            shifted = cache[0][:, :, self.layer_id]
+        else:
+            shifted = self.time_shift(hidden_states)
+            if cache is not None:  # a comment
+                shifted[:, 0] = cache[0][:, :, self.layer_id]
+        key = hidden_states * self.time_mix_key + shifted * (1 - self.time_mix_key)
+        receptance = hidden_states * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+        key = torch.square(torch.relu(self.key(key)))
+        value = self.value(key)
+        receptance = torch.sigmoid(self.receptance(receptance))
+        if cache is not None:
+            cache[0][:, :, self.layer_id] = hidden_states[:, -1]
+        return receptance * value, cache
+
+    from fusedrc.convert import _source_lines
+
+    cfg = model.config
+    other = type("RwkvFeedForward", (RwkvFeedForward,), {"forward": shift_outside_else})(cfg, 0)
+    assert _source_lines(other)[1:] == _source_lines(RwkvFeedForward(cfg, 0))[1:]  # the lines alone agree
+    hooked = RwkvFeedForward(cfg, 0)
+    hooked.key.register_forward_hook(lambda *a: None)
+    lora = RwkvFeedForward(cfg, 0)
+    lora.value = _LoraLinear(lora.value)
+    good = type("RwkvFeedForward", (RwkvFeedForward,), {"forward": renamed})(cfg, 0)
+    with pytest.warns(UserWarning, match="left these as they are"):
+        converted = fusedrc.convert(nn.ModuleDict({"other": other, "hooked": hooked, "lora": lora, "good": good}))
+    plan, good = converted.fusedrc_plan, converted["good"]
+    skipped = dict(plan.skipped)
+    assert skipped["other"].startswith("RwkvFeedForward.forward is not transformers' RWKV channel mix")
+    assert skipped["hooked"] == "hooks registered on the modules"
+    assert skipped["lora"] == "key/value are not nn.Linears of one hidden width"
+    assert [(u.name, u.kind) for u in plan.units] == [("good", "ffn")]
+    ref = RwkvFeedForward(cfg, 0)  # the same parameters (a module built alone holds torch.empty's)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.5)
+    good.load_state_dict(ref.state_dict())
+    st = [torch.randn(2, 16, 1) for _ in range(5)]
+    st_ref = [t.clone() for t in st]
+    with fusedrc.use_backend("reference"), FusedOpLog() as log:
+        y, _ = good(hidden_states=x, cache=st)
+    y_ref, _ = ref(x, st_ref)
+    assert log.ops == ["fused_mlp"] and torch.equal(y, y_ref) and torch.equal(st[0], st_ref[0])
+
+
 def test_gated_mlp_dropout_forms_the_op_cannot_stand_for_are_reported():
     """A dropout of the gated product that is no nn.Dropout (its mask drawn otherwise), and an output
     dropout whose p is no number: left as they are, said why."""
@@ -3085,7 +3340,7 @@ def test_resnet_activation_swapped_after_convert(swap):
     _assert_same_step(model, conv, x)
 
 
-@pytest.mark.parametrize("family", ["resnet18", "llama", "opt", "fx"])
+@pytest.mark.parametrize("family", ["resnet18", "llama", "opt", "fx", "rwkv"])
 def test_converting_a_converted_model_again(family):
     """convert on a converted model plans it afresh, as convert on the original does: the rules'
     rewritten blocks (ResNet's, Llama's gated MLP found by its forward), fused Sequentials and
@@ -3100,7 +3355,7 @@ def test_converting_a_converted_model_again(family):
     elif family == "opt":
         model, args, kwargs = _opt(), (torch.randint(0, 128, (2, 16)),), {}
     else:
-        model, args, kwargs, _ = _hf_family("llama")
+        model, args, kwargs, _ = _hf_family(family)
     out = (lambda m: m(*args, **kwargs)) if family in ("resnet18", "fx") else (lambda m: m(*args, **kwargs).logits)
     first = fusedrc.convert(model)
     for policy in ("blocks", "all") if family != "fx" else ("all", "all"):
