@@ -2873,6 +2873,11 @@ def forward(self, {h}, {s}=None):
 """
 
 
+# every name the forward uses besides its two arguments' (self, torch, its locals)
+_RWKV_FFN_NAMES = frozenset(n.id for n in _ast.walk(_ast.parse(_RWKV_FFN.format(h="_h", s="_s")))
+                            if isinstance(n, _ast.Name)) - {"_h", "_s"}
+
+
 def _function_tree(fn):
     """``fn``'s definition as a syntax tree without annotations or a leading docstring, or None where its source
     cannot be read or is not one plain ``def``."""
@@ -2901,7 +2906,7 @@ def _rwkv_ffn_args(m):
     if fn is None or [p.arg for p in fn.args.args[:1]] != ["self"] or len(fn.args.args) != 3:
         return None
     h, s = (p.arg for p in fn.args.args[1:])
-    if h == s or "self" in (h, s):
+    if h == s or {h, s} & _RWKV_FFN_NAMES:  # an argument named as a local would be rebound by the body
         return None
     fn.name = "forward"  # the class's forward whatever name its function was defined under
     expected = _ast.parse(_RWKV_FFN.format(h=h, s=s)).body[0]

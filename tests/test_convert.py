@@ -2605,7 +2605,9 @@ def test_rwkv_feed_forward_with_state(backend):
     (the shift read from the state itself) and then three (the state in the shift's first row), each call's
     logits and all five state tensors as the original's, the fused op run; greedy generation gives the same
     tokens. The module called with a state with autograd on (forward only; HF's own backward through a state
-    written in place fails): output and the state it writes as the module's."""
+    written in place fails): output and the state it writes as the module's. Batch 1: with one token and a state,
+    Hugging Face's RWKV broadcasts the (batch, hidden) shift against the (batch, 1, hidden) input, a batch of
+    several tokens' worth of rows (both models alike; not decoding)."""
     tr = _transformers()
     model = _rwkv(tr).eval()
     conv = fusedrc.convert(copy.deepcopy(model))
@@ -2613,13 +2615,14 @@ def test_rwkv_feed_forward_with_state(backend):
     exact = backend == "reference"
     device = backend_device(backend)
     model, conv = model.to(device), conv.to(device)
-    ids = torch.randint(0, 64, (2, 9), device=device)
+    ids = torch.randint(0, 64, (1, 9), device=device)
     state = state_ref = None
     with fusedrc.use_backend(backend), torch.no_grad():
         for part in (ids[:, :5], ids[:, 5:6], ids[:, 6:]):
             with FusedOpLog() as log:
                 out = conv(part, state=state, use_cache=True)
             ref = model(part, state=state_ref, use_cache=True)
+            assert out.logits.shape == (*part.shape, 64)
             assert [op.removesuffix("_triton") for op in log.ops] == ["fused_mlp"] * 2
             _assert_same(out.logits, ref.logits, exact)
             assert len(out.state) == len(ref.state) == 5
@@ -2631,13 +2634,13 @@ def test_rwkv_feed_forward_with_state(backend):
                                model.generate(ids[:, :4], max_new_tokens=4, do_sample=False))
     ff, ff_ref = conv.rwkv.blocks[1].feed_forward, model.rwkv.blocks[1].feed_forward
     for tokens in (1, 3):
-        hidden = torch.randn(2, tokens, 16, device=device)
-        st = [torch.randn(2, 16, 2, device=device) for _ in range(5)]
+        hidden = torch.randn(1, tokens, 16, device=device)
+        st = [torch.randn(1, 16, 2, device=device) for _ in range(5)]
         st_ref = [t.clone() for t in st]
         with fusedrc.use_backend(backend), FusedOpLog() as log:
             y, st_out = ff(hidden, state=st)
         y_ref, st_ref_out = ff_ref(hidden, st_ref)
-        assert log.ops and st_out is st and st_ref_out is st_ref
+        assert log.ops and st_out is st and st_ref_out is st_ref and y.shape == hidden.shape
         _assert_same(y, y_ref, exact)
         assert torch.equal(st[0], st_ref[0]) and torch.equal(st[0][:, :, 1], hidden[:, -1])
         assert all(torch.equal(a, b) for a, b in zip(st[1:], st_ref[1:]))
@@ -2648,7 +2651,8 @@ def test_rwkv_feed_forward_fallbacks():
     on key or value, key marked with fusedrc.mark, a LoRA adapter swapped in for value, the unit switched off, a
     call the forward does not bind (its own error). At convert time, a forward of another shape (the same lines,
     the state's write into the shift's first row outside the else: a nesting the stripped lines do not show),
-    hooks and a value that is no Linear are reported, not fused; arguments of other names are bound by name."""
+    hooks, a value that is no Linear and an input named as one of the body's locals are reported, not fused;
+    arguments of other names are bound by name."""
     tr = _transformers()
     from transformers.models.rwkv.modeling_rwkv import RwkvFeedForward
 
@@ -2732,6 +2736,22 @@ def test_rwkv_feed_forward_fallbacks():
             cache[0][:, :, self.layer_id] = hidden_states[:, -1]
         return receptance * value, cache
 
+    def shadowed(self, key, state=None):  # the input named as a local: the body rebinds it, another computation
+        if key.size(1) == 1 and state is not None:
+            shifted = state[0][:, :, self.layer_id]
+        else:
+            shifted = self.time_shift(key)
+            if state is not None:
+                shifted[:, 0] = state[0][:, :, self.layer_id]
+        key = key * self.time_mix_key + shifted * (1 - self.time_mix_key)
+        receptance = key * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+        key = torch.square(torch.relu(self.key(key)))
+        value = self.value(key)
+        receptance = torch.sigmoid(self.receptance(receptance))
+        if state is not None:
+            state[0][:, :, self.layer_id] = key[:, -1]
+        return receptance * value, state
+
     from fusedrc.convert import _source_lines
 
     cfg = model.config
@@ -2742,11 +2762,14 @@ def test_rwkv_feed_forward_fallbacks():
     lora = RwkvFeedForward(cfg, 0)
     lora.value = _LoraLinear(lora.value)
     good = type("RwkvFeedForward", (RwkvFeedForward,), {"forward": renamed})(cfg, 0)
+    shadow = type("RwkvFeedForward", (RwkvFeedForward,), {"forward": shadowed})(cfg, 0)
     with pytest.warns(UserWarning, match="left these as they are"):
-        converted = fusedrc.convert(nn.ModuleDict({"other": other, "hooked": hooked, "lora": lora, "good": good}))
+        converted = fusedrc.convert(nn.ModuleDict({"other": other, "hooked": hooked, "lora": lora, "good": good,
+                                                   "shadow": shadow}))
     plan, good = converted.fusedrc_plan, converted["good"]
     skipped = dict(plan.skipped)
-    assert skipped["other"].startswith("RwkvFeedForward.forward is not transformers' RWKV channel mix")
+    for name in ("other", "shadow"):
+        assert skipped[name].startswith("RwkvFeedForward.forward is not transformers' RWKV channel mix")
     assert skipped["hooked"] == "hooks registered on the modules"
     assert skipped["lora"] == "key/value are not nn.Linears of one hidden width"
     assert [(u.name, u.kind) for u in plan.units] == [("good", "ffn")]

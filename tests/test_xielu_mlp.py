@@ -100,19 +100,40 @@ def test_epilogue_gemms_and_recompute(device, monkeypatch):
                                              xielu=alphas)
     assert torch.equal(a, a_again)
 
-    x = x.clone()
-    x[3, 0], x[5, 0] = float("nan"), float("inf")
-    a = _common.gemm_act(x, w1.t(), b1, "xielu", xielu=alphas)
-    gh, _, _, dalphas = _common.gemm_act_grad(x, w1.t(), b1, torch.ones_like(a), "xielu", xielu=alphas)
-    h = TF.linear(x.double(), w1.double(), b1.double())
-    want_a = R.xielu(h, args[5].double(), args[6].double(), BETA, EPS)
-    want_gh, *want_dalphas = R.xielu_grad(h, torch.ones_like(h), args[5].double(), args[6].double(), BETA, EPS)
-    assert h[5].isinf().all() and (h[5] < 0).any() and (h[5] > 0).any()  # both infinities
-    for got, want in ((a, want_a), (gh, want_gh), (dalphas, torch.cat(want_dalphas))):
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
-        ok = want.isfinite()
-        assert rel_err(got[ok], want[ok]) < 1e-5
-    assert gh[3].isnan().all() and not gh[:3].isnan().any() and dalphas[0].isinf() and dalphas[1].isnan()
+    # row 5's h: +inf and -inf (x = inf); then row 3's NaN too. The alphas' gradients: +inf each from the
+    # infinities alone (both branches' factors are +inf), NaN for alpha_n's once a NaN h joins
+    for rows in ((5,), (5, 3)):
+        x = args[0].clone()
+        for r in rows:
+            x[r, 0] = float("inf") if r == 5 else float("nan")
+        a = _common.gemm_act(x, w1.t(), b1, "xielu", xielu=alphas)
+        gh, _, _, dalphas = _common.gemm_act_grad(x, w1.t(), b1, torch.ones_like(a), "xielu", xielu=alphas)
+        h = TF.linear(x.double(), w1.double(), b1.double())
+        want_a = R.xielu(h, args[5].double(), args[6].double(), BETA, EPS)
+        want_gh, *want_dalphas = R.xielu_grad(h, torch.ones_like(h), args[5].double(), args[6].double(), BETA, EPS)
+        assert h[5].isinf().all() and (h[5] < 0).any() and (h[5] > 0).any()  # both infinities
+        for got, want in ((a, want_a), (gh, want_gh), (dalphas, torch.cat(want_dalphas))):
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+            ok = want.isfinite()
+            assert rel_err(got[ok], want[ok]) < 1e-5
+        assert dalphas[0] == float("inf") and (dalphas[1] == float("inf") if rows == (5,) else dalphas[1].isnan())
+    assert gh[3].isnan().all() and not gh[:3].isnan().any()
+
+
+def test_alphas_of_another_16bit_dtype_under_autocast():
+    """fp16 alphas (the module's parameters' dtype) under bf16 autocast, on the Triton backend: the op runs and the
+    alphas' gradients are the reference's, in fp16."""
+    x = torch.randn(6, 8, requires_grad=True)
+    w1, w2 = torch.randn(24, 8) * 0.3, torch.randn(8, 24) * 0.2
+    grads = {}
+    for backend in ("reference", "triton"):
+        ap = torch.tensor([0.8], dtype=torch.float16, requires_grad=True)
+        an = torch.tensor([1.3], dtype=torch.float16, requires_grad=True)
+        with fusedrc.use_backend(backend), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fusedrc.functional.xielu_mlp(x, w1, None, w2, None, ap, an, BETA, EPS)
+        grads[backend] = torch.autograd.grad(y.float().sum(), (ap, an))
+    for got, want in zip(grads["triton"], grads["reference"]):
+        assert got.dtype == torch.float16 and rel_err(got, want) < 2e-2
 
 
 def test_activation_across_its_range(device):

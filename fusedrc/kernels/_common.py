@@ -319,7 +319,8 @@ def _xielu_parts(h, eps):
     series = 0.5 * m * m * (1.0 + m / 3.0 * (1.0 + m / 4.0 * (1.0 + m / 5.0 * (1.0 + m / 6.0 * (
         1.0 + m / 7.0 * (1.0 + m / 8.0 * (1.0 + m / 9.0 * (1.0 + m / 10.0))))))))
     em1_m = tl.where(m > -1.0, series, tl.exp(m) - 1.0 - m)
-    return pos, h * h, em1_m - (h - m)
+    # h - m, 0 where h <= eps (h - h is NaN at h = -inf; torch's expm1(-inf) + inf is inf)
+    return pos, h * h, em1_m - tl.where(h > eps, h - eps, 0.0)
 
 
 @triton.jit

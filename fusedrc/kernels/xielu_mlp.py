@@ -26,7 +26,8 @@ __all__ = ["xielu_mlp_forward", "xielu_mlp_backward"]
 def _xielu(alpha_p, alpha_n, beta, eps):
     """The kernels' ``xielu=`` argument: the effective alphas as one (2,) fp32 tensor (a device-side cat: no sync,
     capturable), beta and eps as floats."""
-    return torch.cat([alpha_p.reshape(1), alpha_n.reshape(1)]).float(), float(beta), float(eps)
+    # each upcast before the cat: autocast's cat rejects two 16-bit inputs of a dtype other than its own
+    return torch.cat([alpha_p.reshape(1).float(), alpha_n.reshape(1).float()]), float(beta), float(eps)
 
 
 def xielu_mlp_forward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps):
