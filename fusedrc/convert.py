@@ -47,7 +47,9 @@ How patterns are found
    whose forward is Phi-3's MLP or Moshi's gating MLP (``_gate_up_mlp``: gate and up projections in one
    ``gate_up_proj`` or ``fc1``), every module holding ``gate_proj`` /
    ``up_proj`` / ``down_proj`` / ``act_fn`` whose forward is Llama's gated MLP
-   (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...), and every Mixture-of-Experts
+   (``_gated_mlp``: Llama, Mistral, Qwen, Gemma, OLMo, ...; Gemma 4's vision MLP on ``ClippableLinear`` projections
+   that do not clip; GLM's vision patch mergers, their ``proj``/norm/``act1`` prelude run as the module's), and every
+   Mixture-of-Experts
    experts module under transformers' experts interface (``_experts``: Mixtral, Qwen2/3-MoE,
    OLMoE, DeepSeek-V3, ...; it runs :func:`fusedrc.functional.moe_experts`; JetMoE's ``JetMoeMoE``, Llama 4's
    ``Llama4TextExperts``,
@@ -1377,8 +1379,8 @@ def _norm_consumer(ctx, model, unit):
         return layer, key, module, dict(_fusedrc_fx_entry=fused, _fusedrc_fusable=_FxConsumer(module, fused, "fusable"),
                                         _fusedrc_site=_FxConsumer(module, fused, "site"))
     module = _lookup(model, unit.name)
-    if not isinstance(module, _NORM_CONSUMERS) or not unit.name:
-        return None
+    if not isinstance(module, _NORM_CONSUMERS) or not unit.name or module.__dict__.get("_fusedrc_prelude"):
+        return None  # (a prelude's modules run on the input before the op)
     parent, _, key = unit.name.rpartition(".")
     layer = _lookup(model, parent)
     return None if layer is None else (layer, key, module, {})
@@ -2439,16 +2441,17 @@ def _t5_dense(ctx, name, m):
     return new
 
 
-def _gated_unit(ctx, name, m, wrapper, act_key, keys):
+def _gated_unit(ctx, name, m, wrapper, act_key, keys, linear=lambda mod: mod):
     """``m`` wrapped by ``wrapper`` as one fused gated FFN unit, its activation at ``act_key`` and its
-    gate/up/down Linears at ``keys``; ``m`` itself (the reason in the plan) where the gated op cannot
-    stand for it: an activation with no fused form, Linears that are not plain or do not match."""
+    gate/up/down Linears at ``keys`` (``linear``: the Linear the op reads for the module there); ``m`` itself
+    (the reason in the plan) where the gated op cannot stand for it: an activation with no fused form, Linears
+    that are not plain or do not match."""
     act_mod = getattr(m, act_key)
     act = _act_name(act_mod)
     if act is None:
         ctx.skip(name, f"activation {type(act_mod).__name__} has no fused form")
         return m
-    g, u, d = (getattr(m, k) for k in keys)
+    g, u, d = (linear(getattr(m, k)) for k in keys)
     if not (all(is_linear(lin) for lin in (g, u, d)) and g.weight.shape == u.weight.shape
             and d.in_features == g.out_features and (g.bias is None) == (u.bias is None)):
         ctx.skip(name, f"{'/'.join(keys)} are not plain nn.Linear of matching shapes")
@@ -3126,6 +3129,49 @@ def _only_input(wrapper, args, kwargs):
     return args[0] if args else next(iter(kwargs.values()))
 
 
+# Gemma 4's ClippableLinear.forward (transformers 5.x; DiffusionGemma's copy) for argument h, compared as syntax
+# trees: its ``linear`` alone where ``use_clipped_linears`` is false; where it is true, the Linear's input and output
+# clamped to bounds held in four buffers (no fused form)
+_CLIPPABLE_LINEAR = """\
+def forward(self, {h}):
+    if self.use_clipped_linears:
+        {h} = torch.clamp({h}, self.input_min, self.input_max)
+    {h} = self.linear({h})
+    if self.use_clipped_linears:
+        {h} = torch.clamp({h}, self.output_min, self.output_max)
+    return {h}
+"""
+_CLIPPABLE_CHECKED = {}  # (class, its forward's code) -> whether that forward is _CLIPPABLE_LINEAR
+
+
+def _is_clippable(m):
+    """Whether ``m``'s class's forward is Gemma 4's ClippableLinear's (its code checked once per class and code)."""
+    cls = type(m)
+    key = (cls, _forward_code(cls))
+    ok = _CLIPPABLE_CHECKED.get(key)
+    if ok is None:
+        fn = _function_tree(getattr(cls, "forward", None))
+        ok = fn is not None and len(fn.args.args) == 2 and fn.args.args[1].arg != "self"
+        if ok:
+            fn.name = "forward"  # the class's forward whatever name its function was defined under
+            expected = _ast.parse(_CLIPPABLE_LINEAR.format(h=fn.args.args[1].arg)).body[0]
+            ok = _ast.dump(fn) == _ast.dump(expected)
+        _CLIPPABLE_CHECKED[key] = ok
+    return ok
+
+
+def _inner_linear(m):
+    """The plain ``nn.Linear`` that calling ``m`` amounts to now: ``m`` itself, or the ``linear`` of a Gemma 4
+    ClippableLinear while its ``use_clipped_linears`` is False (read now); else None (a clipping one, another
+    module)."""
+    if is_linear(m):
+        return m
+    if not isinstance(m, nn.Module) or getattr(m, "use_clipped_linears", None) is not False:
+        return None
+    inner = m._modules.get("linear")
+    return inner if is_linear(inner) and _is_clippable(m) else None
+
+
 class FusedGatedMLP(Wrapper):
     """A gated MLP in Llama's form, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama,
     Mistral, Qwen2/3, Gemma, OLMo, DeepSeek's dense MLP, RecurrentGemma and the other Hugging Face
@@ -3135,7 +3181,14 @@ class FusedGatedMLP(Wrapper):
     clamped at ``self.<attr>`` before the activation (DeepSeek-V4, GLM-5-Next) or after it (Step-3.7): the op's
     ``swiglu_limit``, read at each call; or Falcon-H1's multipliers, ``down_proj(up_proj(x) * act_fn(gate_proj(x) *
     self.<m_g>)) * self.<m_d>``: the op's ``gate_scale`` and a scale of its output, read at each call; or Gemma 3n's
-    MLP while its ``activation_sparsity`` is 0 (read at each call: the module's forward where it is not)."""
+    MLP while its ``activation_sparsity`` is 0 (read at each call: the module's forward where it is not).
+
+    The projections may be Gemma 4's ``ClippableLinear`` (its vision MLP): while none clips (``use_clipped_linears``
+    False, read at each call) the op reads their inner Linears' weights; the module's forward runs where one does.
+    A plain or clamped gated MLP may follow a prelude of the module's own modules called in a chain on its input,
+    ``v = self.<a>(self.<b>(v))`` lines (GLM-4V's, GLM-4.xV-MoE's and GLM-5-Next's vision patch mergers: ``proj``,
+    ``post_projection_norm``, ``act1``): they run as the module calls them (their hooks fire), then the gated tail is
+    fused on their output (written out module by module where a call of the op is not modelled)."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
@@ -3156,22 +3209,51 @@ class FusedGatedMLP(Wrapper):
         form = _CLAMP_FORMS.get(kind)
         return _gate_kwargs(self, form and form._replace(limit=attr))
 
+    def _fusedrc_linears(self):
+        """The gate, up and down ``nn.Linear`` the op reads now (a ClippableLinear's inner one while it does not
+        clip), or None."""
+        lins = tuple(_inner_linear(m) for m in (self.gate_proj, self.up_proj, self.down_proj))
+        return None if None in lins else lins
+
+    def _fusedrc_ready(self):
+        """The Linears the op would read where everything but the input lets the op stand for the call now (the
+        unit on, no hooks, its activation, dropout and gate arguments modelled), else None."""
+        site, dropout, lins = self._fusedrc_site(), self._fusedrc_dropout(), self._fusedrc_linears()
+        if (site is None or not site.enabled or lins is None
+                or not _nohooks(self, self.gate_proj, self.up_proj, self.down_proj, *lins, self.act_fn, dropout)
+                or fused_dropout_p(dropout) is None or self._fusedrc_gate_kwargs() is None
+                or not _still(self.__dict__["_fusedrc_act"], self.act_fn, *lins)):
+            return None
+        return lins
+
     def _fusedrc_fusable(self, x):
-        site, g, u, d, dropout = self._fusedrc_site(), self.gate_proj, self.up_proj, self.down_proj, \
-            self._fusedrc_dropout()
-        return (site is not None and site.enabled and _nohooks(self, g, u, d, self.act_fn, dropout)
-                and fused_dropout_p(dropout) is not None and self._fusedrc_gate_kwargs() is not None
-                and _still(self.__dict__["_fusedrc_act"], self.act_fn, g, u, d) and _dense_runtime_ok(x, g, u, d))
+        lins = self._fusedrc_ready()
+        return lins is not None and _dense_runtime_ok(x, *lins)
+
+    def _fusedrc_tail(self, x):
+        """After a prelude: the plain or clamped gated MLP on ``x`` module by module, the values the forward computes
+        (in another order of calls, which nothing sees: with hooks on these modules the forward itself runs)."""
+        kind, attr = self.__dict__["_fusedrc_form"]
+        limit = getattr(self, attr) if kind in _CLAMP_FORMS else None
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if kind == "clamped_pre":
+            gate = gate.clamp(max=limit)
+        gate = self.act_fn(gate)
+        if kind == "clamped":
+            gate = gate.clamp(max=limit)
+        if limit is not None:
+            up = up.clamp(min=-limit, max=limit)
+        return self.down_proj(gate * up)
 
     def forward(self, *args, **kwargs):
         x = _only_input(self, args, kwargs)
         if x is None:
             return self.plain(*args, **kwargs)
-        g, u, d, act = self.gate_proj, self.up_proj, self.down_proj, self.__dict__["_fusedrc_act"]
+        act = self.__dict__["_fusedrc_act"]
         kind, p_attr = self.__dict__["_fusedrc_form"]
 
         def fused(x, **norm):
-            p = fused_dropout_p(self._fusedrc_dropout())
+            (g, u, d), p = self._fusedrc_linears(), fused_dropout_p(self._fusedrc_dropout())
             out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm,
                               **self._fusedrc_gate_kwargs())  # the clamp's limit as it is now
             if kind == "out_dropout":  # after the op, as the module's forward applies it
@@ -3180,7 +3262,16 @@ class FusedGatedMLP(Wrapper):
                 out = out * getattr(self, p_attr[1])
             return out
 
-        return _with_norm(self, x, fused, self.plain)
+        prelude = self.__dict__.get("_fusedrc_prelude")
+        if not prelude:
+            return _with_norm(self, x, fused, self.plain)
+        if self._fusedrc_ready() is None:  # hooks on the gated modules, the unit off, ...: the forward as it is
+            return self.plain(*args, **kwargs)
+        for key in prelude:  # as the forward calls them
+            x = getattr(self, key)(x)
+        if not self._fusedrc_fusable(x):
+            return self._fusedrc_tail(x)
+        return _run_site(self._fusedrc_site(), fused, self._fusedrc_tail, x)
 
 
 _NORM_CONSUMERS = (FusedGatedMLP, FusedT5DenseActDense, FusedT5DenseGatedActDense, FusedConv1DMLP)
@@ -3253,7 +3344,7 @@ def _inlined_return(lines):
 
 
 # The gated forms the fused op stands for, on the gated product P = act_fn(gate_proj(v)) * up_proj(v):
-# "plain" down_proj(P) (Llama, RecurrentGemma's through a local; Beam's P in fp32, rounded once), "dropout"
+# "plain" down_proj(P) (Llama, RecurrentGemma's through a local), "fp32" Beam's (P in fp32, rounded once), "dropout"
 # down_proj(dropout(P)) with
 # an nn.Dropout ``self.dropout`` (T5Gemma, GTE: the op's own dropout between the layers), "out_dropout"
 # F.dropout(down_proj(P), p=self.<attr>, training=self.training) (Seed-OSS: after the op, as written).
@@ -3325,8 +3416,10 @@ def _gated_mlp_body(lines):
     core = f"self.act_fn(self.gate_proj({v})) * self.up_proj({v})"
     # Beam's: the activation and product in fp32, rounded once to the projections' dtype (as the kernels do)
     fp32 = f"(self.act_fn(self.gate_proj({v}).float()) * self.up_proj({v}).float()).to(self.gate_proj({v}).dtype)"
-    if expr in (f"self.down_proj({core})", f"self.down_proj({fp32})"):
+    if expr == f"self.down_proj({core})":
         return v, "plain", None
+    if expr == f"self.down_proj({fp32})":
+        return v, "fp32", None
     for kind, pattern in (("clamped", _CLAMPED), ("clamped_pre", _CLAMPED_PRE)):
         clamped = _re.fullmatch(pattern.format(v=_re.escape(v)), expr)
         if clamped is not None and clamped.group(1) == clamped.group(2) == clamped.group(3):
@@ -3338,6 +3431,37 @@ def _gated_mlp_body(lines):
         return v, "scaled", (scaled.group(1), scaled.group(2))
     out = _re.fullmatch(_OUT_DROPOUT.format(core=_re.escape(core)), expr)
     return (v, "out_dropout", out.group(1)) if out is not None else None
+
+
+def _gated_prelude(lines, m):
+    """``(keys, lines)``: the modules of ``m`` (not the gated MLP's own) that a forward of one argument ``v`` first
+    calls in a chain on it, ``v = self.<a>(self.<b>(v))`` lines (GLM-4V's patch merger: ``proj``, then
+    ``post_projection_norm`` and ``act1``), in call order, and the forward's lines without them."""
+    v, keys, i = _forward_arg(lines), [], 1
+    while v is not None and i < len(lines):
+        try:
+            stmts = _ast.parse(lines[i]).body
+        except SyntaxError:
+            break
+        st = stmts[0] if len(stmts) == 1 else None
+        if not (isinstance(st, _ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], _ast.Name)
+                and st.targets[0].id == v):
+            break
+        node, chain = st.value, []
+        while _self_call(node, getattr(getattr(node, "func", None), "attr", None), ...):
+            chain.append(node.func.attr)
+            node = node.args[0]
+        if not (chain and isinstance(node, _ast.Name) and node.id == v
+                and all(isinstance(m._modules.get(k), nn.Module) and k not in _GATED_MLP_ATTRS + ("dropout",)
+                        for k in chain)):
+            break
+        keys += reversed(chain)
+        i += 1
+    return tuple(keys), lines[:1] + lines[i:]
+
+
+# the gated forms that may follow a prelude (FusedGatedMLP._fusedrc_tail writes them out)
+_PRELUDE_KINDS = ("plain", "clamped", "clamped_pre")
 
 
 def _looks_gated_mlp(m):
@@ -3352,13 +3476,24 @@ def _gated_mlp(ctx, name, m):
     lines = _forward_lines(ctx, name, m)
     if lines is None:
         return m
+    prelude, lines = _gated_prelude(lines, m)
     form = _gated_mlp_body(lines)
     if form is None:
         ctx.skip(name, f"{_class_of(m).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x)) "
                        "(with, at most, a dropout of the product or of the output, a SwiGLU clamp, multipliers or Gemma 3n's "
-                       "activation sparsity)")
+                       "activation sparsity; or a plain or clamped one after its own modules called in a chain on x)")
         return m
     arg, kind, p_attr = form
+    if prelude and kind not in _PRELUDE_KINDS:
+        ctx.skip(name, f"a {kind} gated MLP after {'/'.join(prelude)} has no fused form")
+        return m
+    projections = ("gate_proj", "up_proj", "down_proj")
+    clipping = [k for k in projections if not is_linear(getattr(m, k)) and _is_clippable(getattr(m, k))
+                and getattr(getattr(m, k), "use_clipped_linears", None) is not False]
+    if clipping:
+        ctx.skip(name, f"{'/'.join(clipping)} clip (use_clipped_linears: the Linear's input and output clamped to "
+                       "bounds held in buffers): no fused form")
+        return m
     dropout = m._modules.get("dropout")
     if kind == "dropout" and (dropout is None or fused_dropout_p(dropout, training=True) is None):
         ctx.skip(name, f"{type(dropout).__name__} between the gate and down_proj has no fused form")
@@ -3377,10 +3512,11 @@ def _gated_mlp(ctx, name, m):
     if kind in _CLAMP_FORMS and _gate_kwargs(m, _CLAMP_FORMS[kind]._replace(limit=p_attr)) is None:
         ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")
         return m
-    new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", ("gate_proj", "up_proj", "down_proj"))
+    new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", projections, linear=lambda mod: _inner_linear(mod) or mod)
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
         new.__dict__["_fusedrc_arg"] = arg
         new.__dict__["_fusedrc_form"] = (kind, p_attr)
+        new.__dict__["_fusedrc_prelude"] = prelude
     return new
 
 

@@ -2474,6 +2474,312 @@ def test_gemma3n_mlp_without_its_activation_sparsity(backend):
     assert torch.equal(conv(ids).last_hidden_state, model(ids).last_hidden_state)
 
 
+_GLM_MERGERS = {"glm4v": "Glm4vVisionPatchMerger", "glm4v_moe": "Glm4vMoeVisionPatchMerger",
+                "glm5_next": "Glm5NextVisionPatchMerger"}
+
+
+def _glm_merger(family):
+    """A GLM vision patch merger of ``family`` (16 wide, its gated MLP 24; GLM-5-Next's SwiGLU limit 0.5), or a skip
+    where the installed transformers has none."""
+    _transformers()
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(modeling, _GLM_MERGERS[family], None)
+    if cls is None:
+        pytest.skip(f"transformers has no {_GLM_MERGERS[family]}")
+    return cls(16, 24, "silu", **({"swiglu_limit": 0.5} if family == "glm5_next" else {}))
+
+
+def _assert_same_grads(a, b, exact):
+    """Every parameter gradient of ``a`` as ``b``'s: bit for bit (``exact``) or within TOL."""
+    ga, gb = _grads(a), _grads(b)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]) if exact else rel_err(ga[n], gb[n]) <= TOL, n
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm5_next"])
+def test_glm_vision_patch_merger(family, backend):
+    """GLM's vision patch mergers (GLM-4V, GLM-4.xV-MoE, GLM-5-Next), ``proj -> post_projection_norm -> act1`` and
+    then Llama's gated MLP (GLM-5-Next's with its SwiGLU clamp before the activation): the three modules run as the
+    module calls them, the gated tail is one fused gated FFN unit (the norm its own norm unit); the output, the
+    input's and every parameter's gradient as the module's (bit for bit on the reference backend), GLM-5-Next's
+    limit read at each call, and the gated tail's hidden-sized tensors no longer kept."""
+    merger = _glm_merger(family)
+    torch.manual_seed(0)
+    conv = fusedrc.convert(copy.deepcopy(merger))
+    plan = conv.fusedrc_plan
+    assert [(u.name, u.kind) for u in plan.units] == [("", "gated_ffn"), ("post_projection_norm", "norm")]
+    assert not plan.skipped and conv.__dict__["_fusedrc_prelude"] == ("proj", "post_projection_norm", "act1")
+    device, exact = backend_device(backend), backend == "reference"
+    merger, conv = merger.to(device), conv.to(device)
+    outs = {}
+    for limit in (0.5, 0.05, float("inf")) if family == "glm5_next" else (None,):
+        for m in (merger, conv):
+            m.zero_grad()
+            if limit is not None:
+                m.swiglu_limit = limit
+        x, xr, y, y_ref, ops = _step_both(merger, conv, backend, device, shape=(6, 16))
+        assert ops == ["gated_mlp", "gated_mlp_backward"], (limit, ops)
+        for a, b in ((y, y_ref), (x.grad, xr.grad)):
+            assert torch.equal(a, b) if exact else rel_err(a, b) <= TOL, limit
+        _assert_same_grads(conv, merger, exact)
+        outs[limit] = y_ref
+    if family == "glm5_next":  # the limits clamp: a limit the op ignored would not match
+        assert not torch.equal(outs[0.05], outs[float("inf")])
+    if not exact:
+        return
+    h = torch.randn(6, 16)
+    # the op keeps its input alone: gate, up, act(gate) and their product (6 x 24 floats each) are not kept
+    assert saved_bytes(merger, (h,)) - saved_bytes(conv, (h,)) >= 4 * 6 * 24 * 4
+    if family == "glm5_next":
+        merger.swiglu_limit = conv.swiglu_limit = 0.05
+    ck = _set_impl(copy.deepcopy(conv), "checkpoint")  # the tail written out, under torch.utils.checkpoint
+    with FusedOpLog() as log:
+        assert torch.equal(conv(hidden_state=h), merger(h))  # the input by its name
+        assert torch.equal(ck(h), merger(h))
+    assert log.ops == ["gated_mlp"]
+
+
+def test_glm_vision_patch_merger_fallbacks():
+    """A converted GLM-4V patch merger: a hook on proj (its prelude) fires and the tail stays fused; hooks on a gated
+    projection or on the merger, an activation or projection swapped in, the unit switched off run the module's
+    own forward; projections of two dtypes under autocast run the tail module by module after the prelude, and so
+    does torch.utils.checkpoint on the unit (``impl="checkpoint"``): every output the module's, bit for bit. A
+    forward whose prelude is not module calls, or a gated form other than the plain or clamped one after it, is
+    reported."""
+    merger = _glm_merger("glm4v")
+    torch.manual_seed(0)
+    conv = fusedrc.convert(copy.deepcopy(merger))
+    x = torch.randn(6, 16)
+
+    def check(fused, a=conv, b=merger):
+        with fusedrc.use_backend("reference"), FusedOpLog() as log:
+            y = a(x)
+        assert torch.equal(y, b(x)) and log.ops == (["gated_mlp"] if fused else [])
+
+    check(True)
+    calls = []
+    handle = conv.proj.register_forward_hook(lambda *a: calls.append("proj"))
+    check(True)
+    handle.remove()
+    for m in (conv.gate_proj, conv):
+        handle = m.register_forward_pre_hook(lambda *a: calls.append("pre"))
+        check(False)
+        handle.remove()
+    assert calls == ["proj", "pre", "pre"]
+    check(True)
+    for attr, new in (("act_fn", nn.Tanh()), ("up_proj", nn.Sequential(copy.deepcopy(merger.up_proj)))):
+        a, b = copy.deepcopy(conv), copy.deepcopy(merger)
+        setattr(a, attr, new), setattr(b, attr, copy.deepcopy(new))
+        check(False, a, b)
+    conv.fusedrc_plan.units[0].disable()
+    check(False)
+    conv.fusedrc_plan.units[0].enable()
+    check(True)
+    a, b = copy.deepcopy(conv), copy.deepcopy(merger)
+    a.down_proj.half(), b.down_proj.half()  # cast to bfloat16 by autocast, as the others
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check(False, a, b)
+    ck = _set_impl(copy.deepcopy(conv), "checkpoint")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ck(xa), merger(xb)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+    _assert_same_grads(ck, merger, exact=True)
+
+    class ScaledMerger(type(merger)):
+        def forward(self, hidden_state):
+            hidden_state = self.proj(hidden_state) * 2
+            hidden_state = self.act1(self.post_projection_norm(hidden_state))
+            return self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
+
+    class DropoutMerger(type(merger)):
+        def forward(self, hidden_state):
+            hidden_state = self.proj(hidden_state)
+            return self.down_proj(self.dropout(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state)))
+
+    for cls, reason in ((ScaledMerger, "ScaledMerger.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"),
+                        (DropoutMerger, "a dropout gated MLP after proj has no fused form")):
+        changed = copy.deepcopy(merger)
+        changed.__class__, changed.dropout = cls, nn.Dropout(0.0)
+        with pytest.warns(UserWarning, match="left these as they are"):  # (its norm a unit of its own)
+            plan = fusedrc.convert(changed).fusedrc_plan
+        assert dict(plan.skipped)[""].startswith(reason) and "" not in plan.fused  # (left to the fx pass)
+
+
+def _glm_vision_model(tr, family):
+    """A tiny GLM vision tower of ``family`` (no download): one block, 32 wide, patches of 2, merged 2 x 2 into 24-wide
+    tokens by the patch merger (its gated MLP 48 wide); with its input (16 patches of one 4 x 4 image)."""
+    names = {"glm4v": ("Glm4vVisionConfig", "Glm4vVisionModel"), "glm5_next": ("Glm5NextVisionConfig",
+                                                                               "Glm5NextVisionModel")}[family]
+    if not all(hasattr(tr, n) for n in names):
+        pytest.skip(f"transformers {tr.__version__} has no {names[1]}")
+    torch.manual_seed(0)
+    extra = {"projection_intermediate_size": 48} if family == "glm5_next" else {}
+    cfg = getattr(tr, names[0])(depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=24,
+                                patch_size=2, image_size=8, temporal_patch_size=1, spatial_merge_size=2, **extra)
+    return getattr(tr, names[1])(cfg).train(), (torch.randn(16, 12), torch.tensor([[1, 4, 4]]))
+
+
+@pytest.mark.parametrize("family", ["glm4v", "glm5_next"])
+def test_glm_vision_model_merger(family):
+    """A GLM-4V / GLM-5-Next vision tower from its config (model types glm4v_vision, glm5_next_vision): its patch
+    merger one fused gated FFN unit beside the block's MLP, nothing reported; the merged tokens and every gradient
+    of a step as the original's (reference backend; bit for bit with the merger's unit alone on: the other units'
+    norms, recomputed or inside the block MLP's op, round their gradients otherwise), the merger's unit keeping the
+    tail's hidden-sized tensors less."""
+    tr = _transformers()
+    model, inputs = _glm_vision_model(tr, family)
+    conv = fusedrc.convert(copy.deepcopy(model))
+    plan = conv.fusedrc_plan
+    units = {u.name: u for u in plan.units}
+    assert units["merger"].kind == "gated_ffn" and units["blocks.0.mlp"].kind == "norm_gated_ffn" and not plan.skipped
+    assert collections.Counter(u.kind for u in plan.units if u.kind != "norm") == {"gated_ffn": 1, "norm_gated_ffn": 1}
+    with fusedrc.use_backend("reference"):
+        fused = saved_bytes(conv, inputs)
+        assert fused < 0.6 * saved_bytes(model, inputs)
+        units["merger"].disable()
+        assert saved_bytes(conv, inputs) - fused >= 4 * 4 * 48 * 4  # the tail's 4 x 48 tensors: gate, up, act, product
+        units["merger"].enable()
+        for merger_alone in (False, True):
+            for u in plan.units:
+                (u.enable if u.name == "merger" or not merger_alone else u.disable)()
+            model.zero_grad(), conv.zero_grad()
+            with FusedOpLog() as log:
+                y = conv(*inputs).pooler_output
+                y.square().mean().backward()
+            y_ref = model(*inputs).pooler_output
+            y_ref.square().mean().backward()
+            assert log.ops.count("gated_mlp") == (1 if merger_alone else 2) and "gated_mlp_backward" in log.ops
+            assert torch.equal(y, y_ref)
+            _assert_same_grads(conv, model, exact=merger_alone)
+
+
+def _gemma4_vision_mlp(tr, **kw):
+    if not hasattr(tr, "Gemma4VisionConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no Gemma4VisionConfig")
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionMLP
+
+    torch.manual_seed(0)
+    return Gemma4VisionMLP(tr.Gemma4VisionConfig(hidden_size=16, intermediate_size=24, **kw))
+
+
+_GEMMA4_CLIPPING = ("gate_proj/up_proj/down_proj clip (use_clipped_linears: the Linear's input and output clamped to "
+                    "bounds held in buffers): no fused form")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gemma4_vision_mlp_clippable_linears(backend):
+    """Gemma 4's vision MLP, Llama's form on three ``Gemma4ClippableLinear``: while none clips
+    (``use_clipped_linears`` False, read at each call) one fused gated FFN on their inner Linears' weights, its output
+    and every gradient the module's (bit for bit on the reference backend); one switched to clipping after convert
+    (its bounds finite) runs the module's forward, as does a hook on an inner Linear. Clipping ones at convert time
+    are reported (their bounds, buffers, would be read at each call), as is a ClippableLinear whose forward
+    differs."""
+    tr = _transformers()
+    clipped = _gemma4_vision_mlp(tr, use_clipped_linears=True)  # its bounds: buffers, +-inf
+    with pytest.warns(UserWarning, match="no pattern found"):
+        assert dict(fusedrc.convert(copy.deepcopy(clipped)).fusedrc_plan.skipped)[""] == _GEMMA4_CLIPPING
+    mlp = copy.deepcopy(clipped)
+    for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        p.use_clipped_linears = False
+        p.output_max.fill_(0.05)  # the bounds a clipping one applies
+    conv = fusedrc.convert(copy.deepcopy(mlp))
+    assert [(u.name, u.kind) for u in conv.fusedrc_plan.units] == [("", "gated_ffn")] and not conv.fusedrc_plan.skipped
+    device, exact = backend_device(backend), backend == "reference"
+    mlp, conv = mlp.to(device), conv.to(device)
+    for clip in (False, True, False):
+        for m in (mlp, conv):
+            m.up_proj.use_clipped_linears = clip
+            m.zero_grad()
+        x, xr, y, y_ref, ops = _step_both(mlp, conv, backend, device)
+        assert ops == ([] if clip else ["gated_mlp", "gated_mlp_backward"]), clip
+        for a, b in ((y, y_ref), (x.grad, xr.grad)):
+            assert torch.equal(a, b) if exact else rel_err(a, b) <= TOL, clip
+        _assert_same_grads(conv, mlp, exact)
+        assert conv.up_proj.linear.weight.grad.abs().sum() > 0
+    x = torch.randn(3, 5, 16, device=device)
+    with torch.no_grad():  # the bound clips: a fused call with it on would not match
+        mlp.up_proj.use_clipped_linears = True
+        on = mlp(x)
+        mlp.up_proj.use_clipped_linears = False
+        assert not torch.equal(on, mlp(x))
+    if not exact:
+        return
+    calls = []
+    handle = conv.down_proj.linear.register_forward_hook(lambda *a: calls.append(1))
+    x = torch.randn(3, 5, 16)
+    with FusedOpLog() as log:
+        assert torch.equal(conv(x), mlp(x))
+    assert log.ops == [] and calls == [1]
+    handle.remove()
+    assert saved_bytes(mlp, (x,)) - saved_bytes(conv, (x,)) >= 4 * 15 * 24 * 4  # gate, up, act(gate), the product
+
+    base = type(mlp.gate_proj)
+
+    class AlwaysClipped(base):
+        def forward(self, hidden_states):
+            return torch.clamp(self.linear(hidden_states), self.output_min, self.output_max)
+
+    changed = copy.deepcopy(mlp)
+    changed.gate_proj.__class__ = AlwaysClipped
+    with pytest.warns(UserWarning, match="no pattern found"):
+        skipped = dict(fusedrc.convert(copy.deepcopy(changed)).fusedrc_plan.skipped)
+    assert skipped[""] == "gate_proj/up_proj/down_proj are not plain nn.Linear of matching shapes"
+    conv.gate_proj.__class__ = AlwaysClipped  # after convert: the module's forward
+    with FusedOpLog() as log:
+        assert torch.equal(conv(x), changed(x))
+    assert log.ops == []
+
+
+def test_gemma4_vision_model():
+    """A 2-layer Gemma 4 vision model from its config (model type gemma4_vision; no download): each layer's MLP one
+    fused gated FFN with its pre-FFN norm inside (``norm_gated_ffn``), nothing reported; the pooled tokens and every
+    gradient of a step as the original's (reference backend; bit for bit where the norms run as they are: a hook on
+    the pre-FFN norms, the norm units off), and fewer bytes kept. With ``use_clipped_linears`` both MLPs are
+    reported."""
+    tr = _transformers()
+    if not hasattr(tr, "Gemma4VisionModel"):
+        pytest.skip(f"transformers {tr.__version__} has no Gemma4VisionModel")
+    torch.manual_seed(0)
+    kw = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=16, patch_size=2, pooling_kernel_size=2, position_embedding_size=16)
+    model = tr.Gemma4VisionModel(tr.Gemma4VisionConfig(**kw)).train()
+    conv = fusedrc.convert(copy.deepcopy(model))
+    plan = conv.fusedrc_plan
+    assert fused_without_norms(plan) == ["encoder.layers.0.mlp", "encoder.layers.1.mlp"] and not plan.skipped
+    assert all(u.kind == "norm_gated_ffn" for u in plan.units if u.kind != "norm")
+    pos = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(1, 16, 2)
+    inputs = (torch.rand(2, 16, 12), pos.repeat(2, 1, 1))
+    hooked = copy.deepcopy(model)
+    for layer in hooked.encoder.layers:
+        layer.pre_feedforward_layernorm.register_forward_hook(lambda *a: None)
+    with pytest.warns(UserWarning, match="pre_feedforward_layernorm: hooks registered on the norm"):
+        hooked = fusedrc.convert(hooked)
+    assert [u.kind for u in hooked.fusedrc_plan.units if u.kind != "norm"] == ["gated_ffn"] * 2
+    for u in hooked.fusedrc_plan.units:
+        if u.kind == "norm":
+            u.disable()
+    with fusedrc.use_backend("reference"):
+        assert saved_bytes(conv, inputs) < 0.5 * saved_bytes(model, inputs)
+        for c, exact in ((conv, False), (hooked, True)):
+            model.zero_grad()
+            with FusedOpLog() as log:
+                y = c(*inputs).last_hidden_state
+                y.square().mean().backward()
+            y_ref = model(*inputs).last_hidden_state
+            y_ref.square().mean().backward()
+            assert log.ops.count("gated_mlp") == 2 and log.ops.count("gated_mlp_backward") == 2
+            assert torch.equal(y, y_ref)
+            _assert_same_grads(c, model, exact)
+    clipped = tr.Gemma4VisionModel(tr.Gemma4VisionConfig(use_clipped_linears=True, **kw))
+    with pytest.warns(UserWarning, match="left these as they are"):
+        skipped = fusedrc.convert(clipped).fusedrc_plan.skipped
+    assert skipped == [(f"encoder.layers.{i}.mlp", _GEMMA4_CLIPPING) for i in range(2)]
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_apertus_xielu_mlp(backend):
     """Apertus's MLP, ``down_proj(act_fn(up_proj(x)))`` with xIELU (learned alphas): one fused ``xielu_mlp`` unit
