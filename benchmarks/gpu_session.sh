@@ -88,7 +88,10 @@
 #            GPU), then the kernels step's mix_ffn cases (SegFormer-B2 stage 1 and 3; if the grad kernel loses to
 #            eager's elementwise passes, try _GPU_TILE (32, 64, 4) / (64, 128, 8) in fusedrc/kernels/mix_ffn.py);
 #            tests/test_xielu_mlp.py and test_convert.py -k apertus, then the kernels step's xielu_mlp case
-#            (Apertus-8B's MLP: xIELU in the dense kernels' epilogues since session 41, never run on a GPU)
+#            (Apertus-8B's MLP: xIELU in the dense kernels' epilogues since session 41, never run on a GPU;
+#            the narrow tile on sm_90's large bucket, against the table's 256x128 that spilled);
+#            session 41: test_convert.py -k "rwkv or glm or gemma4" (RWKV's channel mix, GLM's vision mergers,
+#            Gemma 4's vision MLP on the Triton backend)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
