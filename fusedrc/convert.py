@@ -2598,6 +2598,19 @@ def _pre_dropout_mlp(ctx, name, m):
     return new
 
 
+def _bound_by_names(names, args, kwargs):
+    """A call's arguments by a forward's own parameter ``names`` (positional first), or None where it would not bind
+    them so: more positionals than names, a keyword that is no name or names one already given."""
+    if len(args) > len(names):
+        return None
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names or k in bound:
+            return None
+        bound[k] = v
+    return bound
+
+
 class FusedMixFFN(Wrapper):
     """SegFormer's Mix-FFN, ``fc1 -> depthwise conv over the token grid -> act -> dropout -> fc2 -> dropout``
     (Hugging Face's ``SegformerMixMLP`` / ``SegformerMixFFN``, ``GLPNMixFFN``, ``PvtV2ConvFeedForwardNetwork``
@@ -2617,13 +2630,9 @@ class FusedMixFFN(Wrapper):
     def _fusedrc_size(self, args, kwargs):
         """(x, height, width) of a call by the forward's own argument names, or None."""
         names = self.__dict__["_fusedrc_args"]
-        if len(args) + len(kwargs) != len(names) or len(args) > len(names):
+        bound = _bound_by_names(names, args, kwargs) if len(args) + len(kwargs) == len(names) else None
+        if bound is None:
             return None
-        bound = dict(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names or k in bound:
-                return None
-            bound[k] = v
         if len(names) == 2:  # timm's (x, feat_size)
             size = bound[names[1]]
             if not isinstance(size, (list, tuple)) or len(size) != 2:
@@ -2811,14 +2820,8 @@ class FusedRwkvFeedForward(Wrapper):
         """``(hidden, state)`` of a call by the forward's own argument names (state defaulting to None), or None
         for a call the forward would not bind (which it takes as it is, raising its own error)."""
         names = self.__dict__["_fusedrc_args"]
-        if len(args) > len(names):
-            return None
-        bound = dict(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names or k in bound:
-                return None
-            bound[k] = v
-        return (bound[names[0]], bound.get(names[1])) if names[0] in bound else None
+        bound = _bound_by_names(names, args, kwargs)
+        return (bound[names[0]], bound.get(names[1])) if bound is not None and names[0] in bound else None
 
     def forward(self, *args, **kwargs):
         call = self._fusedrc_call(args, kwargs)
