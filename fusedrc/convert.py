@@ -2906,6 +2906,13 @@ def _function_tree(fn):
     return node
 
 
+def _is_template(fn, template, **names):
+    """Whether the syntax tree ``fn`` (``_function_tree``'s) is ``template`` with ``names`` filled in, whatever name
+    its function was defined under."""
+    fn.name = "forward"
+    return _ast.dump(fn) == _ast.dump(_ast.parse(template.format(**names)).body[0])
+
+
 def _rwkv_ffn_args(m):
     """The argument names ``(hidden, state)`` of ``m``'s forward where it is ``_RWKV_FFN``, else None."""
     fn = _function_tree(getattr(_class_of(m), "forward", None))
@@ -2914,9 +2921,7 @@ def _rwkv_ffn_args(m):
     h, s = (p.arg for p in fn.args.args[1:])
     if h == s or {h, s} & _RWKV_FFN_NAMES:  # an argument named as a local would be rebound by the body
         return None
-    fn.name = "forward"  # the class's forward whatever name its function was defined under
-    expected = _ast.parse(_RWKV_FFN.format(h=h, s=s)).body[0]
-    return (h, s) if _ast.dump(fn) == _ast.dump(expected) else None
+    return (h, s) if _is_template(fn, _RWKV_FFN, h=h, s=s) else None
 
 
 @register_rule("RwkvFeedForward")
@@ -3156,9 +3161,7 @@ def _is_clippable(m):
         fn = _function_tree(getattr(cls, "forward", None))
         ok = fn is not None and len(fn.args.args) == 2 and fn.args.args[1].arg != "self"
         if ok:
-            fn.name = "forward"  # the class's forward whatever name its function was defined under
-            expected = _ast.parse(_CLIPPABLE_LINEAR.format(h=fn.args.args[1].arg)).body[0]
-            ok = _ast.dump(fn) == _ast.dump(expected)
+            ok = _is_template(fn, _CLIPPABLE_LINEAR, h=fn.args.args[1].arg)
         _CLIPPABLE_CHECKED[key] = ok
     return ok
 
