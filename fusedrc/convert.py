@@ -800,21 +800,35 @@ class _PassThrough:
     def __init__(self):
         self.traced = False
         self.threads = set()  # idents of the threads whose head ran fused (set.add/discard: atomic)
+        # fc2's: the FFN's output, where the layer's own dropout line sits between the activation's slot
+        # and fc2 (the slot hands that line an empty tensor, fc2 returns this); per thread as the flag
+        self.traced_value = None
+        self.values = {}
 
-    def arm(self, on=True):
+    def arm(self, on=True, value=None):
         if torch.compiler.is_compiling():
-            self.traced = on
-        elif on:
-            self.threads.add(_threading.get_ident())
+            self.traced, self.traced_value = on, value
+            return
+        ident = _threading.get_ident()
+        if on:
+            self.threads.add(ident)
         else:
-            self.threads.discard(_threading.get_ident())
+            self.threads.discard(ident)
+        if value is None:
+            self.values.pop(ident, None)
+        else:
+            self.values[ident] = value
 
     @property
     def armed(self):
         return self.traced if torch.compiler.is_compiling() else _threading.get_ident() in self.threads
 
+    def value(self):
+        """The output handed over with the flag (None where the input passes through)."""
+        return self.traced_value if torch.compiler.is_compiling() else self.values.get(_threading.get_ident())
+
     def __getstate__(self):
-        return {"traced": False, "threads": set()}  # a copy or a pickle starts disarmed
+        return {"traced": False, "threads": set(), "traced_value": None, "values": {}}  # starts disarmed
 
     def _fusedrc_rebind(self, replica):
         return _PassThrough()
@@ -827,12 +841,14 @@ def _stand_in(module, layer):
     bind_replicas(module)  # a fresh _PassThrough on each replica
 
 
-def _passes_through(stand_in, key) -> bool:
-    """Whether the head armed ``stand_in`` and its layer's forward is calling it: disarmed then."""
+def _passes_through(stand_in, key):
+    """Whether the head armed ``stand_in`` and its layer's forward is calling it: disarmed then. True, or
+    the tensor the head handed over with the flag (the FFN's output, for fc2), or False."""
     flag = stand_in.__dict__["_fusedrc_pass"]
     if flag.armed and _calling_layer(stand_in, key) is not None:
+        value = flag.value()
         flag.arm(False)
-        return True
+        return True if value is None else value
     return False
 
 
@@ -853,8 +869,8 @@ class _FFNHead(nn.Linear):
         self.in_features, self.out_features = fc1.in_features, fc1.out_features
         self.weight, self.bias = fc1.weight, fc1.bias
         self.__dict__["_fusedrc_act"] = act_name
-        # whether a dropout of p=activation_dropout sits between fc1 and fc2 in the layer's forward
-        # (fused only while that p is 0 or the layer is in eval)
+        # the layer's attributes its forward's dropout line between the activation and fc2 reads as p and
+        # training (``_inline_ffn``), or None: the fused op applies that dropout (its own mask stream)
         self.__dict__["_fusedrc_dropout"] = dropout
         self.__dict__["site"] = Site()
         self.site.enabled = True
@@ -867,11 +883,21 @@ class _FFNHead(nn.Linear):
             return None, None, None
         return layer, layer._modules.get("activation_fn"), layer._modules.get("fc2")
 
+    def _dropout_p(self, layer):
+        """The p of the layer's dropout line as it would run now: 0.0 without one or out of training, None
+        where its attributes are not a training bool and a p in [0, 1] (the layer's own line decides)."""
+        names = self.__dict__["_fusedrc_dropout"]
+        if names is None:
+            return 0.0
+        p, training = (getattr(layer, k, None) for k in names)
+        if type(training) is not bool or type(p) not in (int, float) or not 0 <= p <= 1:
+            return None
+        return float(p) if training else 0.0
+
     def _whole(self, layer, act_slot, tail):
-        """Whether this call may compute the whole FFN (its peers in place, no hooks, no dropout)."""
+        """Whether this call may compute the whole FFN (its peers in place, no hooks, a dropout it takes)."""
         return (isinstance(act_slot, _FFNAct) and isinstance(tail, _FFNTail) and _free(self, act_slot, tail)
-                and not (self.__dict__["_fusedrc_dropout"] and layer.training
-                         and (getattr(layer, "activation_dropout", 0) or 0) > 0))
+                and self._dropout_p(layer) is not None)
 
     def _fusedrc_site(self):
         return self.site
@@ -891,19 +917,22 @@ class _FFNHead(nn.Linear):
         if not self._whole(layer, act_slot, tail):
             return nn.functional.linear(prenorm(x), self.weight, self.bias)
         act_mod, act = act_slot.__dict__["_fusedrc_act_mod"], self.__dict__["_fusedrc_act"]
+        p = self._dropout_p(layer)
 
         def plain(x):  # fc2's parameters from the tail, the module registered in the layer
-            return nn.functional.linear(act_mod(nn.functional.linear(prenorm(x), self.weight, self.bias)),
-                                        tail.weight, tail.bias)
+            h = act_mod(nn.functional.linear(prenorm(x), self.weight, self.bias))
+            return nn.functional.linear(nn.functional.dropout(h, p) if p else h, tail.weight, tail.bias)
 
         if not _dense_runtime_ok(x, self, tail) or norm is not None and norm_args is None:
             out = plain(x)
         else:
             out = _run_site(self.site, lambda x: F.fused_mlp(x, self.weight, self.bias, tail.weight, tail.bias, act,
-                                                             **(norm_args or {})),
+                                                             p, **(norm_args or {})),
                             plain, x)
+        # where the layer's dropout line will draw a mask (p > 0), it gets an empty tensor from the activation's
+        # slot (no draw, no pass over the output) and fc2 hands the FFN's output back
         for m in peers:
-            m.__dict__["_fusedrc_pass"].arm()
+            m.__dict__["_fusedrc_pass"].arm(value=out if p else None)
         return out
 
     def _get_name(self):
@@ -912,7 +941,8 @@ class _FFNHead(nn.Linear):
 
 class _FFNAct(nn.Module):
     """The activation's slot in a fused inlined FFN: its input is the FFN's output (passed
-    through) when the head ran fused, else ``fc1``'s output (then it applies the activation)."""
+    through) when the head ran fused, else ``fc1``'s output (then it applies the activation).
+    Where the head's op took the layer's dropout (p > 0), it hands that line an empty slice."""
 
     def __init__(self, act_mod, layer):
         super().__init__()
@@ -920,7 +950,10 @@ class _FFNAct(nn.Module):
         _stand_in(self, layer)
 
     def forward(self, x):
-        return x if _passes_through(self, "activation_fn") else self.__dict__["_fusedrc_act_mod"](x)
+        through = _passes_through(self, "activation_fn")
+        if through is False:
+            return self.__dict__["_fusedrc_act_mod"](x)
+        return x if through is True else x.narrow(-1, 0, 0)
 
     def _get_name(self):
         return "FusedFFN(activation, computed in fc1)"
@@ -928,7 +961,8 @@ class _FFNAct(nn.Module):
 
 class _FFNTail(nn.Linear):
     """Holds the FFN's second Linear (same parameters, same key); its input is already the FFN's
-    output when the head ran fused, else the activation's (then it applies the Linear)."""
+    output when the head ran fused (or, after the layer's dropout of the empty slice, the head
+    handed the output over), else the activation's (then it applies the Linear)."""
 
     def __init__(self, fc2, layer):
         nn.Module.__init__(self)
@@ -937,7 +971,10 @@ class _FFNTail(nn.Linear):
         _stand_in(self, layer)
 
     def forward(self, x):
-        return x if _passes_through(self, "fc2") else nn.functional.linear(x, self.weight, self.bias)
+        through = _passes_through(self, "fc2")
+        if through is False:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return x if through is True else through
 
     def _get_name(self):
         return "FusedFFN(fc2, computed in fc1)"
@@ -1722,6 +1759,8 @@ class _Switch:
 
     def __call__(self):
         for k, v in self.attrs.items():
+            if isinstance(self.target, nn.Module) and not isinstance(v, nn.Module) and v is not None:
+                self.target._modules.pop(k, None)  # a function back in a module's slot (Mask2Former's activation)
             setattr(self.target, k, v)
 
 
@@ -4559,27 +4598,32 @@ def _inline_ffn(lines):
     """Check that a layer's forward runs ``fc1 -> activation_fn -> [dropout] -> fc2`` on one
     variable, as OPT's ``x = fc1(x); x = act(x); x = fc2(x)`` or BART's
     ``x = act(fc1(x)); x = dropout(x, p=self.activation_dropout); x = fc2(x)``.
-    Returns ``(reason or None, whether a dropout of p=activation_dropout sits between)``."""
+    Returns ``(reason or None, dropout)``: ``dropout`` is None, or the names of the layer's attributes
+    that its dropout line reads as ``p`` and as ``training`` (``("activation_dropout", "training")``;
+    OneFormer's pixel decoder reads ``is_training``)."""
     src = "\n".join(lines)
     if src.count("self.fc1(") != 1 or src.count("self.fc2(") != 1 or src.count("self.activation_fn(") != 1:
-        return "the forward does not call fc1 -> activation_fn -> fc2 once each", False
+        return "the forward does not call fc1 -> activation_fn -> fc2 once each", None
     i = next(k for k, ln in enumerate(lines) if "self.fc1(" in ln)
     j = next((k for k, ln in enumerate(lines) if "self.fc2(" in ln), -1)
     first = _re.fullmatch(r"(\w+) = (self\.activation_fn\()?self\.fc1\(\w+\)(\))?", lines[i])
     if j <= i or first is None or bool(first.group(2)) != bool(first.group(3)):
-        return f"unexpected code at fc1: {lines[i]!r}", False
+        return f"unexpected code at fc1: {lines[i]!r}", None
     if not any("self.activation_fn(" in ln for ln in lines[i:j]):
-        return "unexpected code: activation_fn is not called between fc1 and fc2", False
-    v, dropout = first.group(1), False
+        return "unexpected code: activation_fn is not called between fc1 and fc2", None
+    v, dropout, acted = first.group(1), None, bool(first.group(2))
     for ln in lines[i + 1:j]:
         if ln == f"{v} = self.activation_fn({v})":
+            acted = True
             continue
-        if ln.startswith(f"{v} = ") and f"({v}," in ln and "dropout" in ln and "activation_dropout" in ln:
-            dropout = True
+        drop = _re.fullmatch(rf"{v} = (?:nn\.functional|F|torch\.nn\.functional)\.dropout\({v}, "
+                             rf"p=self\.(\w+), training=self\.(\w+)\)", ln)
+        if drop is not None and dropout is None and acted:  # the op's dropout is of the activation
+            dropout = drop.groups()
             continue
-        return f"unexpected code between fc1 and fc2: {ln!r}", False
+        return f"unexpected code between fc1 and fc2: {ln!r}", None
     if lines[j] != f"{v} = self.fc2({v})":
-        return f"unexpected code at fc2: {lines[j]!r}", False
+        return f"unexpected code at fc2: {lines[j]!r}", None
     return None, dropout
 
 
@@ -4600,6 +4644,10 @@ def _no_kv_cache(args, kwargs):
                   "(config.use_cache = False) to recompute the layers.", stacklevel=3)
     return False
 
+
+# an inlined FFN's activation_fn set to a function (Mask2Former's, OneFormer's pixel decoder: F.relu)
+_FUNCTION_ACTS = {torch.relu: "relu", nn.functional.relu: "relu", nn.functional.gelu: "gelu",
+                  nn.functional.silu: "silu", nn.functional.relu6: "relu6", nn.functional.hardswish: "hardswish"}
 
 _INLINE_FFN_LAYERS = (
     "OPTDecoderLayer", "BartEncoderLayer", "BartDecoderLayer", "MBartEncoderLayer", "MBartDecoderLayer",
@@ -4629,7 +4677,7 @@ def _unfuse_inline_ffn(layer) -> bool:
             or any(_own_hooks(s) for s in (head, act, tail)):
         return False
     layer._modules["fc1"], layer._modules["fc2"] = _plain_linear_of(head), _plain_linear_of(tail)
-    layer._modules["activation_fn"] = act.__dict__["_fusedrc_act_mod"]
+    _Switch(layer, activation_fn=act.__dict__["_fusedrc_act_mod"])()
     return True
 
 
@@ -4671,18 +4719,13 @@ def _inline_ffn_layer(ctx, name, m):
     if reason is not None:
         ctx.skip(unit, f"{type(m).__name__}: {reason}")
         return m
-    if dropout:
-        p = getattr(m, "activation_dropout", None)
-        if p is None:
-            p = getattr(getattr(m, "config", None), "activation_dropout", 1.0)
-        if p and p > 0:
-            ctx.skip(unit, f"activation_dropout={p} between fc1 and fc2: fusing would drop it")
-            return m
-    act = _act_name(m.activation_fn)
+    fn = m.activation_fn
+    act = _act_name(fn) if isinstance(fn, nn.Module) else _FUNCTION_ACTS.get(fn)
     if act is None:
-        ctx.skip(unit, f"activation {type(m.activation_fn).__name__} has no fused form")
+        what = type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__name__", type(fn).__name__)
+        ctx.skip(unit, f"activation {what} has no fused form")
         return m
-    if not (is_linear(m.fc1) and is_linear(m.fc2)) or not _nohooks(m.fc1, m.fc2, m.activation_fn):
+    if not (is_linear(m.fc1) and is_linear(m.fc2)) or not _nohooks(m.fc1, m.fc2, fn if isinstance(fn, nn.Module) else None):
         ctx.skip(unit, "fc1/fc2 are not plain nn.Linear without hooks")
         return m
     fc1, act_mod, fc2 = m.fc1, m.activation_fn, m.fc2

@@ -1216,20 +1216,34 @@ def test_moshi_gating_mlp(backend):
         assert not fusedrc.convert(changed).fusedrc_plan.fused
 
 
+_DROP = ("activation_dropout", "training")
+
+
 @pytest.mark.parametrize("code, reason, dropout", [
-    ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(h)", None, False),
+    ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(h)", None, None),
     ("h = self.activation_fn(self.fc1(x))\nh = nn.functional.dropout(h, p=self.activation_dropout, "
-     "training=self.training)\nh = self.fc2(h)", None, True),
-    ("h = self.fc1(h)\nh = self.activation_fn(h) * 2\nh = self.fc2(h)", "between fc1 and fc2", False),
-    ("h = self.fc1(h)\ng = self.activation_fn(h)\nh = self.fc2(h)", "between fc1 and fc2", False),
-    ("h = self.fc1(h) + 1\nh = self.activation_fn(h)\nh = self.fc2(h)", "at fc1", False),
-    ("h = self.activation_fn(self.fc1(h))\nh = self.fc2(h + r)", "at fc2", False),
-    ("h = self.fc1(h)\nh = self.fc2(h)\nh = self.activation_fn(h)", "unexpected code", False),
-    ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(self.fc1(h))", "once each", False),
+     "training=self.training)\nh = self.fc2(h)", None, _DROP),
+    ("h = self.fc1(x)\nh = self.activation_fn(h)\nh = nn.functional.dropout(h, p=self.activation_dropout, "
+     "training=self.is_training)\nh = self.fc2(h)", None, ("activation_dropout", "is_training")),
+    # a dropout before the activation, of another tensor, twice, or with a p the layer does not hold
+    ("h = self.fc1(x)\nh = nn.functional.dropout(h, p=self.activation_dropout, training=self.training)\n"
+     "h = self.activation_fn(h)\nh = self.fc2(h)", "between fc1 and fc2", None),
+    ("h = self.activation_fn(self.fc1(x))\nh = nn.functional.dropout(x, p=self.activation_dropout, "
+     "training=self.training)\nh = self.fc2(h)", "between fc1 and fc2", None),
+    ("h = self.activation_fn(self.fc1(x))\n" + "h = nn.functional.dropout(h, p=self.p, training=self.training)\n" * 2
+     + "h = self.fc2(h)", "between fc1 and fc2", None),
+    ("h = self.activation_fn(self.fc1(x))\nh = nn.functional.dropout(h, p=0.1, training=self.training)\n"
+     "h = self.fc2(h)", "between fc1 and fc2", None),
+    ("h = self.fc1(h)\nh = self.activation_fn(h) * 2\nh = self.fc2(h)", "between fc1 and fc2", None),
+    ("h = self.fc1(h)\ng = self.activation_fn(h)\nh = self.fc2(h)", "between fc1 and fc2", None),
+    ("h = self.fc1(h) + 1\nh = self.activation_fn(h)\nh = self.fc2(h)", "at fc1", None),
+    ("h = self.activation_fn(self.fc1(h))\nh = self.fc2(h + r)", "at fc2", None),
+    ("h = self.fc1(h)\nh = self.fc2(h)\nh = self.activation_fn(h)", "unexpected code", None),
+    ("h = self.fc1(h)\nh = self.activation_fn(h)\nh = self.fc2(self.fc1(h))", "once each", None),
 ])
 def test_inline_ffn_code_check(code, reason, dropout):
     """The inline-FFN rule fuses only a forward whose fc1 -> activation_fn -> [dropout] -> fc2
-    lines carry one variable straight through."""
+    lines carry one variable straight through; it names the attributes the dropout line reads."""
     from fusedrc.convert import _inline_ffn
 
     got, got_dropout = _inline_ffn(["def forward(self, h):", *code.splitlines(), "return h"])
@@ -1237,14 +1251,139 @@ def test_inline_ffn_code_check(code, reason, dropout):
     assert got_dropout == dropout
 
 
-def test_bart_activation_dropout_is_reported_not_fused():
+class _FusedFFNOracle(nn.Module):
+    """A layer's fc1, standing for its whole FFN as one fused op with dropout p (drawing its mask's
+    seed where the converted layer's head does)."""
+
+    def __init__(self, fc1, fc2, activation, p):
+        super().__init__()
+        self.fc1, self.fc2, self.activation, self.p = fc1, fc2, activation, p
+
+    def forward(self, x):
+        return fusedrc.functional.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                                            self.activation, self.p)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_inline_ffn_activation_dropout_is_fused(backend):
+    """BART's activation_dropout (p > 0, training): the FFN runs as one fused op whose dropout is its own
+    regenerated mask. The layer's own dropout line gets an empty tensor (no mask drawn, no pass over the
+    output) and fc2 hands the FFN's output back: outputs and gradients are bit for bit those of the layer
+    with its FFN replaced by the fused op with that p. The mask is not kept (its seed is); p is read
+    at each call (raised after convert: the new p); in eval, the original's outputs."""
     tr = _transformers()
     cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
-                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
-                        activation_dropout=0.1, use_cache=False)
-    with pytest.warns(UserWarning, match="activation_dropout=0.1 between fc1 and fc2"):
-        plan = fusedrc.convert(tr.BartForConditionalGeneration(cfg)).fusedrc_plan
-    assert not fused_without_norms(plan) and len(plan.blocks) == 2
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.25, use_cache=False)
+    torch.manual_seed(0)
+    model = tr.BartModel(cfg).train()
+    conv = fusedrc.convert(model)
+    assert {"encoder.layers.0.fc1", "decoder.layers.0.fc1"} <= set(conv.fusedrc_plan.fused)
+    layers = lambda m: (m.encoder.layers[0], m.decoder.layers[0])  # noqa: E731
+    ids = torch.randint(3, 100, (2, 8))
+    twin = "_triton" if backend == "triton" else ""
+    with fusedrc.use_backend(backend):
+        for p in (0.25, 0.5):
+            for layer in layers(conv):
+                layer.activation_dropout = p
+            oracle = copy.deepcopy(model)
+            for layer in layers(oracle):
+                layer.fc1 = _FusedFFNOracle(layer.fc1, layer.fc2, "gelu", p)
+                layer.activation_fn, layer.fc2, layer.activation_dropout = nn.Identity(), nn.Identity(), 0.0
+            torch.manual_seed(3)
+            with FusedOpLog() as log:
+                y = conv(ids).last_hidden_state
+                grads = torch.autograd.grad(y.square().sum(), list(conv.parameters()))
+            assert log.ops == [f"fused_mlp{twin}"] * 2 + [f"fused_mlp_backward{twin}"] * 2
+            torch.manual_seed(3)
+            yo = oracle(ids).last_hidden_state
+            grads_o = torch.autograd.grad(yo.square().sum(), list(oracle.parameters()))
+            assert torch.equal(y, yo) and all(torch.equal(a, b) for a, b in zip(grads, grads_o))
+            torch.manual_seed(3)
+            assert not torch.equal(y, model(ids).last_hidden_state)  # another mask than F.dropout's
+        assert not any(m.__dict__["_fusedrc_pass"].value() is not None
+                       for m in conv.modules() if "_fusedrc_pass" in m.__dict__)  # no output held
+        kept = saved_bytes(conv, (ids,))
+        for layer in layers(conv):
+            layer.activation_dropout = 0.0
+        assert saved_bytes(conv, (ids,)) + 2 * 8 == kept  # each mask's int64 seed, not the mask
+        conv.eval(), model.eval()
+        for layer in layers(model):
+            layer.activation_dropout = 0.5
+        assert rel_err(conv(ids).last_hidden_state, model(ids).last_hidden_state) <= TOL
+
+
+def test_inline_ffn_dropout_attributes_it_cannot_read_run_the_layer():
+    """A dropout line whose p is not a number in [0, 1] (or whose training flag is not a bool) is the
+    layer's own to apply: the FFN runs split, with the original's draws and errors."""
+    tr = _transformers()
+    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = tr.BartModel(cfg).train()
+    conv = fusedrc.convert(model)
+    ids = torch.randint(3, 100, (2, 8))
+    for m in (model, conv):
+        m.encoder.layers[0].activation_dropout = torch.tensor(0.5)  # F.dropout takes a 0-d tensor as p
+    torch.manual_seed(3)
+    with FusedOpLog() as log:
+        y = conv(ids).last_hidden_state
+    assert log.ops == ["fused_mlp"]  # the decoder's alone
+    torch.manual_seed(3)
+    assert torch.equal(y, model(ids).last_hidden_state)
+    conv.encoder.layers[0].activation_dropout = 2.0
+    with pytest.raises(ValueError, match="dropout probability"):
+        conv(ids)
+
+
+def _pixel_decoder_model(tr, kind, **kw):
+    """Mask2Former / OneFormer at a tiny config: their pixel decoder's encoder layers inline the FFN with
+    ``activation_fn = nn.functional.relu``."""
+    swin = tr.SwinConfig(embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], image_size=64, window_size=2,
+                         out_features=["stage1", "stage2", "stage3", "stage4"], drop_path_rate=0.0,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    common = dict(backbone_config=swin, hidden_dim=32, encoder_feedforward_dim=32, encoder_layers=1,
+                  decoder_layers=2, num_attention_heads=2, num_queries=4, dim_feedforward=32, **kw)
+    torch.manual_seed(0)
+    if kind == "mask2former":
+        return tr.Mask2FormerModel(tr.Mask2FormerConfig(feature_size=32, mask_feature_size=32, **common))
+    return tr.OneFormerModel(tr.OneFormerConfig(conv_dim=32, mask_dim=32, text_encoder_n_ctx=4, **common))
+
+
+@pytest.mark.parametrize("kind", ["mask2former", "oneformer"])
+def test_pixel_decoder_function_activation(kind):
+    """Mask2Former's and OneFormer's pixel decoder layers hold F.relu as activation_fn (a function, not a
+    module): fused, outputs and gradients the original's; disabled, the function is back in its place.
+    OneFormer's dropout line reads is_training, not training: the fused op's p follows it."""
+    tr = _transformers()
+    model = _pixel_decoder_model(tr, kind, dropout=0.0).train()
+    conv = fusedrc.convert(model)
+    unit = "pixel_level_module.decoder.encoder.layers.0.fc1"
+    assert unit in conv.fusedrc_plan.fused
+    layer = conv.pixel_level_module.decoder.encoder.layers[0]
+    x = torch.randn(1, 3, 64, 64)
+    args = (x,) if kind == "mask2former" else (x, torch.randint(0, 10, (1, 77)))
+    key = "pixel_decoder_last_hidden_state" if kind == "mask2former" else "transformer_decoder_mask_predictions"
+    out = lambda m: getattr(m(*args), key)  # noqa: E731
+    with FusedOpLog() as log:
+        y = out(conv)
+        grads = torch.autograd.grad(y.square().sum(), list(conv.parameters()), allow_unused=True)
+    assert "fused_mlp" in log.ops
+    ya = out(model)
+    grads_a = torch.autograd.grad(ya.square().sum(), list(model.parameters()), allow_unused=True)
+    assert rel_err(y, ya) <= TOL
+    assert all((a is None) == (b is None) and (a is None or rel_err(a, b) <= TOL) for a, b in zip(grads, grads_a))
+    if kind == "oneformer":
+        layer.activation_dropout = 0.1
+        for flag, p in ((True, 0.1), (False, 0.0)):
+            layer.is_training = flag
+            assert layer.fc1._dropout_p(layer) == p
+    switch = next(u for u in conv.fusedrc_plan.units if u.name == unit)
+    switch.disable()
+    assert layer.activation_fn is nn.functional.relu and "activation_fn" not in layer._modules
+    switch.enable()
+    assert isinstance(layer._modules["activation_fn"], nn.Module) and "activation_fn" not in layer.__dict__
 
 
 # --------------------------------------------------------------------------- plain models
@@ -3241,28 +3380,6 @@ def test_modules_replaced_after_convert_are_honoured(case):
     args = (ids, None, ids[:, :4]) if family == "t5" else (ids,)
     with torch.no_grad():
         assert rel_err(conv(*args).logits, model(*args).logits) <= TOL
-
-
-def test_bart_activation_dropout_set_after_convert_is_applied():
-    """A BART-style layer's activation_dropout raised after convert: the FFN runs split, the dropout
-    lands on the hidden activation as in the original (same RNG draws: equal outputs)."""
-    tr = _transformers()
-    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
-                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
-                        attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
-    torch.manual_seed(0)
-    model = tr.BartModel(cfg).train()
-    conv = fusedrc.convert(model)
-    assert conv.fusedrc_plan.fused
-    for m in (model, conv):
-        for layer in (m.encoder.layers[0], m.decoder.layers[0]):
-            layer.activation_dropout = 0.5
-    ids = torch.randint(3, 100, (2, 8))
-    torch.manual_seed(3)
-    ya = model(ids).last_hidden_state
-    torch.manual_seed(3)
-    yb = conv(ids).last_hidden_state
-    assert rel_err(yb, ya) <= TOL
 
 
 def test_blocks_around_a_marked_module_are_left_unmarked():
