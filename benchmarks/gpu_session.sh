@@ -86,12 +86,14 @@
 #            torch's mutation analysis rejected for the gated FFN before; never run on a GPU); session 40:
 #            tests/test_mix_ffn.py and test_convert.py -k mix_ffn (the Mix-FFN's three kernels, never run on a
 #            GPU), then the kernels step's mix_ffn cases (SegFormer-B2 stage 1 and 3; if the grad kernel loses to
-#            eager's elementwise passes, try _GPU_TILE (32, 64, 4) / (64, 128, 8) in fusedrc/kernels/mix_ffn.py);
+#            eager's elementwise passes, try _GPU_TILE (32, 64, 4) / (64, 128, 8) and _GPU_GRAD_TILE (since
+#            session 42 256 x 16: fewer weight partials; against 64 x 64) in fusedrc/kernels/mix_ffn.py);
 #            tests/test_xielu_mlp.py and test_convert.py -k apertus, then the kernels step's xielu_mlp case
 #            (Apertus-8B's MLP: xIELU in the dense kernels' epilogues since session 41, never run on a GPU;
 #            the narrow tile on sm_90's large bucket, against the table's 256x128 that spilled);
 #            session 41: test_convert.py -k "rwkv or glm or gemma4" (RWKV's channel mix, GLM's vision mergers,
-#            Gemma 4's vision MLP on the Triton backend)
+#            Gemma 4's vision MLP on the Triton backend); session 42: test_convert.py -k "inline_ffn or
+#            pixel_decoder or bart" (BART's activation_dropout as the fused op's dropout, Mask2Former's F.relu)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.

@@ -86,8 +86,13 @@ def test_kernels_against_float64(shape, dtype, act, device):
 
 def test_kernels_dropout_and_recompute(device):
     """With dropout the kernels apply Philox's mask (``reference.philox_keep``, the FFN's) to the activation
-    and to its gradient; the grad kernel's recomputed activation equals the forward kernel's bit for bit."""
+    and to its gradient; the grad kernel's recomputed activation equals the forward kernel's bit for bit, on a
+    tile of another shape (taller: fewer weight-gradient partials), as on a GPU."""
     from fusedrc.kernels import mix_ffn
+
+    for tiles in ((mix_ffn._INTERPRETER_TILE, mix_ffn._INTERPRETER_GRAD_TILE), (mix_ffn._GPU_TILE, mix_ffn._GPU_GRAD_TILE)):
+        (fm, fc, _), (gm, gc, _) = tiles
+        assert gm > fm and gm * gc == fm * fc
 
     B, height, width, K, H, N, k, p = 2, 5, 7, 12, 40, 9, 3, 0.3
     args, g = _inputs(B, height, width, K, H, N, k, torch.float32, device)

@@ -14,14 +14,15 @@ Backward (5 GEMMs, the output GEMM is never rerun):
   h1  = x W1^T + b1                                         (GEMM, the forward's, into a buffer)
   g_a = grad_out W2                                         (GEMM)
   ``_dwconv_act_grad_kernel`` recomputes h2 from h1 with the forward's tile function (bit for bit)
-    and emits g_h2 = act'(h2) * mask * g_a, a = dropout(act(h2)) for dW2, and per row tile the
+    and emits g_h2 = act'(h2) * mask * g_a, a = dropout(act(h2)) for dW2, and per row tile (of its own, taller tile) the
     partial sums of the conv's weight gradient (sum of g_h2 times each tap's shifted h1) and bias
     gradient: h2 and act(h2) live in registers only
   dW2 = grad_out^T a                                        (GEMM)
   ``_dwconv_input_grad_kernel``: g_h1 = the conv's transpose of g_h2 (the taps mirrored) with the
     partial column sums of g_h1 (db1)
   dX  = g_h1 W1, dW1 = g_h1^T x                             (GEMMs)
-Transient peak of the backward: h1, g_a, a and g_h2 (each (M, hidden)); h1 is freed before g_h1.
+Transient peak of the backward: h1, g_a, a and g_h2 (each (M, hidden)) and the conv's weight partials (0.07x a
+bf16 h1 at k = 3); h1 is freed before g_h1.
 """
 from __future__ import annotations
 
@@ -164,9 +165,17 @@ def _dwconv_input_grad_kernel(
 # The interpreter's small tiles give the test shapes several tiles each way and ragged edges.
 _GPU_TILE = (64, 64, 8)
 _INTERPRETER_TILE = (16, 16, 4)
+# The grad kernel's tile: as many elements, taller. Its conv weight gradient partials are (row tiles, k*k, C) fp32,
+# 9 / BLOCK_M floats per element of h1 at k = 3 (64 rows: 0.28x a bf16 h1, 256: 0.07x). h2 is a function of each
+# element alone (the taps added in a fixed order, the mask a function of (row, column)), so a tile of another
+# shape recomputes the forward's bit for bit; the interpreter's differs from its forward tile to test that.
+_GPU_GRAD_TILE = (256, 16, 8)
+_INTERPRETER_GRAD_TILE = (32, 8, 4)
 
 
-def _tile(t: torch.Tensor):
+def _tile(t: torch.Tensor, grad=False):
+    if grad:
+        return _GPU_GRAD_TILE if t.is_cuda else _INTERPRETER_GRAD_TILE
     return _GPU_TILE if t.is_cuda else _INTERPRETER_TILE
 
 
@@ -202,7 +211,7 @@ def dwconv_act_grad(h1, w_dw, b_dw, grad_a, height, width, activation, store_act
     bias_grad = bias_grad and b_dw is not None
     gh = torch.empty_like(h1)
     act = torch.empty_like(h1) if store_act else None
-    bm, bc, warps = _tile(h1)
+    bm, bc, warps = _tile(h1, grad=True)
     num_m = cdiv(M, bm)
     # every entry written by the launch (each row tile, column tile and tap): no zero-fill pass
     wpart = torch.empty((num_m, k * k, C), device=h1.device, dtype=torch.float32) if weight_grad else None
@@ -292,8 +301,7 @@ def inspect_specs():
     dropout), the transposed conv with fc1's bias sums (``python -m fusedrc.inspect --kernel mix_ffn``)."""
     from ._common import _INSPECT_ARCH, _TRITON_PTR
 
-    bm, bc, warps = _GPU_TILE
-    tile = {"BLOCK_M": bm, "BLOCK_C": bc, "KSIZE": 3, "RELU_IN": True}
+    tile = {"KSIZE": 3, "RELU_IN": True}
     ints = {"M": "i32", "C": "i32", "H": "i32", "W": "i32"}
     act = {**act_meta("gelu"), "DROPOUT": True}
     specs = []
@@ -310,9 +318,11 @@ def inspect_specs():
                                          **ints}, {"BIAS_GRAD": True}),
         )
         for fn, sig, flags in kernels:
+            bm, bc, warps = _GPU_GRAD_TILE if fn is _dwconv_act_grad_kernel else _GPU_TILE
             specs.append({"fn": fn, "kernel": fn.__name__, "arch": arch, "dtype": dtype,
                           "config": {"BLOCK_M": bm, "BLOCK_C": bc, "num_warps": warps, "num_stages": 1},
-                          "signature": sig, "constexprs": {**tile, **flags}, "num_warps": warps, "num_stages": 1,
+                          "signature": sig, "constexprs": {**tile, "BLOCK_M": bm, "BLOCK_C": bc, **flags},
+                          "num_warps": warps, "num_stages": 1,
                           "gemm": False, "aligned": [n for n in sig if n.endswith("_ptr")] + ["C"],
                           "source": f"{arch}/gpu tile"})
     return specs
