@@ -2199,21 +2199,27 @@ class _SplitTailForm(NamedTuple):
 def _split_ffn_norm(lines):
     """The :class:`_SplitTailForm` of ``output``'s forward of two arguments ``(x, r)`` when its body is BERT's
     ``v = self.dense(x); v = self.dropout(v); v = self.<norm>(v + r); return v``, without the norm (ESM's,
-    after a pre-FFN norm: ``v = v + r``) or without the dropout (MobileBERT's ``FFNOutput``); else None."""
+    after a pre-FFN norm: ``v = v + r``, or Megatron-BERT's ``return r + v``) or without the dropout
+    (MobileBERT's ``FFNOutput``); the sum in either order (IEEE addition commutes); else None."""
     args = _forward_args(lines)
-    if args is None or len(args) != 2 or len(lines) not in (4, 5):
+    if args is None or len(args) != 2 or not 3 <= len(lines) <= 5:
         return None
     x, r = args
     head = _re.fullmatch(rf"(\w+) = self\.dense\({x}\)", lines[1])
     v = head and head.group(1)
-    if v is None or v == r or lines[-1] != f"return {v}":
+    if v is None or v == r:
         return None
-    dropout = len(lines) == 5
-    if dropout and lines[2] != f"{v} = self.dropout({v})":
+    body = lines[2:]
+    dropout = bool(body) and body[0] == f"{v} = self.dropout({v})"
+    body = body[dropout:]
+    total = rf"(?:{v} \+ {r}|{r} \+ {v})"
+    if len(body) == 1:
+        return _SplitTailForm(dropout, "") if _re.fullmatch(rf"return {total}", body[0]) else None
+    if len(body) != 2 or body[1] != f"return {v}":
         return None
-    if lines[-2] == f"{v} = {v} + {r}":
+    if _re.fullmatch(rf"{v} = {total}", body[0]):
         return _SplitTailForm(dropout, "")
-    norm = _re.fullmatch(rf"{v} = self\.(\w+)\({v} \+ {r}\)", lines[-2])
+    norm = _re.fullmatch(rf"{v} = self\.(\w+)\({total}\)", body[0])
     return _SplitTailForm(dropout, norm.group(1)) if norm else None
 
 

@@ -665,6 +665,8 @@ def _split_ffn_model(tr, family, chunk=0, dropout=0.1):
         return tr.MPNetModel(tr.MPNetConfig(**common), add_pooling_layer=False).train()
     if family == "esm":  # a pre-FFN LayerNorm in feed_forward_chunk, erf GELU as a function, no norm after
         return tr.EsmModel(tr.EsmConfig(pad_token_id=1, **common), add_pooling_layer=False).train()
+    if family == "megatron_bert":  # a pre-FFN LayerNorm in feed_forward_chunk, output's `return input_tensor + h`
+        return tr.MegatronBertModel(tr.MegatronBertConfig(**common), add_pooling_layer=False).train()
     if family == "longformer":  # its layer's method is ff_chunk(self, attn_output)
         return tr.LongformerModel(tr.LongformerConfig(pad_token_id=1, attention_window=4, **common),
                                   add_pooling_layer=False).train()
@@ -686,7 +688,8 @@ def _same_seed_step(model, conv, ids):
     return log.ops
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer", "deberta_v2", "mpnet", "esm"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "longformer", "deberta_v2", "mpnet", "esm",
+                                    "megatron_bert"])
 def test_split_ffn_layers(family):
     """BERT-style layers, found by their code (feed_forward_chunk, intermediate's and output's forwards):
     intermediate's dense and activation and output's dense run as one fused FFN, output's dropout
@@ -711,6 +714,28 @@ def test_split_ffn_layers(family):
         h = torch.randn(2, 3, 32)
         conv.eval(), model.eval()
         assert rel_err(conv.encoder.layer[0].ff_chunk(attn_output=h), model.encoder.layer[0].ff_chunk(attn_output=h)) <= TOL
+
+
+@pytest.mark.parametrize("body, form", [
+    ("h = self.dense(x)\nh = self.dropout(h)\nh = self.LayerNorm(h + r)\nreturn h", (True, "LayerNorm")),
+    ("h = self.dense(x)\nh = self.dropout(h)\nh = self.norm(r + h)\nreturn h", (True, "norm")),
+    ("h = self.dense(x)\nh = self.dropout(h)\nh = h + r\nreturn h", (True, "")),  # ESM's
+    ("h = self.dense(x)\nh = self.LayerNorm(h + r)\nreturn h", (False, "LayerNorm")),  # MobileBERT's FFNOutput
+    ("h = self.dense(x)\nh = self.dropout(h)\nreturn r + h", (True, "")),  # Megatron-BERT's
+    ("h = self.dense(x)\nreturn h + r", (False, "")),
+    ("h = self.dense(x)\nh = self.dropout(h)\nreturn r + x", None),
+    ("h = self.dense(x)\nh = self.dropout(h)\nreturn h * r", None),
+    ("h = self.dense(x)\nh = self.dropout(h)\nh = h + r\nreturn r", None),
+    ("h = self.dense(x)\nh = h + r\nh = self.dropout(h)\nreturn h", None),  # the dropout after the sum
+    ("r = self.dense(x)\nreturn r + r", None),
+])
+def test_split_ffn_output_forms(body, form):
+    """The forms of a BERT-style ``output`` forward the split-FFN rule takes: dense, [dropout], the residual
+    added in either order, [a norm of the sum]."""
+    from fusedrc.convert import _split_ffn_norm
+
+    got = _split_ffn_norm(["def forward(self, x, r):", *body.splitlines()])
+    assert (got if got is None else tuple(got)) == form
 
 
 def test_split_ffn_esm_pre_norm_and_function_activation():
