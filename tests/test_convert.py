@@ -1276,6 +1276,16 @@ def test_inline_ffn_code_check(code, reason, dropout):
     assert got_dropout == dropout
 
 
+def _tiny_bart(activation_dropout):
+    """A one-layer BART encoder-decoder in training mode whose only dropout that acts is its activation dropout."""
+    tr = _transformers()
+    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=activation_dropout, use_cache=False)
+    torch.manual_seed(0)
+    return tr.BartModel(cfg).train()
+
+
 class _FusedFFNOracle(nn.Module):
     """A layer's fc1, standing for its whole FFN as one fused op with dropout p (drawing its mask's
     seed where the converted layer's head does)."""
@@ -1296,12 +1306,7 @@ def test_inline_ffn_activation_dropout_is_fused(backend):
     output) and fc2 hands the FFN's output back: outputs and gradients are bit for bit those of the layer
     with its FFN replaced by the fused op with that p. The mask is not kept (its seed is); p is read
     at each call (raised after convert: the new p); in eval, the original's outputs."""
-    tr = _transformers()
-    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
-                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
-                        attention_dropout=0.0, activation_dropout=0.25, use_cache=False)
-    torch.manual_seed(0)
-    model = tr.BartModel(cfg).train()
+    model = _tiny_bart(activation_dropout=0.25)
     conv = fusedrc.convert(model)
     assert {"encoder.layers.0.fc1", "decoder.layers.0.fc1"} <= set(conv.fusedrc_plan.fused)
     layers = lambda m: (m.encoder.layers[0], m.decoder.layers[0])  # noqa: E731
@@ -1341,12 +1346,7 @@ def test_inline_ffn_activation_dropout_is_fused(backend):
 def test_inline_ffn_dropout_attributes_it_cannot_read_run_the_layer():
     """A dropout line whose p is not a number in [0, 1] (or whose training flag is not a bool) is the
     layer's own to apply: the FFN runs split, with the original's draws and errors."""
-    tr = _transformers()
-    cfg = tr.BartConfig(vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
-                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.0,
-                        attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
-    torch.manual_seed(0)
-    model = tr.BartModel(cfg).train()
+    model = _tiny_bart(activation_dropout=0.0)
     conv = fusedrc.convert(model)
     ids = torch.randint(3, 100, (2, 8))
     for m in (model, conv):
