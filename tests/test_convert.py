@@ -1331,16 +1331,27 @@ def test_inline_ffn_activation_dropout_is_fused(backend):
             assert torch.equal(y, yo) and all(torch.equal(a, b) for a, b in zip(grads, grads_o))
             torch.manual_seed(3)
             assert not torch.equal(y, model(ids).last_hidden_state)  # another mask than F.dropout's
-        assert not any(m.__dict__["_fusedrc_pass"].value() is not None
-                       for m in conv.modules() if "_fusedrc_pass" in m.__dict__)  # no output held
+        flags = [m.__dict__["_fusedrc_pass"] for m in conv.modules() if "_fusedrc_pass" in m.__dict__]
+        assert len(flags) == 4 and not any(f.value() is not None or f.armed for f in flags)  # no output held
         kept = saved_bytes(conv, (ids,))
         for layer in layers(conv):
             layer.activation_dropout = 0.0
         assert saved_bytes(conv, (ids,)) + 2 * 8 == kept  # each mask's int64 seed, not the mask
+        for m in (conv, model):
+            for layer in layers(m):
+                layer.activation_dropout = 0.5
+        # the unit's checkpoint impl (a budget's choice) runs the modules' composition: F.dropout's masks
+        _set_impl(conv, "checkpoint")
+        torch.manual_seed(3)
+        y = conv(ids).last_hidden_state
+        torch.manual_seed(3)
+        assert torch.equal(y, model(ids).last_hidden_state)
+        _set_impl(conv, "fused")
         conv.eval(), model.eval()
-        for layer in layers(model):
-            layer.activation_dropout = 0.5
         assert rel_err(conv(ids).last_hidden_state, model(ids).last_hidden_state) <= TOL
+    flags[0].arm(value=y)
+    assert copy.deepcopy(flags[0]).value() is None  # a copy starts disarmed, holding nothing
+    flags[0].arm(False)
 
 
 def test_inline_ffn_dropout_attributes_it_cannot_read_run_the_layer():
@@ -1394,21 +1405,47 @@ def test_pixel_decoder_function_activation(kind):
     with FusedOpLog() as log:
         y = out(conv)
         grads = torch.autograd.grad(y.square().sum(), list(conv.parameters()), allow_unused=True)
-    assert "fused_mlp" in log.ops
+    fused_calls = log.ops.count("fused_mlp")
+    assert fused_calls
     ya = out(model)
     grads_a = torch.autograd.grad(ya.square().sum(), list(model.parameters()), allow_unused=True)
     assert rel_err(y, ya) <= TOL
     assert all((a is None) == (b is None) and (a is None or rel_err(a, b) <= TOL) for a, b in zip(grads, grads_a))
-    if kind == "oneformer":
-        layer.activation_dropout = 0.1
-        for flag, p in ((True, 0.1), (False, 0.0)):
+    if kind == "oneformer":  # its dropout acts by is_training, in eval mode too
+        conv.eval(), model.eval()
+        layer.activation_dropout = 0.5
+        for flag, p in ((True, 0.5), (False, 0.0)):
             layer.is_training = flag
             assert layer.fc1._dropout_p(layer) == p
+        def seeded(seed):
+            torch.manual_seed(seed)
+            return out(conv)
+
+        with torch.no_grad():
+            ys = [seeded(1), seeded(2)]
+            assert rel_err(ys[0], out(model)) <= TOL  # is_training False: no dropout
+            layer.is_training = True
+            ys += [seeded(1), seeded(2)]
+        assert torch.equal(ys[0], ys[1]) and not torch.equal(ys[2], ys[3])
+        layer.is_training = False
+        conv.train(), model.train()
     switch = next(u for u in conv.fusedrc_plan.units if u.name == unit)
     switch.disable()
     assert layer.activation_fn is nn.functional.relu and "activation_fn" not in layer._modules
     switch.enable()
     assert isinstance(layer._modules["activation_fn"], nn.Module) and "activation_fn" not in layer.__dict__
+    again = fusedrc.convert(conv)  # planned afresh: the function back in its place first
+    assert unit in again.fusedrc_plan.fused
+    assert rel_err(out(again), ya) <= TOL
+    with pytest.raises(TypeError, match="child module"):  # torch's error for a function over a child module
+        layer.activation_fn = nn.functional.gelu
+    del layer.activation_fn
+    layer.activation_fn = nn.functional.gelu  # then the layer runs it, unfused
+    with FusedOpLog() as log:
+        y = out(conv)
+    assert log.ops.count("fused_mlp") == fused_calls - 1
+    model.pixel_level_module.decoder.encoder.layers[0].activation_fn = nn.functional.gelu
+    assert rel_err(y, out(model)) <= TOL
 
 
 # --------------------------------------------------------------------------- plain models
