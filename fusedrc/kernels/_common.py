@@ -176,6 +176,50 @@ def operand_class(dtype: torch.dtype, precision: str) -> str:
     return "tf32" if precision == "tf32" else "fp32"
 
 
+# Per Triton release, launch parameters that change no value (an epilogue split, num_stages) for the
+# configurations whose registers spill under that release alone (`python -m fusedrc.inspect` run under
+# it; the tiles were timed under 3.6, and 3.6 and 3.9 compile every one of them without a spill).
+# (major, minor) -> {site: {field: value}}; a site names one launch decision, read by the function that
+# makes it for the launchers and for ``inspect_specs`` alike (``release_tuning``). Never a tile, a K
+# order or num_warps: a forward and its recompute still read the same entry and compute the same bits.
+_RELEASE_TUNING = {
+    (3, 7): {
+        # the routed ungated experts' row-scale grad kernel (``_routed_split``) on sm_90's 256x128 tile:
+        # 255 registers and 120 bytes of spill in eighths (bf16, relu2), 252 and none in sixteenths
+        ("_gemm_act_grad_kernel", "row_scale", 256, 128): {"EPILOGUE_SPLIT": 16},
+        # gpt-oss's experts (interleaved gate/up rows, biases; gated_mlp._clamp_split) on the whole 128-column
+        # tile: the routed grad kernel 255 registers and 32 bytes of spill in sixteenths (sm_90 bf16), 255 and
+        # none in 32nds
+        ("_gated_act_grad_kernel", "interleaved_bias", 128): {"EPILOGUE_SPLIT": 32},
+        # conv_bn_act: a stem's flat K loop (``conv_config(flat=True)``) at sm_80's 16-bit wide entry
+        # (128x64x64): the forward's apply pass 16 bytes of spill in quarters, the backward's three 8
+        # (fp16 and bf16); none in halves
+        ("conv_flat_k", "sm80", "16bit", "wide"): {"EPILOGUE_SPLIT": 2},
+        # conv_bn_act: the dW kernel with the PRE_ACT prologue on fp32 FMA (``_dw_config``) on sm_80:
+        # 128 registers and 8 bytes of spill at 2 stages, 142 and none at 3
+        ("_conv_dw_kernel", "pre_act", "sm80"): {"num_stages": 3},
+        # conv_bn_act: the depthwise DIRECT tile (``direct_config``) on sm_80: the backward's eval pass
+        # (fp16) 96 registers and 8 bytes of spill in halves, none in quarters
+        ("conv_direct", "sm80", 64, 64): {"EPILOGUE_SPLIT": 4},
+    },
+}
+
+
+def _triton_release():
+    try:
+        return tuple(int(part) for part in triton.__version__.split(".")[:2])
+    except ValueError:  # pragma: no cover - an unusual version string: no release tuning
+        return None
+
+
+_TRITON_RELEASE = _triton_release()
+
+
+def release_tuning(*site) -> dict:
+    """The fields ``_RELEASE_TUNING`` sets at ``site`` under the installed Triton ({} almost everywhere)."""
+    return _RELEASE_TUNING.get(_TRITON_RELEASE, {}).get(site, {})
+
+
 # Where the table's entry is a wide tile (``_wide_tile``), the tile of the launches that cannot take it:
 # the dense kernels with dropout in their epilogue (the forward's mask spills 16 bytes on sm_90 under
 # Triton 3.6 even in eighths) and the gated kernels (two accumulators). The entry it replaced.
@@ -569,23 +613,24 @@ def _gemm_act_kernel(
 
 
 @triton.jit
-def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
+def _grad_epilogue(h, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
                    seed, drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps,
                    HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
                    NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them), in
+    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them, the bias not yet added:
+    with HAS_BIAS each slice adds its columns' share), in
     SPLIT column slices one after the other (halving recursively: each slice's temporaries are
     live alone). Returns the slices' share of the row dot act(h) . g (ROW_SCALE; zeros without) and, for
     xIELU, their sums of the alphas' gradients (0.0 for other activations)."""
     if SPLIT > 1:
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
         dot0, ap0, an0 = _grad_epilogue(
-            h0, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0, seed, drop_threshold,
+            h0, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0, seed, drop_threshold,
             drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
             ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         dot1, ap1, an1 = _grad_epilogue(
-            h1, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2, seed,
+            h1, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2, seed,
             drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
             NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1, ap0 + ap1, an0 + an1
@@ -594,6 +639,8 @@ def _grad_epilogue(h, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, 
     mask_n = offs_n < N - col0
     mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
     offs = offs_m[:, None] * N + offs_n[None, :]
+    if HAS_BIAS:  # h = A @ B + bias: _add_bias's add, on this slice's columns
+        h = h + tl.load(bias_ptr + col0 + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if DROPOUT:
         # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
         factor = _dropout_factor(seed, row0 + offs_m, col0 + c0, drop_threshold, drop_scale, BLOCK_M, WIDTH)
@@ -642,22 +689,27 @@ def _gemm_act_grad_tile(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    # recompute the pre-activation exactly as _gemm_act_tile does
+    # recompute the pre-activation exactly as _gemm_act_tile does: the same main loop, then the same fp32 add of
+    # the bias, made here per epilogue slice (an elementwise add: the same bits wherever it happens). Added to the
+    # whole tile up front, every slice's h was live through the epilogue: sm_90 256x128 gelu, 228 / 233 registers
+    # under Triton 3.6 / 3.9 and a spill under 3.8 (255, 16-32 bytes); per slice 203 / 200 and 205.
     if GROUPED:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, N, MT, BLOCK_M, BLOCK_N,
                                                                           GROUP_M)
     else:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _dense_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _preact(a_ptr, b_ptr, bias_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K, stride_am, stride_ak, stride_bk,
-                  stride_bn, stride_be, stride_biase, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
+                  stride_bn, stride_be, stride_biase, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
                   TMA, GROUPED)
+    if GROUPED:
+        bias_ptr += e * stride_biase
     col0 = pid_n * BLOCK_N
     base = row0.to(tl.int64) * N + col0
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < row_end - row0
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
     dot, dalpha_p, dalpha_n = _grad_epilogue(
-        acc, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, row_end, N, row0, col0, 0, seed,
+        acc, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, row_end, N, row0, col0, 0, seed,
         drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
         NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
@@ -1022,10 +1074,13 @@ def _epilogue_split(cfg: GemmConfig, grad_kernel: bool, dropout: bool) -> int:
     return cfg.EPILOGUE_SPLIT if grad_kernel or dropout or _wide_tile(cfg) else 1
 
 
-def _routed_split(split: int, persistent: bool) -> int:
+def _routed_split(split: int, persistent: bool, cfg: GemmConfig) -> int:
     # the row-scale epilogue's row dot on a persistent sm_90 128x128 tile spills 8 bytes in quarters, none in
     # eighths (python -m fusedrc.inspect --kernel _gemm_act_grad); the per-tile launches' splits do not spill
-    return 2 * split if persistent else split
+    # (but under a release that _RELEASE_TUNING names)
+    if persistent:
+        return 2 * split
+    return release_tuning("_gemm_act_grad_kernel", "row_scale", cfg.BLOCK_M, cfg.BLOCK_N).get("EPILOGUE_SPLIT", split)
 
 
 def dropout_args(dropout, fill):
@@ -1261,7 +1316,7 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     xielu_part = torch.empty((num_tiles, 2), device=a.device, dtype=torch.float32) if xielu is not None else None
     grid, persistent = dense_grid(num_tiles, a, cfg, groups is not None)
     if routed:
-        meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent)
+        meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent, cfg)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
@@ -1429,7 +1484,9 @@ def inspect_specs():
     # entry with pointer loads: Nemotron-H's relu2, no bias, the scales a slice at any offset, any row count
     for spec in [s for s in specs if s["kernel"] == "_gemm_act_grad_kernel" and s["arch"] == "sm_90"
                  and s["dtype"] == torch.bfloat16 and not {"loads", "dropout", "activation"} & set(s["config"])]:
-        split = _routed_split(spec["constexprs"]["EPILOGUE_SPLIT"], spec["constexprs"]["PERSISTENT"])
+        c = spec["constexprs"]
+        split = _routed_split(c["EPILOGUE_SPLIT"], c["PERSISTENT"], GemmConfig(
+            c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], spec["num_warps"], spec["num_stages"]))
         specs.append(dict(spec, constexprs=dict(spec["constexprs"], ROW_SCALE=True, HAS_BIAS=False, EPILOGUE_SPLIT=split,
                                                 **act_meta("relu2")),
                           config=dict(spec["config"], activation="relu2", row_scale=True, EPILOGUE_SPLIT=split),
@@ -1448,7 +1505,7 @@ def inspect_specs():
             (False,)):
         grad = kernel is _gemm_act_grad_kernel
         split = _epilogue_split(entry, grad, False)
-        split = _routed_split(split, persistent) if grad else split
+        split = _routed_split(split, persistent, entry) if grad else split
         sig, aligned = _inspect_signature(kernel, torch.bfloat16)
         constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "DROPOUT": False, "GROUPED": True,
                       **act_meta("relu2"), "BLOCK_M": entry.BLOCK_M, "BLOCK_N": entry.BLOCK_N,

@@ -81,7 +81,7 @@ import triton.language as tl
 from ._common import (
     _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _reference, _sm_count, _upcast_flag,
     LaunchPlans, act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launch, launcher,
-    operand_class, plan_key, tf32_matmul_allowed, wanted,
+    operand_class, plan_key, release_tuning, tf32_matmul_allowed, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "update_running_stats_"]
@@ -222,7 +222,14 @@ def direct_config(in_per_group: int, out_per_group: int, capability) -> ConvConf
     the backward recompute read the same."""
     if capability is None:
         return _INTERPRETER_CONFIG
-    return _DIRECT_CONFIG if in_per_group == out_per_group == 1 else _DIRECT_GROUPED_CONFIG
+    return _direct_tuned(_DIRECT_CONFIG if in_per_group == out_per_group == 1 else _DIRECT_GROUPED_CONFIG,
+                         _arch_family(capability))
+
+
+def _direct_tuned(cfg: ConvConfig, family: str) -> ConvConfig:
+    """A DIRECT tile with the epilogue split ``_RELEASE_TUNING`` (fusedrc/kernels/_common.py) sets for it under
+    the installed Triton (a value-free choice); ``cfg`` itself almost everywhere."""
+    return cfg._replace(**release_tuning("conv_direct", family, cfg.BLOCK_M, cfg.BLOCK_N))
 
 
 def _clamp_k(block_k: int, k_per_tap: int) -> int:
@@ -232,18 +239,27 @@ def _clamp_k(block_k: int, k_per_tap: int) -> int:
     return max(16, min(block_k, pow2))
 
 
-def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability) -> ConvConfig:
+def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability, flat: bool = False) -> ConvConfig:
     """Tile configuration of an implicit-GEMM conv; a pure function of its arguments.
 
     The forward and the backward recompute call it with the same arguments, hence
     run the same BLOCK_M/N/K, K order and warps: the recomputed z is bit-identical.
+    ``flat``: for the flat K loop (FLAT_K), which may take another epilogue split under
+    the installed Triton (``_flat_tuned``).
     """
     if capability is None:
         cfg = _INTERPRETER_CONFIG
     else:
         bucket = "narrow" if gemm_n <= 64 else "wide"
-        cfg = _TABLE[(_arch_family(capability), operand_class(dtype, precision), bucket)]
+        key = (_arch_family(capability), operand_class(dtype, precision), bucket)
+        cfg = _flat_tuned(_TABLE[key], key) if flat else _TABLE[key]
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
+
+
+def _flat_tuned(cfg: ConvConfig, key) -> ConvConfig:
+    """Table entry ``key``'s ``cfg`` as the flat K loop runs it: with the epilogue split ``_RELEASE_TUNING``
+    (fusedrc/kernels/_common.py) sets there under the installed Triton (a value-free choice), else as it is."""
+    return cfg._replace(**release_tuning("conv_flat_k", *key))
 
 
 # Layers of groups=1 with at most this many input channels (a stem's 3 colour channels) walk the
@@ -268,7 +284,7 @@ def layer_config(weight, groups: int, dtype, precision: str, capability) -> Conv
     if group_strategy(weight, groups) == "direct":
         return direct_config(C_in, C_out // groups, capability)
     if flat_k(weight, groups):
-        return conv_config(C_out, C_in * weight.shape[2] * weight.shape[3], dtype, precision, capability)
+        return conv_config(C_out, C_in * weight.shape[2] * weight.shape[3], dtype, precision, capability, flat=True)
     cfg = conv_config(C_out // groups, C_in, dtype, precision, capability)
     return cfg if groups == 1 else _group_tile(cfg, C_out // groups)
 
@@ -1256,11 +1272,13 @@ def conv_dx(dz, weight, x_shape, x_fmt, stride, padding, dilation, precision, ca
     return dx
 
 
-def _dw_config(cfg: ConvConfig, dtype, precision: str, pre_act: bool) -> ConvConfig:
+def _dw_config(cfg: ConvConfig, dtype, precision: str, pre_act: bool, family: str | None) -> ConvConfig:
     """The dW kernel's tile: the table's (K = pixels: no per-tap clamp); with the PRE_ACT prologue on
-    fp32 FMA (no tensor cores) 8 warps, as 4 spill (255 registers on sm_90)."""
+    fp32 FMA (no tensor cores) 8 warps, as 4 spill (255 registers on sm_90), and the stages
+    ``_RELEASE_TUNING`` (fusedrc/kernels/_common.py) sets for ``family`` under the installed Triton.
+    (dW is its own split-K GEMM: no recompute reads its tile.)"""
     if pre_act and dtype == torch.float32 and precision == "ieee":
-        return cfg._replace(num_warps=8)
+        return cfg._replace(num_warps=8, **release_tuning("_conv_dw_kernel", "pre_act", family))
     return cfg
 
 
@@ -1272,7 +1290,8 @@ def conv_dw(dz, x, weight_shape, stride, padding, dilation, precision, cap, pre_
     OH, OW = dz.shape[2], dz.shape[3]
     P = N * OH * OW
     NCOL = C_in * KH * KW
-    cfg = _dw_config(conv_config(NCOL, 1 << 30, dz.dtype, precision, cap), dz.dtype, precision, pre_act is not None)
+    cfg = _dw_config(conv_config(NCOL, 1 << 30, dz.dtype, precision, cap), dz.dtype, precision, pre_act is not None,
+                     None if cap is None else _arch_family(cap))
     tiles = cdiv(C_out, cfg.BLOCK_M) * cdiv(NCOL, cfg.BLOCK_N)
     iters = cdiv(P, cfg.BLOCK_K)
     split = _dw_split(tiles, iters, cap, dz.device)
@@ -1432,6 +1451,7 @@ def conv_bn_act_backward(
 # GPU target on the CPU (no GPU needed) and reports registers, shared memory,
 # spills and the matrix instructions; see fusedrc/inspect.py for the spec format.
 _INSPECT_ARCH = {"sm90": "sm_90", "sm80": "sm_80"}
+_INSPECT_FAMILY = {arch: family for family, arch in _INSPECT_ARCH.items()}
 _INSPECT_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 # The launch the specs stand for: a 3x3 conv, stride 1, padding 1, channels_last
 # activations (the tensor-core layout: the channel stride is 1 and specialised to a
@@ -1602,7 +1622,7 @@ def inspect_specs():
 
     def make(fn, build, mode, dtype, precision, cfg, arch, gemm, activation="relu"):
         if fn is _conv_dw_kernel:
-            cfg = _dw_config(cfg, dtype, precision, mode == "pre_act")
+            cfg = _dw_config(cfg, dtype, precision, mode == "pre_act", _INSPECT_FAMILY[arch])
         sig, constexprs, aligned = build(dtype, mode)
         constexprs.update(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                           GROUP_M=cfg.GROUP_M, PRECISION=precision, UPCAST=False)
@@ -1681,7 +1701,7 @@ def inspect_specs():
         arch = _INSPECT_ARCH.get(family)
         if arch is None or opclass != "16bit":
             continue
-        stem = cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, 7 * 7 * 3))
+        stem = _flat_tuned(cfg, (family, opclass, bucket))._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, 7 * 7 * 3))
         for dtype in (torch.float16, torch.bfloat16):
             for fn, build, modes in gemm_kernels[:2]:
                 for mode in modes:
@@ -1706,14 +1726,16 @@ def inspect_specs():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for fn, build, modes in gemm_kernels[:2]:
                 for mode in modes:
-                    flavors = (("dw_", _DIRECT_CONFIG), ("mult_", _DIRECT_GROUPED_CONFIG),
-                               ("grouped_", _DIRECT_GROUPED_CONFIG))
+                    flavors = (("dw_", _direct_tuned(_DIRECT_CONFIG, family)),
+                               ("mult_", _direct_tuned(_DIRECT_GROUPED_CONFIG, family)),
+                               ("grouped_", _direct_tuned(_DIRECT_GROUPED_CONFIG, family)))
                     for flavor, direct_cfg in flavors[:3 if dtype == torch.bfloat16 else 1]:
                         add((fn.__name__, flavor + mode, arch, dtype), f"{family}/direct",
                             functools.partial(make, fn, build, flavor + mode, dtype, "ieee", direct_cfg, arch,
                                               False))
                     if dtype == torch.bfloat16 and mode in _ACTIVATION_MODES:
                         add((fn.__name__, "dw_" + mode, arch, dtype, "gelu"), f"{family}/direct",
-                            functools.partial(make, fn, build, "dw_" + mode, dtype, "ieee", _DIRECT_CONFIG, arch,
+                            functools.partial(make, fn, build, "dw_" + mode, dtype, "ieee",
+                                              _direct_tuned(_DIRECT_CONFIG, family), arch,
                                               False, "gelu"))
     return specs

@@ -42,7 +42,8 @@ from ._common import (
     _arch_family, _dense_tile, _expert_tile, _mainloop, _sigmoid, _column_halves, _device_guard, _dropout_factor,
     _shape_bucket,
     _tile_safe, _upcast_flag, act_meta, cdiv, dense_grid, device_capability, dot_precision, dropout_args,
-    expert_tiles, gemm_config, launcher, tile_bias_grad, operand_class, plain_gemm, uses_aten_gemm, wanted,
+    expert_tiles, gemm_config, launcher, tile_bias_grad, operand_class, plain_gemm, release_tuning, uses_aten_gemm,
+    wanted,
 )
 from fusedrc.reference import split_gated
 
@@ -124,6 +125,10 @@ def _clamp_split(split, block_n, shaped, interleaved_bias=False, softcap=False):
     order (d row_scale to rounding)."""
     if not shaped or split == 1:
         return split
+    if interleaved_bias:  # finer under a release that _RELEASE_TUNING names
+        split = release_tuning("_gated_act_grad_kernel", "interleaved_bias", block_n).get("EPILOGUE_SPLIT")
+        if split is not None:
+            return split
     return min(16, block_n // 8) if interleaved_bias or softcap else min(8, block_n // 16)
 
 
