@@ -615,11 +615,11 @@ def _gemm_act_kernel(
 @triton.jit
 def _grad_epilogue(h, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0,
                    seed, drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps,
-                   HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SLICE_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
                    NEG_SLOPE: tl.constexpr, DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr):
-    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them, the bias not yet added:
-    with HAS_BIAS each slice adds its columns' share), in
+    """The grad kernel's epilogue on columns [c0, c0 + WIDTH) of its tile (h holds them; with SLICE_BIAS before
+    the bias, which each slice adds to its columns), in
     SPLIT column slices one after the other (halving recursively: each slice's temporaries are
     live alone). Returns the slices' share of the row dot act(h) . g (ROW_SCALE; zeros without) and, for
     xIELU, their sums of the alphas' gradients (0.0 for other activations)."""
@@ -627,19 +627,19 @@ def _grad_epilogue(h, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, bas
         h0, h1 = _column_halves(h, BLOCK_M, WIDTH)
         dot0, ap0, an0 = _grad_epilogue(
             h0, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0, seed, drop_threshold,
-            drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE, DROPOUT,
-            ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, SLICE_BIAS, STORE_ACT, ACTIVATION, NEG_SLOPE,
+            DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         dot1, ap1, an1 = _grad_epilogue(
             h1, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, M, N, row0, col0, c0 + WIDTH // 2, seed,
-            drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
-            NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
+            drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, SLICE_BIAS, STORE_ACT,
+            ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, WIDTH // 2, SPLIT // 2)
         return dot0 + dot1, ap0 + ap1, an0 + an1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = c0 + tl.arange(0, WIDTH)
     mask_n = offs_n < N - col0
     mask = (offs_m[:, None] < M - row0) & mask_n[None, :]
     offs = offs_m[:, None] * N + offs_n[None, :]
-    if HAS_BIAS:  # h = A @ B + bias: _add_bias's add, on this slice's columns
+    if SLICE_BIAS:  # h = A @ B + bias: _add_bias's add, on this slice's columns
         h = h + tl.load(bias_ptr + col0 + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if DROPOUT:
         # the mask the forward drew, regenerated: a = dropout(act(h)) for dW2, g through the mask
@@ -690,18 +690,21 @@ def _gemm_act_grad_tile(
     EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
 ):
     # recompute the pre-activation exactly as _gemm_act_tile does: the same main loop, then the same fp32 add of
-    # the bias, made here per epilogue slice (an elementwise add: the same bits wherever it happens). Added to the
-    # whole tile up front, every slice's h was live through the epilogue: sm_90 256x128 gelu, 228 / 233 registers
-    # under Triton 3.6 / 3.9 and a spill under 3.8 (255, 16-32 bytes); per slice 203 / 200 and 205.
+    # the bias. On a wide tile (256x128: 32768 accumulator elements, 128 fp32 registers a thread on 8 warps) that
+    # add is made per epilogue slice (SLICE_BIAS; an elementwise add: the same bits wherever it happens): added to
+    # the whole tile up front, every slice's h was live through the epilogue (sm_90 256x128 gelu: 228 / 233
+    # registers under Triton 3.6 / 3.9, 255 and 16-32 bytes of spill under 3.8; per slice 203 / 200 and 205).
+    # Smaller tiles add it up front, as before: per slice moved some of them a few registers either way.
+    SLICE_BIAS: tl.constexpr = HAS_BIAS and BLOCK_M * BLOCK_N >= 32768
     if GROUPED:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, N, MT, BLOCK_M, BLOCK_N,
                                                                           GROUP_M)
     else:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _dense_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _preact(a_ptr, b_ptr, bias_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K, stride_am, stride_ak, stride_bk,
-                  stride_bn, stride_be, stride_biase, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
+                  stride_bn, stride_be, stride_biase, HAS_BIAS and not SLICE_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
                   TMA, GROUPED)
-    if GROUPED:
+    if GROUPED and SLICE_BIAS:
         bias_ptr += e * stride_biase
     col0 = pid_n * BLOCK_N
     base = row0.to(tl.int64) * N + col0
@@ -710,8 +713,8 @@ def _gemm_act_grad_tile(
     row_scale = tl.load(scale_ptr + row0 + offs_m, mask=rows, other=0.0).to(tl.float32) if ROW_SCALE else 0.0
     dot, dalpha_p, dalpha_n = _grad_epilogue(
         acc, bias_ptr, g_ptr, gh_ptr, act_ptr, part_ptr, row_scale, base, pid_m, row_end, N, row0, col0, 0, seed,
-        drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, STORE_ACT, ACTIVATION,
-        NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        drop_threshold, drop_scale, xielu_alpha_ptr, xielu_beta, xielu_eps, HAS_BIAS, SLICE_BIAS, STORE_ACT,
+        ACTIVATION, NEG_SLOPE, DROPOUT, ROW_SCALE, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
     if ROW_SCALE:  # one partial of the row dot per column tile
         tl.store(dscale_ptr + pid_n.to(tl.int64) * M + row0 + offs_m, dot, mask=rows)
     if ACTIVATION == "xielu":  # the alphas' gradients, one pair per tile (summed in a fixed order: no atomics)
