@@ -389,6 +389,30 @@ def test_large_table_entry_runs(act, device):
     assert _rel(gh, gh_ref) < TOL[torch.bfloat16] and _rel(db, gh_ref.sum(0)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_wide_tile_adds_the_bias_per_slice(grouped, device):
+    """On a wide tile (256x128: SLICE_BIAS) the grad kernel adds the bias per epilogue slice, not to the whole
+    accumulator up front (as the forward does): the recomputed act(h) is the forward's bit for bit, g_h and the
+    bias gradient against float64; grouped experts read each expert's bias row."""
+    M, K, N = 300, 40, 150  # the wide tile's last row and column tiles ragged
+    x, w, b, g = _linear_inputs(M, K, N, torch.float32, device, True)
+    wide = _common.GemmConfig(256, 128, 32, 1, 8, 1, 8)
+    if grouped:  # two experts' stacked (N, K) weights and biases: rows [0, 170) expert 0's, the rest expert 1's
+        w_stack, b_stack = torch.stack([w, w.flip(0)]), torch.stack([b, b.flip(0)])
+        kw = dict(groups=_common.ExpertGroups((170, 130), w_stack.stride(0), b_stack.stride(0)))
+        h_ref = torch.cat([_d(x[:170]) @ _d(w_stack[0]).t() + _d(b_stack[0]),
+                           _d(x[170:]) @ _d(w_stack[1]).t() + _d(b_stack[1])])
+        args = (x, w_stack[0].t(), b_stack[0])
+    else:
+        kw, h_ref, args = {}, _d(x) @ _d(w).t() + _d(b), (x, w.t(), b)
+    gh, a, db = _common.gemm_act_grad(*args, g, "gelu", store_act=True, config=wide, **kw)
+    assert torch.equal(a, _common.gemm_act(*args, "gelu", config=wide, **kw))
+    gh_ref = R.activation_backward(_d(g), h_ref, "gelu")
+    assert _rel(gh, gh_ref) < 1e-5 and _rel(a, R.activation_forward(h_ref, "gelu")) < 1e-5
+    if not grouped:
+        assert _rel(db, gh_ref.sum(0)) < 1e-5
+
+
 def test_tile_table_rules():
     smem = {"sm90": 227 * 1024, "sm80": 163 * 1024, "small_smem": 99 * 1024}
     for (family, cls, bucket), c in _common._TABLE.items():
