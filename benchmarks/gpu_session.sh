@@ -93,7 +93,10 @@
 #            the narrow tile on sm_90's large bucket, against the table's 256x128 that spilled);
 #            session 41: test_convert.py -k "rwkv or glm or gemma4" (RWKV's channel mix, GLM's vision mergers,
 #            Gemma 4's vision MLP on the Triton backend); session 42: test_convert.py -k "inline_ffn or
-#            pixel_decoder or bart" (BART's activation_dropout as the fused op's dropout, Mask2Former's F.relu)
+#            pixel_decoder or bart" (BART's activation_dropout as the fused op's dropout, Mask2Former's F.relu),
+#            test_kernels_dense.py -k "large_table_entry or wide_tile" (the 256x128 grad kernel adding its bias
+#            per epilogue slice, SLICE_BIAS: fewer registers, never run on a GPU) and test_mix_ffn.py (the grad
+#            kernel's 256 x 16 tile)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
