@@ -799,36 +799,30 @@ class _PassThrough:
 
     def __init__(self):
         self.traced = False
-        self.threads = set()  # idents of the threads whose head ran fused (set.add/discard: atomic)
-        # fc2's: the FFN's output, where the layer's own dropout line sits between the activation's slot
-        # and fc2 (the slot hands that line an empty tensor, fc2 returns this); per thread as the flag
-        self.traced_value = None
+        # the threads whose head ran fused, by ident (dict set/pop: atomic), each to what the head handed over
+        # with the flag: None (the input passes through), or fc2's FFN output where the layer's own dropout line
+        # sits between the activation's slot and fc2 (the slot hands that line an empty tensor, fc2 returns this)
         self.values = {}
+        self.traced_value = None
 
     def arm(self, on=True, value=None):
         if torch.compiler.is_compiling():
             self.traced, self.traced_value = on, value
-            return
-        ident = _threading.get_ident()
-        if on:
-            self.threads.add(ident)
+        elif on:
+            self.values[_threading.get_ident()] = value
         else:
-            self.threads.discard(ident)
-        if value is None:
-            self.values.pop(ident, None)
-        else:
-            self.values[ident] = value
+            self.values.pop(_threading.get_ident(), None)
 
     @property
     def armed(self):
-        return self.traced if torch.compiler.is_compiling() else _threading.get_ident() in self.threads
+        return self.traced if torch.compiler.is_compiling() else _threading.get_ident() in self.values
 
     def value(self):
         """The output handed over with the flag (None where the input passes through)."""
         return self.traced_value if torch.compiler.is_compiling() else self.values.get(_threading.get_ident())
 
     def __getstate__(self):
-        return {"traced": False, "threads": set(), "traced_value": None, "values": {}}  # starts disarmed
+        return {"traced": False, "values": {}, "traced_value": None}  # a copy or a pickle starts disarmed
 
     def _fusedrc_rebind(self, replica):
         return _PassThrough()

@@ -220,6 +220,12 @@ def release_tuning(*site) -> dict:
     return _RELEASE_TUNING.get(_TRITON_RELEASE, {}).get(site, {})
 
 
+def release_tuned(cfg, *site):
+    """``cfg`` (a config NamedTuple) with the fields ``_RELEASE_TUNING`` sets at ``site``; ``cfg`` itself almost
+    everywhere."""
+    return cfg._replace(**release_tuning(*site))
+
+
 # Where the table's entry is a wide tile (``_wide_tile``), the tile of the launches that cannot take it:
 # the dense kernels with dropout in their epilogue (the forward's mask spills 16 bytes on sm_90 under
 # Triton 3.6 even in eighths) and the gated kernels (two accumulators). The entry it replaced.
@@ -1077,13 +1083,13 @@ def _epilogue_split(cfg: GemmConfig, grad_kernel: bool, dropout: bool) -> int:
     return cfg.EPILOGUE_SPLIT if grad_kernel or dropout or _wide_tile(cfg) else 1
 
 
-def _routed_split(split: int, persistent: bool, cfg: GemmConfig) -> int:
+def _routed_split(split: int, persistent: bool, block_m: int, block_n: int) -> int:
     # the row-scale epilogue's row dot on a persistent sm_90 128x128 tile spills 8 bytes in quarters, none in
     # eighths (python -m fusedrc.inspect --kernel _gemm_act_grad); the per-tile launches' splits do not spill
     # (but under a release that _RELEASE_TUNING names)
     if persistent:
         return 2 * split
-    return release_tuning("_gemm_act_grad_kernel", "row_scale", cfg.BLOCK_M, cfg.BLOCK_N).get("EPILOGUE_SPLIT", split)
+    return release_tuning("_gemm_act_grad_kernel", "row_scale", block_m, block_n).get("EPILOGUE_SPLIT", split)
 
 
 def dropout_args(dropout, fill):
@@ -1319,7 +1325,7 @@ def gemm_act_grad(a: torch.Tensor, b: torch.Tensor, bias, grad: torch.Tensor, ac
     xielu_part = torch.empty((num_tiles, 2), device=a.device, dtype=torch.float32) if xielu is not None else None
     grid, persistent = dense_grid(num_tiles, a, cfg, groups is not None)
     if routed:
-        meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent, cfg)
+        meta["EPILOGUE_SPLIT"] = _routed_split(meta["EPILOGUE_SPLIT"], persistent, cfg.BLOCK_M, cfg.BLOCK_N)
     grad = grad.contiguous()  # no copy in the usual case
     with _device_guard(a):
         launcher(_gemm_act_grad_kernel, a)[grid](
@@ -1488,8 +1494,7 @@ def inspect_specs():
     for spec in [s for s in specs if s["kernel"] == "_gemm_act_grad_kernel" and s["arch"] == "sm_90"
                  and s["dtype"] == torch.bfloat16 and not {"loads", "dropout", "activation"} & set(s["config"])]:
         c = spec["constexprs"]
-        split = _routed_split(c["EPILOGUE_SPLIT"], c["PERSISTENT"], GemmConfig(
-            c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], spec["num_warps"], spec["num_stages"]))
+        split = _routed_split(c["EPILOGUE_SPLIT"], c["PERSISTENT"], c["BLOCK_M"], c["BLOCK_N"])
         specs.append(dict(spec, constexprs=dict(spec["constexprs"], ROW_SCALE=True, HAS_BIAS=False, EPILOGUE_SPLIT=split,
                                                 **act_meta("relu2")),
                           config=dict(spec["config"], activation="relu2", row_scale=True, EPILOGUE_SPLIT=split),
@@ -1508,7 +1513,7 @@ def inspect_specs():
             (False,)):
         grad = kernel is _gemm_act_grad_kernel
         split = _epilogue_split(entry, grad, False)
-        split = _routed_split(split, persistent, entry) if grad else split
+        split = _routed_split(split, persistent, entry.BLOCK_M, entry.BLOCK_N) if grad else split
         sig, aligned = _inspect_signature(kernel, torch.bfloat16)
         constexprs = {"stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "DROPOUT": False, "GROUPED": True,
                       **act_meta("relu2"), "BLOCK_M": entry.BLOCK_M, "BLOCK_N": entry.BLOCK_N,

@@ -81,7 +81,7 @@ import triton.language as tl
 from ._common import (
     _I32_MAX, _act_fwd, _act_grad, _arch_family, _column_halves, _device_guard, _reference, _sm_count, _upcast_flag,
     LaunchPlans, act_meta, cdiv, check_activation, device_capability, dot_precision, interpreting, launch, launcher,
-    operand_class, plan_key, release_tuning, tf32_matmul_allowed, wanted,
+    operand_class, plan_key, release_tuned, release_tuning, tf32_matmul_allowed, wanted,
 )
 
 __all__ = ["conv_bn_act_forward", "conv_bn_act_backward", "conv_config", "update_running_stats_"]
@@ -228,8 +228,8 @@ def direct_config(in_per_group: int, out_per_group: int, capability) -> ConvConf
 
 def _direct_tuned(cfg: ConvConfig, family: str) -> ConvConfig:
     """A DIRECT tile with the epilogue split ``_RELEASE_TUNING`` (fusedrc/kernels/_common.py) sets for it under
-    the installed Triton (a value-free choice); ``cfg`` itself almost everywhere."""
-    return cfg._replace(**release_tuning("conv_direct", family, cfg.BLOCK_M, cfg.BLOCK_N))
+    the installed Triton (a value-free choice)."""
+    return release_tuned(cfg, "conv_direct", family, cfg.BLOCK_M, cfg.BLOCK_N)
 
 
 def _clamp_k(block_k: int, k_per_tap: int) -> int:
@@ -245,21 +245,15 @@ def conv_config(gemm_n: int, k_per_tap: int, dtype, precision: str, capability, 
     The forward and the backward recompute call it with the same arguments, hence
     run the same BLOCK_M/N/K, K order and warps: the recomputed z is bit-identical.
     ``flat``: for the flat K loop (FLAT_K), which may take another epilogue split under
-    the installed Triton (``_flat_tuned``).
+    the installed Triton (``_RELEASE_TUNING``'s "conv_flat_k" sites).
     """
     if capability is None:
         cfg = _INTERPRETER_CONFIG
     else:
         bucket = "narrow" if gemm_n <= 64 else "wide"
         key = (_arch_family(capability), operand_class(dtype, precision), bucket)
-        cfg = _flat_tuned(_TABLE[key], key) if flat else _TABLE[key]
+        cfg = release_tuned(_TABLE[key], "conv_flat_k", *key) if flat else _TABLE[key]
     return cfg._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, k_per_tap))
-
-
-def _flat_tuned(cfg: ConvConfig, key) -> ConvConfig:
-    """Table entry ``key``'s ``cfg`` as the flat K loop runs it: with the epilogue split ``_RELEASE_TUNING``
-    (fusedrc/kernels/_common.py) sets there under the installed Triton (a value-free choice), else as it is."""
-    return cfg._replace(**release_tuning("conv_flat_k", *key))
 
 
 # Layers of groups=1 with at most this many input channels (a stem's 3 colour channels) walk the
@@ -1701,7 +1695,8 @@ def inspect_specs():
         arch = _INSPECT_ARCH.get(family)
         if arch is None or opclass != "16bit":
             continue
-        stem = _flat_tuned(cfg, (family, opclass, bucket))._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, 7 * 7 * 3))
+        stem = release_tuned(cfg, "conv_flat_k", family, opclass, bucket)
+        stem = stem._replace(BLOCK_K=_clamp_k(cfg.BLOCK_K, 7 * 7 * 3))
         for dtype in (torch.float16, torch.bfloat16):
             for fn, build, modes in gemm_kernels[:2]:
                 for mode in modes:

@@ -125,11 +125,10 @@ def _clamp_split(split, block_n, shaped, interleaved_bias=False, softcap=False):
     order (d row_scale to rounding)."""
     if not shaped or split == 1:
         return split
+    fine = min(16, block_n // 8) if interleaved_bias or softcap else min(8, block_n // 16)
     if interleaved_bias:  # finer under a release that _RELEASE_TUNING names
-        split = release_tuning("_gated_act_grad_kernel", "interleaved_bias", block_n).get("EPILOGUE_SPLIT")
-        if split is not None:
-            return split
-    return min(16, block_n // 8) if interleaved_bias or softcap else min(8, block_n // 16)
+        return release_tuning("_gated_act_grad_kernel", "interleaved_bias", block_n).get("EPILOGUE_SPLIT", fine)
+    return fine
 
 
 @triton.jit
