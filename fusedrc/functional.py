@@ -244,7 +244,8 @@ def gated_mlp(
     norm_weight: Tensor | None = None, norm_bias: Tensor | None = None, norm_eps: float = 1e-5,
     swiglu_limit: float | None = None, limit_after_act: bool = False, swiglu_alpha: float | None = None,
     up_offset: float = 0.0, gate_softcap: float | None = None, up_softcap: float | None = None,
-    gate_scale: float = 1.0,
+    gate_scale: float = 1.0, lora_gate: tuple | None = None, lora_up: tuple | None = None,
+    lora_down: tuple | None = None,
 ) -> Tensor:
     """The gated FFN ``(act(x Wgᵀ + bg) * (x Wuᵀ + bu)) Wdᵀ + bd``, keeping only ``x`` for backward.
 
@@ -264,6 +265,14 @@ def gated_mlp(
             ``[0, 1]``; its mask is never stored, as :func:`fused_mlp`'s.
         {norm}
         {limit}
+        lora_gate, lora_up, lora_down: a LoRA adapter on that projection, ``(A, B, scaling)``: it adds
+            ``scaling * (z Aᵀ) Bᵀ`` to the projection of its input z, A ``(r, in)``, B ``(out, r)`` (PEFT's
+            ``lora_A``/``lora_B`` weights), or None. The gate's and up's terms run inside the gated kernel's
+            tiles (their rank-r input ``x Aᵀ`` is all they add to memory, and it is not kept), the down
+            projection's on the product as the kernel emits it; the adapters' weights get their gradients,
+            cast back to their own dtype (a float32 adapter on bfloat16 weights, PEFT's default, computes in
+            bfloat16 with float32 accumulation). The gate's and the up's A may be one tensor (one adapter on a
+            joint gate/up projection, Phi-3's).
 
     Returns:
         ``(*, out_features)``, in the weights' dtype (x's, outside autocast).
@@ -293,13 +302,21 @@ def gated_mlp(
     _check_linear(x_ffn, w_up, b_up, "w_up", "b_up")
     _check_linear(x_ffn, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
+    lora = _gated_lora_terms(w_gate, w_down, lora_gate, lora_up, lora_down)
+
     def plain(x):
         x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
-        a = reference.gated_product(torch.nn.functional.linear(x, w_gate, b_gate),
-                                    torch.nn.functional.linear(x, w_up, b_up), activation)
-        return torch.nn.functional.linear(torch.nn.functional.dropout(a, dropout_p), w_down, b_down)
+        hg, hu = torch.nn.functional.linear(x, w_gate, b_gate), torch.nn.functional.linear(x, w_up, b_up)
+        if lora.a is not None:
+            t = torch.nn.functional.linear(x, lora.a)
+            hg, hu = hg + torch.nn.functional.linear(t, lora.gate), hu + torch.nn.functional.linear(t, lora.up)
+        a = torch.nn.functional.dropout(reference.gated_product(hg, hu, activation), dropout_p)
+        out = torch.nn.functional.linear(a, w_down, b_down)
+        if lora.down_a is not None:
+            out = out + torch.nn.functional.linear(torch.nn.functional.linear(a, lora.down_a), lora.down_b)
+        return out
 
-    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias):
+    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias, *lora):
         return plain(x)
     if inside_region():  # the plain composition (_state.inside_region)
         return _plain_rows(plain, x, w_down.shape[0])
@@ -307,8 +324,50 @@ def gated_mlp(
     lead = x.shape[:-1]
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None  # as fused_mlp's
     y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend,
-                                          float(dropout_p), seed, norm, norm_weight, norm_bias, norm_eps)
+                                          float(dropout_p), seed, norm, norm_weight, norm_bias, norm_eps,
+                                          *(lora if any(t is not None for t in lora) else ()))
     return _unview(y, lead, w_down.shape[0])
+
+
+def _lora_adapter(adapter, name, in_features, out_features, like):
+    """``(A, scaling * B)`` of an ``(A, B, scaling)`` adapter, both in ``like``'s dtype (differentiable casts), checked;
+    None for None."""
+    if adapter is None:
+        return None
+    if not isinstance(adapter, (tuple, list)) or len(adapter) != 3:
+        raise TypeError(f"{name} must be None or a tuple (A, B, scaling), got {type(adapter).__name__}")
+    a, b, scaling = adapter
+    for t, what in ((a, "A"), (b, "B")):
+        if not isinstance(t, Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise TypeError(f"{name}'s {what} must be a 2-D floating-point tensor")
+        if t.device != like.device:
+            raise ValueError(f"{name}'s {what} must be on {like.device}, got {t.device}")
+    rank = a.shape[0]
+    if a.shape[1] != in_features or tuple(b.shape) != (out_features, rank) or rank == 0:
+        raise ValueError(f"{name} must hold A of shape (r, {in_features}) and B of shape ({out_features}, r), r > 0; "
+                         f"got A {tuple(a.shape)} and B {tuple(b.shape)}")
+    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
+        raise TypeError(f"{name}'s scaling must be a finite number, got {scaling!r}")
+    return a.to(like.dtype), (b * scaling).to(like.dtype)
+
+
+def _gated_lora_terms(w_gate, w_down, lora_gate, lora_up, lora_down) -> reference.GatedLoRA:
+    """The ops' low-rank terms (``reference.GatedLoRA``) of the adapters on the gate, up and down projections: the
+    gate's and up's A stacked (one A where both are one tensor), their scaled B's padded with zeros at the other's
+    rank; all None without adapters."""
+    hidden, k = w_gate.shape
+    gate = _lora_adapter(lora_gate, "lora_gate", k, hidden, w_gate)
+    up = _lora_adapter(lora_up, "lora_up", k, hidden, w_gate)
+    down = _lora_adapter(lora_down, "lora_down", hidden, w_down.shape[0], w_gate)
+    a = lg = lu = None
+    if gate is not None and up is not None and lora_gate[0] is lora_up[0]:
+        a, lg, lu = gate[0], gate[1], up[1]
+    elif gate is not None or up is not None:
+        zeros = [None if p is None else p[1].new_zeros(hidden, p[0].shape[0]) for p in (gate, up)]
+        a = torch.cat([p[0] for p in (gate, up) if p is not None])
+        lg = gate[1] if up is None else zeros[1] if gate is None else torch.cat([gate[1], zeros[1]], 1)
+        lu = up[1] if gate is None else zeros[0] if up is None else torch.cat([zeros[0], up[1]], 1)
+    return reference.GatedLoRA(a, lg, lu, *(down or (None, None)))
 
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ._backend import get_impl
+from .reference import GatedLoRA
 from ._state import cudnn_conv_tf32, pinned_cudnn_tf32, pinned_tf32, tf32_matmul_allowed
 
 _EMPTY = (0,)
@@ -346,16 +347,25 @@ _AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
 
 
 # --------------------------------------------------------------------------- gated FFN
-# dropout_p > 0: dropout on the gated product (T5 v1.1), its mask a function of ``seed`` as the FFN's
+# dropout_p > 0: dropout on the gated product (T5 v1.1), its mask a function of ``seed`` as the FFN's.
+# lora_*: low-rank terms of the projections (reference.GatedLoRA: LoRA adapters, x's dtype), None where absent;
+# their gradients follow the FFN's seven.
+def _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b):
+    terms = (lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
+    return None if all(t is None for t in terms) else GatedLoRA(*terms)
+
+
 def _gated_mlp_impl(
     x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
     b_down: Optional[Tensor], activation: str, backend: str, dropout_p: float, seed: Optional[Tensor],
     norm: Optional[str] = None, norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
-    norm_eps: float = 0.0,
+    norm_eps: float = 0.0, lora_a: Optional[Tensor] = None, lora_gate: Optional[Tensor] = None,
+    lora_up: Optional[Tensor] = None, lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None,
 ) -> Tensor:
+    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
     return _laid_out(get_impl(backend, "gated_mlp", "gated_mlp_forward")(
         _ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, backend), w_gate, b_gate, w_up, b_up, w_down,
-        b_down, activation, dropout_p, seed))
+        b_down, activation, dropout_p, seed, **({} if lora is None else {"lora": lora})))
 
 
 gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
@@ -363,7 +373,8 @@ gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
 
 @gated_mlp_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend, dropout_p, seed, norm=None,
-      norm_weight=None, norm_bias=None, norm_eps=0.0):
+      norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a=None, lora_gate=None, lora_up=None, lora_down_a=None,
+      lora_down_b=None):
     return _empty((*x.shape[:-1], w_down.shape[0]), x, dtype=w_gate.dtype)
 
 
@@ -372,12 +383,23 @@ def _gated_mlp_backward_impl(
     b_down: Optional[Tensor], grad_out: Tensor, activation: str, backend: str, dropout_p: float,
     seed: Optional[Tensor], output_mask: Optional[List[bool]] = None, norm: Optional[str] = None,
     norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None, norm_eps: float = 0.0,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    lora_a: Optional[Tensor] = None, lora_gate: Optional[Tensor] = None, lora_up: Optional[Tensor] = None,
+    lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor]:
+    """``(dx, the six FFN parameters', the five low-rank terms', dnorm_weight, dnorm_bias)``; ``output_mask``
+    in that order."""
     body = get_impl(backend, "gated_mlp", "gated_mlp_backward")
-    return _ffn_backward(
-        lambda inp, mask: body(inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p,
-                               seed, mask),
-        x, w_gate, norm, norm_weight, norm_bias, norm_eps, output_mask, 7, backend)
+    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
+
+    def ffn(inp, mask):
+        if lora is None:
+            return (*body(inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p, seed,
+                          mask[:7]), None, None, None, None, None)
+        return body(inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p, seed, mask,
+                    lora=lora)
+
+    return _ffn_backward(ffn, x, w_gate, norm, norm_weight, norm_bias, norm_eps, output_mask, 12, backend)
 
 
 gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_impl)
@@ -385,26 +407,33 @@ gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_imp
 
 @gated_mlp_backward_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend, dropout_p, seed, output_mask=None,
-      norm=None, norm_weight=None, norm_bias=None, norm_eps=0.0):
-    return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias), output_mask, x)
+      norm=None, norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a=None, lora_gate=None, lora_up=None,
+      lora_down_a=None, lora_down_b=None):
+    return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down, lora_a, lora_gate, lora_up, lora_down_a,
+                        lora_down_b, norm_weight, norm_bias), output_mask, x)
+
+
+_GATED_LORA_INPUTS = (15, 16, 17, 18, 19)  # the forward op's lora_* positions
 
 
 def _gated_mlp_setup(ctx, inputs, output):
-    *tensors, activation, backend, dropout_p, seed, norm, norm_weight, norm_bias, norm_eps = inputs
-    ctx.save_for_backward(*tensors, seed, norm_weight, norm_bias)
+    *tensors, activation, backend, dropout_p, seed, norm, norm_weight, norm_bias, norm_eps = inputs[:15]
+    lora = tuple(inputs[15:]) + (None,) * (20 - len(inputs))  # a custom op's call drops trailing defaults
+    ctx.save_for_backward(*tensors, seed, norm_weight, norm_bias, *lora)
     ctx.activation, ctx.backend, ctx.dropout_p = activation, backend, dropout_p
     ctx.norm, ctx.norm_eps = norm, norm_eps
 
 
 def _gated_mlp_backward(ctx, grad_out):
     _no_double_backward("gated_mlp")
-    *saved, seed, norm_weight, norm_bias = ctx.saved_tensors
-    mask = _output_mask(ctx, (0, 1, 2, 3, 4, 5, 6, 12, 13))
-    grads = pick("gated_mlp_backward", saved[0], ctx.backend)(
-        *saved, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed, mask,
-        ctx.norm, norm_weight, norm_bias, ctx.norm_eps)
-    *ffn, dnw, dnb = _wanted_grads(grads, (*saved, norm_weight, norm_bias), mask)
-    return (*ffn, None, None, None, None, None, dnw, dnb, None)
+    saved = ctx.saved_tensors
+    ffn, (seed, norm_weight, norm_bias), lora = saved[:7], saved[7:10], saved[10:]
+    mask = _output_mask(ctx, (0, 1, 2, 3, 4, 5, 6, *_GATED_LORA_INPUTS, 12, 13))
+    grads = pick("gated_mlp_backward", ffn[0], ctx.backend)(
+        *ffn, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed, mask,
+        ctx.norm, norm_weight, norm_bias, ctx.norm_eps, *lora)
+    *ffn_grads, dnw, dnb = _wanted_grads(grads, (*ffn, *lora, norm_weight, norm_bias), mask)
+    return (*ffn_grads[:7], None, None, None, None, None, dnw, dnb, None, *ffn_grads[7:])
 
 
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)

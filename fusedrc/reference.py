@@ -602,45 +602,116 @@ def xielu_mlp_backward(x, w1, b1, w2, b2, alpha_p, alpha_n, beta, eps, grad_out,
 
 
 # --------------------------------------------------------------------------- gated FFN
-def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
+class GatedLoRA(NamedTuple):
+    """Low-rank terms (LoRA adapters) of a gated FFN's projections, in the ops' form, every tensor in x's dtype:
+    ``h_g += (x aᵀ) gateᵀ``, ``h_u += (x aᵀ) upᵀ`` (``a`` (R, K) stacks the gate's and the up's A matrices,
+    ``gate`` and ``up`` (H, R) their scaled B matrices, zero where the other's rank sits), and
+    ``out += (p down_aᵀ) down_bᵀ`` on the down projection's input p (``down_a`` (Rd, H), ``down_b`` (N, Rd) scaled).
+    A pair is None where that side has no adapter. The gradients come back in the same order."""
+    a: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    down_a: torch.Tensor | None = None
+    down_b: torch.Tensor | None = None
+
+
+def lora_rank_input(x, lora):
+    """t = x aᵀ (M, R): the gate's and up's low-rank input, None without one. Recomputed in backward with the
+    same GEMM on the same x, so the pre-activations it enters come out as in the forward."""
+    return None if lora is None or lora.a is None else x.mm(lora.a.t())
+
+
+def lora_down_output(out, p, lora):
+    """The down projection's output with its low-rank term on its input p added."""
+    if lora is None or lora.down_a is None:
+        return out
+    return out.addmm_(p.mm(lora.down_a.t()), lora.down_b.t())
+
+
+def lora_down_grads(grad_out, p, lora, need_da, need_db):
+    """(u, d down_a, d down_b) of the down side: u = grad_out down_b (M, Rd), which adds u down_a to the
+    gradient of p; None without an adapter there (p may be None where neither gradient is wanted)."""
+    if lora is None or lora.down_a is None:
+        return None, None, None
+    u = grad_out.mm(lora.down_b)
+    d_a = u.t().mm(p) if need_da else None
+    d_b = grad_out.t().mm(p.mm(lora.down_a.t())) if need_db else None
+    return u, d_a, d_b
+
+
+def lora_input_grads(x, ghg, ghu, t, lora, need_dx, need_da, need_dgate, need_dup):
+    """(dx's low-rank share or None, d a, d gate, d up) from the pre-activations' gradients: dt = g_hg gate
+    + g_hu up, dx += dt a, d a = dtᵀ x, d gate = g_hgᵀ t, d up = g_huᵀ t."""
+    if t is None:
+        return None, None, None, None
+    dt = ghg.mm(lora.gate).addmm_(ghu, lora.up) if need_dx or need_da else None
+    return (dt.mm(lora.a) if need_dx else None, dt.t().mm(x) if need_da else None,
+            ghg.t().mm(t) if need_dgate else None, ghu.t().mm(t) if need_dup else None)
+
+
+def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None,
+                      lora=None):
     """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd (Llama's MLP with act = silu, T5 v1.1's
-    with its dropout); x is (M, K)."""
-    a = gated_product(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), activation)
-    return F.linear(_dropped(a, dropout_p, seed), w_down, b_down)
+    with its dropout); x is (M, K). ``lora`` (``GatedLoRA``): low-rank terms on the projections."""
+    hg, hu = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+    t = lora_rank_input(x, lora)
+    if t is not None:
+        hg, hu = hg.addmm(t, lora.gate.t()), hu.addmm(t, lora.up.t())
+    a = _dropped(gated_product(hg, hu, activation), dropout_p, seed)
+    return lora_down_output(F.linear(a, w_down, b_down), a, lora)
 
 
 def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p=0.0, seed=None,
-                       output_mask=None):
+                       output_mask=None, lora=None):
     """Recompute the gate and up projections (not the down one), a dropout mask from ``seed``;
-    returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), None for an absent bias."""
-    need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
-    need_gh = need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)
+    returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down), None for an absent bias, and with ``lora``
+    the gradients of its five terms after them (``output_mask`` then holds 12)."""
+    need = wanted(output_mask, 7 if lora is None else 12)
+    need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = need[:7]
+    need_la, need_lg, need_lu, need_lda, need_ldb = need[7:] or (False,) * 5
+    need_gh = need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None) \
+        or need_la or need_lg or need_lu
     hg = F.linear(x, w_gate, b_gate)
     hu = F.linear(x, w_up, b_up)
+    t = lora_rank_input(x, lora)
+    if t is not None:
+        hg.addmm_(t, lora.gate.t())
+        hu.addmm_(t, lora.up.t())
     factor = dropout_factor(seed, hg.shape, dropout_p, hg) if dropout_p != 0 else None
     operands = gated_operands(hg, hu, activation)
     del hg, hu
-    if need_dwd:
+    if need_dwd or need_lda or need_ldb:
         a = operands.gate * operands.up
-        dw_down = grad_out.t().mm(a if factor is None else a.mul_(factor))
+        if factor is not None:
+            a.mul_(factor)
+        dw_down = grad_out.t().mm(a) if need_dwd else None
+        u, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb)
         del a
     else:
-        dw_down = None
+        dw_down = u = d_down_a = d_down_b = None
     db_down = grad_out.sum(0) if b_down is not None and need_dbd else None
+    lora_grads = () if lora is None else (None, None, None, d_down_a, d_down_b)
     if not need_gh:
-        return None, None, None, None, None, dw_down, db_down
+        return (None, None, None, None, None, dw_down, db_down, *lora_grads)
     grad_a = grad_out.mm(w_down)
+    if lora is not None and lora.down_a is not None:
+        grad_a.addmm_(u if u is not None else grad_out.mm(lora.down_b), lora.down_a)
     if factor is not None:
         grad_a.mul_(factor)
         del factor
     grad_hg, grad_hu = gated_product_backward(grad_a, operands)
     del operands, grad_a
     dx = grad_hg.mm(w_gate).add_(grad_hu.mm(w_up)) if need_dx else None
+    dx_low, d_a, d_gate, d_up = lora_input_grads(x, grad_hg, grad_hu, t, lora, need_dx, need_la, need_lg, need_lu)
+    if dx_low is not None:
+        dx.add_(dx_low)
     dw_gate = grad_hg.t().mm(x) if need_dwg else None
     dw_up = grad_hu.t().mm(x) if need_dwu else None
     db_gate = grad_hg.sum(0) if b_gate is not None and need_dbg else None
     db_up = grad_hu.sum(0) if b_up is not None and need_dbu else None
-    return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down
+    if lora is not None:
+        lora_grads = (d_a, d_gate, d_up, d_down_a, d_down_b)
+    return (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, *lora_grads)
 
 
 # --------------------------------------------------------------------------- routed experts (MoE)

@@ -45,7 +45,9 @@ from ._common import (
     expert_tiles, gemm_config, launcher, tile_bias_grad, operand_class, plain_gemm, release_tuning, uses_aten_gemm,
     wanted,
 )
-from fusedrc.reference import split_gated
+from fusedrc.reference import (
+    lora_down_grads, lora_down_output, lora_input_grads, lora_rank_input, split_gated,
+)
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
 
@@ -184,12 +186,42 @@ def _dual_mainloop(
 
 
 @triton.jit
+def _lora_mainloop(acc_g, acc_u, t_ptr, lg_ptr, lu_ptr, M, N, R, pid_m, pid_n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """acc_g += T Lg^T and acc_u += T Lu^T on the tile: LoRA adapters' low-rank terms, T (M, R) and Lg, Lu (N, R)
+    contiguous, R their rank (a few BLOCK_K steps at most, masked), after the main loop and in the same order in
+    the forward and its recompute. Rows and columns wrapped as the main loop's."""
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M) % (M - row0)
+    offs_n = tl.arange(0, BLOCK_N) % (N - col0)
+    offs_r = tl.arange(0, BLOCK_K)
+    t_ptrs = (t_ptr + row0.to(tl.int64) * R) + (offs_m[:, None] * R + offs_r[None, :])
+    l_offs = col0.to(tl.int64) * R + (offs_r[:, None] + offs_n[None, :] * R)
+    for r in range(0, tl.cdiv(R, BLOCK_K)):
+        r_left = R - r * BLOCK_K
+        t = tl.load(t_ptrs, mask=offs_r[None, :] < r_left, other=0.0)
+        lg = tl.load(lg_ptr + l_offs, mask=offs_r[:, None] < r_left, other=0.0)
+        lu = tl.load(lu_ptr + l_offs, mask=offs_r[:, None] < r_left, other=0.0)
+        if UPCAST:
+            t = t.to(tl.float32)
+            lg = lg.to(tl.float32)
+            lu = lu.to(tl.float32)
+        acc_g = tl.dot(t, lg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(t, lu, acc_u, input_precision=PRECISION)
+        t_ptrs += BLOCK_K
+        l_offs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
 def _gated_preacts(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K, stride_am, stride_ak,
-    stride_bk, stride_bn, stride_be, stride_biase,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_be, stride_biase, R,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, LORA: tl.constexpr,
 ):
     """(h_g, h_u) of the output tile ``_expert_tile`` or ``_dense_tile`` placed: one function for the forward
     and its recompute, so both compute the pre-activations alike, bit for bit. GROUPED (routed experts, one
@@ -204,6 +236,9 @@ def _gated_preacts(
         biasu_ptr += e * stride_biase
     hg, hu = _dual_mainloop(a_ptr, bg_ptr, bu_ptr, loop_m, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                             loop_pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
+    if LORA:  # dense, not interleaved (the launcher's check)
+        hg, hu = _lora_mainloop(hg, hu, t_ptr, lg_ptr, lu_ptr, loop_m, N, R, loop_pid_m, pid_n, BLOCK_M, BLOCK_N,
+                                BLOCK_K, PRECISION, UPCAST)
     if HAS_BIAS:
         col0 = pid_n * BLOCK_N
         hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
@@ -213,24 +248,25 @@ def _gated_preacts(
 
 @triton.jit
 def _gated_act_tile(
-    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr,
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, c_ptr, seed, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, R,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
     UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr, LORA: tl.constexpr,
 ):
     if GROUPED:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _expert_tile(tile, tiles_ptr, N, MT, BLOCK_M, BLOCK_N,
                                                                           GROUP_M)
     else:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _dense_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    hg, hu = _gated_preacts(a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K,
-                            stride_am, stride_ak, stride_bk, stride_bn, stride_be, stride_biase, HAS_BIAS, BLOCK_M,
-                            BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GROUPED)
+    hg, hu = _gated_preacts(a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, e, row0, loop_m,
+                            loop_pid_m, pid_n, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_be,
+                            stride_biase, R, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
+                            INTERLEAVED, GROUPED, LORA)
     col0 = pid_n * BLOCK_N
     _gated_fwd_epilogue(hg, hu, c_ptr, seed, row0.to(tl.int64) * N + col0, row_end, N, row0, col0, 0,
                         drop_threshold,
@@ -368,34 +404,34 @@ def _gated_fwd_epilogue(hg, hu, c_ptr, seed, base, M, N, row0, col0, c0, drop_th
 
 @triton.jit
 def _gated_act_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed_ptr, tiles_ptr,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, c_ptr, seed_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, R,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr, LIMIT: tl.constexpr,
     LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr, GATE_CAP: tl.constexpr,
     UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
-    PERSISTENT: tl.constexpr, GROUPED: tl.constexpr,
+    PERSISTENT: tl.constexpr, GROUPED: tl.constexpr, LORA: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:  # the dense kernels' launch shape (_common.GEMM_PERSISTENT)
         num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
-            _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr, M, N, K,
-                            stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
-                            stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET,
+            _gated_act_tile(tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, c_ptr, seed,
+                            tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold,
+                            drop_scale, MT, stride_be, stride_biase, R, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET,
                             GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
                             PRECISION, UPCAST,
-                            INTERLEAVED, EPILOGUE_SPLIT, GROUPED)
+                            INTERLEAVED, EPILOGUE_SPLIT, GROUPED, LORA)
     else:
-        _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, c_ptr, seed, tiles_ptr, M, N,
-                        K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be,
-                        stride_biase, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP,
+        _gated_act_tile(tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, c_ptr,
+                        seed, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, drop_threshold,
+                        drop_scale, MT, stride_be, stride_biase, R, HAS_BIAS, ACTIVATION, NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP,
                         UP_CAP, GATE_SCALE, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST,
                         INTERLEAVED,
-                        EPILOGUE_SPLIT, GROUPED)
+                        EPILOGUE_SPLIT, GROUPED, LORA)
 
 
 @triton.jit
@@ -489,17 +525,17 @@ def _gated_grad_epilogue(
 
 @triton.jit
 def _gated_act_grad_tile(
-    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr,
-    seed, scale_ptr, dscale_ptr, tiles_ptr,
+    tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
+    partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, R,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr,
     DROPOUT: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr,
+    GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, GROUPED: tl.constexpr, LORA: tl.constexpr,
 ):
     # the forward's pre-activations, exactly as _gated_act_tile computes them
     if GROUPED:
@@ -507,9 +543,10 @@ def _gated_act_grad_tile(
                                                                           GROUP_M)
     else:
         pid_m, pid_n, e, row0, row_end, loop_m, loop_pid_m = _dense_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    hg, hu = _gated_preacts(a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, e, row0, loop_m, loop_pid_m, pid_n, N, K,
-                            stride_am, stride_ak, stride_bk, stride_bn, stride_be, stride_biase, HAS_BIAS, BLOCK_M,
-                            BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GROUPED)
+    hg, hu = _gated_preacts(a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, e, row0, loop_m,
+                            loop_pid_m, pid_n, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_be,
+                            stride_biase, R, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST,
+                            INTERLEAVED, GROUPED, LORA)
     col0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < row_end - row0
@@ -526,10 +563,10 @@ def _gated_act_grad_tile(
 
 @triton.jit
 def _gated_act_grad_kernel(
-    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed_ptr,
-    scale_ptr, dscale_ptr, tiles_ptr,
+    a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
+    partu_ptr, seed_ptr, scale_ptr, dscale_ptr, tiles_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase,
+    stride_am, stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, R,
     HAS_BIAS: tl.constexpr, STORE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, NEG_SLOPE: tl.constexpr,
     LIMIT: tl.constexpr, LIMIT_AFTER: tl.constexpr, ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATE_SCALE: tl.constexpr,
@@ -537,27 +574,28 @@ def _gated_act_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERLEAVED: tl.constexpr,
     GH_HALVES: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
-    PERSISTENT: tl.constexpr, GROUPED: tl.constexpr,
+    PERSISTENT: tl.constexpr, GROUPED: tl.constexpr, LORA: tl.constexpr,
 ):
     seed = tl.load(seed_ptr) if DROPOUT else 0
     if PERSISTENT:
         num_m = MT if GROUPED else tl.cdiv(M, BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
             _gated_act_grad_tile(
-                tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr, partg_ptr,
-                partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
+                tile, a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, g_ptr, ghg_ptr, ghu_ptr,
+                act_ptr, partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak,
+                stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, R, HAS_BIAS, STORE_ACT, ACTIVATION,
                 NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE,
                 BLOCK_M,
-                BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED)
+                BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED,
+                LORA)
     else:
         _gated_act_grad_tile(
-            tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, g_ptr, ghg_ptr, ghu_ptr, act_ptr,
-            partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-            stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, HAS_BIAS, STORE_ACT, ACTIVATION,
+            tl.program_id(0), a_ptr, bg_ptr, bu_ptr, biasg_ptr, biasu_ptr, t_ptr, lg_ptr, lu_ptr, g_ptr, ghg_ptr,
+            ghu_ptr, act_ptr, partg_ptr, partu_ptr, seed, scale_ptr, dscale_ptr, tiles_ptr, M, N, K, stride_am,
+            stride_ak, stride_bk, stride_bn, drop_threshold, drop_scale, MT, stride_be, stride_biase, R, HAS_BIAS, STORE_ACT, ACTIVATION,
             NEG_SLOPE, LIMIT, LIMIT_AFTER, ALPHA, UP_OFFSET, GATE_CAP, UP_CAP, GATE_SCALE, DROPOUT, ROW_SCALE,
             BLOCK_M, BLOCK_N,
-            BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED)
+            BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED, LORA)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -589,9 +627,11 @@ def _joint_rows(first, second):
     return None
 
 
-def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, groups=None):
+def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, groups=None, lora=None):
     """Operands, table entry, constexprs, grid and tile table of a launch of either dual kernel on x (M, K)
     and the (H, K) weights: one builder, so the forward and its recompute take the same tiles.
+    ``lora``: None or ``(t, lg, lu)``, low-rank terms t lg^T and t lu^T added to the pre-activations (t (M, R),
+    lg and lu (H, R), x's dtype; not with ``groups``).
     ``config`` overrides the tile (tile sweeps and tests only: callers that recompute must not).
     ``groups`` (``ExpertGroups``): every routed expert's rows in one launch, the tile the table's for the mean
     rows an expert gets; the table entry None otherwise."""
@@ -603,7 +643,7 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, group
                                         dropout=dropout is not None and dropout[0] != 0, grouped=groups is not None)
     a = _tile_safe(x, cfg.BLOCK_M, cfg.BLOCK_K, "x")
     joint = _joint_rows(w_gate, w_up)
-    pair_t = joint[1].t() if joint is not None and joint[0] == "interleaved" else None
+    pair_t = joint[1].t() if joint is not None and joint[0] == "interleaved" and lora is None else None
     if pair_t is not None and _tile_safe(pair_t, cfg.BLOCK_K, 2 * cfg.BLOCK_N, "w_gate") is pair_t:
         bg = bu = pair_t  # one (K, 2H) operand: the kernel splits its columns
     else:
@@ -625,6 +665,14 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, group
         b_gate = b_up = a
     has_dropout, seed, threshold, scale = dropout_args(dropout, a)
     assert groups is None or not has_dropout, "grouped experts with dropout"
+    assert groups is None or lora is None, "grouped experts with low-rank terms"
+    if lora is not None:  # rows of R contiguous elements, as _lora_mainloop reads them
+        t, lg, lu = (v.contiguous() for v in lora)
+        assert t.shape == (M, lg.shape[1]) and lg.shape == lu.shape == (N, t.shape[1]) \
+            and t.dtype == lg.dtype == lu.dtype == x.dtype, "low-rank terms' shapes or dtypes"
+        low_rank, rank = (t, lg, lu), t.shape[1]
+    else:
+        low_rank, rank = (a, a, a), 0
     if groups is None:
         tiles, num_m, strides = None, cdiv(M, cfg.BLOCK_M), (0, 0, 0)
     else:
@@ -635,24 +683,25 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, group
     meta = dict(
         HAS_BIAS=has_bias, DROPOUT=has_dropout, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=K % cfg.BLOCK_K == 0, PRECISION=precision, UPCAST=_upcast_flag(a),
-        INTERLEAVED=pair_t is not None, GROUPED=groups is not None,
+        INTERLEAVED=pair_t is not None, GROUPED=groups is not None, LORA=lora is not None,
         num_warps=cfg.num_warps, num_stages=run.num_stages, PERSISTENT=persistent, EPILOGUE_SPLIT=run.EPILOGUE_SPLIT,
     )
-    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale, *strides)
+    scalars = (M, N, K, a.stride(0), a.stride(1), bg.stride(0), bg.stride(1), threshold, scale, *strides, rank)
     # an unused pointer argument is an input, never an output (see launcher)
-    return cfg, (a, bg, bu, b_gate, b_up), seed, scalars, meta, grid, tiles if tiles is not None else a
+    return cfg, (a, bg, bu, b_gate, b_up, *low_rank), seed, scalars, meta, grid, tiles if tiles is not None else a
 
 
-def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=None, groups=None):
+def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=None, groups=None, lora=None):
     """a = act(x Wg^T + bg) * (x Wu^T + bu), (M, H) in x.dtype; the pre-activations are not stored.
     ``dropout``: None or ``(p, seed)``: dropout on the product, as the dense FFN's (``_dropout_factor``).
+    ``lora``: None or ``(t, lg, lu)``, low-rank terms of the pre-activations (``_dual_launch``).
     ``groups`` (``ExpertGroups``): x's rows are routed experts' and each expert's rows take its weights."""
     M, H = x.shape[0], w_gate.shape[0]
     out = torch.empty((M, H), device=x.device, dtype=x.dtype)
     if M == 0 or H == 0:
         return out
     _, operands, seed, scalars, meta, grid, tiles = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout,
-                                                                 groups)
+                                                                 groups, lora)
     with _device_guard(x):
         launcher(_gated_act_kernel, x)[grid](*operands, out, seed, tiles, *scalars, **gated_meta(activation),
                                              **meta)
@@ -678,7 +727,7 @@ def _gate_up_grads(x, H, kind):
 
 
 def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=True, config=None, dropout=None,
-                   row_scale=None, groups=None):
+                   row_scale=None, groups=None, lora=None):
     """Recompute both pre-activations in tiles; return (g_hg, g_hu, a or None, dbg or None, dbu or None).
     With ``dropout`` (as given to ``gated_act``) ``grad_a`` is the gradient of dropout(act(h_g) * h_u)
     and the stored product is dropped out too.
@@ -702,12 +751,12 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
         out = *_gate_up_grads(x, H, None)[:2], act, *(tile_bias_grad(None, b, H, groups) for b in (b_gate, b_up))
         return out + (torch.zeros(M, device=x.device, dtype=torch.float32),) if routed else out
     cfg, operands, seed, scalars, meta, grid, tiles = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout,
-                                                                   groups)
+                                                                   groups, lora)
     num_m, tile_lengths = cdiv(M, cfg.BLOCK_M), None
     if groups is not None:
         _, tile_lengths, num_m = expert_tiles(groups.counts, cfg.BLOCK_M, x.device)
     joint = _joint_rows(w_gate, w_up)
-    halves = joint is not None and joint[0] == "halves"
+    halves = joint is not None and joint[0] == "halves"  # lora or not: the g_h's lay out as the weights' rows
     # an interleaved pair the kernel cannot read as one operand (misaligned) gets two buffers
     ghg, ghu, (ghg_arg, ghu_arg) = _gate_up_grads(x, H, "interleaved" if meta["INTERLEAVED"] else
                                                   "halves" if halves else None)
@@ -737,38 +786,64 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
     return out + (dscale.sum(0),) if routed else out
 
 
-def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None):
+def _low_rank(x, lora):
+    """The dual kernels' ``lora`` argument, ``(t, gate, up)`` with t = x a^T, or None (``reference.GatedLoRA``)."""
+    t = lora_rank_input(x, lora)
+    return None if t is None else (t, lora.gate, lora.up)
+
+
+def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None,
+                      lora=None):
     """out = dropout(act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd; x (M, K), Wg/Wu (H, K), Wd (N, H);
-    ``seed`` a 1-element int64 tensor when ``dropout_p > 0``."""
+    ``seed`` a 1-element int64 tensor when ``dropout_p > 0``; ``lora`` (``reference.GatedLoRA``): low-rank terms
+    of the projections, those of the gate and up inside the dual kernel's tiles."""
     assert x.dim() == 2, "gated_mlp_forward expects a 2-D x"
     split_gated(activation)
-    a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed))
-    return plain_gemm(a, w_down.t(), bias=b_down)   # never rerun: cuBLAS on CUDA
+    a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed), lora=_low_rank(x, lora))
+    return lora_down_output(plain_gemm(a, w_down.t(), bias=b_down), a, lora)   # never rerun: cuBLAS on CUDA
 
 
 def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p=0.0, seed=None,
-                       output_mask=None):
+                       output_mask=None, lora=None):
     """Returns (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down); a bias's gradient is None
-    when the bias is None. A gradient ``output_mask`` masks off is None and the work only it
+    when the bias is None; with ``lora`` the gradients of its five terms after them (``output_mask`` then
+    holds 12). A gradient ``output_mask`` masks off is None and the work only it
     needs is skipped: a frozen W_down drops dW_down and the store of a; when nothing left of
     the gate and up layers needs a gradient, the forward's kernel rebuilds a alone."""
     assert x.dim() == 2, "gated_mlp_backward expects a 2-D x"
     split_gated(activation)
-    need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = wanted(output_mask, 7)
+    need = wanted(output_mask, 7 if lora is None else 12)
+    need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = need[:7]
+    need_la, need_lg, need_lu, need_lda, need_ldb = need[7:] or (False,) * 5
+    need_a = need_dwd or need_lda or need_ldb
     db_down = grad_out.sum(0, dtype=torch.float32).to(b_down.dtype) if b_down is not None and need_dbd else None
-    if not (need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)):
-        a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed)) if need_dwd else None
+    low_rank = _low_rank(x, lora)
+    if not (need_dx or need_dwg or need_dwu or (need_dbg and b_gate is not None) or (need_dbu and b_up is not None)
+            or need_la or need_lg or need_lu):
+        a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed),
+                      lora=low_rank) if need_a else None
         dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None
-        return None, None, None, None, None, dw_down, db_down
+        _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb)
+        lora_grads = () if lora is None else (None, None, None, d_down_a, d_down_b)
+        return (None, None, None, None, None, dw_down, db_down, *lora_grads)
     grad_a = plain_gemm(grad_out, w_down, out_dtype=x.dtype)          # (M, N) @ (N, H)
-    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=need_dwd,
-                                           dropout=(dropout_p, seed))
+    u = lora_down_grads(grad_out, None, lora, False, False)[0]
+    if u is not None:  # the down side's low-rank term: grad_a += (grad_out down_b) down_a
+        grad_a.addmm_(u, lora.down_a)
+    ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=need_a,
+                                           dropout=(dropout_p, seed), lora=low_rank)
     del grad_a
     dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None  # (N, M) @ (M, H)
+    _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb)
     del a
     dx, dw_gate, dw_up = input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu)
+    dx_low, d_a, d_gate, d_up = lora_input_grads(x, ghg, ghu, low_rank and low_rank[0], lora, need_dx, need_la,
+                                                 need_lg, need_lu)
+    if dx_low is not None:
+        dx += dx_low
     dx = dx.to(x.dtype) if dx is not None else None
-    return (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
+    grads = (dx, dw_gate, dbg if need_dbg else None, dw_up, dbu if need_dbu else None, dw_down, db_down)
+    return grads if lora is None else (*grads, d_a, d_gate, d_up, d_down_a, d_down_b)
 
 
 def input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu, out=(None, None), dx_out=None):
