@@ -3205,10 +3205,56 @@ def _is_clippable(m):
     return ok
 
 
+def _is_lora_linear(m):
+    """A PEFT LoRA layer around a plain ``nn.Linear`` (``peft.tuners.lora.layer.Linear``, known by name: fusedrc
+    imports no model library; its quantized and other variants are other classes)."""
+    t = type(m)
+    return t.__name__ == "Linear" and t.__module__ == "peft.tuners.lora.layer" \
+        and is_linear(m._modules.get("base_layer")) and isinstance(m._modules.get("lora_A"), nn.ModuleDict)
+
+
+def _lora_now(m):
+    """``(base Linear, adapter)`` that calling PEFT LoRA layer ``m`` amounts to now, its forward's branches read
+    as it reads them: adapter None where no adapter acts (adapters disabled, merged into the base weight, none
+    active), else ``(A, B, scaling)`` for ``gated_mlp`` (several active adapters stacked along the rank: the sum
+    of their terms). None where the call is more than that: a merged layer with adapters disabled (its forward
+    unmerges), a LoRA variant (DoRA, ...), a LoRA dropout that acts, biases or hooks on the adapters, Conv1D's
+    transposed weights."""
+    base = m._modules["base_layer"]
+    if m.disable_adapters:
+        return None if m.merged else (base, None)
+    if m.merged:
+        return base, None
+    if getattr(m, "fan_in_fan_out", False):
+        return None
+    variants, terms = getattr(m, "lora_variant", {}), []
+    for key in m.active_adapters:
+        if key not in m.lora_A:
+            continue
+        a, b, drop, scaling = m.lora_A[key], m.lora_B[key], m.lora_dropout[key], m.scaling[key]
+        if (key in variants or not (is_linear(a) and is_linear(b)) or a.bias is not None or b.bias is not None
+                or fused_dropout_p(drop) != 0.0 or not _nohooks(a, b, drop)
+                or isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)):
+            return None
+        terms.append((a.weight, b.weight, float(scaling)))
+    if len(terms) <= 1:
+        return base, terms[0] if terms else None
+    return base, (torch.cat([t[0] for t in terms]), torch.cat([t[1] * t[2] for t in terms], 1), 1.0)
+
+
+def _projection_now(m):
+    """``(plain nn.Linear, LoRA adapter or None)`` that calling projection ``m`` amounts to now (``_inner_linear``,
+    ``_lora_now``), or None."""
+    if _is_lora_linear(m):
+        return _lora_now(m) if _nohooks(m) else None
+    lin = _inner_linear(m)
+    return None if lin is None else (lin, None)
+
+
 def _inner_linear(m):
     """The plain ``nn.Linear`` that calling ``m`` amounts to now: ``m`` itself, or the ``linear`` of a Gemma 4
     ClippableLinear while its ``use_clipped_linears`` is False (read now); else None (a clipping one, another
-    module)."""
+    module). A PEFT LoRA layer's base is not: the layer adds its adapters (``_projection_now``)."""
     if is_linear(m):
         return m
     if not isinstance(m, nn.Module) or getattr(m, "use_clipped_linears", None) is not False:
@@ -3254,11 +3300,16 @@ class FusedGatedMLP(Wrapper):
         form = _CLAMP_FORMS.get(kind)
         return _gate_kwargs(self, form and form._replace(limit=attr))
 
+    def _fusedrc_projections(self):
+        """The gate's, up's and down's ``(nn.Linear, LoRA adapter or None)`` the op reads now (a ClippableLinear's
+        inner one while it does not clip, a PEFT LoRA layer's base and adapters), or None."""
+        now = tuple(_projection_now(m) for m in (self.gate_proj, self.up_proj, self.down_proj))
+        return None if None in now else now
+
     def _fusedrc_linears(self):
-        """The gate, up and down ``nn.Linear`` the op reads now (a ClippableLinear's inner one while it does not
-        clip), or None."""
-        lins = tuple(_inner_linear(m) for m in (self.gate_proj, self.up_proj, self.down_proj))
-        return None if None in lins else lins
+        """The gate, up and down ``nn.Linear`` the op reads now (``_fusedrc_projections``), or None."""
+        now = self._fusedrc_projections()
+        return None if now is None else tuple(lin for lin, _ in now)
 
     def _fusedrc_ready(self):
         """The Linears the op would read where everything but the input lets the op stand for the call now (the
@@ -3298,8 +3349,9 @@ class FusedGatedMLP(Wrapper):
         kind, p_attr = self.__dict__["_fusedrc_form"]
 
         def fused(x, **norm):
-            (g, u, d), p = self._fusedrc_linears(), fused_dropout_p(self._fusedrc_dropout())
+            ((g, lg), (u, lu), (d, ld)), p = self._fusedrc_projections(), fused_dropout_p(self._fusedrc_dropout())
             out = F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act, dropout_p=p, **norm,
+                              lora_gate=lg, lora_up=lu, lora_down=ld,
                               **self._fusedrc_gate_kwargs())  # the clamp's limit as it is now
             if kind == "out_dropout":  # after the op, as the module's forward applies it
                 out = torch.nn.functional.dropout(out, p=getattr(self, p_attr), training=self.training)
@@ -3557,7 +3609,8 @@ def _gated_mlp(ctx, name, m):
     if kind in _CLAMP_FORMS and _gate_kwargs(m, _CLAMP_FORMS[kind]._replace(limit=p_attr)) is None:
         ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")
         return m
-    new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", projections, linear=lambda mod: _inner_linear(mod) or mod)
+    new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", projections,
+                      linear=lambda mod: mod._modules["base_layer"] if _is_lora_linear(mod) else _inner_linear(mod) or mod)
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
         new.__dict__["_fusedrc_arg"] = arg
         new.__dict__["_fusedrc_form"] = (kind, p_attr)

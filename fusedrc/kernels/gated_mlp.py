@@ -185,33 +185,39 @@ def _dual_mainloop(
     return acc_g, acc_u
 
 
+# the rank step of _lora_mainloop: the rank padded to a multiple of it (zero terms), so its loads need no masks; one
+# wgmma k-step of 16-bit operands, few registers beside the accumulators
+_LORA_BLOCK_R = 16
+LORA_BLOCK_R = tl.constexpr(_LORA_BLOCK_R)
+
+
 @triton.jit
 def _lora_mainloop(acc_g, acc_u, t_ptr, lg_ptr, lu_ptr, M, N, R, pid_m, pid_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr):
     """acc_g += T Lg^T and acc_u += T Lu^T on the tile: LoRA adapters' low-rank terms, T (M, R) and Lg, Lu (N, R)
-    contiguous, R their rank (a few BLOCK_K steps at most, masked), after the main loop and in the same order in
-    the forward and its recompute. Rows and columns wrapped as the main loop's."""
+    contiguous, R their rank padded with zeros to a multiple of BLOCK_R, after the main loop and in the same order
+    in the forward and its recompute. Rows and columns wrapped as the main loop's."""
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M) % (M - row0)
     offs_n = tl.arange(0, BLOCK_N) % (N - col0)
-    offs_r = tl.arange(0, BLOCK_K)
-    t_ptrs = (t_ptr + row0.to(tl.int64) * R) + (offs_m[:, None] * R + offs_r[None, :])
-    l_offs = col0.to(tl.int64) * R + (offs_r[:, None] + offs_n[None, :] * R)
-    for r in range(0, tl.cdiv(R, BLOCK_K)):
-        r_left = R - r * BLOCK_K
-        t = tl.load(t_ptrs, mask=offs_r[None, :] < r_left, other=0.0)
-        lg = tl.load(lg_ptr + l_offs, mask=offs_r[:, None] < r_left, other=0.0)
-        lu = tl.load(lu_ptr + l_offs, mask=offs_r[:, None] < r_left, other=0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    # 64-bit tile bases, 32-bit offsets within the tile
+    t_base = t_ptr + row0.to(tl.int64) * R
+    lg_base = lg_ptr + col0.to(tl.int64) * R
+    lu_base = lu_ptr + col0.to(tl.int64) * R
+    for r0 in tl.range(0, R, BLOCK_R, num_stages=1):  # a few steps: no pipeline
+        t = tl.load(t_base + (offs_m[:, None] * R + (r0 + offs_r)[None, :]))
+        l_offs = (r0 + offs_r)[:, None] + offs_n[None, :] * R
+        lg = tl.load(lg_base + l_offs)
+        lu = tl.load(lu_base + l_offs)
         if UPCAST:
             t = t.to(tl.float32)
             lg = lg.to(tl.float32)
             lu = lu.to(tl.float32)
         acc_g = tl.dot(t, lg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(t, lu, acc_u, input_precision=PRECISION)
-        t_ptrs += BLOCK_K
-        l_offs += BLOCK_K
     return acc_g, acc_u
 
 
@@ -238,7 +244,7 @@ def _gated_preacts(
                             loop_pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST, INTERLEAVED)
     if LORA:  # dense, not interleaved (the launcher's check)
         hg, hu = _lora_mainloop(hg, hu, t_ptr, lg_ptr, lu_ptr, loop_m, N, R, loop_pid_m, pid_n, BLOCK_M, BLOCK_N,
-                                BLOCK_K, PRECISION, UPCAST)
+                                LORA_BLOCK_R, PRECISION, UPCAST)
     if HAS_BIAS:
         col0 = pid_n * BLOCK_N
         hg = _add_bias(hg, biasg_ptr, N, col0, BLOCK_N)
@@ -666,10 +672,12 @@ def _dual_launch(x, w_gate, w_up, b_gate, b_up, config=None, dropout=None, group
     has_dropout, seed, threshold, scale = dropout_args(dropout, a)
     assert groups is None or not has_dropout, "grouped experts with dropout"
     assert groups is None or lora is None, "grouped experts with low-rank terms"
-    if lora is not None:  # rows of R contiguous elements, as _lora_mainloop reads them
-        t, lg, lu = (v.contiguous() for v in lora)
+    if lora is not None:  # rows of R contiguous elements, R padded with zeros as _lora_mainloop reads them
+        t, lg, lu = lora
         assert t.shape == (M, lg.shape[1]) and lg.shape == lu.shape == (N, t.shape[1]) \
             and t.dtype == lg.dtype == lu.dtype == x.dtype, "low-rank terms' shapes or dtypes"
+        pad = -t.shape[1] % _LORA_BLOCK_R
+        t, lg, lu = (torch.nn.functional.pad(v, (0, pad)) if pad else v.contiguous() for v in (t, lg, lu))
         low_rank, rank = (t, lg, lu), t.shape[1]
     else:
         low_rank, rank = (a, a, a), 0
@@ -702,6 +710,10 @@ def gated_act(x, w_gate, w_up, b_gate, b_up, activation, config=None, dropout=No
         return out
     _, operands, seed, scalars, meta, grid, tiles = _dual_launch(x, w_gate, w_up, b_gate, b_up, config, dropout,
                                                                  groups, lora)
+    if lora is not None and meta["EPILOGUE_SPLIT"] > 1:
+        # the whole sm_90 16-bit tile with the rank loop: 255 registers in quarters (no spill, Triton 3.6-3.9), 205
+        # in eighths (python -m fusedrc.inspect --kernel gated)
+        meta["EPILOGUE_SPLIT"] = max(meta["EPILOGUE_SPLIT"], 8)
     with _device_guard(x):
         launcher(_gated_act_kernel, x)[grid](*operands, out, seed, tiles, *scalars, **gated_meta(activation),
                                              **meta)
@@ -912,7 +924,7 @@ def inspect_specs():
                 seen[key]["source"] += "," + label
                 continue
             ptr = _TRITON_PTR[dtype]
-            names = ["a_ptr", "bg_ptr", "bu_ptr", "biasg_ptr", "biasu_ptr"]
+            names = ["a_ptr", "bg_ptr", "bu_ptr", "biasg_ptr", "biasu_ptr", "t_ptr", "lg_ptr", "lu_ptr"]
             if kernel is _gated_act_kernel:
                 names += ["c_ptr"]
             else:
@@ -927,7 +939,7 @@ def inspect_specs():
             aligned = list(sig) + ["M", "N", "K", "stride_am", "stride_bn"]
             sig.update({"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr",
                         "stride_bk": "constexpr", "stride_bn": "i32", "drop_threshold": "i32", "drop_scale": "fp32",
-                        "MT": "i32", "stride_be": "i32", "stride_biase": "i32"})
+                        "MT": "i32", "stride_be": "i32", "stride_biase": "i32", "R": "i32"})
             constexprs = {
                 "stride_ak": 1, "stride_bk": 1, "HAS_BIAS": True, "ACTIVATION": "gelu", "NEG_SLOPE": 0.0,
                 "LIMIT": 0.0, "LIMIT_AFTER": False, "ALPHA": 0.0, "UP_OFFSET": 0.0, "GATE_CAP": 0.0, "UP_CAP": 0.0,
@@ -935,7 +947,7 @@ def inspect_specs():
                 "DROPOUT": dropout,
                 "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "BLOCK_K": cfg.BLOCK_K, "GROUP_M": cfg.GROUP_M,
                 "EVEN_K": True, "PRECISION": precision, "UPCAST": False, "INTERLEAVED": False,
-                "PERSISTENT": persistent, "GROUPED": False,
+                "PERSISTENT": persistent, "GROUPED": False, "LORA": False,
             }
             constexprs["EPILOGUE_SPLIT"] = split
             if kernel is _gated_act_grad_kernel:
@@ -1041,4 +1053,13 @@ def inspect_specs():
                           "interleaved": True}}
     gpt_oss["constexprs"]["EPILOGUE_SPLIT"] = gpt_oss["config"]["EPILOGUE_SPLIT"] = 2  # as gated_act_grad splits it
     specs += [grad, gpt_oss, forward]
+    # LoRA adapters' low-rank terms in the tiles (Llama's MLP under PEFT): SwiGLU, no bias, the widest sm_90 bf16
+    # grad and forward entries (the terms fresh tensors: aligned; the rank any)
+    for spec in (base, fwd):
+        split = spec["constexprs"]["EPILOGUE_SPLIT"]
+        if spec is fwd and split > 1:  # as gated_act launches it
+            split = max(split, 8)
+        specs.append({**spec, "constexprs": {**spec["constexprs"], "LORA": True, "HAS_BIAS": False,
+                                             "ACTIVATION": "silu", "EPILOGUE_SPLIT": split},
+                      "config": {**spec["config"], "lora": True, "EPILOGUE_SPLIT": split}})
     return specs
