@@ -3242,6 +3242,11 @@ def _lora_now(m):
     return base, (torch.cat([t[0] for t in terms]), torch.cat([t[1] * t[2] for t in terms], 1), 1.0)
 
 
+def _base_linear(m):
+    """What convert checks of a projection: a PEFT LoRA layer's base Linear, else the module itself."""
+    return m._modules["base_layer"] if _is_lora_linear(m) else m
+
+
 def _projection_now(m):
     """``(plain nn.Linear, LoRA adapter or None)`` that calling projection ``m`` amounts to now (``_inner_linear``,
     ``_lora_now``), or None."""
@@ -3610,7 +3615,7 @@ def _gated_mlp(ctx, name, m):
         ctx.skip(name, f"its SwiGLU limit self.{p_attr} = {getattr(m, p_attr, None)!r} is not a number > 0")
         return m
     new = _gated_unit(ctx, name, m, FusedGatedMLP, "act_fn", projections,
-                      linear=lambda mod: mod._modules["base_layer"] if _is_lora_linear(mod) else _inner_linear(mod) or mod)
+                      linear=lambda mod: _inner_linear(_base_linear(mod)) or mod)
     if isinstance(new, FusedGatedMLP):  # (wrap may rewrite m itself: not an identity test)
         new.__dict__["_fusedrc_arg"] = arg
         new.__dict__["_fusedrc_form"] = (kind, p_attr)
@@ -3630,18 +3635,25 @@ class FusedGateUpMLP(Wrapper):
     def forward(self, *args, **kwargs):
         x = _only_input(self, args, kwargs)
         (gu_name, d_name), rank = self.__dict__["_fusedrc_form"]
-        site, gu, d, act_mod = self.sites.get("gated_ffn"), getattr(self, gu_name), getattr(self, d_name), \
-            self.activation_fn
-        if (x is None or site is None or not site.enabled or not _nohooks(self, gu, d, act_mod)
-                or not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d)
+        site, act_mod = self.sites.get("gated_ffn"), self.activation_fn
+        now = [_projection_now(getattr(self, key)) for key in (gu_name, d_name)]  # PEFT LoRA layers: base, adapter
+        if (x is None or site is None or not site.enabled or None in now
+                or not _nohooks(self, getattr(self, gu_name), getattr(self, d_name), act_mod)):
+            return self.plain(*args, **kwargs)
+        (gu, gu_lora), (d, d_lora) = now
+        if (not _still(self.__dict__["_fusedrc_act"], act_mod, gu, d) or not _nohooks(gu, d)
                 or gu.out_features != 2 * d.in_features or not _dense_runtime_ok(x, gu, d)
                 or rank not in (None, x.dim())):
             return self.plain(*args, **kwargs)
         act, n = self.__dict__["_fusedrc_act"], d.in_features
         w, b = gu.weight, gu.bias
+        # one adapter on the joint projection: its A shared, its B's row halves the gate's and the up's
+        halves = (None, None) if gu_lora is None else ((gu_lora[0], gu_lora[1][:n], gu_lora[2]),
+                                                      (gu_lora[0], gu_lora[1][n:], gu_lora[2]))
         return _run_site(
             site, lambda x: F.gated_mlp(x, w[:n], None if b is None else b[:n], w[n:], None if b is None else b[n:],
-                                        d.weight, d.bias, act),
+                                        d.weight, d.bias, act, lora_gate=halves[0], lora_up=halves[1],
+                                        lora_down=d_lora),
             self.plain, x)
 
 
@@ -3713,7 +3725,7 @@ def _gate_up_mlp(ctx, name, m):
     (gu_name, d_name), rank, body = _gate_up_form(m)
     arg = body(lines)
     act = _act_name(m.activation_fn)
-    gu, d = getattr(m, gu_name), getattr(m, d_name)
+    gu, d = _base_linear(getattr(m, gu_name)), _base_linear(getattr(m, d_name))
     if arg is None:
         reason = (f"{_class_of(m).__name__}.forward is not gate, up = gate_up_proj(x).chunk(2); "
                   "down_proj(up * activation_fn(gate))")

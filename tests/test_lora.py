@@ -202,11 +202,12 @@ def _peft():
     return tr, pytest.importorskip("peft", reason="peft is not installed (test extra)")
 
 
-def _peft_llama(tr, peft, **lora_kw):
+def _peft_llama(tr, peft, family="Llama", **lora_kw):
     torch.manual_seed(0)
-    cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    model = peft.get_peft_model(tr.LlamaForCausalLM(cfg), peft.LoraConfig(
+    cfg = getattr(tr, f"{family}Config")(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2)
+    model = peft.get_peft_model(getattr(tr, f"{family}ForCausalLM")(cfg), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules="all-linear", **lora_kw))
     for n, p in model.named_parameters():
         if "lora_B" in n:  # PEFT starts B at zero: the adapters' terms would vanish
@@ -243,14 +244,15 @@ class _Spy:
         monkeypatch.setattr(fusedrc.functional, "gated_mlp", spy)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_convert_peft_llama(backend, monkeypatch):
+@pytest.mark.parametrize("family, backend", [("Llama", "triton"), ("Llama", "reference"), ("Phi3", "triton")])
+def test_convert_peft_llama(family, backend, monkeypatch):
     """An all-linear LoRA Llama from get_peft_model: its MLPs fused with their adapters (and the RMSNorm before
-    them), loss and every trained gradient (the adapters') as the PEFT model's, fewer bytes kept."""
+    them), loss and every trained gradient (the adapters') as the PEFT model's, fewer bytes kept. Phi-3's joint
+    gate_up_proj: one adapter, its A shared by the gate's and the up's terms."""
     tr, peft = _peft()
-    model = _peft_llama(tr, peft)
+    model = _peft_llama(tr, peft, family)
     conv = fusedrc.convert(model)
-    mlps = [u.name for u in conv.fusedrc_plan.units if u.selected and u.kind == "norm_gated_ffn"]
+    mlps = [u.name for u in conv.fusedrc_plan.units if u.selected and u.kind in ("gated_ffn", "norm_gated_ffn")]
     assert [n.rsplit(".", 3)[-3:] for n in mlps] == [["layers", str(i), "mlp"] for i in range(2)], mlps
     ids = torch.randint(0, 64, (2, 12))
     spy = _Spy(monkeypatch)
