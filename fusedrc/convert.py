@@ -3216,10 +3216,11 @@ def _is_lora_linear(m):
 def _lora_now(m):
     """``(base Linear, adapter)`` that calling PEFT LoRA layer ``m`` amounts to now, its forward's branches read
     as it reads them: adapter None where no adapter acts (adapters disabled, merged into the base weight, none
-    active), else ``(A, B, scaling)`` for ``gated_mlp`` (several active adapters stacked along the rank: the sum
-    of their terms). None where the call is more than that: a merged layer with adapters disabled (its forward
-    unmerges), a LoRA variant (DoRA, ...), a LoRA dropout that acts, biases or hooks on the adapters, Conv1D's
-    transposed weights."""
+    active), else ``(A, B, scaling, dropout_p)`` for ``gated_mlp`` (its LoRA dropout's p now: 0 in eval mode;
+    several active adapters without dropout stacked along the rank: the sum of their terms). None where the call
+    is more than that: a merged layer with adapters disabled (its forward unmerges), a LoRA variant (DoRA, ...),
+    a dropout that is no ``nn.Dropout``, several adapters of which one drops, biases or hooks on the adapters,
+    Conv1D's transposed weights."""
     base = m._modules["base_layer"]
     if m.disable_adapters:
         return None if m.merged else (base, None)
@@ -3232,14 +3233,17 @@ def _lora_now(m):
         if key not in m.lora_A:
             continue
         a, b, drop, scaling = m.lora_A[key], m.lora_B[key], m.lora_dropout[key], m.scaling[key]
+        p = fused_dropout_p(drop)
         if (key in variants or not (is_linear(a) and is_linear(b)) or a.bias is not None or b.bias is not None
-                or fused_dropout_p(drop) != 0.0 or not _nohooks(a, b, drop)
+                or p is None or not _nohooks(a, b, drop)
                 or isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)):
             return None
-        terms.append((a.weight, b.weight, float(scaling)))
+        terms.append((a.weight, b.weight, float(scaling), p))
     if len(terms) <= 1:
         return base, terms[0] if terms else None
-    return base, (torch.cat([t[0] for t in terms]), torch.cat([t[1] * t[2] for t in terms], 1), 1.0)
+    if any(t[3] for t in terms):  # each adapter its own mask: no one stacked term
+        return None
+    return base, (torch.cat([t[0] for t in terms]), torch.cat([t[1] * t[2] for t in terms], 1), 1.0, 0.0)
 
 
 def _base_linear(m):
@@ -3648,8 +3652,8 @@ class FusedGateUpMLP(Wrapper):
         act, n = self.__dict__["_fusedrc_act"], d.in_features
         w, b = gu.weight, gu.bias
         # one adapter on the joint projection: its A shared, its B's row halves the gate's and the up's
-        halves = (None, None) if gu_lora is None else ((gu_lora[0], gu_lora[1][:n], gu_lora[2]),
-                                                      (gu_lora[0], gu_lora[1][n:], gu_lora[2]))
+        halves = (None, None) if gu_lora is None else ((gu_lora[0], gu_lora[1][:n], *gu_lora[2:]),
+                                                      (gu_lora[0], gu_lora[1][n:], *gu_lora[2:]))
         return _run_site(
             site, lambda x: F.gated_mlp(x, w[:n], None if b is None else b[:n], w[n:], None if b is None else b[n:],
                                         d.weight, d.bias, act, lora_gate=halves[0], lora_up=halves[1],

@@ -265,9 +265,11 @@ def gated_mlp(
             ``[0, 1]``; its mask is never stored, as :func:`fused_mlp`'s.
         {norm}
         {limit}
-        lora_gate, lora_up, lora_down: a LoRA adapter on that projection, ``(A, B, scaling)``: it adds
-            ``scaling * (z Aᵀ) Bᵀ`` to the projection of its input z, A ``(r, in)``, B ``(out, r)`` (PEFT's
-            ``lora_A``/``lora_B`` weights), or None. The gate's and up's terms run inside the gated kernel's
+        lora_gate, lora_up, lora_down: a LoRA adapter on that projection, ``(A, B, scaling)`` or
+            ``(A, B, scaling, dropout_p)``: it adds ``scaling * (dropout(z) Aᵀ) Bᵀ`` to the projection of its
+            input z, A ``(r, in)``, B ``(out, r)`` (PEFT's ``lora_A``/``lora_B`` weights and ``lora_dropout``), or
+            None. The adapters' dropout masks are functions of seeds drawn per call (as ``dropout_p``'s),
+            regenerated in backward, never stored; each adapter draws its own. The gate's and up's terms run inside the gated kernel's
             tiles (their rank-r input ``x Aᵀ`` is all they add to memory, and it is not kept), the down
             projection's on the product as the kernel emits it; the adapters' weights get their gradients,
             cast back to their own dtype (a float32 adapter on bfloat16 weights, PEFT's default, computes in
@@ -308,15 +310,17 @@ def gated_mlp(
         x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
         hg, hu = torch.nn.functional.linear(x, w_gate, b_gate), torch.nn.functional.linear(x, w_up, b_up)
         if lora.a is not None:
-            t = torch.nn.functional.linear(x, lora.a)
+            t = torch.cat([torch.nn.functional.linear(torch.nn.functional.dropout(x, p), lora.a[rows])
+                           for rows, p, _ in lora.blocks()], -1)
             hg, hu = hg + torch.nn.functional.linear(t, lora.gate), hu + torch.nn.functional.linear(t, lora.up)
         a = torch.nn.functional.dropout(reference.gated_product(hg, hu, activation), dropout_p)
         out = torch.nn.functional.linear(a, w_down, b_down)
         if lora.down_a is not None:
+            a = torch.nn.functional.dropout(a, lora.p(-1))
             out = out + torch.nn.functional.linear(torch.nn.functional.linear(a, lora.down_a), lora.down_b)
         return out
 
-    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias, *lora):
+    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias, *lora[:5]):
         return plain(x)
     if inside_region():  # the plain composition (_state.inside_region)
         return _plain_rows(plain, x, w_down.shape[0])
@@ -325,18 +329,29 @@ def gated_mlp(
     seed = torch.randint(0, 2**62, (1,), device=x.device) if dropout_p else None  # as fused_mlp's
     y = ops.pick("gated_mlp", x, backend)(_rows(x), w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend,
                                           float(dropout_p), seed, norm, norm_weight, norm_bias, norm_eps,
-                                          *(lora if any(t is not None for t in lora) else ()))
+                                          *_lora_op_args(lora, x))
     return _unview(y, lead, w_down.shape[0])
 
 
+def _lora_op_args(lora, x):
+    """The gated op's trailing lora_* arguments (none without adapters), the dropout's seeds drawn now."""
+    if all(t is None for t in lora[:5]):
+        return ()
+    seed = None
+    if any(lora.dropout):  # one seed an adapter's dropout, as fused_mlp's: from the default generator of x's device
+        seed = torch.randint(0, 2**62, (len(lora.dropout),), device=x.device)
+    return (*lora[:5], list(lora.ranks) or None, list(lora.dropout) or None, seed)
+
+
 def _lora_adapter(adapter, name, in_features, out_features, like):
-    """``(A, scaling * B)`` of an ``(A, B, scaling)`` adapter, both in ``like``'s dtype (differentiable casts), checked;
-    None for None."""
+    """``(A, scaling * B, dropout_p)`` of an ``(A, B, scaling[, dropout_p])`` adapter, both in ``like``'s dtype
+    (differentiable casts), checked; None for None."""
     if adapter is None:
         return None
-    if not isinstance(adapter, (tuple, list)) or len(adapter) != 3:
-        raise TypeError(f"{name} must be None or a tuple (A, B, scaling), got {type(adapter).__name__}")
-    a, b, scaling = adapter
+    if not isinstance(adapter, (tuple, list)) or len(adapter) not in (3, 4):
+        raise TypeError(f"{name} must be None or a tuple (A, B, scaling[, dropout_p]), got {type(adapter).__name__}")
+    a, b, scaling, p = (*adapter, 0.0) if len(adapter) == 3 else adapter
+    p = check_probability(p, f"{name}'s dropout_p")
     for t, what in ((a, "A"), (b, "B")):
         if not isinstance(t, Tensor) or t.dim() != 2 or not t.is_floating_point():
             raise TypeError(f"{name}'s {what} must be a 2-D floating-point tensor")
@@ -348,7 +363,7 @@ def _lora_adapter(adapter, name, in_features, out_features, like):
                          f"got A {tuple(a.shape)} and B {tuple(b.shape)}")
     if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
         raise TypeError(f"{name}'s scaling must be a finite number, got {scaling!r}")
-    return a.to(like.dtype), (b * scaling).to(like.dtype)
+    return a.to(like.dtype), (b * scaling).to(like.dtype), p
 
 
 def _gated_lora_terms(w_gate, w_down, lora_gate, lora_up, lora_down) -> reference.GatedLoRA:
@@ -360,14 +375,22 @@ def _gated_lora_terms(w_gate, w_down, lora_gate, lora_up, lora_down) -> referenc
     up = _lora_adapter(lora_up, "lora_up", k, hidden, w_gate)
     down = _lora_adapter(lora_down, "lora_down", hidden, w_down.shape[0], w_gate)
     a = lg = lu = None
+    blocks = ()
     if gate is not None and up is not None and lora_gate[0] is lora_up[0]:
-        a, lg, lu = gate[0], gate[1], up[1]
+        if gate[2] != up[2]:
+            raise ValueError("lora_gate and lora_up share A (one adapter): their dropout_p must be one, got "
+                             f"{gate[2]} and {up[2]}")
+        a, lg, lu, blocks = gate[0], gate[1], up[1], (gate,)
     elif gate is not None or up is not None:
         zeros = [None if p is None else p[1].new_zeros(hidden, p[0].shape[0]) for p in (gate, up)]
-        a = torch.cat([p[0] for p in (gate, up) if p is not None])
+        blocks = tuple(p for p in (gate, up) if p is not None)
+        a = torch.cat([p[0] for p in blocks])
         lg = gate[1] if up is None else zeros[1] if gate is None else torch.cat([gate[1], zeros[1]], 1)
         lu = up[1] if gate is None else zeros[0] if up is None else torch.cat([zeros[0], up[1]], 1)
-    return reference.GatedLoRA(a, lg, lu, *(down or (None, None)))
+    ps = tuple(p[2] for p in blocks) + ((down[2],) if down is not None else (0.0,))
+    dropout = ps if any(ps) else ()
+    ranks = tuple(p[0].shape[0] for p in blocks) if dropout else ()
+    return reference.GatedLoRA(a, lg, lu, *(down[:2] if down is not None else (None, None)), ranks, dropout)
 
 
 

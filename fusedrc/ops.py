@@ -350,9 +350,12 @@ _AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
 # dropout_p > 0: dropout on the gated product (T5 v1.1), its mask a function of ``seed`` as the FFN's.
 # lora_*: low-rank terms of the projections (reference.GatedLoRA: LoRA adapters, x's dtype), None where absent;
 # their gradients follow the FFN's seven.
-def _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b):
+# lora_ranks, lora_dropout, lora_seed: the adapters' dropout (GatedLoRA's ranks, dropout and seed), None without.
+def _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b, ranks=None, dropout=None, seed=None):
     terms = (lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
-    return None if all(t is None for t in terms) else GatedLoRA(*terms)
+    if all(t is None for t in terms):
+        return None
+    return GatedLoRA(*terms, tuple(ranks or ()), tuple(dropout or ()), seed)
 
 
 def _gated_mlp_impl(
@@ -361,8 +364,10 @@ def _gated_mlp_impl(
     norm: Optional[str] = None, norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
     norm_eps: float = 0.0, lora_a: Optional[Tensor] = None, lora_gate: Optional[Tensor] = None,
     lora_up: Optional[Tensor] = None, lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None,
+    lora_ranks: Optional[List[int]] = None, lora_dropout: Optional[List[float]] = None,
+    lora_seed: Optional[Tensor] = None,
 ) -> Tensor:
-    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
+    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b, lora_ranks, lora_dropout, lora_seed)
     return _laid_out(get_impl(backend, "gated_mlp", "gated_mlp_forward")(
         _ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, backend), w_gate, b_gate, w_up, b_up, w_down,
         b_down, activation, dropout_p, seed, **({} if lora is None else {"lora": lora})))
@@ -374,7 +379,7 @@ gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
 @gated_mlp_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend, dropout_p, seed, norm=None,
       norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a=None, lora_gate=None, lora_up=None, lora_down_a=None,
-      lora_down_b=None):
+      lora_down_b=None, lora_ranks=None, lora_dropout=None, lora_seed=None):
     return _empty((*x.shape[:-1], w_down.shape[0]), x, dtype=w_gate.dtype)
 
 
@@ -384,13 +389,14 @@ def _gated_mlp_backward_impl(
     seed: Optional[Tensor], output_mask: Optional[List[bool]] = None, norm: Optional[str] = None,
     norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None, norm_eps: float = 0.0,
     lora_a: Optional[Tensor] = None, lora_gate: Optional[Tensor] = None, lora_up: Optional[Tensor] = None,
-    lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None,
+    lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None, lora_ranks: Optional[List[int]] = None,
+    lora_dropout: Optional[List[float]] = None, lora_seed: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
            Tensor]:
     """``(dx, the six FFN parameters', the five low-rank terms', dnorm_weight, dnorm_bias)``; ``output_mask``
     in that order."""
     body = get_impl(backend, "gated_mlp", "gated_mlp_backward")
-    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
+    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b, lora_ranks, lora_dropout, lora_seed)
 
     def ffn(inp, mask):
         if lora is None:
@@ -408,7 +414,7 @@ gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_imp
 @gated_mlp_backward_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend, dropout_p, seed, output_mask=None,
       norm=None, norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a=None, lora_gate=None, lora_up=None,
-      lora_down_a=None, lora_down_b=None):
+      lora_down_a=None, lora_down_b=None, lora_ranks=None, lora_dropout=None, lora_seed=None):
     return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down, lora_a, lora_gate, lora_up, lora_down_a,
                         lora_down_b, norm_weight, norm_bias), output_mask, x)
 
@@ -418,22 +424,22 @@ _GATED_LORA_INPUTS = (15, 16, 17, 18, 19)  # the forward op's lora_* positions
 
 def _gated_mlp_setup(ctx, inputs, output):
     *tensors, activation, backend, dropout_p, seed, norm, norm_weight, norm_bias, norm_eps = inputs[:15]
-    lora = tuple(inputs[15:]) + (None,) * (20 - len(inputs))  # a custom op's call drops trailing defaults
-    ctx.save_for_backward(*tensors, seed, norm_weight, norm_bias, *lora)
+    lora = tuple(inputs[15:]) + (None,) * (23 - len(inputs))  # a custom op's call drops trailing defaults
+    ctx.save_for_backward(*tensors, seed, norm_weight, norm_bias, *lora[:5], lora[7])
     ctx.activation, ctx.backend, ctx.dropout_p = activation, backend, dropout_p
-    ctx.norm, ctx.norm_eps = norm, norm_eps
+    ctx.norm, ctx.norm_eps, ctx.lora_ranks, ctx.lora_dropout = norm, norm_eps, lora[5], lora[6]
 
 
 def _gated_mlp_backward(ctx, grad_out):
     _no_double_backward("gated_mlp")
     saved = ctx.saved_tensors
-    ffn, (seed, norm_weight, norm_bias), lora = saved[:7], saved[7:10], saved[10:]
+    ffn, (seed, norm_weight, norm_bias), lora, lora_seed = saved[:7], saved[7:10], saved[10:15], saved[15]
     mask = _output_mask(ctx, (0, 1, 2, 3, 4, 5, 6, *_GATED_LORA_INPUTS, 12, 13))
     grads = pick("gated_mlp_backward", ffn[0], ctx.backend)(
         *ffn, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed, mask,
-        ctx.norm, norm_weight, norm_bias, ctx.norm_eps, *lora)
+        ctx.norm, norm_weight, norm_bias, ctx.norm_eps, *lora, ctx.lora_ranks, ctx.lora_dropout, lora_seed)
     *ffn_grads, dnw, dnb = _wanted_grads(grads, (*ffn, *lora, norm_weight, norm_bias), mask)
-    return (*ffn_grads[:7], None, None, None, None, None, dnw, dnb, None, *ffn_grads[7:])
+    return (*ffn_grads[:7], None, None, None, None, None, dnw, dnb, None, *ffn_grads[7:], None, None, None)
 
 
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)

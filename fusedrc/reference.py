@@ -607,46 +607,89 @@ class GatedLoRA(NamedTuple):
     ``h_g += (x aᵀ) gateᵀ``, ``h_u += (x aᵀ) upᵀ`` (``a`` (R, K) stacks the gate's and the up's A matrices,
     ``gate`` and ``up`` (H, R) their scaled B matrices, zero where the other's rank sits), and
     ``out += (p down_aᵀ) down_bᵀ`` on the down projection's input p (``down_a`` (Rd, H), ``down_b`` (N, Rd) scaled).
-    A pair is None where that side has no adapter. The gradients come back in the same order."""
+    A pair is None where that side has no adapter. The gradients come back in the same order.
+
+    LoRA dropout (PEFT's ``lora_dropout``, on each adapter's input): ``ranks`` the ranks of ``a``'s blocks, one an
+    adapter (empty: one block), ``dropout`` the p of each block and then the down adapter's (empty: none), ``seed``
+    an int64 tensor of one seed each: block i's term is ``(drop_i(x) a_iᵀ)``, its mask a function of ``seed[i]``
+    (the backends' own, as their FFN dropout), regenerated in backward, never stored."""
     a: torch.Tensor | None = None
     gate: torch.Tensor | None = None
     up: torch.Tensor | None = None
     down_a: torch.Tensor | None = None
     down_b: torch.Tensor | None = None
+    ranks: tuple = ()
+    dropout: tuple = ()
+    seed: torch.Tensor | None = None
+
+    def blocks(self):
+        """(rows of ``a``, dropout p, seed) of each block of ``a``."""
+        ranks = self.ranks or (self.a.shape[0],)
+        starts = [sum(ranks[:i]) for i in range(len(ranks))]
+        return [(slice(r0, r0 + r), self.p(i), self.seed_of(i)) for i, (r0, r) in enumerate(zip(starts, ranks))]
+
+    def p(self, i):
+        """Block i's dropout p (i = -1: the down adapter's)."""
+        return self.dropout[i] if self.dropout else 0.0
+
+    def seed_of(self, i):
+        return None if self.seed is None else self.seed[i:i + 1] if i >= 0 else self.seed[-1:]
 
 
-def lora_rank_input(x, lora):
-    """t = x aᵀ (M, R): the gate's and up's low-rank input, None without one. Recomputed in backward with the
-    same GEMM on the same x, so the pre-activations it enters come out as in the forward."""
-    return None if lora is None or lora.a is None else x.mm(lora.a.t())
+def lora_rank_input(x, lora, drop=_dropped):
+    """t = drop(x) aᵀ (M, R): the gate's and up's low-rank input, None without one (``drop(t, p, seed)``: the
+    backend's dropout). Recomputed in backward with the same GEMMs on the same x and masks, so the pre-activations
+    it enters come out as in the forward."""
+    if lora is None or lora.a is None:
+        return None
+    blocks = lora.blocks()
+    if all(p == 0 for _, p, _ in blocks):
+        return x.mm(lora.a.t())
+    return torch.cat([drop(x, p, seed).mm(lora.a[rows].t()) for rows, p, seed in blocks], 1)
 
 
-def lora_down_output(out, p, lora):
-    """The down projection's output with its low-rank term on its input p added."""
+def lora_down_output(out, p, lora, drop=_dropped):
+    """The down projection's output with its low-rank term on its (dropped) input p added."""
     if lora is None or lora.down_a is None:
         return out
-    return out.addmm_(p.mm(lora.down_a.t()), lora.down_b.t())
+    return out.addmm_(drop(p, lora.p(-1), lora.seed_of(-1)).mm(lora.down_a.t()), lora.down_b.t())
 
 
-def lora_down_grads(grad_out, p, lora, need_da, need_db):
-    """(u, d down_a, d down_b) of the down side: u = grad_out down_b (M, Rd), which adds u down_a to the
-    gradient of p; None without an adapter there (p may be None where neither gradient is wanted)."""
+def lora_down_grads(grad_out, p, lora, need_da, need_db, drop=_dropped):
+    """(u, d down_a, d down_b) of the down side: u = grad_out down_b (M, Rd); None without an adapter there (p may
+    be None where neither gradient is wanted). ``lora_down_input_grad`` adds u's share to the gradient of p."""
     if lora is None or lora.down_a is None:
         return None, None, None
     u = grad_out.mm(lora.down_b)
-    d_a = u.t().mm(p) if need_da else None
-    d_b = grad_out.t().mm(p.mm(lora.down_a.t())) if need_db else None
+    pd = drop(p, lora.p(-1), lora.seed_of(-1)) if need_da or need_db else None
+    d_a = u.t().mm(pd) if need_da else None
+    d_b = grad_out.t().mm(pd.mm(lora.down_a.t())) if need_db else None
     return u, d_a, d_b
 
 
-def lora_input_grads(x, ghg, ghu, t, lora, need_dx, need_da, need_dgate, need_dup):
+def lora_down_input_grad(grad_p, u, lora, drop=_dropped):
+    """grad_p += drop(u down_a), in place: the down adapter's share of the gradient of its input."""
+    if lora.p(-1) == 0:
+        return grad_p.addmm_(u, lora.down_a)
+    return grad_p.add_(drop(u.mm(lora.down_a), lora.p(-1), lora.seed_of(-1)))
+
+
+def lora_input_grads(x, ghg, ghu, t, lora, need_dx, need_da, need_dgate, need_dup, drop=_dropped):
     """(dx's low-rank share or None, d a, d gate, d up) from the pre-activations' gradients: dt = g_hg gate
-    + g_hu up, dx += dt a, d a = dtᵀ x, d gate = g_hgᵀ t, d up = g_huᵀ t."""
+    + g_hu up; per block of ``a``, dx += drop(dt_i a_i), d a_i = dt_iᵀ drop(x); d gate = g_hgᵀ t, d up = g_huᵀ t."""
     if t is None:
         return None, None, None, None
     dt = ghg.mm(lora.gate).addmm_(ghu, lora.up) if need_dx or need_da else None
-    return (dt.mm(lora.a) if need_dx else None, dt.t().mm(x) if need_da else None,
-            ghg.t().mm(t) if need_dgate else None, ghu.t().mm(t) if need_dup else None)
+    d_gate, d_up = ghg.t().mm(t) if need_dgate else None, ghu.t().mm(t) if need_dup else None
+    blocks = lora.blocks()
+    if all(p == 0 for _, p, _ in blocks):
+        return dt.mm(lora.a) if need_dx else None, dt.t().mm(x) if need_da else None, d_gate, d_up
+    dx = d_a = None
+    if need_dx:
+        dx = sum(drop(dt[:, rows].mm(lora.a[rows]), p, seed) for rows, p, seed in blocks)
+    if need_da:
+        d_a = torch.cat([dt[:, rows].t().mm(drop(x, p, seed)) for rows, p, seed in blocks])
+    return dx, d_a, d_gate, d_up
 
 
 def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, dropout_p=0.0, seed=None,
@@ -695,7 +738,7 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
         return (None, None, None, None, None, dw_down, db_down, *lora_grads)
     grad_a = grad_out.mm(w_down)
     if lora is not None and lora.down_a is not None:
-        grad_a.addmm_(u if u is not None else grad_out.mm(lora.down_b), lora.down_a)
+        lora_down_input_grad(grad_a, u if u is not None else grad_out.mm(lora.down_b), lora)
     if factor is not None:
         grad_a.mul_(factor)
         del factor

@@ -38,8 +38,8 @@ def _composition(x, wg, bg, wu, bu, wd, bd, act, lora):
 def test_reference_is_the_composition():
     """The reference's forward and its 12 gradients are autograd's on the written-out composition (float64)."""
     x, wg, bg, wu, bu, wd, bd, g = (_d(t) for t in _inputs(13, 9, 20, 7, torch.float64, "cpu"))
-    lora = R.GatedLoRA(*(_d(t) for t in _terms(9, 20, 7, 3, 2, 4, torch.float64, "cpu")))
-    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd, *lora)]
+    lora = R.GatedLoRA(*(_d(t) for t in _terms(9, 20, 7, 3, 2, 4, torch.float64, "cpu")[:5]))
+    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd, *lora[:5])]
     want = _composition(*leaves[:7], "silu", R.GatedLoRA(*leaves[7:]))
     grads = torch.autograd.grad(want, leaves, g)
     out = R.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu", lora=lora)
@@ -60,7 +60,7 @@ def test_lora_kernels(dtype, act, device):
     out = gated_mlp.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, act, lora=lora)
     grads = gated_mlp.gated_mlp_backward(x, wg, bg, wu, bu, wd, bd, g, act, lora=lora)
     ref = [_d(t) for t in (x, wg, bg, wu, bu, wd, bd)]
-    ref_lora = R.GatedLoRA(*(_d(t) for t in lora))
+    ref_lora = R.GatedLoRA(*(_d(t) for t in lora[:5]))
     out_ref = R.gated_mlp_forward(*ref, act, lora=ref_lora)
     grads_ref = R.gated_mlp_backward(*ref, _d(g), act, lora=ref_lora)
     _check([out, *grads], [out_ref, *grads_ref], dtype, NAMES + LORA_NAMES)
@@ -95,7 +95,7 @@ def test_frozen_base_wants_the_adapters_alone(backend):
     x, wg, bg, wu, bu, wd, bd, g = _inputs(M, K, H, N, torch.float32, "cpu")
     lora = _terms(K, H, N, 3, 3, 2, torch.float32, "cpu")
     full = R.gated_mlp_backward(*(_d(t) for t in (x, wg, bg, wu, bu, wd, bd)), _d(g), "silu",
-                                lora=R.GatedLoRA(*(_d(t) for t in lora)))
+                                lora=R.GatedLoRA(*(_d(t) for t in lora[:5])))
     for mask in ([True] + [False] * 6 + [True] * 5, [False] * 7 + [True] * 5, [False] * 10 + [True] * 2):
         got = impl.gated_mlp_backward(x, wg, bg, wu, bu, wd, bd, g, "silu", output_mask=mask, lora=lora)
         for name, m, a, b in zip(NAMES[1:] + LORA_NAMES, mask, got, full):
@@ -103,6 +103,36 @@ def test_frozen_base_wants_the_adapters_alone(backend):
                 assert a is None, name
             else:
                 assert rel_err(a, b) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_lora_dropout(backend):
+    """Each adapter's dropout on its own input (gate's and up's on x, the down's on the product), its mask a function
+    of its seed: the backend's (the Triton kernels' Philox, ``philox_keep``; the reference's Bernoulli sampler); the
+    forward and all 12 gradients against the composition with those masks, in float64."""
+    impl = gated_mlp if backend == "triton" else R
+    M, K, H, N, rg, ru, rd = 19, 24, 40, 12, 3, 5, 2
+    x, wg, bg, wu, bu, wd, bd, g = _inputs(M, K, H, N, torch.float32, "cpu")
+    terms = _terms(K, H, N, rg, ru, rd, torch.float32, "cpu")[:5]
+    seed, ps = torch.tensor([11, 22, 33]), (0.3, 0.5, 0.25)
+    lora = R.GatedLoRA(*terms, ranks=(rg, ru), dropout=ps, seed=seed)
+
+    def factor(i, rows, cols):
+        if backend == "triton":
+            return R.philox_keep(int(seed[i]), rows, cols, ps[i]).double() / (1 - ps[i])
+        return R.dropout_factor(seed[i:i + 1], (rows, cols), ps[i], torch.empty(0)).double()
+
+    masks = [factor(0, M, K), factor(1, M, K), factor(2, M, H)]
+    assert not torch.equal(masks[0], masks[1])  # each adapter draws its own
+    leaves = [_d(t).requires_grad_() for t in (x, wg, bg, wu, bu, wd, bd, *terms)]
+    xx, wgg, bgg, wuu, buu, wdd, bdd, a, lg, lu, da, db = leaves
+    t = torch.cat([(xx * masks[0]) @ a[:rg].t(), (xx * masks[1]) @ a[rg:].t()], 1)
+    p = R.gated_product(TF.linear(xx, wgg, bgg) + t @ lg.t(), TF.linear(xx, wuu, buu) + t @ lu.t(), "silu")
+    want = TF.linear(p, wdd, bdd) + ((p * masks[2]) @ da.t()) @ db.t()
+    expected = torch.autograd.grad(want, leaves, _d(g))
+    out = impl.gated_mlp_forward(x, wg, bg, wu, bu, wd, bd, "silu", lora=lora)
+    got = impl.gated_mlp_backward(x, wg, bg, wu, bu, wd, bd, g, "silu", lora=lora)
+    _check([out, *got], [want.detach(), *expected], torch.float32, NAMES + LORA_NAMES)
 
 
 def _adapter(r, inp, out, scaling, dtype=torch.float32, device="cpu"):
@@ -162,6 +192,33 @@ def test_functional_adapters(backend):
             saved.append(kept.bytes)
         # x is what grows with the tokens: the adapters' terms are parameter-sized
         assert saved[1] - saved[0] == 2 * (14 - 6) * K * 4, (name, saved)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_functional_adapter_dropout(backend):
+    """An adapter's dropout_p through gated_mlp: p = 1 drops every term (the base MLP's output, zero gradients for the
+    adapters, through the masks regenerated in backward); p = 0.5 keeps no more bytes than p = 0 (seeds only)."""
+    dev = backend_device(backend)
+    torch.manual_seed(0)
+    K, H = 16, 40
+    gate, up, down = (torch.randn(o, i, device=dev) * i ** -0.5 for o, i in ((H, K), (H, K), (K, H)))
+    x = torch.randn(3, 7, K, device=dev, requires_grad=True)
+    adapters = [_adapter(4, K, H, 2.0, device=dev), _adapter(3, K, H, 0.5, device=dev), _adapter(2, H, K, 1.0, device=dev)]
+    base = _peft_mlp(x, gate, up, down, None, None, None)
+    gx = torch.autograd.grad(base.sum(), x)[0]
+    kept = []
+    for p in (1.0, 0.5, 0.0):
+        with fusedrc.use_backend(backend), SavedBytes() as saved:
+            y = fusedrc.functional.gated_mlp(x, gate, None, up, None, down, None, lora_gate=(*adapters[0], p),
+                                             lora_up=(*adapters[1], p), lora_down=(*adapters[2], p))
+        kept.append(saved.bytes)
+        grads = torch.autograd.grad(y.sum(), [x, *(t for ad in adapters for t in ad[:2])])
+        if p == 1.0:
+            assert rel_err(y, base) < 1e-6 and rel_err(grads[0], gx) < 1e-5
+            assert all(float(g.abs().max()) == 0 for g in grads[1:])
+        else:
+            assert rel_err(y, base) > 1e-3 and all(float(g.abs().max()) > 0 for g in grads[1:])
+    assert kept[1] <= kept[2] + 3 * 8, kept
 
 
 def test_functional_adapters_in_another_dtype():
@@ -237,8 +294,12 @@ class _Spy:
         self.calls = []
         real = fusedrc.functional.gated_mlp
 
+        self.dropout = []
+
         def spy(*args, **kwargs):
-            self.calls.append(tuple(kwargs.get(k) is not None for k in ("lora_gate", "lora_up", "lora_down")))
+            adapters = [kwargs.get(k) for k in ("lora_gate", "lora_up", "lora_down")]
+            self.calls.append(tuple(a is not None for a in adapters))
+            self.dropout.append(tuple(a[3] if a is not None and len(a) > 3 else 0.0 for a in adapters))
             return real(*args, **kwargs)
 
         monkeypatch.setattr(fusedrc.functional, "gated_mlp", spy)
@@ -265,8 +326,9 @@ def test_convert_peft_llama(family, backend, monkeypatch):
 
 def test_convert_peft_adapter_states(monkeypatch):
     """The adapters as PEFT's forward reads them at each call: disabled (the base alone, fused), merged (the base
-    weight holds them: fused), two adapters active (their terms stacked along the rank), a LoRA dropout that acts
-    and DoRA (the LoRA layers' own forward: not fused). Each step equals the PEFT model's."""
+    weight holds them: fused), two adapters active (their terms stacked along the rank), DoRA (the LoRA layers'
+    own forward: not fused), a LoRA dropout (fused with its p in training, 0 in eval). Each step equals the PEFT
+    model's, where the masks allow."""
     tr, peft = _peft()
     model = _peft_llama(tr, peft)
     conv = fusedrc.convert(model, inplace=False)
@@ -297,20 +359,22 @@ def test_convert_peft_adapter_states(monkeypatch):
         for m in (model, conv):
             m.unmerge_adapter()
 
-        for kw in (dict(lora_dropout=0.1), dict(use_dora=True)):
-            spy.calls.clear()
-            model = _peft_llama(tr, peft, **kw)
-            conv = fusedrc.convert(model, inplace=False)
-            torch.manual_seed(3)
-            la, ga = _step(model, ids)
-            torch.manual_seed(3)  # the same dropout masks: the LoRA layers run themselves
-            lb, gb = _step(conv, ids)
-            assert rel_err(lb, la) < 1e-5 and all(rel_err(gb[n], ga[n]) < 1e-4 for n in ga), kw
-            assert spy.calls == [], kw
-            model.eval(), conv.eval()  # an eval-mode dropout does nothing: fused
-            if "lora_dropout" in kw:
-                assert rel_err(conv(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-5
-                assert spy.calls == [(True, True, True)] * 2
+        spy.calls.clear()
+        model = _peft_llama(tr, peft, use_dora=True)
+        conv = fusedrc.convert(model, inplace=False)
+        _assert_same_step(model, conv, ids)
+        assert spy.calls == []
+
+        model = _peft_llama(tr, peft, lora_dropout=0.1)
+        conv = fusedrc.convert(model, inplace=False)
+        spy.calls.clear(), spy.dropout.clear()
+        (la, ga), (lb, gb) = _step(model, ids), _step(conv, ids)  # masks of their own: close, not equal
+        assert ga.keys() == gb.keys() and abs(float(lb) - float(la)) < 0.1 * float(la)
+        assert spy.calls == [(True, True, True)] * 2 and spy.dropout == [(0.1, 0.1, 0.1)] * 2
+        spy.calls.clear(), spy.dropout.clear()
+        model.eval(), conv.eval()  # an eval-mode dropout does nothing
+        assert rel_err(conv(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-5
+        assert spy.calls == [(True, True, True)] * 2 and spy.dropout == [(0.0, 0.0, 0.0)] * 2
 
 
 def test_convert_then_get_peft_model(monkeypatch):
@@ -334,3 +398,27 @@ def test_convert_then_get_peft_model(monkeypatch):
     with fusedrc.use_backend("reference"):
         _assert_same_step(model, conv, ids)
     assert spy.calls == [(True, True, True)] * 2
+
+
+def test_compile_with_adapters():
+    """torch.compile over the op with adapters (reference backend on the CPU, adapters' dropout on: its seeds drawn
+    in the graph): one graph; with p = 0 eager's results, the adapters' gradients included."""
+    torch.manual_seed(0)
+    K, H = 8, 24
+    gate, up, down = (torch.randn(o, i) * i ** -0.5 for o, i in ((H, K), (H, K), (K, H)))
+    lg, ld = _adapter(4, K, H, 2.0), _adapter(2, H, K, 1.0)
+    x = torch.randn(2, 5, K, requires_grad=True)
+
+    def f(x, p):
+        return fusedrc.functional.gated_mlp(x, gate, None, up, None, down, None, lora_gate=(*lg, p),
+                                            lora_down=(*ld, p)).square().sum()
+
+    with fusedrc.use_backend("reference"):
+        explain = torch._dynamo.explain(f)(x, 0.25)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        torch._dynamo.reset()
+        y = torch.compile(f, backend="aot_eager")(x, 0.0)
+        grads = torch.autograd.grad(y, [x, *lg[:2], *ld[:2]])
+        ye = f(x, 0.0)
+        want = torch.autograd.grad(ye, [x, *lg[:2], *ld[:2]])
+    assert rel_err(y, ye) < 1e-6 and all(rel_err(a, b) < 1e-6 for a, b in zip(grads, want))

@@ -46,7 +46,7 @@ from ._common import (
     wanted,
 )
 from fusedrc.reference import (
-    lora_down_grads, lora_down_output, lora_input_grads, lora_rank_input, split_gated,
+    lora_down_grads, lora_down_input_grad, lora_down_output, lora_input_grads, lora_rank_input, split_gated,
 )
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_config"]
@@ -604,6 +604,44 @@ def _gated_act_grad_kernel(
             BLOCK_K, GROUP_M, EVEN_K, PRECISION, UPCAST, INTERLEAVED, GH_HALVES, EPILOGUE_SPLIT, GROUPED, LORA)
 
 
+@triton.jit
+def _lora_dropout_kernel(x_ptr, out_ptr, seed_ptr, M, C, stride_xm, threshold, scale,
+                         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out = x * dropout factor of each (row, column) under the seed (``_dropout_factor``: the FFN's mask
+    function), x (M, C) of unit column stride, out contiguous: a LoRA adapter's dropout on its input, drawn
+    again alike in backward."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_C
+    cols = col0 + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < M) & (cols[None, :] < C)
+    x = tl.load(x_ptr + (rows[:, None].to(tl.int64) * stride_xm + cols[None, :]), mask=mask, other=0.0)
+    factor = _dropout_factor(tl.load(seed_ptr), rows, col0, threshold, scale, BLOCK_M, BLOCK_C)
+    tl.store(out_ptr + (rows[:, None].to(tl.int64) * C + cols[None, :]),
+             (x.to(tl.float32) * factor).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_LORA_DROPOUT_TILE = (32, 128)  # (BLOCK_M, BLOCK_C): 4096 elements a program, 4 warps
+
+
+def lora_dropout(x, p, seed):
+    """x (M, C) times its dropout factor under ``seed`` (a 1-element int64 tensor), a new tensor; x itself for
+    p = 0 (``reference.GatedLoRA``'s ``drop``: the Triton backend's, the mask of ``reference.philox_keep``)."""
+    if p == 0:
+        return x
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M, C = x.shape
+    out = torch.empty((M, C), device=x.device, dtype=x.dtype)
+    if x.numel() == 0:
+        return out
+    _, seed, threshold, scale = dropout_args((p, seed), x)
+    bm, bc = _LORA_DROPOUT_TILE
+    with _device_guard(x):
+        launcher(_lora_dropout_kernel, x)[(cdiv(M, bm), cdiv(C, bc))](
+            x, out, seed, M, C, x.stride(0), threshold, scale, BLOCK_M=bm, BLOCK_C=bc, num_warps=4)
+    return out
+
+
 # --------------------------------------------------------------------------- launchers
 def _joint_rows(first, second):
     """``(kind, view)`` where ``first`` and ``second`` (R, C) are the rows of one (2R, C) view of one tensor:
@@ -799,8 +837,8 @@ def gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=
 
 
 def _low_rank(x, lora):
-    """The dual kernels' ``lora`` argument, ``(t, gate, up)`` with t = x a^T, or None (``reference.GatedLoRA``)."""
-    t = lora_rank_input(x, lora)
+    """The dual kernels' ``lora`` argument, ``(t, gate, up)`` with t = drop(x) a^T, or None (``reference.GatedLoRA``)."""
+    t = lora_rank_input(x, lora, lora_dropout)
     return None if t is None else (t, lora.gate, lora.up)
 
 
@@ -812,7 +850,7 @@ def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
     assert x.dim() == 2, "gated_mlp_forward expects a 2-D x"
     split_gated(activation)
     a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed), lora=_low_rank(x, lora))
-    return lora_down_output(plain_gemm(a, w_down.t(), bias=b_down), a, lora)   # never rerun: cuBLAS on CUDA
+    return lora_down_output(plain_gemm(a, w_down.t(), bias=b_down), a, lora, lora_dropout)  # never rerun: cuBLAS
 
 
 def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p=0.0, seed=None,
@@ -835,22 +873,22 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
         a = gated_act(x, w_gate, w_up, b_gate, b_up, activation, dropout=(dropout_p, seed),
                       lora=low_rank) if need_a else None
         dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None
-        _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb)
+        _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb, lora_dropout)
         lora_grads = () if lora is None else (None, None, None, d_down_a, d_down_b)
         return (None, None, None, None, None, dw_down, db_down, *lora_grads)
     grad_a = plain_gemm(grad_out, w_down, out_dtype=x.dtype)          # (M, N) @ (N, H)
     u = lora_down_grads(grad_out, None, lora, False, False)[0]
-    if u is not None:  # the down side's low-rank term: grad_a += (grad_out down_b) down_a
-        grad_a.addmm_(u, lora.down_a)
+    if u is not None:  # the down side's low-rank term: grad_a += drop((grad_out down_b) down_a)
+        lora_down_input_grad(grad_a, u, lora, lora_dropout)
     ghg, ghu, a, dbg, dbu = gated_act_grad(x, w_gate, w_up, b_gate, b_up, grad_a, activation, store_act=need_a,
                                            dropout=(dropout_p, seed), lora=low_rank)
     del grad_a
     dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None  # (N, M) @ (M, H)
-    _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb)
+    _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb, lora_dropout)
     del a
     dx, dw_gate, dw_up = input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu)
     dx_low, d_a, d_gate, d_up = lora_input_grads(x, ghg, ghu, low_rank and low_rank[0], lora, need_dx, need_la,
-                                                 need_lg, need_lu)
+                                                 need_lg, need_lu, lora_dropout)
     if dx_low is not None:
         dx += dx_low
     dx = dx.to(x.dtype) if dx is not None else None
@@ -1062,4 +1100,14 @@ def inspect_specs():
         specs.append({**spec, "constexprs": {**spec["constexprs"], "LORA": True, "HAS_BIAS": False,
                                              "ACTIVATION": "silu", "EPILOGUE_SPLIT": split},
                       "config": {**spec["config"], "lora": True, "EPILOGUE_SPLIT": split}})
+    # the LoRA dropout's elementwise kernel, every arch and 16-bit dtype (its fp32 math is the same)
+    bm, bc = _LORA_DROPOUT_TILE
+    for arch, dtype in itertools.product(_INSPECT_ARCH.values(), (torch.float16, torch.bfloat16)):
+        sig = {"x_ptr": _TRITON_PTR[dtype], "out_ptr": _TRITON_PTR[dtype], "seed_ptr": "*i64", "M": "i32",
+               "C": "i32", "stride_xm": "i32", "threshold": "i32", "scale": "fp32"}
+        specs.append({"fn": _lora_dropout_kernel, "kernel": "_lora_dropout_kernel", "arch": arch, "dtype": dtype,
+                      "config": {"BLOCK_M": bm, "BLOCK_C": bc, "num_warps": 4, "num_stages": 1},
+                      "signature": sig, "constexprs": {"BLOCK_M": bm, "BLOCK_C": bc}, "num_warps": 4,
+                      "num_stages": 1, "gemm": False, "aligned": ["x_ptr", "out_ptr", "seed_ptr", "C", "stride_xm"],
+                      "source": f"{arch}/lora_dropout"})
     return specs
