@@ -36,6 +36,8 @@
 #            (benchmarks/gpu_host_profile.py)
 #   models_mobile  EfficientNet-B0 at batch 256, bf16, channels_last (its depthwise convs on the reference path)
 #   densenet DenseNet-121 at batch 64, bf16, channels_last: the pre-activation BN-ReLU-Conv units (bn_act_conv)
+#   lora     LoRA fine-tuning's FFN sublayer (benchmarks/lora_mlp.py: Llama-2 7B's RMSNorm + MLP, 8192 tokens, bf16,
+#            all-linear adapters r=16 in fp32, dropout 0.05): PEFT's eager computation, checkpoint, fusedrc
 # Usage on the GPU machine, one 10-minute call per line (2026-11-27, H100: tests reached 1003 of
 # ~1290 in 240 s on 14 workers; conv_graph ~95 s, models_graph ~50 s, tiles 4 x 45 s (each cut),
 # profile 50 s, mixtral 67 s, kernels 61 s; the machine's start ~30 s). Commit first: the device tool
@@ -96,7 +98,10 @@
 #            pixel_decoder or bart" (BART's activation_dropout as the fused op's dropout, Mask2Former's F.relu),
 #            test_kernels_dense.py -k "large_table_entry or wide_tile" (the 256x128 grad kernel adding its bias
 #            per epilogue slice, SLICE_BIAS: fewer registers, never run on a GPU) and test_mix_ffn.py (the grad
-#            kernel's 256 x 16 tile)
+#            kernel's 256 x 16 tile); session 43: tests/test_lora.py (LoRA adapters' terms in the dual kernels'
+#            tiles, the LORA rank loop and _lora_dropout_kernel, never compiled for a GPU but by inspect), then
+#            the lora step: Llama-2 7B's norm + MLP with all-linear LoRA r=16, dropout 0.05, against PEFT's eager
+#            computation and checkpoint (if fusedrc loses, time LoRA launches on the halved tile, as dropout's)
 #   a later session: FUSEDRC_TIMEOUT_MODELS_MOBILE=150 ... models_mobile; then opt bert densenet sweep
 #            (FUSEDRC_TIMEOUT_BERT=150, FUSEDRC_TIMEOUT_DENSENET=200)
 # each as FUSEDRC_GIT_COMMIT=<sha> FUSEDRC_GIT_DIRTY=0 ... bash benchmarks/gpu_session.sh.
@@ -188,6 +193,7 @@ for step in "${steps[@]}"; do
         # DenseNet-121: the pre-activation units (bn_act_conv; never run on a GPU before this step)
         densenet) timeout -k 30 $(limit densenet 250) python3 -m fusedrc.bench --workload densenet121 --batch-sizes 64 \
                       --channels-last --warmup 2 --repeats 5 "${opts[@]}" 2>&1 | tail -24 ;;
+        lora) timeout -k 30 $(limit lora 120) python3 benchmarks/lora_mlp.py --out "$w/results" 2>&1 | tail -6 ;;
         *) echo "unknown step $step" ;;
     esac
     pack

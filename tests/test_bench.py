@@ -758,3 +758,37 @@ def test_convert_survey_script(tmp_path):
     assert sum(units.values()) == 20 and all(k.startswith("conv_bn") for k in units), units
     assert rows["pvt_v2_b0"]["units"]["mix_ffn"] == 8 and rows["pvt_v2_b0"]["uncovered"] == []
     assert rows["visformer_tiny"]["uncovered"] == ["SpatialMlp"]
+
+
+def test_lora_mlp_script(tmp_path):
+    """benchmarks/lora_mlp.py at a tiny size: every strategy's record (raw step times, the bytes kept) in its results
+    file; fusedrc keeps x and parameter-sized terms (the adapters' scaled and stacked copies, the seeds), checkpoint
+    x, eager far more; the three steps' adapter gradients agree when the dropout is off."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_mlp.py"
+    spec = importlib.util.spec_from_file_location("lora_mlp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--tokens", "64", "--d", "32", "--h", "48", "--rank", "4", "--repeats", "2",
+                    "--out", str(tmp_path)])
+    doc = json.loads(Path(out).read_text())
+    assert doc["kind"] == "lora_mlp" and doc["commit"] and doc["shape"]["rank"] == 4
+    kept = {r["strategy"]: r["saved_activation_bytes"] for r in doc["records"]}
+    assert set(kept) == set(mod.STRATEGIES) and all(len(r["times_s"]) == 2 for r in doc["records"])
+    # the stacked A (2r, d), the padded scaled B's of gate and up (h, 2r) each, the down's scaled B (d, r), 3 seeds
+    x_bytes, terms = 64 * 32 * 4, (2 * 4 * 32 + 2 * 48 * 2 * 4 + 32 * 4) * 4 + 3 * 8
+    assert kept["torch_checkpoint"] == x_bytes
+    assert x_bytes <= kept["fusedrc"] <= x_bytes + terms
+    assert kept["eager"] > 4 * x_bytes
+    torch.manual_seed(0)
+    layer = mod.LoraSublayer(32, 48, 4, 0.0, torch.float32, torch.float32, "cpu")
+    x = torch.randn(64, 32)
+    grads = []
+    for run in (layer, layer.fused):
+        run(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in (*layer.a.values(), *layer.b.values())])
+        for p in (*layer.a.values(), *layer.b.values()):
+            p.grad = None
+    assert all(float((a - b).norm() / b.norm()) < 1e-5 for a, b in zip(*grads))
