@@ -304,23 +304,27 @@ def gated_mlp(
     _check_linear(x_ffn, w_up, b_up, "w_up", "b_up")
     _check_linear(x_ffn, w_down, b_down, "w_down", "b_down", in_features=w_gate.shape[0],
                   what=f"w_gate's out_features (the hidden size {w_gate.shape[0]})")
-    lora = _gated_lora_terms(w_gate, w_down, lora_gate, lora_up, lora_down)
+    lora = _lora_adapters(w_gate, w_down, lora_gate, lora_up, lora_down)
 
     def plain(x):
         x = ops._ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, "reference")  # differentiable
         hg, hu = torch.nn.functional.linear(x, w_gate, b_gate), torch.nn.functional.linear(x, w_up, b_up)
-        if lora.a is not None:
-            t = torch.cat([torch.nn.functional.linear(torch.nn.functional.dropout(x, p), lora.a[rows])
-                           for rows, p, _ in lora.blocks()], -1)
-            hg, hu = hg + torch.nn.functional.linear(t, lora.gate), hu + torch.nn.functional.linear(t, lora.up)
+        if lora is not None and lora.shared:  # one dropout of x for both halves
+            t = torch.nn.functional.linear(torch.nn.functional.dropout(x, lora.dropout[0]), lora.a_gate.to(x.dtype))
+            hg = hg + torch.nn.functional.linear(t, lora.b_gate.to(x.dtype)) * lora.scaling[0]
+            hu = hu + torch.nn.functional.linear(t, lora.b_up.to(x.dtype)) * lora.scaling[1]
+        elif lora is not None:
+            if lora.a_gate is not None:
+                hg = hg + _lora_term(x, lora.a_gate, lora.b_gate, lora.scaling[0], lora.dropout[0])
+            if lora.a_up is not None:
+                hu = hu + _lora_term(x, lora.a_up, lora.b_up, lora.scaling[1], lora.dropout[1])
         a = torch.nn.functional.dropout(reference.gated_product(hg, hu, activation), dropout_p)
         out = torch.nn.functional.linear(a, w_down, b_down)
-        if lora.down_a is not None:
-            a = torch.nn.functional.dropout(a, lora.p(-1))
-            out = out + torch.nn.functional.linear(torch.nn.functional.linear(a, lora.down_a), lora.down_b)
+        if lora is not None and lora.a_down is not None:
+            out = out + _lora_term(a, lora.a_down, lora.b_down, lora.scaling[2], lora.dropout[2])
         return out
 
-    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias, *lora[:5]):
+    if needs_unfused(x, w_gate, b_gate, w_up, b_up, w_down, b_down, norm_weight, norm_bias, *(lora or ())[:6]):
         return plain(x)
     if inside_region():  # the plain composition (_state.inside_region)
         return _plain_rows(plain, x, w_down.shape[0])
@@ -333,19 +337,8 @@ def gated_mlp(
     return _unview(y, lead, w_down.shape[0])
 
 
-def _lora_op_args(lora, x):
-    """The gated op's trailing lora_* arguments (none without adapters), the dropout's seeds drawn now."""
-    if all(t is None for t in lora[:5]):
-        return ()
-    seed = None
-    if any(lora.dropout):  # one seed an adapter's dropout, as fused_mlp's: from the default generator of x's device
-        seed = torch.randint(0, 2**62, (len(lora.dropout),), device=x.device)
-    return (*lora[:5], list(lora.ranks) or None, list(lora.dropout) or None, seed)
-
-
 def _lora_adapter(adapter, name, in_features, out_features, like):
-    """``(A, scaling * B, dropout_p)`` of an ``(A, B, scaling[, dropout_p])`` adapter, both in ``like``'s dtype
-    (differentiable casts), checked; None for None."""
+    """``(A, B, scaling, dropout_p)`` of an ``(A, B, scaling[, dropout_p])`` adapter, checked; None for None."""
     if adapter is None:
         return None
     if not isinstance(adapter, (tuple, list)) or len(adapter) not in (3, 4):
@@ -363,34 +356,40 @@ def _lora_adapter(adapter, name, in_features, out_features, like):
                          f"got A {tuple(a.shape)} and B {tuple(b.shape)}")
     if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
         raise TypeError(f"{name}'s scaling must be a finite number, got {scaling!r}")
-    return a.to(like.dtype), (b * scaling).to(like.dtype), p
+    return a, b, float(scaling), p
 
 
-def _gated_lora_terms(w_gate, w_down, lora_gate, lora_up, lora_down) -> reference.GatedLoRA:
-    """The ops' low-rank terms (``reference.GatedLoRA``) of the adapters on the gate, up and down projections: the
-    gate's and up's A stacked (one A where both are one tensor), their scaled B's padded with zeros at the other's
-    rank; all None without adapters."""
+def _lora_adapters(w_gate, w_down, lora_gate, lora_up, lora_down):
+    """The adapters as the op takes them (``reference.LoRAAdapters``, no seed yet), or None without any."""
     hidden, k = w_gate.shape
     gate = _lora_adapter(lora_gate, "lora_gate", k, hidden, w_gate)
     up = _lora_adapter(lora_up, "lora_up", k, hidden, w_gate)
     down = _lora_adapter(lora_down, "lora_down", hidden, w_down.shape[0], w_gate)
-    a = lg = lu = None
-    blocks = ()
-    if gate is not None and up is not None and lora_gate[0] is lora_up[0]:
-        if gate[2] != up[2]:
-            raise ValueError("lora_gate and lora_up share A (one adapter): their dropout_p must be one, got "
-                             f"{gate[2]} and {up[2]}")
-        a, lg, lu, blocks = gate[0], gate[1], up[1], (gate,)
-    elif gate is not None or up is not None:
-        zeros = [None if p is None else p[1].new_zeros(hidden, p[0].shape[0]) for p in (gate, up)]
-        blocks = tuple(p for p in (gate, up) if p is not None)
-        a = torch.cat([p[0] for p in blocks])
-        lg = gate[1] if up is None else zeros[1] if gate is None else torch.cat([gate[1], zeros[1]], 1)
-        lu = up[1] if gate is None else zeros[0] if up is None else torch.cat([zeros[0], up[1]], 1)
-    ps = tuple(p[2] for p in blocks) + ((down[2],) if down is not None else (0.0,))
-    dropout = ps if any(ps) else ()
-    ranks = tuple(p[0].shape[0] for p in blocks) if dropout else ()
-    return reference.GatedLoRA(a, lg, lu, *(down[:2] if down is not None else (None, None)), ranks, dropout)
+    if gate is None and up is None and down is None:
+        return None
+    shared = gate is not None and up is not None and gate[0] is up[0]
+    if shared and gate[3] != up[3]:
+        raise ValueError("lora_gate and lora_up share A (one adapter): their dropout_p must be one, got "
+                         f"{gate[3]} and {up[3]}")
+    parts = [p or (None, None, 1.0, 0.0) for p in (gate, up, down)]
+    return reference.LoRAAdapters(*(t for p in parts for t in p[:2]), tuple(p[2] for p in parts),
+                                  tuple(p[3] for p in parts), None, shared)
+
+
+def _lora_op_args(lora, x):
+    """The gated op's trailing lora_* arguments (none without adapters), the dropout's seeds drawn now."""
+    if lora is None:
+        return ()
+    seed = None
+    if any(lora.dropout):  # one seed an adapter's dropout, as fused_mlp's: from the default generator of x's device
+        seed = torch.randint(0, 2**62, (3,), device=x.device)
+    return (*lora[:6], list(lora.scaling), list(lora.dropout) if seed is not None else None, seed, lora.shared)
+
+
+def _lora_term(z, a, b, scaling, p):
+    """A LoRA adapter's term ``scaling * (dropout(z) Aᵀ) Bᵀ`` as torch's ops (the plain composition), in z's dtype."""
+    return torch.nn.functional.linear(torch.nn.functional.linear(torch.nn.functional.dropout(z, p), a.to(z.dtype)),
+                                      b.to(z.dtype)) * scaling
 
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._backend import get_impl
-from .reference import GatedLoRA
+from .reference import LoRAAdapters, lora_adapter_grads, lora_terms, lora_terms_mask
 from ._state import cudnn_conv_tf32, pinned_cudnn_tf32, pinned_tf32, tf32_matmul_allowed
 
 _EMPTY = (0,)
@@ -348,29 +348,30 @@ _AUTOGRAD["fused_mlp"] = (_fused_mlp_backward, _fused_mlp_setup)
 
 # --------------------------------------------------------------------------- gated FFN
 # dropout_p > 0: dropout on the gated product (T5 v1.1), its mask a function of ``seed`` as the FFN's.
-# lora_*: low-rank terms of the projections (reference.GatedLoRA: LoRA adapters, x's dtype), None where absent;
-# their gradients follow the FFN's seven.
-# lora_ranks, lora_dropout, lora_seed: the adapters' dropout (GatedLoRA's ranks, dropout and seed), None without.
-def _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b, ranks=None, dropout=None, seed=None):
-    terms = (lora_a, lora_gate, lora_up, lora_down_a, lora_down_b)
-    if all(t is None for t in terms):
+# lora_*: LoRA adapters on the projections as given (reference.LoRAAdapters: A and B of gate, up and down, None where
+# absent; their scalings, dropout p's and seeds; shared), kept as they are (parameters); their low-rank terms
+# (reference.GatedLoRA) are built inside the op, forward and backward. Their gradients follow the FFN's seven.
+def _lora_adapters(a_gate, b_gate, a_up, b_up, a_down, b_down, scaling, dropout, seed, shared):
+    if a_gate is None and a_up is None and a_down is None:
         return None
-    return GatedLoRA(*terms, tuple(ranks or ()), tuple(dropout or ()), seed)
+    return LoRAAdapters(a_gate, b_gate, a_up, b_up, a_down, b_down, tuple(scaling or (1.0, 1.0, 1.0)),
+                        tuple(dropout or (0.0, 0.0, 0.0)), seed, bool(shared))
 
 
 def _gated_mlp_impl(
     x: Tensor, w_gate: Tensor, b_gate: Optional[Tensor], w_up: Tensor, b_up: Optional[Tensor], w_down: Tensor,
     b_down: Optional[Tensor], activation: str, backend: str, dropout_p: float, seed: Optional[Tensor],
     norm: Optional[str] = None, norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
-    norm_eps: float = 0.0, lora_a: Optional[Tensor] = None, lora_gate: Optional[Tensor] = None,
-    lora_up: Optional[Tensor] = None, lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None,
-    lora_ranks: Optional[List[int]] = None, lora_dropout: Optional[List[float]] = None,
-    lora_seed: Optional[Tensor] = None,
+    norm_eps: float = 0.0, lora_a_gate: Optional[Tensor] = None, lora_b_gate: Optional[Tensor] = None,
+    lora_a_up: Optional[Tensor] = None, lora_b_up: Optional[Tensor] = None, lora_a_down: Optional[Tensor] = None,
+    lora_b_down: Optional[Tensor] = None, lora_scaling: Optional[List[float]] = None,
+    lora_dropout: Optional[List[float]] = None, lora_seed: Optional[Tensor] = None, lora_shared: bool = False,
 ) -> Tensor:
-    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b, lora_ranks, lora_dropout, lora_seed)
+    lora = _lora_adapters(lora_a_gate, lora_b_gate, lora_a_up, lora_b_up, lora_a_down, lora_b_down, lora_scaling,
+                          lora_dropout, lora_seed, lora_shared)
     return _laid_out(get_impl(backend, "gated_mlp", "gated_mlp_forward")(
         _ffn_input(x, w_gate, norm, norm_weight, norm_bias, norm_eps, backend), w_gate, b_gate, w_up, b_up, w_down,
-        b_down, activation, dropout_p, seed, **({} if lora is None else {"lora": lora})))
+        b_down, activation, dropout_p, seed, **({} if lora is None else {"lora": lora_terms(lora, w_gate.dtype)})))
 
 
 gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
@@ -378,8 +379,9 @@ gated_mlp_op = _custom_op("gated_mlp", _gated_mlp_impl)
 
 @gated_mlp_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backend, dropout_p, seed, norm=None,
-      norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a=None, lora_gate=None, lora_up=None, lora_down_a=None,
-      lora_down_b=None, lora_ranks=None, lora_dropout=None, lora_seed=None):
+      norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a_gate=None, lora_b_gate=None, lora_a_up=None,
+      lora_b_up=None, lora_a_down=None, lora_b_down=None, lora_scaling=None, lora_dropout=None, lora_seed=None,
+      lora_shared=False):
     return _empty((*x.shape[:-1], w_down.shape[0]), x, dtype=w_gate.dtype)
 
 
@@ -388,24 +390,26 @@ def _gated_mlp_backward_impl(
     b_down: Optional[Tensor], grad_out: Tensor, activation: str, backend: str, dropout_p: float,
     seed: Optional[Tensor], output_mask: Optional[List[bool]] = None, norm: Optional[str] = None,
     norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None, norm_eps: float = 0.0,
-    lora_a: Optional[Tensor] = None, lora_gate: Optional[Tensor] = None, lora_up: Optional[Tensor] = None,
-    lora_down_a: Optional[Tensor] = None, lora_down_b: Optional[Tensor] = None, lora_ranks: Optional[List[int]] = None,
-    lora_dropout: Optional[List[float]] = None, lora_seed: Optional[Tensor] = None,
+    lora_a_gate: Optional[Tensor] = None, lora_b_gate: Optional[Tensor] = None, lora_a_up: Optional[Tensor] = None,
+    lora_b_up: Optional[Tensor] = None, lora_a_down: Optional[Tensor] = None, lora_b_down: Optional[Tensor] = None,
+    lora_scaling: Optional[List[float]] = None, lora_dropout: Optional[List[float]] = None,
+    lora_seed: Optional[Tensor] = None, lora_shared: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-           Tensor]:
-    """``(dx, the six FFN parameters', the five low-rank terms', dnorm_weight, dnorm_bias)``; ``output_mask``
-    in that order."""
+           Tensor, Tensor]:
+    """``(dx, the six FFN parameters', the six adapters' (LoRAAdapters' order), dnorm_weight, dnorm_bias)``;
+    ``output_mask`` in that order."""
     body = get_impl(backend, "gated_mlp", "gated_mlp_backward")
-    lora = _gated_lora(lora_a, lora_gate, lora_up, lora_down_a, lora_down_b, lora_ranks, lora_dropout, lora_seed)
+    lora = _lora_adapters(lora_a_gate, lora_b_gate, lora_a_up, lora_b_up, lora_a_down, lora_b_down, lora_scaling,
+                          lora_dropout, lora_seed, lora_shared)
 
     def ffn(inp, mask):
+        args = (inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p, seed)
         if lora is None:
-            return (*body(inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p, seed,
-                          mask[:7]), None, None, None, None, None)
-        return body(inp, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, dropout_p, seed, mask,
-                    lora=lora)
+            return (*body(*args, mask[:7]), None, None, None, None, None, None)
+        grads = body(*args, [*mask[:7], *lora_terms_mask(lora, mask[7:])], lora=lora_terms(lora, w_gate.dtype))
+        return (*grads[:7], *lora_adapter_grads(lora, grads[7:]))
 
-    return _ffn_backward(ffn, x, w_gate, norm, norm_weight, norm_bias, norm_eps, output_mask, 12, backend)
+    return _ffn_backward(ffn, x, w_gate, norm, norm_weight, norm_bias, norm_eps, output_mask, 13, backend)
 
 
 gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_impl)
@@ -413,33 +417,38 @@ gated_mlp_backward_op = _custom_op("gated_mlp_backward", _gated_mlp_backward_imp
 
 @gated_mlp_backward_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, activation, backend, dropout_p, seed, output_mask=None,
-      norm=None, norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a=None, lora_gate=None, lora_up=None,
-      lora_down_a=None, lora_down_b=None, lora_ranks=None, lora_dropout=None, lora_seed=None):
-    return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down, lora_a, lora_gate, lora_up, lora_down_a,
-                        lora_down_b, norm_weight, norm_bias), output_mask, x)
+      norm=None, norm_weight=None, norm_bias=None, norm_eps=0.0, lora_a_gate=None, lora_b_gate=None, lora_a_up=None,
+      lora_b_up=None, lora_a_down=None, lora_b_down=None, lora_scaling=None, lora_dropout=None, lora_seed=None,
+      lora_shared=False):
+    return _fake_grads((x, w_gate, b_gate, w_up, b_up, w_down, b_down, lora_a_gate, lora_b_gate,
+                        None if lora_shared else lora_a_up, lora_b_up, lora_a_down, lora_b_down, norm_weight,
+                        norm_bias), output_mask, x)
 
 
-_GATED_LORA_INPUTS = (15, 16, 17, 18, 19)  # the forward op's lora_* positions
+_GATED_LORA_INPUTS = (15, 16, 17, 18, 19, 20)  # the forward op's lora_a_gate ... lora_b_down positions
 
 
 def _gated_mlp_setup(ctx, inputs, output):
     *tensors, activation, backend, dropout_p, seed, norm, norm_weight, norm_bias, norm_eps = inputs[:15]
-    lora = tuple(inputs[15:]) + (None,) * (23 - len(inputs))  # a custom op's call drops trailing defaults
-    ctx.save_for_backward(*tensors, seed, norm_weight, norm_bias, *lora[:5], lora[7])
+    lora = tuple(inputs[15:]) + (None, None, None, None, None, None, None, None, None, False)[len(inputs) - 15:]
+    ctx.save_for_backward(*tensors, seed, norm_weight, norm_bias, *lora[:6], lora[8])
     ctx.activation, ctx.backend, ctx.dropout_p = activation, backend, dropout_p
-    ctx.norm, ctx.norm_eps, ctx.lora_ranks, ctx.lora_dropout = norm, norm_eps, lora[5], lora[6]
+    ctx.norm, ctx.norm_eps, ctx.lora_scaling, ctx.lora_dropout, ctx.lora_shared = norm, norm_eps, *lora[6:8], lora[9]
 
 
 def _gated_mlp_backward(ctx, grad_out):
     _no_double_backward("gated_mlp")
     saved = ctx.saved_tensors
-    ffn, (seed, norm_weight, norm_bias), lora, lora_seed = saved[:7], saved[7:10], saved[10:15], saved[15]
+    ffn, (seed, norm_weight, norm_bias), lora, lora_seed = saved[:7], saved[7:10], saved[10:16], saved[16]
     mask = _output_mask(ctx, (0, 1, 2, 3, 4, 5, 6, *_GATED_LORA_INPUTS, 12, 13))
+    if ctx.lora_shared:
+        mask[9] = False  # a_up is a_gate: its gradient goes out once, as a_gate's
     grads = pick("gated_mlp_backward", ffn[0], ctx.backend)(
         *ffn, grad_out.contiguous(), ctx.activation, ctx.backend, ctx.dropout_p, seed, mask,
-        ctx.norm, norm_weight, norm_bias, ctx.norm_eps, *lora, ctx.lora_ranks, ctx.lora_dropout, lora_seed)
+        ctx.norm, norm_weight, norm_bias, ctx.norm_eps, *lora, ctx.lora_scaling, ctx.lora_dropout, lora_seed,
+        ctx.lora_shared)
     *ffn_grads, dnw, dnb = _wanted_grads(grads, (*ffn, *lora, norm_weight, norm_bias), mask)
-    return (*ffn_grads[:7], None, None, None, None, None, dnw, dnb, None, *ffn_grads[7:], None, None, None)
+    return (*ffn_grads[:7], None, None, None, None, None, dnw, dnb, None, *ffn_grads[7:], None, None, None, None)
 
 
 _AUTOGRAD["gated_mlp"] = (_gated_mlp_backward, _gated_mlp_setup)

@@ -636,6 +636,89 @@ class GatedLoRA(NamedTuple):
         return None if self.seed is None else self.seed[i:i + 1] if i >= 0 else self.seed[-1:]
 
 
+class LoRAAdapters(NamedTuple):
+    """The gated ops' LoRA adapters as given: each projection's A ``(r, in)`` and B ``(out, r)`` (None: no adapter
+    there), its scaling and its dropout's p, the dropout's seeds (int64 ``(3,)``, gate's, up's and down's; None
+    without dropout), and ``shared``: one adapter on a joint gate/up projection (Phi-3's), ``a_up`` then ``a_gate``
+    itself and ``b_gate``/``b_up`` its B's row halves. The ops keep these (parameters) and build ``GatedLoRA``'s
+    terms from them inside the op, forward and backward: no scaled or stacked copy is kept."""
+    a_gate: torch.Tensor | None = None
+    b_gate: torch.Tensor | None = None
+    a_up: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    a_down: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    scaling: tuple = (1.0, 1.0, 1.0)
+    dropout: tuple = (0.0, 0.0, 0.0)
+    seed: torch.Tensor | None = None
+    shared: bool = False
+
+    def gate_up_blocks(self):
+        """(A, B, scaling, dropout p, seed index, which) of the gate's and up's adapters, in ``a``'s block order."""
+        if self.shared:
+            return [(self.a_gate, None, self.scaling[0], self.dropout[0], 0, "shared")]
+        return [(a, b, s, p, i, w) for a, b, s, p, i, w in ((self.a_gate, self.b_gate, self.scaling[0], self.dropout[0],
+                                                             0, "gate"),
+                                                            (self.a_up, self.b_up, self.scaling[1], self.dropout[1],
+                                                             1, "up")) if a is not None]
+
+
+def lora_terms(ad, dtype):
+    """``GatedLoRA`` terms of ``LoRAAdapters`` ``ad`` in ``dtype``: the gate's and up's A stacked (one A where
+    shared), their scaled B's padded with zeros at the other's rank, the down's B scaled."""
+    blocks = ad.gate_up_blocks()
+    a = gate = up = None
+    if blocks:
+        a = torch.cat([blk[0] for blk in blocks]).to(dtype)
+        ranks = [blk[0].shape[0] for blk in blocks]
+        if ad.shared:
+            gate, up = ad.b_gate.to(dtype) * ad.scaling[0], ad.b_up.to(dtype) * ad.scaling[1]
+        else:
+            hidden = (ad.b_gate if ad.b_gate is not None else ad.b_up).shape[0]
+            gate, up = (a.new_zeros(hidden, sum(ranks)) for _ in range(2))
+            r0 = 0
+            for (_, b, s, _, _, which), r in zip(blocks, ranks):
+                (gate if which == "gate" else up)[:, r0:r0 + r] = b.to(dtype) * s
+                r0 += r
+    down_a = down_b = None
+    if ad.a_down is not None:
+        down_a, down_b = ad.a_down.to(dtype), ad.b_down.to(dtype) * ad.scaling[2]
+    if not any(ad.dropout) or ad.seed is None:
+        return GatedLoRA(a, gate, up, down_a, down_b)
+    index = [blk[4] for blk in blocks] + [2]
+    return GatedLoRA(a, gate, up, down_a, down_b, tuple(blk[0].shape[0] for blk in blocks),
+                     tuple(blk[3] for blk in blocks) + (ad.dropout[2],), ad.seed[index])
+
+
+def lora_terms_mask(ad, need):
+    """The terms' five gradient flags (``GatedLoRA``'s order) from the six adapters' (``LoRAAdapters``' order)."""
+    need_ag, need_bg, need_au, need_bu, need_ad, need_bd = need
+    return need_ag or need_au, need_bg, need_bu, need_ad, need_bd
+
+
+def lora_adapter_grads(ad, grads):
+    """The six adapters' gradients (each in its own dtype, None where absent or not computed) from the terms'
+    (``lora_terms``): a block's rows of d a, a scaled B's columns times its scaling."""
+    d_a, d_gate, d_up, d_down_a, d_down_b = grads
+    out = dict.fromkeys(("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"))
+    r0 = 0
+    for a, b, s, _, _, which in ad.gate_up_blocks():
+        rows = slice(r0, r0 + a.shape[0])
+        r0 += a.shape[0]
+        if which == "shared":
+            out["a_gate"] = None if d_a is None else d_a[rows]
+            out["b_gate"] = None if d_gate is None else d_gate * ad.scaling[0]
+            out["b_up"] = None if d_up is None else d_up * ad.scaling[1]
+            continue
+        out[f"a_{which}"] = None if d_a is None else d_a[rows]
+        d_b = d_gate if which == "gate" else d_up
+        out[f"b_{which}"] = None if d_b is None else d_b[:, rows] * s
+    if ad.a_down is not None:
+        out["a_down"] = d_down_a
+        out["b_down"] = None if d_down_b is None else d_down_b * ad.scaling[2]
+    return tuple(None if g is None else g.to(getattr(ad, k).dtype) for k, g in out.items())
+
+
 def lora_rank_input(x, lora, drop=_dropped):
     """t = drop(x) aᵀ (M, R): the gate's and up's low-rank input, None without one (``drop(t, p, seed)``: the
     backend's dropout). Recomputed in backward with the same GEMMs on the same x and masks, so the pre-activations
