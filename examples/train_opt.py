@@ -7,11 +7,15 @@ with ``fusedrc.convert`` (each decoder layer's FFN fc1 -> ReLU -> fc2 becomes on
 fused recompute op; Llama's gated MLP a fused gated FFN; GPT-2's MLP a fused FFN; Mixtral's
 experts one fused routed-experts op;
 ``--policy blocks`` also recomputes whole decoder layers with
-``fusedrc.mark``; ``--budget 0.3`` lets convert choose), and trains both from the
+``fusedrc.mark``; ``--budget 0.3`` lets convert choose; ``--lora 16`` first wraps the model with PEFT's LoRA
+adapters on every Linear, base weights frozen, as LoRA fine-tuning does: Llama's MLP is then fused with its
+adapters), and trains both from the
 same weights on the same random token batches (causal LM loss). Prints each
 step's loss, the median step time, the activation bytes autograd keeps per step
 (saved-tensor hooks, parameters excluded) and, on CUDA, the peak memory.
-Exits with status 1 if the losses differ by more than 1e-3 (relative).
+Exits with status 1 if the losses differ by more than 1e-3 (relative); with ``--lora-dropout`` > 0 only the
+first step's are compared (the fused op draws its own dropout masks; PEFT's B starts at zero, so the first step's
+adapters add nothing whatever their masks).
 
 Run::
 
@@ -19,6 +23,7 @@ Run::
     python examples/train_opt.py --policy blocks
     python examples/train_opt.py --arch llama --budget 0.5
     python examples/train_opt.py --arch mixtral
+    python examples/train_opt.py --arch llama --lora 16 --lora-dropout 0.05   # needs peft
     python examples/train_opt.py --device cuda --layers 12 --hidden 768 --seq 512 --batch 8
 """
 from __future__ import annotations
@@ -52,6 +57,8 @@ def main(argv=None):
                         "(OPT relu, Llama and Mixtral silu, GPT-2 gelu_new)")
     p.add_argument("--policy", default="all", choices=["all", "blocks"])
     p.add_argument("--budget", type=float, default=None, help="memory_budget for convert (fraction)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank: PEFT adapters on every Linear (0: none)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout (with --lora)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -90,14 +97,21 @@ def main(argv=None):
         model_cls, name = tr.GPT2LMHeadModel, "GPT-2"
     torch.manual_seed(args.seed)
     original = model_cls(cfg).to(device).train()
+    if args.lora:
+        import peft
+
+        original = peft.get_peft_model(original, peft.LoraConfig(
+            r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", lora_dropout=args.lora_dropout))
+        name += f" + LoRA r={args.lora}"
     gen = torch.Generator().manual_seed(args.seed + 1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
                for _ in range(args.steps)]
     return compare(
         original, args, batches, (batches[0],), device,
         lambda params: torch.optim.AdamW(params, lr=args.lr),
-        lambda model, ids: model(ids, labels=ids).loss,
-        f"{name} {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps} steps")
+        lambda model, ids: model(input_ids=ids, labels=ids).loss,
+        f"{name} {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps} steps",
+        checked_steps=1 if args.lora and args.lora_dropout else None)
 
 
 if __name__ == "__main__":

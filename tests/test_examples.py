@@ -68,3 +68,21 @@ def test_train_causal_lm(arch, unit, capsys):
     out = capsys.readouterr().out
     ratio = float(out.rsplit("saved-bytes ratio converted/original:", 1)[1].split()[0])
     assert f".{unit} " in out and ratio < 1.0
+
+
+@pytest.mark.parametrize("dropout", ["0", "0.1"])
+def test_train_causal_lm_with_lora(dropout, capsys):
+    """--lora: PEFT's all-linear adapters; Llama's MLPs fused with them (losses as PEFT's: all steps without
+    dropout, the first with it), fewer bytes kept."""
+    try:
+        import_torchvision()
+    except ImportError:
+        pass
+    pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+    pytest.importorskip("peft", reason="peft is not installed (test extra)")
+    assert _main("train_opt")(["--arch", "llama", "--lora", "4", "--lora-dropout", dropout, "--layers", "2",
+                               "--hidden", "32", "--seq", "16", "--batch", "2", "--steps", "3", "--device",
+                               "cpu"]) == 0
+    out = capsys.readouterr().out
+    ratio = float(out.rsplit("saved-bytes ratio converted/original:", 1)[1].split()[0])
+    assert ".mlp " in out and "LoRA r=4" in out and ratio < 0.7
