@@ -2507,31 +2507,38 @@ def _t5_dense_gated(ctx, name, m):
     if type(m.dropout) is not nn.Dropout:
         ctx.skip(name, f"{type(m.dropout).__name__} between the gate and wo has no fused form")
         return m
-    return _gated_unit(ctx, name, m, FusedT5DenseGatedActDense, "act", ("wi_0", "wi_1", "wo"))
+    return _gated_unit(ctx, name, m, FusedT5DenseGatedActDense, "act", ("wi_0", "wi_1", "wo"), linear=_base_linear)
 
 
 class FusedT5DenseGatedActDense(Wrapper):
     """Hugging Face ``T5DenseGatedActDense`` (T5 v1.1, Flan-T5, mT5: ``wo(dropout(act(wi_0(x)) *
     wi_1(x)))``) as one fused gated FFN, its dropout included (mask regenerated in backward, its own
     stream: equal in distribution to ``nn.Dropout``'s). T5's ``wo`` kept in fp32 beside half
-    ``wi_*`` weights (``_keep_in_fp32_modules``) runs the module."""
+    ``wi_*`` weights (``_keep_in_fp32_modules``) runs the module. PEFT LoRA layers in the Linears' places run
+    fused with their adapters, as ``FusedGatedMLP``'s."""
 
     def _fusedrc_site(self):
         return self.sites.get("gated_ffn")
 
     def _fusedrc_fusable(self, x):
-        site, g, u, d = self._fusedrc_site(), self.wi_0, self.wi_1, self.wo
-        return (site is not None and site.enabled and fused_dropout_p(self.dropout) is not None
-                and _nohooks(self, g, u, d, self.act, self.dropout)
+        site, now = self._fusedrc_site(), [_projection_now(m) for m in (self.wi_0, self.wi_1, self.wo)]
+        if site is None or not site.enabled or None in now:
+            return False
+        g, u, d = (lin for lin, _ in now)
+        return (fused_dropout_p(self.dropout) is not None
+                and _nohooks(self, self.wi_0, self.wi_1, self.wo, g, u, d, self.act, self.dropout)
                 and _still(self.__dict__["_fusedrc_act"], self.act, g, u, d) and _dense_runtime_ok(x, g, u, d))
 
     def forward(self, hidden_states):
-        g, u, d, act = self.wi_0, self.wi_1, self.wo, self.__dict__["_fusedrc_act"]
-        return _with_norm(
-            self, hidden_states, lambda x, **norm: F.gated_mlp(
-                x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act,
-                dropout_p=fused_dropout_p(self.dropout), **norm),
-            self.plain)
+        act = self.__dict__["_fusedrc_act"]
+
+        def fused(x, **norm):
+            (g, lg), (u, lu), (d, ld) = (_projection_now(m) for m in (self.wi_0, self.wi_1, self.wo))
+            return F.gated_mlp(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias, act,
+                               dropout_p=fused_dropout_p(self.dropout), lora_gate=lg, lora_up=lu, lora_down=ld,
+                               **norm)
+
+        return _with_norm(self, hidden_states, fused, self.plain)
 
 
 class FusedConv1DMLP(Wrapper):

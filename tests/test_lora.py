@@ -425,3 +425,33 @@ def test_compile_with_adapters():
         ye = f(x, 0.0)
         want = torch.autograd.grad(ye, [x, *lg[:2], *ld[:2]])
     assert rel_err(y, ye) < 1e-6 and all(rel_err(a, b) < 1e-6 for a, b in zip(grads, want))
+
+
+def test_convert_peft_t5_gated(monkeypatch):
+    """T5 v1.1's gated FFN (T5DenseGatedActDense: wi_0, wi_1, wo) under PEFT's all-linear LoRA: its four FFNs fused
+    with their adapters, the loss and every adapter gradient equal to the PEFT model's."""
+    tr, peft = _peft()
+    torch.manual_seed(0)
+    cfg = tr.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", dropout_rate=0.0, decoder_start_token_id=0)
+    model = peft.get_peft_model(tr.T5ForConditionalGeneration(cfg), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2)
+    conv = fusedrc.convert(model)
+    assert sum(u.kind.endswith("gated_ffn") for u in conv.fusedrc_plan.units if u.selected) == 4
+    spy = _Spy(monkeypatch)
+    ids = torch.randint(0, 64, (2, 10))
+
+    def step(m):
+        m.zero_grad()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with fusedrc.use_backend("reference"):
+        (la, ga), (lb, gb) = step(model), step(conv)
+    assert rel_err(lb, la) < 1e-5 and ga.keys() == gb.keys() and any("wi_0.lora_A" in n for n in ga)
+    assert all(rel_err(gb[n], ga[n]) < 1e-4 for n in ga)
+    assert spy.calls == [(True, True, True)] * 4
