@@ -710,7 +710,8 @@ def lora_adapter_grads(ad, grads):
             out["b_gate"] = None if d_gate is None else d_gate * ad.scaling[0]
             out["b_up"] = None if d_up is None else d_up * ad.scaling[1]
             continue
-        out[f"a_{which}"] = None if d_a is None else d_a[rows]
+        # a copy: two outputs of one op may not alias (the custom op's check), and the gate's and up's rows would
+        out[f"a_{which}"] = None if d_a is None else d_a[rows].clone()
         d_b = d_gate if which == "gate" else d_up
         out[f"b_{which}"] = None if d_b is None else d_b[:, rows] * s
     if ad.a_down is not None:

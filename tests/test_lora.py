@@ -404,27 +404,36 @@ def test_convert_then_get_peft_model(monkeypatch):
 
 
 def test_compile_with_adapters():
-    """torch.compile over the op with adapters (reference backend on the CPU, adapters' dropout on: its seeds drawn
-    in the graph): one graph; with p = 0 eager's results, the adapters' gradients included."""
+    """torch.compile over the op with adapters on all three projections (reference backend on the CPU, adapters'
+    dropout on: its seeds drawn in the graph): one graph; with p = 0 eager's results, the adapters' gradients
+    included (the gate's and up's A gradients distinct tensors: a custom op's outputs may not alias). The same
+    under a dispatch mode (the ops through the dispatcher: FlopCounterMode), on both backends."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     torch.manual_seed(0)
     K, H = 8, 24
     gate, up, down = (torch.randn(o, i) * i ** -0.5 for o, i in ((H, K), (H, K), (K, H)))
-    lg, ld = _adapter(4, K, H, 2.0), _adapter(2, H, K, 1.0)
+    lg, lu, ld = _adapter(4, K, H, 2.0), _adapter(2, K, H, 0.5), _adapter(2, H, K, 1.0)
+    leaves = [t for ad in (lg, lu, ld) for t in ad[:2]]
     x = torch.randn(2, 5, K, requires_grad=True)
 
     def f(x, p):
         return fusedrc.functional.gated_mlp(x, gate, None, up, None, down, None, lora_gate=(*lg, p),
-                                            lora_down=(*ld, p)).square().sum()
+                                            lora_up=(*lu, p), lora_down=(*ld, p)).square().sum()
 
     with fusedrc.use_backend("reference"):
         explain = torch._dynamo.explain(f)(x, 0.25)
         assert explain.graph_break_count == 0 and explain.graph_count == 1
         torch._dynamo.reset()
         y = torch.compile(f, backend="aot_eager")(x, 0.0)
-        grads = torch.autograd.grad(y, [x, *lg[:2], *ld[:2]])
+        grads = torch.autograd.grad(y, [x, *leaves])
         ye = f(x, 0.0)
-        want = torch.autograd.grad(ye, [x, *lg[:2], *ld[:2]])
+        want = torch.autograd.grad(ye, [x, *leaves])
     assert rel_err(y, ye) < 1e-6 and all(rel_err(a, b) < 1e-6 for a, b in zip(grads, want))
+    for backend in ("reference", "triton"):
+        with fusedrc.use_backend(backend), FlopCounterMode(display=False):
+            got = torch.autograd.grad(f(x, 0.0), [x, *leaves])
+        assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want)), backend
 
 
 def test_convert_peft_t5_gated(monkeypatch):
