@@ -739,12 +739,13 @@ def lora_down_output(out, p, lora, drop=_dropped):
     return out.addmm_(drop(p, lora.p(-1), lora.seed_of(-1)).mm(lora.down_a.t()), lora.down_b.t())
 
 
-def lora_down_grads(grad_out, p, lora, need_da, need_db, drop=_dropped):
-    """(u, d down_a, d down_b) of the down side: u = grad_out down_b (M, Rd); None without an adapter there (p may
-    be None where neither gradient is wanted). ``lora_down_input_grad`` adds u's share to the gradient of p."""
+def lora_down_grads(grad_out, p, lora, need_da, need_db, drop=_dropped, u=None):
+    """(u, d down_a, d down_b) of the down side: u = grad_out down_b (M, Rd), or the ``u`` given (computed once);
+    None without an adapter there (p may be None where neither gradient is wanted). ``lora_down_input_grad`` adds
+    u's share to the gradient of p."""
     if lora is None or lora.down_a is None:
         return None, None, None
-    u = grad_out.mm(lora.down_b)
+    u = grad_out.mm(lora.down_b) if u is None else u
     pd = drop(p, lora.p(-1), lora.seed_of(-1)) if need_da or need_db else None
     d_a = u.t().mm(pd) if need_da else None
     d_b = grad_out.t().mm(pd.mm(lora.down_a.t())) if need_db else None

@@ -884,7 +884,7 @@ def gated_mlp_backward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, grad_out, 
                                            dropout=(dropout_p, seed), lora=low_rank)
     del grad_a
     dw_down = plain_gemm(grad_out.t(), a, out_dtype=w_down.dtype) if need_dwd else None  # (N, M) @ (M, H)
-    _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb, lora_dropout)
+    _, d_down_a, d_down_b = lora_down_grads(grad_out, a, lora, need_lda, need_ldb, lora_dropout, u)
     del a
     dx, dw_gate, dw_up = input_grads(x, w_gate, w_up, ghg, ghu, need_dx, need_dwg, need_dwu)
     dx_low, d_a, d_gate, d_up = lora_input_grads(x, ghg, ghu, low_rank and low_rank[0], lora, need_dx, need_la,
